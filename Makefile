@@ -1,0 +1,27 @@
+# The README's two commands: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+
+.PHONY: venv demo test bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $@
+
+demo: venv
+	$(PY) examples/elastic_resume.py
+
+test: venv
+	$(PY) -m pytest -q
+
+bench: venv
+	$(PY) benchmarks/save_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info demo_out

@@ -1,0 +1,44 @@
+"""checkpointer: sharded, asynchronous, atomic checkpoints of JAX training state.
+
+    import checkpointer as ckpt
+    ckpt.save("/ckpt/100", state)
+    state = ckpt.restore("/ckpt/100", target)   # target: ShapeDtypeStructs with shardings
+
+See DESIGN.md for the on-disk format and the commit protocol.
+"""
+
+__version__ = "0.1.0"
+
+from ._api import save, save_async
+from ._async import AsyncSave
+from ._box import Box
+from ._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CommitTimeoutError,
+    CorruptCheckpointError,
+    DTypeMismatchError,
+    InvalidTargetError,
+    SaveError,
+    ShapeMismatchError,
+    StructureMismatchError,
+    UnsupportedValueError,
+)
+from ._format import ArrayMetadata, SavedSharding, ValueMetadata
+from ._manager import CheckpointManager, ManagerStatus
+from ._metadata import CheckpointMetadata, metadata
+from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
+from ._restore import plan_restore, restore
+from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
+
+__all__ = [
+    "save", "save_async", "restore", "metadata", "plan_restore",
+    "AsyncSave", "CheckpointManager", "ManagerStatus",
+    "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
+    "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",
+    "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "Box",
+    "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError", "StructureMismatchError",
+    "ShapeMismatchError", "DTypeMismatchError", "InvalidTargetError", "UnsupportedValueError",
+    "CorruptCheckpointError", "SaveError", "CommitTimeoutError",
+]

@@ -1,0 +1,69 @@
+"""The single-checkpoint front door: `save`, `save_async`."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from . import _distributed
+from ._async import AsyncSave
+from ._save import save_sync, take_snapshot
+
+
+def _step_from_path(path: str | os.PathLike) -> int | None:
+    name = os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
+    return int(name) if name.isdigit() else None
+
+
+def save(
+    path: str | os.PathLike,
+    tree: object,
+    *,
+    metadata: Mapping | None = None,
+    overwrite: bool = False,
+    commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
+) -> None:
+    """Saves `tree` to `path` and returns once it is committed.
+
+    Args:
+      path: the checkpoint path (local, `file://`, `memory://`, `gs://`, `s3://`). If its
+        last component is an integer, it is recorded as the step.
+      tree: a pytree whose leaves are `jax.Array` (any sharding; typed PRNG keys too),
+        numpy arrays, None, bool, int, float, complex, str or numpy scalars.
+      metadata: a JSON-serialisable dict stored in the manifest (`user_metadata`).
+      overwrite: replace an already committed checkpoint at `path`, atomically.
+      commit_timeout_s: how long process 0 waits for every process, seconds.
+    Raises:
+      CheckpointExistsError: `path` is committed and `overwrite` is False.
+      UnsupportedValueError: a leaf cannot be stored (names its leaf path).
+      SaveError, CommitTimeoutError: writing or committing failed; nothing was committed.
+
+    Multi-process: every process must call it with the same path and tree structure;
+    each writes only its devices' `replica_id == 0` shards; process 0 commits.
+    """
+    save_sync(path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s)
+
+
+def save_async(
+    path: str | os.PathLike,
+    tree: object,
+    *,
+    metadata: Mapping | None = None,
+    overwrite: bool = False,
+    commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
+) -> AsyncSave:
+    """Like `save`, but returns once the host snapshot is taken.
+
+    The arrays may be donated, deleted or overwritten as soon as this returns; the
+    write, fsync, per-process record and commit run on a background thread.
+
+    Returns:
+      An `AsyncSave`: `.wait(timeout=None)` returns when committed and raises the
+      background error if there was one; `.done()`.
+    Raises:
+      As `save`, for what is checked before the snapshot.
+
+    Multi-process: as `save`.
+    """
+    snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s)
+    return AsyncSave(snap)

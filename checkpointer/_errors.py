@@ -1,0 +1,64 @@
+"""Errors raised by checkpointer.
+
+Every error derives from `CheckpointError`; each subclass also derives from the builtin
+that matches its meaning (as zarr-python does), so callers can catch either. Messages say
+what went wrong, where (leaf path, checkpoint path, process) and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The path holds no committed checkpoint (or the directory no committed step)."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A committed checkpoint already exists where a save was asked to write."""
+
+
+class StructureMismatchError(CheckpointError, ValueError):
+    """The target tree's leaf paths differ from the saved tree's."""
+
+
+class ShapeMismatchError(CheckpointError, ValueError):
+    """A target leaf's shape differs from the saved shape."""
+
+
+class DTypeMismatchError(CheckpointError, TypeError):
+    """A target leaf's dtype cannot be produced from the saved dtype."""
+
+
+class InvalidTargetError(CheckpointError, ValueError):
+    """A restore target leaf is not one of the accepted kinds or lacks a sharding."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A leaf of the tree to save is of a kind the format cannot hold."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """Stored bytes or metadata are missing, truncated, fail a checksum or are malformed."""
+
+
+class SaveError(CheckpointError, OSError):
+    """Writing or committing a checkpoint failed; nothing was committed."""
+
+
+class CommitTimeoutError(SaveError, TimeoutError):
+    """Some processes did not report their shards durable within the commit timeout."""
+
+
+def where(*, leaf: str | None = None, path: str | None = None, process: int | None = None) -> str:
+    """Formats the location part of an error message: `leaf 'a/b' in /ckpt/100 (process 0)`."""
+    parts = []
+    if leaf is not None:
+        parts.append(f"leaf {leaf!r}")
+    if path is not None:
+        parts.append(f"in {path}")
+    if process is not None:
+        parts.append(f"(process {process})")
+    return " ".join(parts)

@@ -1,0 +1,365 @@
+"""The on-disk format (format_version 1): names, manifest schema and zarr array specs.
+
+```
+<path>/
+  manifest.json          written last but one, by process 0
+  arrays/<leaf path>/    one zarr v3 array per array leaf
+  processes/<i>.json     what process i wrote
+  COMMITTED              the commit marker, written last
+<path>.partial-<generation>/   a save in flight or a crashed one
+```
+Every chunk is stored (`store_data_equal_to_fill_value`), so a missing zarr shard file is
+damage, never fill values. Each inner chunk and each shard index carries `crc32c`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import struct
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ._errors import CorruptCheckpointError
+from ._tree import check_leaf_path
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+COMMITTED = "COMMITTED"
+ARRAYS = "arrays"
+PROCESSES = "processes"
+PARTIAL_INFIX = ".partial-"
+
+# Bound on what a manifest may declare, checked before anything is allocated.
+MAX_ARRAY_BYTES = 1 << 50
+MAX_RANK = 32
+MAX_MANIFEST_BYTES = 1 << 30
+
+# Inner chunks aim at this size; see `inner_chunk_shape`.
+INNER_CHUNK_TARGET_BYTES = 1 << 20
+
+_PARTIAL_RE = re.compile(r"^(?P<name>.+)\.partial-(?P<generation>[0-9a-z-]+)$")
+
+
+def partial_name(name: str, generation: str) -> str:
+    """The folder name of save attempt `generation` of checkpoint `name`."""
+    return f"{name}{PARTIAL_INFIX}{generation}"
+
+
+def parse_partial_name(name: str) -> tuple[str, str] | None:
+    """`("100", generation)` for `"100.partial-<generation>"`, else None."""
+    m = _PARTIAL_RE.match(name)
+    return (m["name"], m["generation"]) if m else None
+
+
+def array_dir(leaf_path: str) -> str:
+    """The folder of a leaf's zarr array, relative to the checkpoint path."""
+    check_leaf_path(leaf_path)
+    return f"{ARRAYS}/{leaf_path}" if leaf_path else f"{ARRAYS}/%root"
+
+
+def process_record_name(process_index: int) -> str:
+    return f"{PROCESSES}/{process_index}.json"
+
+
+# --- dtypes --------------------------------------------------------------------------------
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """The zarr v3 / TensorStore data type name of a numpy (or ml_dtypes) dtype."""
+    return np.dtype(dtype).name
+
+
+def dtype_from_name(name: str, *, where: str = "") -> np.dtype:
+    """The numpy dtype for a stored dtype name (ml_dtypes names included)."""
+    import ml_dtypes  # noqa: F401  (registers bfloat16, float8_*, int4 with numpy)
+
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
+        raise CorruptCheckpointError(f"malformed dtype {name!r} in {where}")
+    try:
+        return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+    except TypeError as e:
+        raise CorruptCheckpointError(f"unknown dtype {name!r} in {where}") from e
+
+
+# --- chunking rule ------------------------------------------------------------------------
+
+
+def _smallest_prime_factor(n: int) -> int:
+    for p in range(2, int(math.isqrt(n)) + 1):
+        if n % p == 0:
+            return p
+    return n
+
+
+def inner_chunk_shape(chunk_shape: Sequence[int], itemsize: int, target_bytes: int = INNER_CHUNK_TARGET_BYTES) -> tuple[int, ...]:
+    """Chooses the inner chunk shape of a zarr shard file.
+
+    Rule: start from the chunk (= saved shard) shape and, while the inner chunk is larger
+    than `target_bytes`, divide its longest divisible dimension by that dimension's
+    smallest prime factor (2 whenever the size is even). The result always divides the
+    chunk shape (the `sharding_indexed` codec requires it), and for power-of-two shapes it
+    is a power-of-two fraction of the chunk along the longest axes, so a target shard
+    obtained by splitting or merging saved shards along mesh axes of power-of-two sizes
+    is a union of whole inner chunks: such reshardings read no extra bytes.
+
+    Args:
+      chunk_shape: the chunk (saved shard) shape, elements per dimension.
+      itemsize: bytes per element.
+      target_bytes: the size inner chunks should not exceed, bytes.
+    Returns:
+      The inner chunk shape, same rank as `chunk_shape`.
+    """
+    inner = [max(1, c) for c in chunk_shape]
+    while math.prod(inner) * itemsize > target_bytes:
+        candidates = [i for i, d in enumerate(inner) if d > 1]
+        if not candidates:
+            break
+        dim = max(candidates, key=lambda i: (inner[i], -i))
+        inner[dim] //= _smallest_prime_factor(inner[dim])
+    return tuple(inner)
+
+
+def zarr_metadata(shape: Sequence[int], dtype: np.dtype, chunk_shape: Sequence[int], inner_shape: Sequence[int]) -> dict:
+    """The zarr v3 array metadata (`zarr.json`) of one leaf."""
+    checked = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+    if np.dtype(dtype).itemsize == 1 or np.dtype(dtype).kind == "b":
+        checked = [{"name": "bytes"}, {"name": "crc32c"}]
+    return {
+        "shape": list(shape),
+        "data_type": dtype_name(dtype),
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [max(1, c) for c in chunk_shape]}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": list(inner_shape),
+                    "codecs": checked,
+                    "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                    "index_location": "end",
+                },
+            }
+        ],
+    }
+
+
+def encoded_chunk_bytes(chunk_shape: Sequence[int], inner_shape: Sequence[int], itemsize: int) -> int:
+    """Size of one zarr shard file: inner chunks with their crc32c, then the index and its crc32c."""
+    n_inner = math.prod(max(1, c) // i for c, i in zip(chunk_shape, inner_shape))
+    return n_inner * (math.prod(inner_shape) * itemsize + 4) + n_inner * 16 + 4
+
+
+def chunk_key(leaf_path: str, chunk_index: Sequence[int]) -> str:
+    """Key of a chunk (a zarr shard file) relative to the checkpoint path."""
+    return f"{array_dir(leaf_path)}/c" + "".join(f"/{i}" for i in chunk_index) if chunk_index else f"{array_dir(leaf_path)}/c"
+
+
+# --- metadata -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedSharding:
+    """How a leaf was sharded when saved (informational; restore needs only the chunks).
+
+    Attributes:
+      kind: `"named"` (a NamedSharding), `"single_device"` or `"other"`.
+      mesh_axis_names: mesh axis names, for `"named"`.
+      mesh_shape: mesh axis sizes, for `"named"`.
+      spec: the PartitionSpec, each entry None, an axis name or a tuple of axis names.
+      shard_shape: the per-device shard shape.
+      device_count: number of devices the array spanned.
+    """
+
+    kind: str
+    mesh_axis_names: tuple[str, ...]
+    mesh_shape: tuple[int, ...]
+    spec: tuple
+    shard_shape: tuple[int, ...]
+    device_count: int
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "mesh_axis_names": list(self.mesh_axis_names),
+            "mesh_shape": list(self.mesh_shape),
+            "spec": [list(s) if isinstance(s, tuple) else s for s in self.spec],
+            "shard_shape": list(self.shard_shape),
+            "device_count": self.device_count,
+        }
+
+    @staticmethod
+    def from_json(obj: Mapping) -> "SavedSharding":
+        spec = tuple(tuple(s) if isinstance(s, list) else s for s in obj["spec"])
+        return SavedSharding(
+            kind=str(obj["kind"]),
+            mesh_axis_names=tuple(str(a) for a in obj["mesh_axis_names"]),
+            mesh_shape=tuple(int(a) for a in obj["mesh_shape"]),
+            spec=spec,
+            shard_shape=tuple(int(a) for a in obj["shard_shape"]),
+            device_count=int(obj["device_count"]),
+        )
+
+    def describe(self) -> str:
+        """E.g. `P('data', 'model') on mesh data=2 x model=4`."""
+        if self.kind != "named":
+            return f"{self.kind} ({self.device_count} devices, shard {list(self.shard_shape)})"
+        spec = ", ".join(repr(s) if not isinstance(s, tuple) else repr(s) for s in self.spec)
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_axis_names, self.mesh_shape))
+        return f"P({spec}) on mesh {mesh}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayMetadata:
+    """What the manifest says about one array leaf.
+
+    Attributes:
+      path: the leaf path.
+      shape: the global shape.
+      dtype: the stored numpy dtype (for PRNG keys, the key data's dtype).
+      chunk_shape: the zarr chunk (= saved shard) shape.
+      inner_chunk_shape: the inner chunk shape inside each zarr shard file.
+      saved_sharding: how it was sharded when saved, or None for a host numpy array.
+      key_impl: the PRNG impl name (e.g. `"threefry2x32"`) when the leaf is a typed PRNG
+        key array; `shape` then includes the key data's trailing dimensions.
+      kind: `"jax"` (restored as jax.Array) or `"numpy"` (a host numpy array when saved).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...]
+    saved_sharding: SavedSharding | None
+    key_impl: str | None = None
+    kind: str = "jax"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the array's data (shape × itemsize)."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_json(self) -> dict:
+        return {
+            "type": "array",
+            "kind": self.kind,
+            "shape": list(self.shape),
+            "dtype": dtype_name(self.dtype),
+            "chunk_shape": list(self.chunk_shape),
+            "inner_chunk_shape": list(self.inner_chunk_shape),
+            "saved_sharding": self.saved_sharding.to_json() if self.saved_sharding else None,
+            "key_impl": self.key_impl,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueMetadata:
+    """A non-array leaf stored in the manifest (None, bool, int, float, complex, str, numpy scalar)."""
+
+    path: str
+    value: object
+
+
+def _shape(v: object, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > MAX_RANK or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 62 for i in v):
+        raise CorruptCheckpointError(f"malformed {what} {v!r} in {where}")
+    return tuple(v)
+
+
+def array_metadata_from_json(path: str, obj: object, where: str) -> ArrayMetadata:
+    """Parses and validates one array entry of a manifest.
+
+    Raises:
+      CorruptCheckpointError: a field is missing, of the wrong type or absurd.
+    """
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"leaf {path!r} in {where}: entry is not an object")
+    loc = f"leaf {path!r} in {where}"
+    shape = _shape(obj.get("shape"), "shape", loc)
+    chunk = _shape(obj.get("chunk_shape"), "chunk_shape", loc)
+    inner = _shape(obj.get("inner_chunk_shape"), "inner_chunk_shape", loc)
+    dtype = dtype_from_name(obj.get("dtype"), where=loc)
+    if not (len(shape) == len(chunk) == len(inner)) or any(c < 1 or i < 1 or c % i for c, i in zip(chunk, inner)):
+        raise CorruptCheckpointError(f"{loc}: chunk_shape {chunk} and inner_chunk_shape {inner} do not fit shape {shape}")
+    if math.prod(shape) * dtype.itemsize > MAX_ARRAY_BYTES:
+        raise CorruptCheckpointError(f"{loc}: shape {shape} of {dtype} declares more than {MAX_ARRAY_BYTES} bytes")
+    key_impl = obj.get("key_impl")
+    if key_impl is not None and not isinstance(key_impl, str):
+        raise CorruptCheckpointError(f"{loc}: key_impl must be a string")
+    kind = obj.get("kind", "jax")
+    if kind not in ("jax", "numpy"):
+        raise CorruptCheckpointError(f"{loc}: unknown array kind {kind!r}")
+    try:
+        sharding = SavedSharding.from_json(obj["saved_sharding"]) if obj.get("saved_sharding") else None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{loc}: malformed saved_sharding ({e})") from e
+    return ArrayMetadata(path, shape, dtype, chunk, inner, sharding, key_impl, kind)
+
+
+# --- non-array leaf values --------------------------------------------------------------
+
+
+def value_to_json(value: object) -> dict | None:
+    """JSON for a non-array leaf, bit-exact; None if the value is not of a storable kind."""
+    if value is None:
+        return {"type": "none"}
+    if isinstance(value, bool):
+        return {"type": "bool", "value": value}
+    if isinstance(value, int):
+        return {"type": "int", "value": str(value)}
+    if isinstance(value, float):
+        return {"type": "float", "hex": struct.pack("<d", value).hex()}
+    if isinstance(value, complex):
+        return {"type": "complex", "hex": struct.pack("<dd", value.real, value.imag).hex()}
+    if isinstance(value, str):
+        return {"type": "str", "value": value}
+    if isinstance(value, np.generic) and value.dtype.kind in "biufc" or type(value).__module__ == "ml_dtypes":
+        arr = np.asarray(value)
+        return {"type": "numpy_scalar", "dtype": dtype_name(arr.dtype), "hex": arr.tobytes().hex()}
+    return None
+
+
+def value_from_json(obj: object, where: str) -> object:
+    """Inverse of `value_to_json`. Raises CorruptCheckpointError on malformed input."""
+    try:
+        t = obj["type"]
+        if t == "none":
+            return None
+        if t == "bool" and isinstance(obj["value"], bool):
+            return obj["value"]
+        if t == "int" and isinstance(obj["value"], str) and len(obj["value"]) < 100_000:
+            return int(obj["value"])
+        if t == "float":
+            return struct.unpack("<d", bytes.fromhex(obj["hex"]))[0]
+        if t == "complex":
+            re_, im = struct.unpack("<dd", bytes.fromhex(obj["hex"]))
+            return complex(re_, im)
+        if t == "str" and isinstance(obj["value"], str):
+            return obj["value"]
+        if t == "numpy_scalar":
+            dtype = dtype_from_name(obj["dtype"], where=where)
+            raw = bytes.fromhex(obj["hex"])
+            if len(raw) != dtype.itemsize:
+                raise ValueError("size")
+            return np.frombuffer(raw, dtype=dtype)[0]
+    except (KeyError, TypeError, ValueError, struct.error) as e:
+        raise CorruptCheckpointError(f"malformed value {obj!r:.200} in {where}: {e}") from e
+    raise CorruptCheckpointError(f"malformed value {obj!r:.200} in {where}")
+
+
+def dumps(obj: object) -> bytes:
+    """The JSON encoding used for every file of the format."""
+    return json.dumps(obj, indent=1, sort_keys=False, allow_nan=False).encode()
+
+
+def loads(data: bytes, where: str) -> object:
+    """Parses a JSON file of the format; raises CorruptCheckpointError if malformed."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where} is larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where} is not valid JSON: {e}") from e

@@ -1,0 +1,107 @@
+"""Retention policies: which committed steps a `CheckpointManager` keeps.
+
+A policy maps the committed steps (and their metrics) to the steps it keeps; `a | b`
+keeps a step if either keeps it. The manager always keeps the newest committed step,
+whatever the policy says, so a resume point always exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterable, Mapping, Sequence
+
+
+class KeepPolicy:
+    """Base class of retention policies."""
+
+    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, float]]) -> set[int]:
+        """Returns the subset of `steps` (sorted ascending, committed) to keep."""
+        raise NotImplementedError
+
+    def __or__(self, other: "KeepPolicy") -> "KeepAny":
+        return KeepAny((self, other))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepAny(KeepPolicy):
+    """The union of several policies."""
+
+    policies: tuple[KeepPolicy, ...]
+
+    def keep(self, steps, metrics):
+        out: set[int] = set()
+        for p in self.policies:
+            out |= p.keep(steps, metrics)
+        return out
+
+    def __or__(self, other: KeepPolicy) -> "KeepAny":
+        return KeepAny(self.policies + (other,))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLatest(KeepPolicy):
+    """Keeps the `n` newest committed steps (n >= 1)."""
+
+    n: int
+
+    def __post_init__(self):
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"KeepLatest(n) needs an int n >= 1, got {self.n!r}")
+
+    def keep(self, steps, metrics):
+        return set(sorted(steps)[-self.n :])
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEvery(KeepPolicy):
+    """Keeps every step that is a multiple of `n` (e.g. a permanent one each 10 000 steps)."""
+
+    n: int
+
+    def __post_init__(self):
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"KeepEvery(n) needs an int n >= 1, got {self.n!r}")
+
+    def keep(self, steps, metrics):
+        return {s for s in steps if s % self.n == 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBest(KeepPolicy):
+    """Keeps the `n` steps with the best value of `metric` (`mode` "min" or "max").
+
+    Steps saved without that metric (or with a NaN) are never "best"; they go unless
+    another policy keeps them. Ties go to the newer step.
+    """
+
+    metric: str
+    mode: str = "min"
+    n: int = 1
+
+    def __post_init__(self):
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"KeepBest(n=...) needs an int n >= 1, got {self.n!r}")
+
+    def keep(self, steps, metrics):
+        scored = []
+        for s in steps:
+            v = metrics.get(s, {}).get(self.metric)
+            if isinstance(v, (int, float)) and not math.isnan(v):
+                scored.append((v if self.mode == "min" else -v, -s))
+        return {-neg_step for _, neg_step in sorted(scored)[: self.n]}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepSteps(KeepPolicy):
+    """Keeps exactly the given steps (when they exist)."""
+
+    steps: frozenset
+
+    def __init__(self, steps: Iterable[int]):
+        object.__setattr__(self, "steps", frozenset(int(s) for s in steps))
+
+    def keep(self, steps, metrics):
+        return {s for s in steps if s in self.steps}

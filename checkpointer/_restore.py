@@ -1,0 +1,332 @@
+"""Restore execution: match the target to the checkpoint, plan, read, place on devices.
+
+Each process reads, per unique target box of its own devices, only the chunks that box
+intersects (TensorStore fetches only the inner chunks it needs inside each zarr shard
+file), and puts the result on every local device that holds that box.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from . import _format
+from ._box import Box
+from ._errors import (
+    CorruptCheckpointError,
+    DTypeMismatchError,
+    InvalidTargetError,
+    ShapeMismatchError,
+    StructureMismatchError,
+    where,
+)
+from ._format import ArrayMetadata, ValueMetadata
+from ._metadata import CheckpointMetadata, read_metadata
+from ._restore_plan import LeafRestorePlan, RestorePlan, plan_leaf
+from ._storage import TS_CONTEXT, Storage, storage_for
+from ._tree import flatten, rebuild
+
+DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafTarget:
+    """A resolved target for one array leaf.
+
+    Attributes:
+      sharding: where the result goes, or None for a host numpy array.
+      shape: the shape of the result (the stored shape; for PRNG keys without the
+        key data's trailing dimensions).
+      dtype: the result dtype (a cast from the stored dtype when it differs).
+    """
+
+    sharding: jax.sharding.Sharding | None
+    shape: tuple[int, ...]
+    dtype: np.dtype | None
+
+
+def _is_target_leaf(x: object) -> bool:
+    return x is None or isinstance(x, (jax.ShapeDtypeStruct, jax.Array, jax.sharding.Sharding, np.ndarray))
+
+
+def _check_cast(meta: ArrayMetadata, dtype, path: str) -> np.dtype | None:
+    """The dtype to cast to, None when none is needed; raises DTypeMismatchError."""
+    stored_key = meta.key_impl is not None
+    if dtype is None:
+        return None
+    target_key = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    if stored_key or target_key:
+        if stored_key != target_key:
+            raise DTypeMismatchError(
+                f"{where(leaf=meta.path, path=path)}: stored {'a PRNG key array' if stored_key else meta.dtype} "
+                f"but the target asks for {dtype}; a key and its raw data are not interchangeable. "
+                "Use jax.random.key_data / wrap_key_data on your side."
+            )
+        return None
+    dtype = np.dtype(dtype)
+    if dtype == meta.dtype:
+        return None
+    if not np.can_cast(meta.dtype, dtype, "same_kind") or dtype.kind == "b" and meta.dtype.kind != "b":
+        raise DTypeMismatchError(
+            f"{where(leaf=meta.path, path=path)}: stored dtype {meta.dtype}, target dtype {dtype}. A target "
+            "dtype is applied as a cast only within one kind (float to float, int to int, complex to complex); "
+            f"restore as {meta.dtype} and convert it yourself, or fix the target."
+        )
+    return dtype
+
+
+def resolve_target(meta: ArrayMetadata, target: object, path: str) -> LeafTarget:
+    """Turns one target leaf (see `restore`) into a `LeafTarget`, checking shape and dtype."""
+    key_dims = 0
+    stored_shape = meta.shape
+    if meta.key_impl is not None:
+        impl = jax.random.key_impl(jax.random.key(0, impl=meta.key_impl))
+        key_dims = len(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+        stored_shape = meta.shape[: len(meta.shape) - key_dims]
+    if target is None:
+        return LeafTarget(None, stored_shape, None)
+    if isinstance(target, jax.sharding.Sharding):
+        return LeafTarget(target, stored_shape, None)
+    if isinstance(target, np.ndarray):
+        shape, dtype, sharding = target.shape, target.dtype, None
+    else:
+        shape, dtype = tuple(target.shape), target.dtype
+        sharding = getattr(target, "sharding", None)
+        if sharding is None:
+            raise InvalidTargetError(
+                f"{where(leaf=meta.path, path=path)}: target ShapeDtypeStruct has no sharding; give it one "
+                "(jax.ShapeDtypeStruct(shape, dtype, sharding=...)) or use None for a host numpy array"
+            )
+    if tuple(shape) != stored_shape:
+        raise ShapeMismatchError(
+            f"{where(leaf=meta.path, path=path)}: stored shape {stored_shape}, target shape {tuple(shape)}. "
+            "Restore needs the same global shape; fix the target (jax.eval_shape of your init gives it) or "
+            "restore with a Sharding / None leaf to take the stored shape."
+        )
+    cast = _check_cast(meta, dtype, path)
+    return LeafTarget(sharding, stored_shape, cast)
+
+
+def _device_boxes(target: LeafTarget, meta: ArrayMetadata, process_index: int) -> list[tuple[int, Box]]:
+    """(device id, box) of the target's devices that belong to `process_index`."""
+    if target.sharding is None:
+        return [(-1, Box.whole(meta.shape))]
+    key_tail = meta.shape[len(target.shape) :]
+    try:
+        indices = target.sharding.devices_indices_map(target.shape)
+    except ValueError as e:  # IndivisibleError and friends
+        raise InvalidTargetError(
+            f"leaf {meta.path!r}: the target sharding {target.sharding} does not fit shape {target.shape}: {e}. "
+            "Choose a PartitionSpec whose mesh axes divide the dimensions, or replicate that dimension (None)."
+        ) from e
+    out = []
+    for device, index in indices.items():
+        if device.process_index != process_index:
+            continue
+        box = Box.from_index(index, target.shape)
+        out.append((device.id, Box(box.origin + (0,) * len(key_tail), box.shape + key_tail)))
+    return out
+
+
+def match(meta: CheckpointMetadata, target: object, *, partial: bool, path: str):
+    """Pairs target leaves with stored leaves.
+
+    Returns:
+      (treedef or None, [(leaf path, stored metadata, target leaf)]) in target order;
+      treedef None means "rebuild from the manifest".
+    Raises:
+      StructureMismatchError: leaf paths differ (names missing and extra paths).
+    """
+    if target is None:
+        return None, [(p, m, None) for p, m in meta.leaves.items()]
+    flat = flatten_target(target)
+    paths = [p for p, _ in flat]
+    missing = [p for p in paths if p not in meta.leaves]
+    extra = [p for p in meta.leaves if p not in set(paths)] if not partial else []
+    if missing or extra:
+        msg = [f"the target tree does not match the checkpoint {path}:"]
+        if missing:
+            msg.append(f"  in the target but not in the checkpoint ({len(missing)}): {_show(missing)}")
+        if extra:
+            msg.append(f"  in the checkpoint but not in the target ({len(extra)}): {_show(extra)}")
+        msg.append(
+            "Fix the target's structure (ckpt.metadata(path).tree shows the saved one)"
+            + (", or pass partial=True to restore a subset." if extra and not missing else ".")
+        )
+        raise StructureMismatchError("\n".join(msg))
+    return jax.tree_util.tree_structure(target, is_leaf=_is_target_leaf), [(p, meta.leaves[p], leaf) for p, leaf in flat]
+
+
+def flatten_target(target: object) -> list[tuple[str, object]]:
+    """(leaf path, target leaf) pairs; ShapeDtypeStructs, arrays, shardings and None are leaves."""
+    return flatten(target, is_leaf=_is_target_leaf)
+
+
+def _show(paths: list[str], n: int = 10) -> str:
+    shown = ", ".join(repr(p) for p in paths[:n])
+    return shown + (f", ... ({len(paths) - n} more)" if len(paths) > n else "")
+
+
+def build_plan(storage: Storage, path: str, meta: CheckpointMetadata, target: object, *, partial: bool, process_index: int):
+    """Matches and plans. Returns (treedef, items, RestorePlan) with items
+    `(leaf path, stored metadata, LeafTarget | None, LeafRestorePlan | None)`."""
+    tdef, pairs = match(meta, target, partial=partial, path=path)
+    items, plans = [], []
+    for p, m, t in pairs:
+        if isinstance(m, ValueMetadata):
+            items.append((p, m, None, None))
+            continue
+        lt = resolve_target(m, t, path)
+        lp = plan_leaf(m, _device_boxes(lt, m, process_index))
+        items.append((p, m, lt, lp))
+        plans.append(lp)
+    return tdef, items, RestorePlan(path, process_index, tuple(plans))
+
+
+def _open_for_read(storage: Storage, path: str, meta: ArrayMetadata):
+    spec = {
+        "driver": "zarr3",
+        "kvstore": storage.kvstore_spec(f"{path}/{_format.array_dir(meta.path)}"),
+        "open": True,
+        "fill_missing_data_reads": False,
+        "recheck_cached_data": False,
+    }
+    return ts.open(spec, context=TS_CONTEXT, read=True)
+
+
+def _check_stored(store, meta: ArrayMetadata, path: str) -> None:
+    if tuple(store.shape) != meta.shape or np.dtype(store.dtype.numpy_dtype) != meta.dtype:
+        raise CorruptCheckpointError(
+            f"{where(leaf=meta.path, path=path)}: zarr.json says {tuple(store.shape)} {store.dtype.numpy_dtype}, "
+            f"the manifest says {meta.shape} {meta.dtype}"
+        )
+
+
+class _Budget:
+    """Bounds the bytes of reads in flight (`max_inflight_bytes`); one read always proceeds."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used, self.cv = limit, 0, threading.Condition()
+
+    def acquire(self, n: int) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self.cv:
+            self.used -= n
+            self.cv.notify_all()
+
+
+def _read_leaf(storage, path, meta: ArrayMetadata, lt: LeafTarget, lp: LeafRestorePlan, budget: _Budget, pidx: int):
+    try:
+        store = _open_for_read(storage, path, meta).result()
+    except Exception as e:
+        raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path, process=pidx)}: cannot open the zarr array: {e}") from e
+    _check_stored(store, meta, path)
+    pieces = {}
+    for b in lp.boxes:
+        budget.acquire(b.bytes_needed)
+        try:
+            host = store[b.box.slices()].read().result() if b.box.size else np.zeros(b.box.shape, meta.dtype)
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"{where(leaf=meta.path, path=path, process=pidx)}: reading box {b.box} failed: {e}. "
+                f"Run `checkpointer verify {path}` for a full report."
+            ) from e
+        finally:
+            budget.release(b.bytes_needed)
+        pieces[b.box] = host.astype(lt.dtype) if lt.dtype is not None else host
+    return pieces
+
+
+def _assemble(meta: ArrayMetadata, lt: LeafTarget, lp: LeafRestorePlan, pieces: dict):
+    if lt.sharding is None:
+        out = pieces[lp.boxes[0].box]
+        if meta.key_impl is not None:
+            return jax.random.wrap_key_data(out, impl=meta.key_impl)
+        return out
+    box_of = {dev: b.box for b in lp.boxes for dev in b.device_ids}
+    devices = sorted(lt.sharding.addressable_devices, key=lambda d: d.id)
+    arrays = [jax.device_put(pieces[box_of[d.id]], d) for d in devices]
+    data = jax.make_array_from_single_device_arrays(meta.shape, lt.sharding, arrays)
+    return jax.random.wrap_key_data(data, impl=meta.key_impl) if meta.key_impl is not None else data
+
+
+def restore(path, target=None, *, partial=False, max_inflight_bytes=None):
+    """Restores the committed checkpoint at `path`, onto the target's shardings.
+
+    Args:
+      path: a checkpoint path (local, `file://`, `memory://`, `gs://`, `s3://`).
+      target: a pytree shaped like the saved tree (or a subset with `partial=True`)
+        whose leaves are `jax.ShapeDtypeStruct` with `.sharding`, `jax.Array` (its
+        sharding, shape, dtype), `jax.sharding.Sharding` (shape and dtype from the
+        checkpoint) or None (a host numpy array). `target=None` restores the whole
+        tree as host numpy arrays, rebuilding containers from the manifest. A target
+        dtype that differs from the stored one is a cast within one kind, on the host.
+      partial: if True, saved leaves absent from the target are not read.
+      max_inflight_bytes: bound on bytes of reads in flight, bytes (default 1 GiB);
+        a larger box is still read, alone.
+    Returns:
+      The restored tree, with the target's own node types (NamedTuples, dataclasses,
+      `TrainState`); array leaves are `jax.Array` with the target sharding, or numpy.
+    Raises:
+      CheckpointNotFoundError: no committed checkpoint at `path`.
+      StructureMismatchError, ShapeMismatchError, DTypeMismatchError: the target does not
+        fit; the message names the leaf paths and the fix.
+      CorruptCheckpointError: stored bytes are missing or fail a checksum; names the leaf.
+
+    Multi-process: every process calls it with targets of the same global shardings;
+    each reads only what its own devices need. No collective is run.
+    """
+    storage, path = storage_for(path)
+    meta = read_metadata(storage, path)
+    pidx = jax.process_index()
+    tdef, items, _ = build_plan(storage, path, meta, target, partial=partial, process_index=pidx)
+    budget = _Budget(max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES)
+    results: dict[str, object] = {}
+
+    with concurrent.futures.ThreadPoolExecutor(max(4, os.cpu_count() or 2)) as pool:
+        futures = {}
+        for p, m, lt, lp in items:
+            if isinstance(m, ValueMetadata):
+                results[p] = m.value
+            else:
+                futures[p] = pool.submit(_read_leaf, storage, path, m, lt, lp, budget, pidx)
+        for p, m, lt, lp in items:
+            if p in futures:
+                results[p] = _assemble(m, lt, lp, futures[p].result())
+    if tdef is None:
+        return rebuild(meta.structure, lambda p: results[p], where=path)
+    return jax.tree_util.tree_unflatten(tdef, [results[p] for p, _, _, _ in items])
+
+
+def plan_restore(path, target, *, process_index=None, partial=False) -> RestorePlan:
+    """Plans a restore without touching devices or chunk data.
+
+    Args:
+      path: a checkpoint path.
+      target: as for `restore`.
+      process_index: plan for this process (default: the caller's). The target's
+        shardings decide which devices belong to it.
+      partial: as for `restore`.
+    Returns:
+      A `RestorePlan`: per leaf and unique target box, the chunks, inner chunks and
+      bytes to read; `.bytes_needed`, `.bytes_read`, `.read_amplification`; `print()` it
+      for a table.
+    Raises:
+      As `restore`, for metadata and target mismatches.
+
+    Multi-process: pure; any process may call it alone.
+    """
+    storage, path = storage_for(path)
+    meta = read_metadata(storage, path)
+    pidx = jax.process_index() if process_index is None else process_index
+    return build_plan(storage, path, meta, target, partial=partial, process_index=pidx)[2]

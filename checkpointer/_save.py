@@ -1,0 +1,429 @@
+"""Save execution: snapshot to host, write through TensorStore, record, commit.
+
+The three phases are separate so that `save_async` can run the last two on a
+background thread (see `_async.py`):
+
+1. `take_snapshot` (caller's thread, blocking): plans every leaf, then copies the
+   `replica_id == 0` shards of this process's devices to fresh host buffers.
+2. `write_snapshot` (any thread): writes the chunks into `<path>.partial-<generation>/`,
+   durably (TensorStore's file driver fsyncs), then `processes/<i>.json`.
+3. `commit` (any thread): the commit protocol of DESIGN.md, through `Coordinator`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import itertools
+import logging
+import math
+import os
+import time
+import uuid
+from typing import Mapping
+
+import crc32c
+import jax
+import numpy as np
+import tensorstore as ts
+
+from . import _distributed, _format
+from ._box import Box
+from ._errors import CheckpointExistsError, SaveError, UnsupportedValueError, where
+from ._format import ArrayMetadata, SavedSharding
+from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
+from ._storage import TS_CONTEXT, Storage, storage_for
+from ._tree import describe, flatten
+
+log = logging.getLogger("checkpointer")
+
+_save_counter = itertools.count()
+_COPY_THREADS = max(2, os.cpu_count() or 2)
+
+
+@dataclasses.dataclass
+class LeafSnapshot:
+    """One array leaf's plan, metadata and this process's host copies (one per write)."""
+
+    meta: ArrayMetadata
+    plan: LeafWritePlan
+    host: list[np.ndarray]
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """Everything the background needs to write and commit one save."""
+
+    storage: Storage
+    path: str
+    generation: str
+    process_index: int
+    process_count: int
+    structure: dict
+    arrays: list[LeafSnapshot]
+    values: dict[str, dict]
+    user_metadata: dict
+    step: int | None
+    overwrite: bool
+    commit_timeout_s: float
+    snapshot_s: float = 0.0
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    bytes_written: int = 0
+
+    @property
+    def partial_path(self) -> str:
+        parent, name = self.path.rsplit("/", 1)
+        return f"{parent}/{_format.partial_name(name, self.generation)}"
+
+    @property
+    def write_path(self) -> str:
+        """Where the files go: the partial folder on POSIX, the final path on object stores."""
+        return self.partial_path if self.storage.supports_rename else self.path
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(h.nbytes for leaf in self.arrays for h in leaf.host)
+
+
+def _is_array(x: object) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _saved_sharding(arr: jax.Array) -> SavedSharding:
+    s = arr.sharding
+    shard_shape = tuple(s.shard_shape(arr.shape))
+    n = len(s.device_set)
+    if isinstance(s, jax.sharding.NamedSharding):
+        spec = tuple(tuple(p) if isinstance(p, tuple) else p for p in s.spec)
+        return SavedSharding("named", tuple(s.mesh.axis_names), tuple(s.mesh.devices.shape), spec, shard_shape, n)
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        return SavedSharding("single_device", (), (), (), shard_shape, n)
+    return SavedSharding("other", (), (), (), shard_shape, n)
+
+
+def _check_json_metadata(metadata: object, path: str) -> dict:
+    if metadata is None:
+        return {}
+    try:
+        _format.dumps(metadata)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedValueError(
+            f"metadata for {path} is not JSON-serialisable ({e}); pass a dict of str, numbers, lists and dicts"
+        ) from e
+    if not isinstance(metadata, Mapping):
+        raise UnsupportedValueError(f"metadata for {path} must be a dict, got {type(metadata).__name__}")
+    return dict(metadata)
+
+
+def _plan_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: str):
+    """Returns (ArrayMetadata, LeafWritePlan, {device_id: shard array}) for one array leaf."""
+    if isinstance(arr, np.ndarray):
+        if arr.dtype.kind not in "biufcV" or arr.dtype.hasobject or arr.dtype.kind == "V" and type(arr.dtype).__module__ != "ml_dtypes":
+            raise UnsupportedValueError(
+                f"{where(leaf=leaf_path, path=path)}: numpy dtype {arr.dtype} cannot be stored; "
+                "convert it to a numeric or bool array"
+            )
+        shape = arr.shape
+        shards = [ShardInfo(Box.whole(shape), -1, 0, 0)]
+        plan = plan_leaf_write(leaf_path, shape, arr.dtype.itemsize, shape, shards, pidx)
+        meta = ArrayMetadata(leaf_path, shape, arr.dtype, plan.chunk_shape, plan.inner_chunk_shape, None, None, "numpy")
+        return meta, plan, {-1: arr}
+    if arr.is_deleted():
+        raise UnsupportedValueError(
+            f"{where(leaf=leaf_path, path=path, process=pidx)}: the array was deleted (donated to a jitted "
+            "function?); save the state before donating it"
+        )
+    key_impl = None
+    saved = _saved_sharding(arr)
+    if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
+        key_impl = str(jax.random.key_impl(arr))
+        arr = jax.random.key_data(arr)
+    dtype = np.dtype(arr.dtype)
+    shard_shape = arr.sharding.shard_shape(arr.shape)
+    shards = [ShardInfo(Box.from_index(s.index, arr.shape), s.device.id, pidx, s.replica_id) for s in arr.addressable_shards]
+    plan = plan_leaf_write(leaf_path, arr.shape, dtype.itemsize, shard_shape, shards, pidx)
+    meta = ArrayMetadata(leaf_path, tuple(arr.shape), dtype, plan.chunk_shape, plan.inner_chunk_shape, saved, key_impl, "jax")
+    by_device = {s.device.id: s.data for s in arr.addressable_shards}
+    return meta, plan, by_device
+
+
+def _committed(storage: Storage, path: str) -> bool:
+    return storage.exists(f"{path}/{_format.COMMITTED}")
+
+
+def take_snapshot(
+    path: str | os.PathLike,
+    tree: object,
+    *,
+    metadata: Mapping | None = None,
+    overwrite: bool = False,
+    step: int | None = None,
+    commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
+) -> Snapshot:
+    """Plans the save and copies this process's shards to host memory (blocking).
+
+    The host buffers are fresh copies, never views of device buffers: once this returns
+    the caller may donate, delete or overwrite the arrays.
+
+    Raises:
+      CheckpointExistsError: `path` is committed and `overwrite` is False.
+      UnsupportedValueError: a leaf cannot be stored (names the leaf path).
+    """
+    t0 = time.perf_counter()
+    storage, path = storage_for(path)
+    pidx, pcount = _distributed.process_index(), _distributed.process_count()
+    if _committed(storage, path) and not overwrite:
+        raise CheckpointExistsError(
+            f"{path} is already a committed checkpoint (process {pidx}); pass overwrite=True "
+            "(CheckpointManager: force=True) to replace it atomically, or save to a new path"
+        )
+    user_metadata = _check_json_metadata(metadata, path)
+    leaves = flatten(tree)
+    arrays: list[LeafSnapshot] = []
+    values: dict[str, dict] = {}
+    device_data = []
+    for leaf_path, leaf in leaves:
+        if _is_array(leaf):
+            meta, plan, by_device = _plan_array(leaf_path, leaf, pidx, path)
+            arrays.append(LeafSnapshot(meta, plan, []))
+            device_data.append([by_device[w.device_id] for w in plan.writes])
+            continue
+        value = _format.value_to_json(leaf)
+        if value is None:
+            raise UnsupportedValueError(
+                f"{where(leaf=leaf_path, path=path)}: a leaf of type {type(leaf).__module__}.{type(leaf).__qualname__} "
+                "cannot be stored; leaves must be jax.Array, numpy arrays, None, bool, int, float, complex, "
+                "str or numpy scalars (nothing is pickled). Convert it, or register its type as a pytree node."
+            )
+        values[leaf_path] = value
+    structure = describe(tree, _is_array)
+    generation = _distributed.agree_on(
+        f"save-{next(_save_counter)}",
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%d%H%M%S}-{uuid.uuid4().hex[:8]}",
+        timeout_s=commit_timeout_s,
+    )
+
+    # Start every device-to-host transfer before waiting on any, then copy in parallel.
+    for datas in device_data:
+        for d in datas:
+            if isinstance(d, jax.Array):
+                d.copy_to_host_async()
+    flat = [(i, j, d) for i, datas in enumerate(device_data) for j, d in enumerate(datas)]
+    for leaf in arrays:
+        leaf.host = [None] * len(leaf.plan.writes)  # type: ignore[list-item]
+    with concurrent.futures.ThreadPoolExecutor(_COPY_THREADS) as pool:
+        copies = pool.map(lambda item: np.array(item[2], copy=True, order="C"), flat)
+        for (i, j, _), host in zip(flat, copies):
+            arrays[i].host[j] = host
+    snap = Snapshot(
+        storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
+        structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
+        overwrite=overwrite, commit_timeout_s=commit_timeout_s,
+    )
+    snap.snapshot_s = time.perf_counter() - t0
+    return snap
+
+
+def _open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool):
+    spec = {
+        "driver": "zarr3",
+        "kvstore": snap.storage.kvstore_spec(f"{snap.write_path}/{_format.array_dir(meta.path)}"),
+        "metadata": _format.zarr_metadata(meta.shape, meta.dtype, meta.chunk_shape, meta.inner_chunk_shape),
+        "store_data_equal_to_fill_value": True,
+    }
+    if create:
+        spec["create"] = True
+    else:
+        spec["assume_metadata"] = True
+    return ts.open(spec, context=TS_CONTEXT)
+
+
+def data_crc32c(host: np.ndarray) -> int:
+    """crc32c of an array's C-order bytes (0 for an empty array)."""
+    if host.size == 0:
+        return 0
+    return crc32c.crc32c(np.ascontiguousarray(host).reshape(-1).view(np.uint8).data)
+
+
+def write_snapshot(snap: Snapshot) -> dict:
+    """Writes this process's chunks and its `processes/<i>.json` record, durably.
+
+    Process 0 also writes every array's `zarr.json`. Returns the record.
+
+    Raises:
+      SaveError: a write failed (names the leaf, the path and the process).
+    """
+    t0 = time.perf_counter()
+    root = snap.write_path
+    futures: list = []
+    try:
+        snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
+        opened = [(leaf, _open_for_write(snap, leaf.meta, create=snap.process_index == 0)) for leaf in snap.arrays]
+        chunks = []
+        for leaf, fut in opened:
+            try:
+                store = fut.result()
+            except Exception as e:
+                raise SaveError(f"{where(leaf=leaf.meta.path, path=root, process=snap.process_index)}: cannot create the zarr array: {e}") from e
+            for w, host in zip(leaf.plan.writes, leaf.host):
+                futures.append((leaf.meta.path, store[w.box.slices()].write(host) if host.size else None))
+                chunks.append(
+                    {
+                        "leaf": leaf.meta.path,
+                        "key": _format.chunk_key(leaf.meta.path, w.chunk_index),
+                        "box": w.box.to_json(),
+                        "bytes": _format.encoded_chunk_bytes(leaf.meta.chunk_shape, leaf.meta.inner_chunk_shape, leaf.meta.dtype.itemsize),
+                        "data_bytes": host.nbytes,
+                        "data_crc32c": data_crc32c(host),
+                    }
+                )
+        for leaf_path, f in futures:
+            if f is None:
+                continue
+            try:
+                f.result()
+            except Exception as e:
+                raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
+        snap.write_s = time.perf_counter() - t0
+        record = {
+            "process_index": snap.process_index,
+            "generation": snap.generation,
+            "chunks": chunks,
+            "bytes_written": sum(c["bytes"] for c in chunks),
+            "snapshot_s": round(snap.snapshot_s, 6),
+            "write_s": round(snap.write_s, 6),
+        }
+        snap.bytes_written = record["bytes_written"]
+        snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record))
+        return record
+    except BaseException as e:
+        # Let writes already issued finish before anyone removes the partial folder.
+        for _, f in futures:
+            if f is not None:
+                try:
+                    f.result()
+                except Exception:
+                    pass
+        if isinstance(e, SaveError):
+            raise
+        raise SaveError(f"writing {root} failed (process {snap.process_index}): {type(e).__name__}: {e}") from e
+
+
+def manifest_json(snap: Snapshot, process_bytes: list[int]) -> dict:
+    """The manifest of DESIGN.md's format_version 1."""
+    leaves = {leaf.meta.path: leaf.meta.to_json() for leaf in snap.arrays}
+    leaves.update({p: {"type": "value", "value": v} for p, v in snap.values.items()})
+    return {
+        "format_version": _format.FORMAT_VERSION,
+        "step": snap.step,
+        "generation": snap.generation,
+        "created_unix_s": time.time(),
+        "process_count": snap.process_count,
+        "process_bytes_written": process_bytes,
+        "structure": snap.structure,
+        "leaves": leaves,
+        "user_metadata": snap.user_metadata,
+        "library_version": _library_version(),
+        "jax_version": jax.__version__,
+    }
+
+
+def _library_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def commit(snap: Snapshot, record: dict) -> None:
+    """Runs the commit protocol; returns once the checkpoint is committed on every process.
+
+    Raises:
+      CommitTimeoutError, SaveError: nothing was committed.
+    """
+    t0 = time.perf_counter()
+    coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
+    coord.report_done(str(record["bytes_written"]))
+    if snap.process_index != 0:
+        coord.wait_commit()
+        snap.commit_s = time.perf_counter() - t0
+        return
+    try:
+        summaries = coord.wait_all_done()
+        process_bytes = [int(s) for s in summaries] if summaries else [record["bytes_written"]]
+        _publish(snap, process_bytes)
+    except BaseException as e:
+        coord.announce_commit(f"{type(e).__name__}: {e}")
+        raise
+    coord.announce_commit("ok")
+    snap.commit_s = time.perf_counter() - t0
+
+
+def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
+    storage, root, final = snap.storage, snap.write_path, snap.path
+    try:
+        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps(manifest_json(snap, process_bytes)))
+        marker = _format.dumps({"generation": snap.generation, "committed_unix_s": time.time()})
+        storage.write_file(f"{root}/{_format.COMMITTED}", marker)
+        if not storage.supports_rename:
+            return
+        storage.sync_dir(root)
+        parent = final.rsplit("/", 1)[0]
+        if _committed(storage, final) or os.path.exists(final):
+            if not snap.overwrite and _committed(storage, final):
+                raise CheckpointExistsError(f"{final} was committed by another save while this one was writing")
+            # Replace: move the old one aside, publish the new one, then delete the old.
+            # A crash between the two renames leaves a committed partial folder that
+            # `recover_partials` rolls forward.
+            old = f"{final}.deleting-{snap.generation}"
+            storage.rename(final, old)
+            storage.rename(root, final)
+            storage.sync_dir(parent)
+            storage.delete_tree(old)
+        else:
+            storage.rename(root, final)
+            storage.sync_dir(parent)
+    except CheckpointExistsError:
+        raise
+    except OSError as e:
+        raise SaveError(f"committing {final} failed (process {snap.process_index}): {e}") from e
+
+
+def abort(snap: Snapshot) -> None:
+    """Best-effort removal of this save's partial folder after a failure (process 0)."""
+    if snap.process_index == 0 and snap.storage.supports_rename:
+        try:
+            snap.storage.delete_tree(snap.partial_path)
+        except OSError:
+            log.warning("could not remove %s after a failed save", snap.partial_path)
+
+
+def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S) -> Snapshot:
+    """take_snapshot, write_snapshot and commit on the caller's thread."""
+    snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=step, commit_timeout_s=commit_timeout_s)
+    run_background(snap)
+    return snap
+
+
+def run_background(snap: Snapshot) -> None:
+    """write_snapshot then commit; on failure tells the others, cleans up, re-raises."""
+    coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
+    try:
+        record = write_snapshot(snap)
+    except BaseException as e:
+        coord.report_error(f"{type(e).__name__}: {e}")
+        abort(snap)
+        raise
+    try:
+        commit(snap, record)
+    except BaseException:
+        abort(snap)
+        raise
+    finally:
+        for leaf in snap.arrays:
+            leaf.host = []  # free host memory as soon as the bytes are durable
+    log.info(
+        "saved %s: %.1f MiB written by process %d, snapshot %.3f s, write %.3f s, commit %.3f s",
+        snap.path, snap.bytes_written / 2**20, snap.process_index, snap.snapshot_s, snap.write_s, snap.commit_s,
+    )

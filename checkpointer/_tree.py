@@ -1,0 +1,228 @@
+"""Leaf paths and tree structure: from pytrees to safe names and back, without pickle.
+
+A *leaf path* names one leaf of a pytree. It comes from `jax.tree_util` key paths: each
+key becomes one `/`-separated component, escaped so that the joined path is a safe
+relative name on every storage backend:
+
+- a `str` dict key is percent-encoded (`urllib.parse.quote(key, safe="")`, which also
+  encodes `/`, `@`, `%` and NUL); a key made only of dots (`.`, `..`) has its dots encoded;
+- an `int` dict key becomes `@int:<n>`; other dict key types `@<type>:<quoted repr>`
+  (`@` never appears unencoded in a `str` key, so the two cannot collide);
+- a sequence index, a flattened index or an attribute name is written as is.
+
+A leaf path never starts with `/`, never contains an empty, `.` or `..` component and
+never contains NUL; `check_leaf_path` enforces that on read and write.
+
+The tree structure is stored as a JSON *node*: containers (`dict`, `list`, `tuple`,
+`namedtuple`, `custom`, `none`) with typed keys, and `{"kind": "leaf", "path": ...}`.
+With no target, a restore rebuilds dicts, lists, tuples and namedtuples as such and any
+other registered node (a flax dataclass, a `TrainState`) as a dict of its attributes;
+nothing is imported by name from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import collections
+import keyword
+import urllib.parse
+from typing import Callable, Iterator, Sequence
+
+import jax
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from ._errors import CorruptCheckpointError, StructureMismatchError
+
+KeyEntry = DictKey | SequenceKey | GetAttrKey | FlattenedIndexKey
+JsonNode = dict
+
+
+def _is_none(x: object) -> bool:
+    return x is None
+
+
+def _escape_str(key: str) -> str:
+    if key and set(key) == {"."}:
+        return "%2E" * len(key)
+    if key == "":
+        return "%"  # never produced by quote(); decodes back to ""
+    return urllib.parse.quote(key, safe="")
+
+
+def escape_key(entry: KeyEntry) -> str:
+    """Returns the leaf-path component for one `jax.tree_util` key entry."""
+    if isinstance(entry, DictKey):
+        key = entry.key
+        if isinstance(key, str):
+            return _escape_str(key)
+        if isinstance(key, bool) or not isinstance(key, int):
+            return f"@{type(key).__name__}:{urllib.parse.quote(repr(key), safe='')}"
+        return f"@int:{key}"
+    if isinstance(entry, SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, GetAttrKey):
+        return _escape_str(entry.name)
+    if isinstance(entry, FlattenedIndexKey):
+        return str(entry.key)
+    raise StructureMismatchError(f"unsupported pytree key entry {entry!r} of type {type(entry).__name__}")
+
+
+def leaf_path(key_path: Sequence[KeyEntry]) -> str:
+    """Returns the escaped leaf path of a `jax.tree_util` key path; `""` names a root leaf."""
+    return "/".join(escape_key(k) for k in key_path)
+
+
+def check_leaf_path(path: str, *, where: str = "") -> str:
+    """Raises `CorruptCheckpointError` if `path` could leave the checkpoint folder.
+
+    Args:
+      path: a leaf path as stored in a manifest.
+      where: the checkpoint path, for the message.
+    Returns:
+      `path`, unchanged.
+    """
+    bad = (
+        not isinstance(path, str)
+        or "\x00" in path
+        or "\\" in path
+        or path.startswith("/")
+        or (path != "" and any(c in ("", ".", "..") for c in path.split("/")))
+    )
+    if bad:
+        raise CorruptCheckpointError(
+            f"unsafe leaf path {path!r} {where}: leaf paths must be relative, without '..', "
+            "'.', empty components, backslashes or NUL. The manifest is damaged or hostile; "
+            "do not restore it."
+        )
+    return path
+
+
+def flatten(tree: object, is_leaf: Callable[[object], bool] = _is_none) -> list[tuple[str, object]]:
+    """Flattens `tree` into `(leaf path, leaf)` pairs; `None` counts as a leaf.
+
+    Raises:
+      StructureMismatchError: two leaves escape to the same leaf path, or a dict mixes
+        key types that JAX cannot order.
+    """
+    try:
+        pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    except TypeError as e:
+        raise StructureMismatchError(
+            f"cannot flatten the tree: {e}. Dict keys of one dict must be mutually comparable "
+            "(JAX sorts them); use keys of one type."
+        ) from e
+    out = [(leaf_path(kp), leaf) for kp, leaf in pairs]
+    seen: dict[str, int] = {}
+    for i, (p, _) in enumerate(out):
+        if p in seen:
+            raise StructureMismatchError(f"two leaves share the leaf path {p!r}; rename one of the keys")
+        seen[p] = i
+    return out
+
+
+def treedef(tree: object) -> jax.tree_util.PyTreeDef:
+    """The `PyTreeDef` of `tree` with `None` as a leaf, matching `flatten`."""
+    return jax.tree_util.tree_structure(tree, is_leaf=_is_none)
+
+
+# --- structure as JSON -------------------------------------------------------------------
+
+
+def _key_json(entry: KeyEntry) -> object:
+    if isinstance(entry, DictKey):
+        k = entry.key
+        if isinstance(k, str):
+            return k
+        if isinstance(k, int) and not isinstance(k, bool):
+            return {"int": k}
+        return {"repr": repr(k)}
+    if isinstance(entry, SequenceKey):
+        return entry.idx
+    if isinstance(entry, GetAttrKey):
+        return entry.name
+    return entry.key
+
+
+def describe(tree: object, is_array_leaf: Callable[[object], bool]) -> JsonNode:
+    """Returns the JSON node describing `tree`'s structure (see module docstring)."""
+
+    def go(node: object, path: tuple) -> JsonNode:
+        if node is None:
+            return {"kind": "leaf", "path": leaf_path(path)}
+        if is_array_leaf(node):
+            return {"kind": "leaf", "path": leaf_path(path)}
+        children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        if len(children) == 1 and children[0][0] == () and children[0][1] is node:
+            return {"kind": "leaf", "path": leaf_path(path)}
+        keys = [kp[0] for kp, _ in children]
+        out: JsonNode = {
+            "keys": [_key_json(k) for k in keys],
+            "children": [go(child, path + (k,)) for k, (_, child) in zip(keys, children)],
+        }
+        if isinstance(node, dict):
+            out["kind"] = "dict"
+        elif isinstance(node, tuple) and hasattr(node, "_fields"):
+            out["kind"] = "namedtuple"
+            out["type"] = type(node).__name__
+        elif isinstance(node, tuple):
+            out["kind"] = "tuple"
+        elif isinstance(node, list):
+            out["kind"] = "list"
+        else:
+            out["kind"] = "custom"
+            out["type"] = f"{type(node).__module__}.{type(node).__qualname__}"
+        return out
+
+    return go(tree, ())
+
+
+def _key_from_json(k: object, where: str) -> object:
+    if isinstance(k, (str, int)) and not isinstance(k, bool):
+        return k
+    if isinstance(k, dict) and set(k) == {"int"} and isinstance(k["int"], int):
+        return k["int"]
+    if isinstance(k, dict) and set(k) == {"repr"} and isinstance(k["repr"], str):
+        return k["repr"]
+    raise CorruptCheckpointError(f"malformed tree key {k!r} in the manifest of {where}")
+
+
+def _namedtuple_type(name: str, fields: Sequence[str]) -> type:
+    safe = name if name.isidentifier() and not keyword.iskeyword(name) else "Record"
+    return collections.namedtuple(safe, list(fields), rename=True)
+
+
+def rebuild(node: JsonNode, leaf: Callable[[str], object], *, where: str = "", depth: int = 0) -> object:
+    """Rebuilds a tree from its JSON node, calling `leaf(path)` for each leaf.
+
+    Raises:
+      CorruptCheckpointError: the node is malformed (unknown kind, wrong field types,
+        nesting deeper than 1000).
+    """
+    if depth > 1000 or not isinstance(node, dict):
+        raise CorruptCheckpointError(f"malformed tree structure in the manifest of {where}")
+    kind = node.get("kind")
+    if kind == "leaf":
+        return leaf(check_leaf_path(node.get("path"), where=where))
+    keys, children = node.get("keys"), node.get("children")
+    if not isinstance(keys, list) or not isinstance(children, list) or len(keys) != len(children):
+        raise CorruptCheckpointError(f"malformed {kind!r} node in the manifest of {where}")
+    keys = [_key_from_json(k, where) for k in keys]
+    values = [rebuild(c, leaf, where=where, depth=depth + 1) for c in children]
+    if kind == "dict" or kind == "custom":
+        return dict(zip(keys, values))
+    if kind == "list":
+        return values
+    if kind == "tuple":
+        return tuple(values)
+    if kind == "namedtuple":
+        name = node.get("type", "Record")
+        return _namedtuple_type(name if isinstance(name, str) else "Record", [str(k) for k in keys])(*values)
+    raise CorruptCheckpointError(f"unknown tree node kind {kind!r} in the manifest of {where}")
+
+
+def leaf_paths_of(node: JsonNode) -> Iterator[str]:
+    """Yields the leaf paths of a JSON node in order."""
+    if node.get("kind") == "leaf":
+        yield node["path"]
+        return
+    for c in node.get("children", []):
+        yield from leaf_paths_of(c)

@@ -1,0 +1,23 @@
+"""Test set-up: 8 simulated CPU devices, set before JAX is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+
+def make_mesh(shape, names, devices=None):
+    """A Mesh of the first prod(shape) devices (Auto axes, so any PartitionSpec works)."""
+    devices = jax.devices() if devices is None else devices
+    n = int(np.prod(shape))
+    return Mesh(np.array(devices[:n]).reshape(shape), names)
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    return str(tmp_path / "ckpt")
