@@ -1,0 +1,216 @@
+"""CheckpointManager and save_async: committed steps only, retention, errors that surface."""
+
+import errno
+import logging
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import checkpointer as ckpt
+from checkpointer import _save, _storage
+from conftest import make_mesh
+
+
+def _state(value=0.0):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    return {
+        "w": jax.device_put(jnp.full((8, 16), value, jnp.float32), NamedSharding(mesh, P("data", "model"))),
+        "b": jax.device_put(jnp.full((16,), value, jnp.float32), NamedSharding(mesh, P())),
+    }
+
+
+def test_save_async_snapshot_survives_donation_and_deletion(ckpt_dir):
+    state = _state(1.0)
+    expected = np.asarray(state["w"]).copy()
+    handle = ckpt.save_async(f"{ckpt_dir}/1", state)
+    # The caller may donate or delete the arrays as soon as save_async returns.
+    donate = jax.jit(lambda s: jax.tree_util.tree_map(lambda x: x * 0 + 7, s), donate_argnums=0)
+    new_state = donate(state)
+    assert state["w"].is_deleted()
+    handle.wait()
+    assert handle.done()
+    np.testing.assert_array_equal(ckpt.restore(f"{ckpt_dir}/1")["w"], expected)
+    assert float(new_state["w"][0, 0]) == 7.0
+
+
+def test_save_async_background_error_surfaces_in_wait(ckpt_dir, monkeypatch):
+    ckpt.save(f"{ckpt_dir}/0", _state(0.5))
+
+    def disk_full(self, path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    # The chunks are written, then the per-process record hits a full disk.
+    monkeypatch.setattr(_storage.LocalStorage, "write_file", disk_full)
+    handle = ckpt.save_async(f"{ckpt_dir}/1", _state())
+    with pytest.raises(ckpt.SaveError, match=r"No space left on device.*processes/0.json") as e:
+        handle.wait()
+    assert isinstance(e.value, OSError) and "(process 0)" in str(e.value)
+    assert sorted(os.listdir(ckpt_dir)) == ["0"]  # partial folder removed, step 0 intact
+    monkeypatch.undo()
+    assert float(ckpt.restore(f"{ckpt_dir}/0")["w"][0, 0]) == 0.5
+
+
+def test_manager_lists_committed_steps_only(ckpt_dir):
+    with ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepLatest(10)) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2, 3] and mgr.latest_step() == 3
+    # A crashed save of step 4 (partial folder) and a folder without marker are not steps.
+    os.makedirs(f"{ckpt_dir}/4.partial-20260101000000-deadbeef/arrays")
+    os.makedirs(f"{ckpt_dir}/5")
+    mgr = ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepLatest(10))
+    assert mgr.latest_step() == 3
+    # The crashed partial folder was cleaned up when the manager opened the directory.
+    assert not os.path.exists(f"{ckpt_dir}/4.partial-20260101000000-deadbeef")
+    restored = mgr.restore(None, target=_state())
+    assert float(restored["w"][0, 0]) == 3.0
+    mgr.close()
+
+
+def test_save_interval_and_force(ckpt_dir):
+    with ckpt.CheckpointManager(ckpt_dir, save_interval_steps=5, keep=ckpt.KeepLatest(10)) as mgr:
+        saved = [s for s in range(12) if mgr.save(s, _state(s))]
+        assert saved == [0, 5, 10]
+        assert mgr.save(7, _state(7), force=True)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 5, 7, 10]
+        with pytest.raises(ckpt.CheckpointExistsError, match="force=True"):
+            mgr.save(5, _state(55))
+        mgr.save(5, _state(55), force=True)
+        mgr.wait_until_finished()
+        assert float(mgr.restore(5, target=_state())["w"][0, 0]) == 55.0
+
+
+def test_retention_policies_delete_only_after_commit(ckpt_dir):
+    keep = ckpt.KeepLatest(2) | ckpt.KeepEvery(4) | ckpt.KeepBest("loss", mode="min", n=1)
+    losses = {1: 5.0, 2: 0.5, 3: 4.0, 4: 3.0, 5: 2.0, 6: 1.0, 7: 1.5}
+    with ckpt.CheckpointManager(ckpt_dir, keep=keep) as mgr:
+        for step, loss in losses.items():
+            mgr.save(step, _state(step), metrics={"loss": loss})
+        mgr.wait_until_finished()
+        # latest two (6, 7), every 4th (4), best loss (2)
+        assert mgr.all_steps() == [2, 4, 6, 7]
+    assert sorted(os.listdir(ckpt_dir)) == [".checkpointer.lock", "2", "4", "6", "7"]
+
+
+def test_keep_steps_and_newest_always_kept(ckpt_dir):
+    with ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepSteps([1]), async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+            assert mgr.latest_step() == step  # sync: committed on return
+        assert mgr.all_steps() == [1, 3]
+
+
+def test_background_error_raises_from_next_save_and_status(ckpt_dir, monkeypatch):
+    real = _save.write_snapshot
+    mgr = ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepLatest(5))
+    mgr.save(1, _state(1))
+    mgr.wait_until_finished()
+
+    def broken(snap):
+        raise ckpt.SaveError(f"permission denied writing {snap.write_path} (process 0)")
+
+    monkeypatch.setattr(_save, "write_snapshot", broken)
+    mgr.save(2, _state(2))
+    mgr._in_flight[-1][1]._thread.join()
+    status = mgr.status()
+    assert "permission denied" in status.last_error and status.latest_committed_step == 1
+    assert status.commit_lag_steps == 1
+    with pytest.raises(ckpt.SaveError, match="permission denied"):
+        mgr.save(3, _state(3))
+    monkeypatch.setattr(_save, "write_snapshot", real)
+    assert mgr.save(3, _state(3))
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [1, 3]  # step 1 survived the failure
+    mgr.close()
+
+
+def test_error_raises_from_wait_until_finished_and_close(ckpt_dir, monkeypatch):
+    monkeypatch.setattr(_save, "write_snapshot", lambda snap: (_ for _ in ()).throw(ckpt.SaveError("boom")))
+    mgr = ckpt.CheckpointManager(ckpt_dir)
+    mgr.save(1, _state())
+    with pytest.raises(ckpt.SaveError, match="boom"):
+        mgr.wait_until_finished()
+    mgr.save(2, _state())
+    with pytest.raises(ckpt.SaveError, match="boom"):
+        mgr.close()
+
+
+def test_one_save_in_flight_bounds_host_memory(ckpt_dir, monkeypatch):
+    release = threading.Event()
+    real = _save.write_snapshot
+    started = []
+
+    def slow(snap):
+        started.append(snap.step)
+        release.wait(30)
+        return real(snap)
+
+    monkeypatch.setattr(_save, "write_snapshot", slow)
+    mgr = ckpt.CheckpointManager(ckpt_dir)
+    mgr.save(1, _state(1))
+    assert mgr.status().step_in_flight == 1
+    t = threading.Thread(target=mgr.save, args=(2, _state(2)))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive()  # waits for step 1 to finish
+    release.set()
+    t.join(30)
+    mgr.wait_until_finished()
+    assert mgr.status().last_wait_s > 0.3
+    assert mgr.all_steps() == [1, 2]
+    mgr.close()
+
+
+def test_second_manager_on_same_directory_fails_clearly(ckpt_dir):
+    mgr = ckpt.CheckpointManager(ckpt_dir)
+    with pytest.raises(ckpt.CheckpointError, match="another CheckpointManager is using"):
+        ckpt.CheckpointManager(ckpt_dir)
+    mgr.close()
+    ckpt.CheckpointManager(ckpt_dir).close()  # free again once closed
+
+
+def test_status_and_logging(ckpt_dir, caplog):
+    caplog.set_level(logging.INFO, logger="checkpointer")
+    with ckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.status().latest_committed_step is None
+        mgr.save(10, _state())
+        mgr.wait_until_finished()
+        st = mgr.status()
+    assert st.latest_committed_step == 10 and st.step_in_flight is None and st.commit_lag_steps == 0
+    assert st.last_snapshot_s > 0 and st.last_write_s > 0 and st.last_commit_s >= st.last_write_s
+    lines = [r.getMessage() for r in caplog.records if "saved" in r.getMessage()]
+    assert len(lines) == 1 and "snapshot" in lines[0] and "commit" in lines[0]
+
+
+def test_recommend_interval_young_daly(ckpt_dir):
+    with ckpt.CheckpointManager(ckpt_dir) as mgr:
+        with pytest.raises(ValueError, match="no save measured"):
+            mgr.recommend_interval(3600)
+        mgr.save(1, _state())
+        mgr.wait_until_finished()
+        delta = mgr.status().last_snapshot_s
+        commit = mgr.status().last_commit_s
+        assert mgr.recommend_interval(3600.0) == pytest.approx(max((2 * delta * 3600.0) ** 0.5, commit))
+        assert mgr.recommend_interval(1e-9) == pytest.approx(commit)  # never shorter than a commit
+
+
+def test_restore_without_committed_step_raises(ckpt_dir):
+    with ckpt.CheckpointManager(ckpt_dir) as mgr:
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="no committed step"):
+            mgr.restore()
+
+
+def test_roll_forward_of_committed_but_unrenamed_partial(ckpt_dir):
+    ckpt.save(f"{ckpt_dir}/3", _state(3))
+    os.rename(f"{ckpt_dir}/3", f"{ckpt_dir}/3.partial-20260101000000-cafef00d")
+    with ckpt.CheckpointManager(ckpt_dir) as mgr:
+        assert mgr.all_steps() == [3]
+        assert float(mgr.restore(target=_state())["w"][0, 0]) == 3.0
