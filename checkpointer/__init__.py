@@ -31,9 +31,10 @@ from ._metadata import CheckpointMetadata, metadata
 from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
 from ._restore import plan_restore, restore
 from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
+from ._verify import VerifyReport, verify
 
 __all__ = [
-    "save", "save_async", "restore", "metadata", "plan_restore",
+    "save", "save_async", "restore", "metadata", "plan_restore", "verify", "VerifyReport",
     "AsyncSave", "CheckpointManager", "ManagerStatus",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",
