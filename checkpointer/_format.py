@@ -40,8 +40,9 @@ MAX_MANIFEST_BYTES = 1 << 30
 
 # Inner chunks aim at this size; see `inner_chunk_shape`.
 INNER_CHUNK_TARGET_BYTES = 1 << 20
+MAX_SPLIT_FACTOR = 7
 
-_PARTIAL_RE = re.compile(r"^(?P<name>.+)\.partial-(?P<generation>[0-9a-z-]+)$")
+_PARTIAL_RE = re.compile(r"(?P<name>.+)\.partial-(?P<generation>[0-9a-z-]+)")
 
 
 def partial_name(name: str, generation: str) -> str:
@@ -51,7 +52,7 @@ def partial_name(name: str, generation: str) -> str:
 
 def parse_partial_name(name: str) -> tuple[str, str] | None:
     """`("100", generation)` for `"100.partial-<generation>"`, else None."""
-    m = _PARTIAL_RE.match(name)
+    m = _PARTIAL_RE.fullmatch(name)
     return (m["name"], m["generation"]) if m else None
 
 
@@ -80,9 +81,13 @@ def dtype_from_name(name: str, *, where: str = "") -> np.dtype:
     if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
         raise CorruptCheckpointError(f"malformed dtype {name!r} in {where}")
     try:
-        return np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
+        dtype = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
     except TypeError as e:
         raise CorruptCheckpointError(f"unknown dtype {name!r} in {where}") from e
+    numeric = dtype.kind in "biufc" or (type(dtype.type).__module__ == "ml_dtypes" or dtype.type.__module__ == "ml_dtypes")
+    if not numeric or dtype.itemsize == 0 or dtype.name != name:
+        raise CorruptCheckpointError(f"dtype {name!r} in {where} is not a numeric array dtype")
+    return dtype
 
 
 # --- chunking rule ------------------------------------------------------------------------
@@ -100,7 +105,9 @@ def inner_chunk_shape(chunk_shape: Sequence[int], itemsize: int, target_bytes: i
 
     Rule: start from the chunk (= saved shard) shape and, while the inner chunk is larger
     than `target_bytes`, divide its longest divisible dimension by that dimension's
-    smallest prime factor (2 whenever the size is even). The result always divides the
+    smallest prime factor (2 whenever the size is even), considering only dimensions
+    whose smallest prime factor is at most 7: a dimension whose size has only large
+    prime factors (1021) stays whole, so such a chunk may stay above the target. The result always divides the
     chunk shape (the `sharding_indexed` codec requires it), and for power-of-two shapes it
     is a power-of-two fraction of the chunk along the longest axes, so a target shard
     obtained by splitting or merging saved shards along mesh axes of power-of-two sizes
@@ -115,7 +122,9 @@ def inner_chunk_shape(chunk_shape: Sequence[int], itemsize: int, target_bytes: i
     """
     inner = [max(1, c) for c in chunk_shape]
     while math.prod(inner) * itemsize > target_bytes:
-        candidates = [i for i, d in enumerate(inner) if d > 1]
+        # Split only by small primes: a size like 1021 (prime) stays whole rather
+        # than collapsing to inner chunks one element wide.
+        candidates = [i for i, d in enumerate(inner) if d > 1 and _smallest_prime_factor(d) <= MAX_SPLIT_FACTOR]
         if not candidates:
             break
         dim = max(candidates, key=lambda i: (inner[i], -i))
@@ -308,8 +317,8 @@ def value_to_json(value: object) -> dict | None:
         return {"type": "none"}
     if isinstance(value, bool):
         return {"type": "bool", "value": value}
-    if isinstance(value, int):
-        return {"type": "int", "value": str(value)}
+    if isinstance(value, int):  # hex: no 4300-digit limit, any size
+        return {"type": "int", "hex": format(value, "x")}
     if isinstance(value, float):
         return {"type": "float", "hex": struct.pack("<d", value).hex()}
     if isinstance(value, complex):
@@ -330,8 +339,8 @@ def value_from_json(obj: object, where: str) -> object:
             return None
         if t == "bool" and isinstance(obj["value"], bool):
             return obj["value"]
-        if t == "int" and isinstance(obj["value"], str) and len(obj["value"]) < 100_000:
-            return int(obj["value"])
+        if t == "int" and isinstance(obj["hex"], str) and len(obj["hex"]) < 1_000_000:
+            return int(obj["hex"], 16)
         if t == "float":
             return struct.unpack("<d", bytes.fromhex(obj["hex"]))[0]
         if t == "complex":

@@ -98,10 +98,7 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
             leaves[path] = ValueMetadata(path, _format.value_from_json(entry.get("value"), f"leaf {path!r} in {where}"))
         else:
             raise CorruptCheckpointError(f"leaf {path!r} in {where} has unknown type {entry.get('type')!r}")
-    try:
-        ordered = list(leaf_paths_of(structure))
-    except (AttributeError, TypeError, KeyError) as e:
-        raise CorruptCheckpointError(f"malformed tree structure in the manifest of {where}") from e
+    ordered = leaf_paths_of(structure)
     _require(sorted(ordered) == sorted(leaves), "the tree structure and the leaves disagree", where)
     leaves = {p: leaves[p] for p in ordered}
     tree = rebuild(structure, lambda p: leaves[p], where=where)

@@ -12,6 +12,10 @@ import math
 from typing import Iterable, Mapping, Sequence
 
 
+def _is_count(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+
 class KeepPolicy:
     """Base class of retention policies."""
 
@@ -20,6 +24,8 @@ class KeepPolicy:
         raise NotImplementedError
 
     def __or__(self, other: "KeepPolicy") -> "KeepAny":
+        if not isinstance(other, KeepPolicy):
+            return NotImplemented
         return KeepAny((self, other))
 
 
@@ -36,6 +42,8 @@ class KeepAny(KeepPolicy):
         return out
 
     def __or__(self, other: KeepPolicy) -> "KeepAny":
+        if not isinstance(other, KeepPolicy):
+            return NotImplemented
         return KeepAny(self.policies + (other,))
 
 
@@ -46,7 +54,7 @@ class KeepLatest(KeepPolicy):
     n: int
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_count(self.n):
             raise ValueError(f"KeepLatest(n) needs an int n >= 1, got {self.n!r}")
 
     def keep(self, steps, metrics):
@@ -60,7 +68,7 @@ class KeepEvery(KeepPolicy):
     n: int
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_count(self.n):
             raise ValueError(f"KeepEvery(n) needs an int n >= 1, got {self.n!r}")
 
     def keep(self, steps, metrics):
@@ -82,7 +90,7 @@ class KeepBest(KeepPolicy):
     def __post_init__(self):
         if self.mode not in ("min", "max"):
             raise ValueError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_count(self.n):
             raise ValueError(f"KeepBest(n=...) needs an int n >= 1, got {self.n!r}")
 
     def keep(self, steps, metrics):
@@ -101,7 +109,13 @@ class KeepSteps(KeepPolicy):
     steps: frozenset
 
     def __init__(self, steps: Iterable[int]):
-        object.__setattr__(self, "steps", frozenset(int(s) for s in steps))
+        if isinstance(steps, (str, bytes)):
+            raise ValueError(f"KeepSteps needs an iterable of int steps, got {steps!r}")
+        steps = list(steps)
+        bad = [s for s in steps if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad:
+            raise ValueError(f"KeepSteps needs int steps >= 0, got {bad!r}")
+        object.__setattr__(self, "steps", frozenset(steps))
 
     def keep(self, steps, metrics):
         return {s for s in steps if s in self.steps}

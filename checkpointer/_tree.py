@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import keyword
 import urllib.parse
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
@@ -105,7 +105,7 @@ def flatten(tree: object, is_leaf: Callable[[object], bool] = _is_none) -> list[
     """
     try:
         pairs, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise StructureMismatchError(
             f"cannot flatten the tree: {e}. Dict keys of one dict must be mutually comparable "
             "(JAX sorts them); use keys of one type."
@@ -117,11 +117,6 @@ def flatten(tree: object, is_leaf: Callable[[object], bool] = _is_none) -> list[
             raise StructureMismatchError(f"two leaves share the leaf path {p!r}; rename one of the keys")
         seen[p] = i
     return out
-
-
-def treedef(tree: object) -> jax.tree_util.PyTreeDef:
-    """The `PyTreeDef` of `tree` with `None` as a leaf, matching `flatten`."""
-    return jax.tree_util.tree_structure(tree, is_leaf=_is_none)
 
 
 # --- structure as JSON -------------------------------------------------------------------
@@ -190,14 +185,24 @@ def _namedtuple_type(name: str, fields: Sequence[str]) -> type:
     return collections.namedtuple(safe, list(fields), rename=True)
 
 
-def rebuild(node: JsonNode, leaf: Callable[[str], object], *, where: str = "", depth: int = 0) -> object:
+MAX_DEPTH = 1000
+
+
+def rebuild(node: JsonNode, leaf: Callable[[str], object], *, where: str = "") -> object:
     """Rebuilds a tree from its JSON node, calling `leaf(path)` for each leaf.
 
     Raises:
       CorruptCheckpointError: the node is malformed (unknown kind, wrong field types,
-        nesting deeper than 1000).
+        nesting deeper than `MAX_DEPTH` or than the interpreter's recursion limit).
     """
-    if depth > 1000 or not isinstance(node, dict):
+    try:
+        return _rebuild(node, leaf, where, 0)
+    except RecursionError as e:
+        raise CorruptCheckpointError(f"the tree structure in the manifest of {where} is nested too deeply") from e
+
+
+def _rebuild(node: JsonNode, leaf: Callable[[str], object], where: str, depth: int) -> object:
+    if depth > MAX_DEPTH or not isinstance(node, dict):
         raise CorruptCheckpointError(f"malformed tree structure in the manifest of {where}")
     kind = node.get("kind")
     if kind == "leaf":
@@ -206,7 +211,7 @@ def rebuild(node: JsonNode, leaf: Callable[[str], object], *, where: str = "", d
     if not isinstance(keys, list) or not isinstance(children, list) or len(keys) != len(children):
         raise CorruptCheckpointError(f"malformed {kind!r} node in the manifest of {where}")
     keys = [_key_from_json(k, where) for k in keys]
-    values = [rebuild(c, leaf, where=where, depth=depth + 1) for c in children]
+    values = [_rebuild(c, leaf, where, depth + 1) for c in children]
     if kind == "dict" or kind == "custom":
         return dict(zip(keys, values))
     if kind == "list":
@@ -219,10 +224,22 @@ def rebuild(node: JsonNode, leaf: Callable[[str], object], *, where: str = "", d
     raise CorruptCheckpointError(f"unknown tree node kind {kind!r} in the manifest of {where}")
 
 
-def leaf_paths_of(node: JsonNode) -> Iterator[str]:
-    """Yields the leaf paths of a JSON node in order."""
-    if node.get("kind") == "leaf":
-        yield node["path"]
-        return
-    for c in node.get("children", []):
-        yield from leaf_paths_of(c)
+def leaf_paths_of(node: JsonNode) -> list[str]:
+    """The leaf paths of a JSON node, in order (iterative: no recursion limit).
+
+    Raises:
+      CorruptCheckpointError: a node is not an object or nests deeper than `MAX_DEPTH`.
+    """
+    out, stack = [], [(node, 0)]
+    while stack:
+        n, depth = stack.pop()
+        if not isinstance(n, dict) or depth > MAX_DEPTH:
+            raise CorruptCheckpointError("malformed or too deeply nested tree structure")
+        if n.get("kind") == "leaf":
+            out.append(n.get("path"))
+            continue
+        children = n.get("children", [])
+        if not isinstance(children, list):
+            raise CorruptCheckpointError("malformed tree structure: 'children' is not a list")
+        stack.extend((c, depth + 1) for c in reversed(children))
+    return out

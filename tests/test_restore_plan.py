@@ -1,0 +1,326 @@
+"""Restore planning: exact chunk reads, unique-box dedup, bytes and read amplification.
+
+Pure: stored leaves are hand-built `ArrayMetadata`, target shards hand-built boxes; no
+devices, no disk. Expected reads and byte counts are worked out by hand in comments.
+"""
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from checkpointer._box import Box
+from checkpointer._format import ArrayMetadata, SavedSharding
+from checkpointer._restore_plan import BoxRead, ChunkRead, RestorePlan, plan_leaf
+
+F32 = np.dtype(np.float32)
+N = 4096
+
+# 4096x4096 float32 saved with P('data', 'model') on a 2x4 mesh: 8 chunks of (2048, 1024),
+# inner chunks (512, 512) = 1 MiB, so 4 x 2 = 8 inner chunks per zarr shard file.
+SAVED_2x4 = ArrayMetadata(
+    "params/w", (N, N), F32, (2048, 1024), (512, 512),
+    SavedSharding("named", ("data", "model"), (2, 4), ("data", "model"), (2048, 1024), 8),
+)
+INNER_1MIB = 512 * 512 * 4  # 1_048_576
+INDEX_8 = 8 * 16 + 4  # shard index of 8 inner chunks, with its crc32c
+READ_4_OF_8 = 4 * (INNER_1MIB + 4) + INDEX_8  # 4_194_452
+READ_8_OF_8 = 8 * (INNER_1MIB + 4) + INDEX_8  # 8_388_772
+WHOLE_BYTES = N * N * 4  # 67_108_864
+
+
+def _target_boxes(shape, grid_shape, axis_names, spec):
+    """(device id, box) of NamedSharding(mesh of ids arange(prod).reshape(grid_shape), spec)."""
+    sizes = dict(zip(axis_names, grid_shape))
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    out = []
+    for device, coords in enumerate(itertools.product(*(range(n) for n in grid_shape))):
+        pos = dict(zip(axis_names, coords))
+        origin, extent = [], []
+        for dim, entry in zip(shape, spec):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            parts, idx = 1, 0
+            for a in axes:
+                idx, parts = idx * sizes[a] + pos[a], parts * sizes[a]
+            origin.append(idx * (dim // parts))
+            extent.append(dim // parts)
+        out.append((device, Box(tuple(origin), tuple(extent))))
+    return out
+
+
+def _read(chunk, origin, shape, inner_chunks, bytes_read, leaf="params/w"):
+    key = f"arrays/{leaf}/c/" + "/".join(map(str, chunk))
+    return ChunkRead(chunk, key, Box(origin, shape), inner_chunks, bytes_read)
+
+
+# --- exact reads -------------------------------------------------------------------------------
+
+
+def test_target_boxes_helper():
+    # 4x2 mesh, P('data', 'model'): device d sits at (d // 2, d % 2).
+    assert _target_boxes((N, N), (4, 2), ("data", "model"), ("data", "model"))[:3] == [
+        (0, Box((0, 0), (1024, 2048))),
+        (1, Box((0, 2048), (1024, 2048))),
+        (2, Box((1024, 0), (1024, 2048))),
+    ]
+
+
+# Onto a 4x2 mesh with P('data', 'model'): target shards (1024, 2048). A target box covers
+# half the rows of one chunk row and two whole chunk columns: 2 reads of a (1024, 1024)
+# region each, i.e. 2 x 2 = 4 of the 8 inner chunks.
+EXPECTED_4x2_PROCESS_0 = (
+    BoxRead(Box((0, 0), (1024, 2048)), (0,), (
+        _read((0, 0), (0, 0), (1024, 1024), 4, READ_4_OF_8),
+        _read((0, 1), (0, 1024), (1024, 1024), 4, READ_4_OF_8),
+    ), 1024 * 2048 * 4),
+    BoxRead(Box((0, 2048), (1024, 2048)), (1,), (
+        _read((0, 2), (0, 2048), (1024, 1024), 4, READ_4_OF_8),
+        _read((0, 3), (0, 3072), (1024, 1024), 4, READ_4_OF_8),
+    ), 1024 * 2048 * 4),
+    BoxRead(Box((1024, 0), (1024, 2048)), (2,), (
+        _read((0, 0), (1024, 0), (1024, 1024), 4, READ_4_OF_8),
+        _read((0, 1), (1024, 1024), (1024, 1024), 4, READ_4_OF_8),
+    ), 1024 * 2048 * 4),
+    BoxRead(Box((1024, 2048), (1024, 2048)), (3,), (
+        _read((0, 2), (1024, 2048), (1024, 1024), 4, READ_4_OF_8),
+        _read((0, 3), (1024, 3072), (1024, 1024), 4, READ_4_OF_8),
+    ), 1024 * 2048 * 4),
+)
+EXPECTED_4x2_PROCESS_1 = (
+    BoxRead(Box((2048, 0), (1024, 2048)), (4,), (
+        _read((1, 0), (2048, 0), (1024, 1024), 4, READ_4_OF_8),
+        _read((1, 1), (2048, 1024), (1024, 1024), 4, READ_4_OF_8),
+    ), 1024 * 2048 * 4),
+    BoxRead(Box((2048, 2048), (1024, 2048)), (5,), (
+        _read((1, 2), (2048, 2048), (1024, 1024), 4, READ_4_OF_8),
+        _read((1, 3), (2048, 3072), (1024, 1024), 4, READ_4_OF_8),
+    ), 1024 * 2048 * 4),
+    BoxRead(Box((3072, 0), (1024, 2048)), (6,), (
+        _read((1, 0), (3072, 0), (1024, 1024), 4, READ_4_OF_8),
+        _read((1, 1), (3072, 1024), (1024, 1024), 4, READ_4_OF_8),
+    ), 1024 * 2048 * 4),
+    BoxRead(Box((3072, 2048), (1024, 2048)), (7,), (
+        _read((1, 2), (3072, 2048), (1024, 1024), 4, READ_4_OF_8),
+        _read((1, 3), (3072, 3072), (1024, 1024), 4, READ_4_OF_8),
+    ), 1024 * 2048 * 4),
+)
+
+
+@pytest.mark.parametrize("process, expected", [(0, EXPECTED_4x2_PROCESS_0), (1, EXPECTED_4x2_PROCESS_1)])
+def test_2x4_to_4x2_exact_reads(process, expected):
+    boxes = _target_boxes((N, N), (4, 2), ("data", "model"), ("data", "model"))
+    local = [(d, b) for d, b in boxes if d // 4 == process]
+    plan = plan_leaf(SAVED_2x4, local)
+    assert plan.leaf_path == "params/w"
+    assert plan.shape == (N, N)
+    assert plan.dtype == F32
+    assert plan.boxes == expected
+    assert plan.bytes_needed == 4 * 1024 * 2048 * 4  # 32 MiB, half the array
+    assert plan.bytes_read == 8 * READ_4_OF_8
+
+
+def test_2x4_to_one_device_exact_reads():
+    plan = plan_leaf(SAVED_2x4, {0: Box((0, 0), (N, N))})
+    expected_reads = tuple(
+        _read((i, j), (2048 * i, 1024 * j), (2048, 1024), 8, READ_8_OF_8) for i in range(2) for j in range(4)
+    )
+    assert plan.boxes == (BoxRead(Box((0, 0), (N, N)), (0,), expected_reads, WHOLE_BYTES),)
+    assert plan.bytes_read == 67_110_176  # 8 x 8_388_772
+    assert plan.bytes_needed == 67_108_864
+
+
+def test_chunk_keys_use_the_escaped_leaf_path():
+    meta = ArrayMetadata("mlp%2F~%2Flinear_0/w", (4, 4), F32, (2, 4), (2, 4), None, None, "numpy")
+    plan = plan_leaf(meta, {0: Box((0, 0), (4, 4))})
+    assert [r.chunk_key for r in plan.boxes[0].reads] == ["arrays/mlp%2F~%2Flinear_0/w/c/0/0", "arrays/mlp%2F~%2Flinear_0/w/c/1/0"]
+
+
+def test_root_leaf_chunk_key():
+    meta = ArrayMetadata("", (4,), F32, (4,), (4,), None, None, "numpy")
+    plan = plan_leaf(meta, {0: Box((0,), (4,))})
+    assert plan.boxes[0].reads[0].chunk_key == "arrays/%root/c/0"
+
+
+def test_zero_dimensional_leaf():
+    meta = ArrayMetadata("opt/count", (), np.dtype(np.int64), (), (), None)
+    plan = plan_leaf(meta, {0: Box((), ()), 1: Box((), ())})
+    # One inner chunk of 8 B + crc32c, an index of one entry + crc32c: 12 + 16 + 4.
+    assert plan.boxes == (BoxRead(Box((), ()), (0, 1), (ChunkRead((), "arrays/opt/count/c", Box((), ()), 1, 32),), 8),)
+
+
+def test_size_zero_leaf_reads_nothing():
+    meta = ArrayMetadata("emb", (0, 8), F32, (1, 2), (1, 2), None)
+    plan = plan_leaf(meta, {0: Box((0, 0), (0, 2)), 1: Box((0, 2), (0, 2))})
+    assert [b.reads for b in plan.boxes] == [(), ()]
+    assert plan.bytes_needed == 0
+    assert plan.bytes_read == 0
+    assert RestorePlan("/ckpt", 0, (plan,)).read_amplification == 1.0
+
+
+def test_empty_restore_plan():
+    plan = RestorePlan("/ckpt", 0, ())
+    assert plan.reads == ()
+    assert (plan.bytes_needed, plan.bytes_read, plan.read_amplification) == (0, 0, 1.0)
+
+
+# --- unique boxes --------------------------------------------------------------------------------
+
+
+def test_devices_holding_the_same_box_share_one_read():
+    # P('data', None) on a 2x4 mesh: process 0's four devices all hold rows [0, 2048).
+    boxes = _target_boxes((N, N), (2, 4), ("data", "model"), ("data", None))
+    local = [(d, b) for d, b in boxes if d < 4]
+    plan = plan_leaf(SAVED_2x4, local)
+    expected_reads = tuple(_read((0, j), (0, 1024 * j), (2048, 1024), 8, READ_8_OF_8) for j in range(4))
+    assert plan.boxes == (BoxRead(Box((0, 0), (2048, N)), (0, 1, 2, 3), expected_reads, 2048 * N * 4),)
+    assert plan.bytes_needed == WHOLE_BYTES // 2
+
+
+def test_device_ids_sorted_and_boxes_in_box_order_whatever_the_input_order():
+    a, b = Box((2048, 0), (2048, N)), Box((0, 0), (2048, N))
+    plan = plan_leaf(SAVED_2x4, [(7, a), (3, b), (5, a), (1, b), (2, b)])
+    assert [(x.box, x.device_ids) for x in plan.boxes] == [(b, (1, 2, 3)), (a, (5, 7))]
+
+
+def test_mapping_and_pairs_give_the_same_plan():
+    pairs = _target_boxes((N, N), (2, 4), ("data", "model"), ("model", "data"))
+    assert plan_leaf(SAVED_2x4, dict(pairs)) == plan_leaf(SAVED_2x4, pairs)
+
+
+def test_fully_replicated_target_reads_each_chunk_once():
+    boxes = _target_boxes((N, N), (2, 4), ("data", "model"), ())
+    plan = plan_leaf(SAVED_2x4, boxes)
+    assert len(plan.boxes) == 1
+    assert plan.boxes[0].device_ids == tuple(range(8))
+    assert [r.chunk_index for r in plan.boxes[0].reads] == [(i, j) for i in range(2) for j in range(4)]
+    assert plan.bytes_needed == WHOLE_BYTES
+
+
+@pytest.mark.parametrize(
+    "dtype, itemsize",
+    [(np.float32, 4), (ml_dtypes.bfloat16, 2), (np.int8, 1), (np.complex128, 16), (np.bool_, 1)],
+)
+def test_bytes_needed_is_box_bytes(dtype, itemsize):
+    meta = ArrayMetadata("x", (64, 64), np.dtype(dtype), (32, 64), (32, 64), None)
+    plan = plan_leaf(meta, {0: Box((8, 0), (16, 32)), 1: Box((0, 0), (64, 64))})
+    assert [b.bytes_needed for b in plan.boxes] == [64 * 64 * itemsize, 16 * 32 * itemsize]
+    assert plan.bytes_needed == (64 * 64 + 16 * 32) * itemsize
+
+
+# --- bytes read --------------------------------------------------------------------------------
+
+
+# (8, 8) float32 in chunks of (4, 8) with inner chunks (2, 4): 2 x 2 = 4 inner chunks of
+# 32 B per shard file, whose index is 4 * 16 + 4 = 68 B. A chunk read costs
+# (inner chunks touched) * (32 + 4) + 68.
+SMALL = ArrayMetadata("small", (8, 8), F32, (4, 8), (2, 4), None)
+
+
+def test_bytes_read_small_case_by_hand():
+    plan = plan_leaf(SMALL, {0: Box((1, 0), (4, 8)), 1: Box((0, 3), (8, 2)), 2: Box((5, 5), (1, 1))})
+    assert plan.boxes == (
+        # Columns 3-4 straddle both inner columns; rows 0-3 both inner rows: 4 + 4.
+        BoxRead(Box((0, 3), (8, 2)), (1,), (
+            ChunkRead((0, 0), "arrays/small/c/0/0", Box((0, 3), (4, 2)), 4, 4 * 36 + 68),
+            ChunkRead((1, 0), "arrays/small/c/1/0", Box((4, 3), (4, 2)), 4, 4 * 36 + 68),
+        ), 8 * 2 * 4),
+        # Rows 1-3 of chunk 0 touch inner rows 0 and 1 (x 2 columns); row 4 is inner row 0
+        # of chunk 1 (x 2 columns).
+        BoxRead(Box((1, 0), (4, 8)), (0,), (
+            ChunkRead((0, 0), "arrays/small/c/0/0", Box((1, 0), (3, 8)), 4, 4 * 36 + 68),
+            ChunkRead((1, 0), "arrays/small/c/1/0", Box((4, 0), (1, 8)), 2, 2 * 36 + 68),
+        ), 4 * 8 * 4),
+        # Element (5, 5): chunk 1, local (1, 5), inner chunk (0, 1) only.
+        BoxRead(Box((5, 5), (1, 1)), (2,), (
+            ChunkRead((1, 0), "arrays/small/c/1/0", Box((5, 5), (1, 1)), 1, 36 + 68),
+        ), 4),
+    )
+    assert [b.bytes_read for b in plan.boxes] == [424, 352, 104]
+    rp = RestorePlan("/ckpt/7", 0, (plan,))
+    assert rp.bytes_needed == 196
+    assert rp.bytes_read == 880
+    assert rp.read_amplification == 880 / 196
+    assert len(rp.reads) == 5
+
+
+def test_bytes_read_with_non_square_inner_chunks_and_wide_items():
+    # complex128 (16 B), chunk (6, 4), inner (3, 2): 2 x 2 = 4 inner chunks of 96 B,
+    # index 4 * 16 + 4 = 68 B. Box rows 2-3, cols 1-2 touches inner rows 0 and 1 and
+    # inner cols 0 and 1: 4 inner chunks.
+    meta = ArrayMetadata("c", (6, 4), np.dtype(np.complex128), (6, 4), (3, 2), None)
+    plan = plan_leaf(meta, {0: Box((2, 1), (2, 2))})
+    assert plan.boxes[0].reads == (ChunkRead((0, 0), "arrays/c/c/0/0", Box((2, 1), (2, 2)), 4, 4 * 100 + 68),)
+    assert plan.bytes_needed == 4 * 16
+
+
+# --- read amplification ------------------------------------------------------------------------
+
+
+def _saved(chunk, inner):
+    return ArrayMetadata("w", (N, N), F32, chunk, inner, None)
+
+
+# Each case: saved chunk and inner chunk shapes, the target sharding (mesh shape, axis
+# names, spec) restored by one process holding every target device, and by hand: the number
+# of chunk reads, inner chunks each read touches, inner chunks per shard file, and the
+# bytes of unique target boxes.
+AMPLIFICATION_CASES = {
+    # (2048, 1024) chunks; target (1024, 2048): 8 boxes x 2 chunks, 2 x 2 inner each.
+    "P(data,model)->P(model,data)": ((2048, 1024), (512, 512), ((2, 4), ("data", "model"), ("model", "data")), 16, 4, 8, WHOLE_BYTES),
+    "2x4->4x2": ((2048, 1024), (512, 512), ((4, 2), ("data", "model"), ("data", "model")), 16, 4, 8, WHOLE_BYTES),
+    # 8 -> 4 devices: target (2048, 2048), 4 boxes x 2 whole chunks.
+    "8->4 devices": ((2048, 1024), (512, 512), ((2, 2), ("data", "model"), ("data", "model")), 8, 8, 8, WHOLE_BYTES),
+    "8->1 device": ((2048, 1024), (512, 512), ((1,), ("x",), ()), 8, 8, 8, WHOLE_BYTES),
+    # Saved on 4 devices (2048, 2048): inner (512, 512), 16 per file; onto 1 device.
+    "4->1 device": ((2048, 2048), (512, 512), ((1,), ("x",), ()), 4, 16, 16, WHOLE_BYTES),
+    # Sharded -> replicated on 8 devices: one unique box, 8 whole chunks.
+    "sharded->replicated": ((2048, 1024), (512, 512), ((2, 4), ("data", "model"), ()), 8, 8, 8, WHOLE_BYTES),
+    # 1-D mesh P('x') (512, 4096) chunks -> 2x4 P('data','model') (2048, 1024): 8 boxes x
+    # 4 chunks, each a (512, 1024) region = 2 inner chunks.
+    "1-D->2-D mesh": ((512, N), (512, 512), ((2, 4), ("data", "model"), ("data", "model")), 32, 2, 8, WHOLE_BYTES),
+    # Column-sharded (4096, 512) -> row-sharded (512, 4096): 8 boxes x 8 chunks of one inner chunk.
+    "P(None,x)->P(x,None)": ((N, 512), (512, 512), ((8,), ("x",), ("x", None)), 64, 1, 8, WHOLE_BYTES),
+}
+
+
+@pytest.mark.parametrize("case", list(AMPLIFICATION_CASES), ids=list(AMPLIFICATION_CASES))
+def test_aligned_power_of_two_resharding_reads_only_index_overhead(case):
+    chunk, inner, (grid, axes, spec), n_reads, touched, n_inner, needed = AMPLIFICATION_CASES[case]
+    plan = RestorePlan("/ckpt", 0, (plan_leaf(_saved(chunk, inner), _target_boxes((N, N), grid, axes, spec)),))
+    assert len(plan.reads) == n_reads
+    assert all(r.inner_chunks == touched for r in plan.reads)
+    overhead = n_reads * (touched * 4 + n_inner * 16 + 4)  # crc32c per inner chunk + index + its crc32c
+    assert plan.bytes_needed == needed
+    assert plan.bytes_read == needed + overhead  # not one data byte more than needed
+    assert plan.read_amplification == 1.0 + overhead / needed
+    assert plan.read_amplification < 1.05
+
+
+def test_restore_plan_totals_over_leaves():
+    a = plan_leaf(SMALL, {0: Box((1, 0), (4, 8))})
+    b = plan_leaf(SAVED_2x4, {0: Box((0, 0), (N, N))})
+    plan = RestorePlan("/ckpt", 3, (a, b))
+    assert plan.bytes_needed == 128 + WHOLE_BYTES
+    assert plan.bytes_read == 352 + 67_110_176
+    assert len(plan.reads) == 2 + 8
+    assert plan.read_amplification == (352 + 67_110_176) / (128 + WHOLE_BYTES)
+
+
+# --- __str__ --------------------------------------------------------------------------------------
+
+
+def test_str_lists_leaves_and_totals():
+    small = plan_leaf(SMALL, {0: Box((1, 0), (4, 8)), 1: Box((0, 3), (8, 2)), 2: Box((5, 5), (1, 1))})
+    big = plan_leaf(SAVED_2x4, {0: Box((0, 0), (N, N))})
+    root = plan_leaf(ArrayMetadata("", (), F32, (), (), None), {0: Box((), ())})
+    text = str(RestorePlan("/ckpt/100", 1, (small, big, root)))
+    lines = text.splitlines()
+    assert lines[0] == "RestorePlan for /ckpt/100 (process 1)"
+    rows = {line.split()[0]: line.split() for line in lines[1:] if not set(line) <= {"-", " "}}
+    assert rows["small"] == ["small", "8x8", "float32", "3", "5", "196", "B", "880", "B", "4.490"]
+    assert rows["params/w"] == ["params/w", "4096x4096", "float32", "1", "8", "64.0", "MiB", "64.0", "MiB", "1.000"]
+    # The 0-d root leaf: 4 B needed, 4 + 4 + 16 + 4 = 28 B read.
+    assert rows["<root>"] == ["<root>", "()", "float32", "1", "1", "4", "B", "28", "B", "7.000"]
+    # Totals: 13 + 1 reads; 196 + 64 MiB + 4 needed.
+    assert rows["total"] == ["total", "14", "64.0", "MiB", "64.0", "MiB", "1.000"]
