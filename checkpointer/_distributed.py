@@ -14,6 +14,8 @@ import jax
 from ._errors import CommitTimeoutError, SaveError
 
 DEFAULT_COMMIT_TIMEOUT_S = 600.0
+# Extra time processes other than 0 allow process 0 to publish (manifest, marker, rename).
+PUBLISH_MARGIN_S = 60.0
 _PREFIX = "checkpointer"
 
 
@@ -65,6 +67,9 @@ class Coordinator:
     def wait_all_done(self) -> list[str]:
         """Process 0: waits for every process's report; returns their summaries in order.
 
+        Polls all reports at once, so an error reported by any process is raised as soon
+        as it arrives, whichever processes are still writing.
+
         Raises:
           CommitTimeoutError: some processes did not report within the timeout; the
             message lists them.
@@ -73,24 +78,31 @@ class Coordinator:
         if self._client is None:
             return []
         deadline = time.monotonic() + self.timeout_s
-        summaries, missing = [], []
-        for i in range(self.process_count):
-            remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        prefix = self._key("done") + "/"
+        reports: dict[int, str] = {}
+        pause = 0.005
+        while True:
             try:
-                value = self._client.blocking_key_value_get(self._key("done", i), remaining_ms)
-            except Exception:
-                missing.append(i)
-                continue
-            if value.startswith("error:"):
-                raise SaveError(f"process {i} failed to write its shards: {value[6:]}")
-            summaries.append(value[3:])
-        if missing:
-            raise CommitTimeoutError(
-                f"processes {missing} did not report their shards durable within {self.timeout_s:.0f} s "
-                f"(generation {self.generation}); nothing was committed. Check that every process called "
-                "save for this step and is alive, or raise commit_timeout_s."
-            )
-        return summaries
+                entries = self._client.key_value_dir_get(prefix)
+            except Exception:  # the service is unreachable: the reports count as missing
+                entries = []
+            for key, value in entries:
+                i = int(key.rsplit("/", 1)[1])
+                if value.startswith("error:"):
+                    raise SaveError(f"process {i} failed to write its shards: {value[6:]}")
+                reports[i] = value[3:]
+            missing = [i for i in range(self.process_count) if i not in reports]
+            if not missing:
+                return [reports[i] for i in range(self.process_count)]
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(pause * 2, 0.1)
+        raise CommitTimeoutError(
+            f"processes {missing} did not report their shards durable within {self.timeout_s:.0f} s "
+            f"(generation {self.generation}); nothing was committed. Check that every process called "
+            "save for this step and is alive, or raise commit_timeout_s."
+        )
 
     def announce_commit(self, outcome: str) -> None:
         """Process 0: tells the others the outcome (`"ok"` or an error message)."""
@@ -100,17 +112,32 @@ class Coordinator:
     def wait_commit(self) -> None:
         """Processes other than 0: wait for process 0's commit.
 
+        First waits for process 0's own report (its shards written, or its error), then
+        for its announcement. Process 0 waits up to the timeout for the others only
+        once its own shards are written, so the second wait allows the timeout plus
+        `PUBLISH_MARGIN_S` for the manifest, the marker and the rename.
+
         Raises:
-          CommitTimeoutError: process 0 did not announce within the timeout.
-          SaveError: process 0 announced a failure.
+          CommitTimeoutError: process 0 did not report or announce in time.
+          SaveError: process 0 failed to write its shards or to commit.
         """
         if self._client is None:
             return
         try:
-            outcome = self._client.blocking_key_value_get(self._key("committed"), int(self.timeout_s * 1000))
+            report = self._client.blocking_key_value_get(self._key("done", 0), int(self.timeout_s * 1000))
         except Exception as e:
             raise CommitTimeoutError(
-                f"process 0 did not commit generation {self.generation} within {self.timeout_s:.0f} s: {e}"
+                f"process 0 did not finish writing its shards of generation {self.generation} within "
+                f"{self.timeout_s:.0f} s: {e}"
+            ) from e
+        if report.startswith("error:"):
+            raise SaveError(f"process 0 failed to write its shards, nothing was committed: {report[6:]}")
+        wait_s = self.timeout_s + PUBLISH_MARGIN_S
+        try:
+            outcome = self._client.blocking_key_value_get(self._key("committed"), int(wait_s * 1000))
+        except Exception as e:
+            raise CommitTimeoutError(
+                f"process 0 did not commit generation {self.generation} within {wait_s:.0f} s: {e}"
             ) from e
         if outcome != "ok":
             raise SaveError(f"process 0 could not commit: {outcome}")
