@@ -43,6 +43,10 @@ class Storage(abc.ABC):
         """Returns the bytes at `path`. Raises FileNotFoundError if absent."""
 
     @abc.abstractmethod
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        """Returns `length` bytes of `path` from byte `offset`. Raises FileNotFoundError."""
+
+    @abc.abstractmethod
     def exists(self, path: str) -> bool:
         """Whether a file exists at `path`."""
 
@@ -99,6 +103,10 @@ class LocalStorage(Storage):
         with open(path, "rb") as f:
             return f.read()
 
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        with open(path, "rb") as f:
+            return os.pread(f.fileno(), length, offset)
+
     def exists(self, path: str) -> bool:
         return os.path.isfile(path)
 
@@ -154,6 +162,12 @@ class KvStorage(Storage):
 
     def read_file(self, path: str) -> bytes:
         r = self._kv.read(self._key(path)).result()
+        if r.state != "value":
+            raise FileNotFoundError(errno.ENOENT, "no such object", path)
+        return bytes(r.value)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        r = self._kv.read(self._key(path), byte_range=slice(offset, offset + length)).result()
         if r.state != "value":
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
         return bytes(r.value)
