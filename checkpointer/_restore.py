@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
@@ -28,11 +30,12 @@ from ._errors import (
 )
 from ._format import ArrayMetadata, ValueMetadata
 from ._metadata import CheckpointMetadata, read_metadata
-from ._restore_plan import LeafRestorePlan, RestorePlan, plan_leaf
+from ._restore_plan import BoxRead, LeafRestorePlan, RestorePlan, plan_chunk_read, plan_leaf
 from ._storage import TS_CONTEXT, Storage, storage_for
 from ._tree import flatten, rebuild
 
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
+_COPIES_IN_FLIGHT = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +215,7 @@ class _Budget:
     """Bounds the bytes of reads in flight (`max_inflight_bytes`); one read always proceeds."""
 
     def __init__(self, limit: int):
-        self.limit, self.used, self.cv = limit, 0, threading.Condition()
+        self.limit, self.used, self.cv = max(1, int(limit)), 0, threading.Condition()
 
     def acquire(self, n: int) -> None:
         with self.cv:
@@ -225,50 +228,106 @@ class _Budget:
             self.cv.notify_all()
 
 
+def _slabs(b: BoxRead, meta: ArrayMetadata, limit_bytes: int) -> list[BoxRead]:
+    """Splits a box larger than `limit_bytes` into slabs along its first dimension.
+
+    Each slab is planned like a box of its own (the chunk reads clipped to it), so a
+    leaf larger than `max_inflight_bytes` is read in pieces, never refused.
+    """
+    if b.bytes_needed <= limit_bytes or not b.box.shape or b.box.shape[0] <= 1:
+        return [b]
+    row_bytes = b.bytes_needed // b.box.shape[0]
+    rows = max(1, limit_bytes // max(1, row_bytes))
+    out = []
+    for start in range(0, b.box.shape[0], rows):
+        n = min(rows, b.box.shape[0] - start)
+        slab = Box((b.box.origin[0] + start,) + b.box.origin[1:], (n,) + b.box.shape[1:])
+        reads = []
+        for r in b.reads:
+            region = r.box.intersect(slab)
+            if region is not None:
+                reads.append(plan_chunk_read(meta, r.chunk_index, region))
+        out.append(BoxRead(slab, b.device_ids, tuple(reads), slab.size * meta.dtype.itemsize))
+    return out
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _update(buf, piece, offsets):
+    return jax.lax.dynamic_update_slice(buf, piece, offsets)
+
+
+def _read_host(storage, path, meta: ArrayMetadata, b: BoxRead, store, pool) -> np.ndarray:
+    if b.box.size == 0:
+        return np.zeros(b.box.shape, meta.dtype)
+    if store is None:
+        return _read.read_box(storage, path, meta, b, pool)
+    return store[b.box.slices()].read().result()
+
+
 def _read_leaf(storage, path, meta: ArrayMetadata, lt: LeafTarget, lp: LeafRestorePlan, budget: _Budget, pidx: int, pool):
-    """Reads every unique box of one leaf; returns {box: host array} (cast if asked)."""
-    fast = _read.fast_path_supported(meta.dtype)
+    """Reads every unique box of one leaf and puts it on the devices that hold it.
+
+    Returns {device id: single-device jax.Array}, or {-1: numpy array} for a host target.
+    Host memory in use stays within the budget: a box is read, cast, put on its
+    devices and dropped before the next one; a box larger than the budget is read in
+    slabs that are written into a donated device buffer.
+    """
     store = None
-    if not fast:
+    if not _read.fast_path_supported(meta.dtype):
         try:
             store = _open_for_read(storage, path, meta).result()
         except Exception as e:
             raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path, process=pidx)}: cannot open the zarr array: {e}") from e
         _check_stored(store, meta, path)
-    pieces = {}
+    devices = {d.id: d for d in lt.sharding.addressable_devices} if lt.sharding is not None else {}
+    dtype = lt.dtype if lt.dtype is not None else meta.dtype
+    out: dict[int, object] = {}
     for b in lp.boxes:
-        budget.acquire(b.bytes_needed)
-        try:
-            if b.box.size == 0:
-                host = np.zeros(b.box.shape, meta.dtype)
-            elif fast:
-                host = _read.read_box(storage, path, meta, b, pool)
-            else:
-                host = store[b.box.slices()].read().result()
-        except CorruptCheckpointError:
-            raise
-        except Exception as e:
-            raise CorruptCheckpointError(
-                f"{where(leaf=meta.path, path=path, process=pidx)}: reading box {b.box} failed: {e}. "
-                f"Run `checkpointer verify {path}` for a full report."
-            ) from e
-        finally:
-            budget.release(b.bytes_needed)
-        pieces[b.box] = host.astype(lt.dtype) if lt.dtype is not None else host
-    return pieces
+        # A slab in flight costs up to three copies of its bytes in host memory: the
+        # file reads, the assembled host box and (on CPU) the device staging copy.
+        slabs = _slabs(b, meta, budget.limit // _COPIES_IN_FLIGHT) if lt.sharding is not None else [b]
+        bufs = None
+        for slab in slabs:
+            cost = slab.bytes_needed * _COPIES_IN_FLIGHT
+            budget.acquire(cost)
+            try:
+                host = _read_host(storage, path, meta, slab, store, pool)
+                if lt.dtype is not None:
+                    host = host.astype(lt.dtype)
+                if lt.sharding is None:
+                    out[-1] = host
+                elif len(slabs) == 1:
+                    for d in b.device_ids:
+                        out[d] = jax.device_put(host, devices[d])
+                else:
+                    if bufs is None:
+                        bufs = {d: jnp.zeros(b.box.shape, dtype, device=devices[d]) for d in b.device_ids}
+                    offsets = tuple(o - p for o, p in zip(slab.box.origin, b.box.origin))
+                    for d in b.device_ids:
+                        bufs[d] = _update(bufs[d], jax.device_put(host, devices[d]), offsets)
+                        bufs[d].block_until_ready()
+                del host
+            except CorruptCheckpointError:
+                raise
+            except Exception as e:
+                raise CorruptCheckpointError(
+                    f"{where(leaf=meta.path, path=path, process=pidx)}: reading box {slab.box} failed: {e}. "
+                    f"Run `checkpointer verify {path}` for a full report."
+                ) from e
+            finally:
+                budget.release(cost)
+        if bufs is not None:
+            out.update(bufs)
+    return out
 
 
-def _assemble(meta: ArrayMetadata, lt: LeafTarget, lp: LeafRestorePlan, pieces: dict):
+def _assemble(meta: ArrayMetadata, lt: LeafTarget, placed: dict):
     if lt.sharding is None:
-        out = pieces[lp.boxes[0].box]
-        if meta.key_impl is not None:
-            return jax.random.wrap_key_data(out, impl=meta.key_impl)
-        return out
-    box_of = {dev: b.box for b in lp.boxes for dev in b.device_ids}
-    devices = sorted(lt.sharding.addressable_devices, key=lambda d: d.id)
-    arrays = [jax.device_put(pieces[box_of[d.id]], d) for d in devices]
-    data = jax.make_array_from_single_device_arrays(meta.shape, lt.sharding, arrays)
-    return jax.random.wrap_key_data(data, impl=meta.key_impl) if meta.key_impl is not None else data
+        out = placed[-1]
+    else:
+        devices = sorted(lt.sharding.addressable_devices, key=lambda d: d.id)
+        out = jax.make_array_from_single_device_arrays(meta.shape, lt.sharding, [placed[d.id] for d in devices])
+    return jax.random.wrap_key_data(out, impl=meta.key_impl) if meta.key_impl is not None else out
 
 
 def restore(path, target=None, *, partial=False, max_inflight_bytes=None):
@@ -314,7 +373,7 @@ def restore(path, target=None, *, partial=False, max_inflight_bytes=None):
                 futures[p] = leaf_pool.submit(_read_leaf, storage, path, m, lt, lp, budget, pidx, chunk_pool)
         for p, m, lt, lp in items:
             if p in futures:
-                results[p] = _assemble(m, lt, lp, futures[p].result())
+                results[p] = _assemble(m, lt, futures[p].result())
     if tdef is None:
         return rebuild(meta.structure, lambda p: results[p], where=path)
     return jax.tree_util.tree_unflatten(tdef, [results[p] for p, _, _, _ in items])

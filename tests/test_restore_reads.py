@@ -1,0 +1,125 @@
+"""The restore planner against reality: amplification, bytes actually read, host memory."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import checkpointer as ckpt
+from checkpointer import _read
+from conftest import make_mesh
+
+N = 4096
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """Two 4096x4096 float32 leaves saved P('data','model') on 2x4, and leaves whose
+    dimensions do not divide the mesh (saved replicated along those dimensions)."""
+    path = str(tmp_path_factory.mktemp("big") / "1")
+    mesh = make_mesh((2, 4), ("data", "model"))
+    rng = np.random.default_rng(0)
+    host = {
+        "a": rng.standard_normal((N, N), dtype=np.float32),
+        "b": rng.standard_normal((N, N), dtype=np.float32),
+        "odd": rng.standard_normal((1001, 4096), dtype=np.float32),
+        "odd_cols": rng.standard_normal((4096, 1001), dtype=np.float32),
+    }
+    specs = {"a": P("data", "model"), "b": P("data", "model"), "odd": P(None, "model"), "odd_cols": P("data", None)}
+    tree = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
+    ckpt.save(path, tree)
+    return path, host
+
+
+def _targets(mesh, spec_2d, spec_odd, spec_odd_cols):
+    return {
+        "a": NamedSharding(mesh, spec_2d),
+        "b": NamedSharding(mesh, spec_2d),
+        "odd": NamedSharding(mesh, spec_odd),
+        "odd_cols": NamedSharding(mesh, spec_odd_cols),
+    }
+
+
+SUITE = {
+    "same mesh": lambda: _targets(make_mesh((2, 4), ("data", "model")), P("data", "model"), P(None, "model"), P("data", None)),
+    "2x4 -> 4x2": lambda: _targets(make_mesh((4, 2), ("data", "model")), P("data", "model"), P(None, "model"), P("data", None)),
+    "P(data,model) -> P(model,data)": lambda: _targets(
+        make_mesh((2, 4), ("data", "model")), P("model", "data"), P(None, "data"), P("model", None)
+    ),
+    "8 devices -> 4": lambda: _targets(make_mesh((4,), ("d",)), P("d"), P(None, "d"), P("d", None)),
+    "8 devices -> 1": lambda: _targets(make_mesh((1,), ("d",)), P(), P(), P()),
+    "sharded -> replicated": lambda: _targets(make_mesh((2, 4), ("data", "model")), P(), P(), P()),
+    "1-D mesh -> 2-D mesh": lambda: _targets(make_mesh((8,), ("d",)), P(None, "d"), P(None, "d"), P("d", None)),
+}
+
+
+@pytest.mark.parametrize("name", list(SUITE))
+def test_read_amplification_and_bytes_actually_read(big, name):
+    path, host = big
+    target = SUITE[name]()
+    plan = ckpt.plan_restore(path, target)
+    assert plan.read_amplification <= 1.05, str(plan)
+    for leaf in plan.leaves:
+        assert leaf.bytes_read <= 1.05 * leaf.bytes_needed, leaf.leaf_path
+    before = _read.BYTES_READ.bytes
+    out = ckpt.restore(path, target)
+    read = _read.BYTES_READ.bytes - before
+    assert abs(read - plan.bytes_read) <= 0.05 * plan.bytes_read, (read, plan.bytes_read)
+    for k, v in host.items():
+        for shard in out[k].addressable_shards[:3]:
+            np.testing.assert_array_equal(np.asarray(shard.data), v[shard.index])
+
+
+def test_each_unique_box_is_read_once_per_process(big):
+    path, _ = big
+    mesh = make_mesh((2, 4), ("data", "model"))
+    target = _targets(mesh, P("data"), P(), P())  # each box held by 4 devices
+    plan = ckpt.plan_restore(path, target)
+    a = next(leaf for leaf in plan.leaves if leaf.leaf_path == "a")
+    assert len(a.boxes) == 2 and all(len(b.device_ids) == 4 for b in a.boxes)
+    assert a.bytes_needed == N * N * 4  # not 4x: replicas are read once
+
+
+def test_box_larger_than_max_inflight_is_read_in_pieces(big):
+    path, host = big
+    mesh = make_mesh((2,), ("d",))
+    target = {"a": NamedSharding(mesh, P()), "odd": NamedSharding(mesh, P(None, "d"))}
+    out = ckpt.restore(path, target, partial=True, max_inflight_bytes=8 << 20)
+    np.testing.assert_array_equal(np.asarray(out["a"]), host["a"])
+    for shard in out["odd"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), host["odd"][shard.index])
+
+
+@pytest.mark.slow
+def test_peak_host_memory_stays_within_target_plus_inflight(tmp_path):
+    """Restore 256 MiB onto one device with 32 MiB in flight, in a fresh process."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    ckpt.save(str(tmp_path / "big"), {"w": jax.device_put(np.ones((8192, 8192), np.float32), NamedSharding(mesh, P("data", "model")))})
+    ckpt.save(str(tmp_path / "small"), {"w": np.ones((64, 64), np.float32)})
+    code = textwrap.dedent(
+        f"""
+        import resource, jax, psutil, checkpointer as ckpt
+        from jax.sharding import SingleDeviceSharding
+        dev = SingleDeviceSharding(jax.devices()[0])
+        # Warm up: compile the slab update once, so only the restore is measured.
+        jax.block_until_ready(ckpt.restore({str(tmp_path / "small")!r}, {{"w": dev}}, max_inflight_bytes=3000))
+        base = max(psutil.Process().memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        out = ckpt.restore({str(tmp_path / "big")!r}, {{"w": dev}}, max_inflight_bytes=32 << 20)
+        jax.block_until_ready(out)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        print((peak - base) >> 20, float(out["w"].sum()))
+        """
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rise_mib, total = res.stdout.split()
+    assert float(total) == 8192 * 8192
+    # target 256 MiB + 32 MiB in flight + a constant (allocator arenas, thread stacks)
+    assert int(rise_mib) <= 256 + 32 + 96, res.stdout
