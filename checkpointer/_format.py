@@ -38,8 +38,10 @@ MAX_ARRAY_BYTES = 1 << 50
 MAX_RANK = 32
 MAX_MANIFEST_BYTES = 1 << 30
 
-# Inner chunks aim at this size; see `inner_chunk_shape`.
+# Inner chunks aim at 1/16 of the chunk within these bounds; see `inner_chunk_shape`.
 INNER_CHUNK_TARGET_BYTES = 1 << 20
+INNER_CHUNK_MIN_BYTES = 16 << 10
+INNER_CHUNKS_PER_CHUNK = 16
 MAX_SPLIT_FACTOR = 7
 
 _PARTIAL_RE = re.compile(r"(?P<name>.+)\.partial-(?P<generation>[0-9a-z-]+)")
@@ -100,26 +102,35 @@ def _smallest_prime_factor(n: int) -> int:
     return n
 
 
-def inner_chunk_shape(chunk_shape: Sequence[int], itemsize: int, target_bytes: int = INNER_CHUNK_TARGET_BYTES) -> tuple[int, ...]:
+def inner_chunk_target_bytes(chunk_bytes: int) -> int:
+    """The inner chunk size to aim for: 1/16 of the chunk, clamped to [16 KiB, 1 MiB]."""
+    return min(INNER_CHUNK_TARGET_BYTES, max(INNER_CHUNK_MIN_BYTES, chunk_bytes // INNER_CHUNKS_PER_CHUNK))
+
+
+def inner_chunk_shape(chunk_shape: Sequence[int], itemsize: int, target_bytes: int | None = None) -> tuple[int, ...]:
     """Chooses the inner chunk shape of a zarr shard file.
 
     Rule: start from the chunk (= saved shard) shape and, while the inner chunk is larger
-    than `target_bytes`, divide its longest divisible dimension by that dimension's
-    smallest prime factor (2 whenever the size is even), considering only dimensions
-    whose smallest prime factor is at most 7: a dimension whose size has only large
-    prime factors (1021) stays whole, so such a chunk may stay above the target. The result always divides the
-    chunk shape (the `sharding_indexed` codec requires it), and for power-of-two shapes it
-    is a power-of-two fraction of the chunk along the longest axes, so a target shard
-    obtained by splitting or merging saved shards along mesh axes of power-of-two sizes
-    is a union of whole inner chunks: such reshardings read no extra bytes.
+    than the target (default `inner_chunk_target_bytes`: 1/16 of the chunk, at least
+    16 KiB, at most 1 MiB), divide its longest dimension by that dimension's smallest
+    prime factor (2 whenever the size is even), considering only dimensions whose
+    smallest prime factor is at most 7: a dimension whose size has only large prime
+    factors (1021) stays whole, so such a chunk may stay above the target. The result
+    always divides the chunk shape (the `sharding_indexed` codec requires it). For
+    power-of-two shapes the chunk is cut into about 16 inner chunks along its longest
+    axes, so a target shard obtained by splitting saved shards up to 4 ways along two
+    axes (or 16 along one), or by merging them, is a union of whole inner chunks: such
+    reshardings read only the zarr shard files' indexes beyond the data.
 
     Args:
       chunk_shape: the chunk (saved shard) shape, elements per dimension.
       itemsize: bytes per element.
-      target_bytes: the size inner chunks should not exceed, bytes.
+      target_bytes: override of the size inner chunks should not exceed, bytes.
     Returns:
       The inner chunk shape, same rank as `chunk_shape`.
     """
+    if target_bytes is None:
+        target_bytes = inner_chunk_target_bytes(math.prod(max(1, c) for c in chunk_shape) * itemsize)
     inner = [max(1, c) for c in chunk_shape]
     while math.prod(inner) * itemsize > target_bytes:
         # Split only by small primes: a size like 1021 (prime) stays whole rather

@@ -105,8 +105,7 @@ def plan_leaf_write(
     """
     shape = tuple(shape)
     chunk = chunk_shape_for(shape, shard_shape)
-    kw = {} if inner_target_bytes is None else {"target_bytes": inner_target_bytes}
-    inner = inner_chunk_shape(chunk, itemsize, **kw)
+    inner = inner_chunk_shape(chunk, itemsize, inner_target_bytes)
     writes: dict[tuple[int, ...], ChunkWrite] = {}
     for s in shards:
         if s.process_index != process_index or s.replica_id != 0 or s.box.size == 0:

@@ -57,7 +57,22 @@ def _id(obj):
         ((3, 1 << 20), 4, (3, 1 << 16)),  # the 3 is never the longest: power-of-two axis halved
     ],
 )
-def test_inner_chunk_shape_examples(chunk, itemsize, expected):
+def test_inner_chunk_shape_examples_with_1mib_target(chunk, itemsize, expected):
+    assert inner_chunk_shape(chunk, itemsize, target_bytes=1 << 20) == expected
+
+
+@pytest.mark.parametrize(
+    "chunk, itemsize, expected",
+    [
+        # Default target: chunk/16, clamped to [16 KiB, 1 MiB].
+        ((2048, 1024), 4, (256, 512)),  # 8 MiB chunk -> 512 KiB inner chunks (16 of them)
+        ((4096, 4096), 4, (512, 512)),  # 64 MiB chunk -> capped at 1 MiB
+        ((512, 128), 4, (64, 64)),  # 256 KiB chunk -> 16 KiB inner chunks
+        ((64, 64), 4, (64, 64)),  # 16 KiB chunk: at the floor, whole
+        ((100,), 4, (100,)),
+    ],
+)
+def test_inner_chunk_shape_default_target(chunk, itemsize, expected):
     assert inner_chunk_shape(chunk, itemsize) == expected
 
 
@@ -81,7 +96,7 @@ def test_inner_chunk_shape_explicit_target():
     ],
 )
 def test_inner_chunk_shape_leaves_prime_dimensions_whole(chunk, expected):
-    assert inner_chunk_shape(chunk, 4) == expected
+    assert inner_chunk_shape(chunk, 4, target_bytes=1 << 20) == expected
 
 
 _dims = st.one_of(st.integers(0, 5000), st.sampled_from([1 << k for k in range(14)]), st.sampled_from([1021, 4099, 6144, 3 * 1024]))

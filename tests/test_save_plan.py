@@ -180,10 +180,11 @@ def test_chunk_shape_is_the_shard_shape(shape, shard_shape):
 
 def test_inner_chunk_shape_of_a_large_shard():
     # (2048, 1024) float32 = 8 MiB; halving the longest axis (dim 0 on ties) down to
-    # the 1 MiB target: (1024, 1024) -> (512, 1024) -> (512, 512).
+    # the default target of 8 MiB / 16 = 512 KiB: (1024, 1024) -> (512, 1024) ->
+    # (512, 512) -> (256, 512).
     shards = [ShardInfo(Box((0, 0), (2048, 1024)), 0, 0, 0)]
     plan = plan_leaf_write("w", (4096, 4096), 4, (2048, 1024), shards, 0)
-    assert plan.inner_chunk_shape == (512, 512)
+    assert plan.inner_chunk_shape == (256, 512)
 
 
 def test_inner_target_bytes_override():
