@@ -17,19 +17,26 @@ class AsyncSave:
     this handle), and the commit, which `wait()` waits for.
     """
 
-    def __init__(self, snap: Snapshot, *, on_finish: Callable[["AsyncSave"], None] | None = None):
+    def __init__(
+        self,
+        snap: Snapshot,
+        *,
+        on_finish: Callable[["AsyncSave"], None] | None = None,
+        after_publish: Callable[[], None] | None = None,
+    ):
         self.snapshot = snap
         self.path = snap.path
         self.error: BaseException | None = None
         self.started_s = time.monotonic()
         self.finished_s: float | None = None
         self._on_finish = on_finish
+        self._after_publish = after_publish
         self._thread = threading.Thread(target=self._run, name=f"checkpointer-save-{snap.generation}", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            run_background(self.snapshot)
+            run_background(self.snapshot, self._after_publish)
         except BaseException as e:  # surfaced by wait()
             self.error = e
         finally:

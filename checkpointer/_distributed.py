@@ -104,6 +104,24 @@ class Coordinator:
             "save for this step and is alive, or raise commit_timeout_s."
         )
 
+    def wait_all_reported(self, timeout_s: float) -> list[int]:
+        """Process 0, after a failure: waits until every process has reported (ok or
+        error) so no one is still writing into the partial folder; returns the
+        processes still silent at the deadline."""
+        if self._client is None:
+            return []
+        deadline = time.monotonic() + timeout_s
+        prefix = self._key("done") + "/"
+        while True:
+            try:
+                done = {int(k.rsplit("/", 1)[1]) for k, _ in self._client.key_value_dir_get(prefix)}
+            except Exception:
+                done = set()
+            silent = [i for i in range(self.process_count) if i not in done]
+            if not silent or time.monotonic() >= deadline:
+                return silent
+            time.sleep(0.05)
+
     def announce_commit(self, outcome: str) -> None:
         """Process 0: tells the others the outcome (`"ok"` or an error message)."""
         if self._client is not None:

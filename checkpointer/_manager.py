@@ -169,12 +169,6 @@ class CheckpointManager:
                 self._pending_error = handle.error
                 self._last_error = f"step {step}: {type(handle.error).__name__}: {handle.error}"
                 log.error("checkpoint of step %d failed: %s", step, handle.error)
-                return
-        if self._is_primary:
-            try:
-                self._apply_retention(protect={step})
-            except Exception as e:  # retention failures must not lose the commit
-                log.warning("retention after step %d failed: %s", step, e)
 
     # --- save ---------------------------------------------------------------------------
 
@@ -228,7 +222,7 @@ class CheckpointManager:
             if metrics:
                 self._metrics_cache[step] = dict(metrics)
         if self.async_save:
-            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h))
+            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), after_publish=self._retention_after(step))
             with self._mu:
                 self._in_flight.append((step, handle))
         else:
@@ -238,15 +232,17 @@ class CheckpointManager:
     def _run_sync(self, step: int, snap: Snapshot) -> None:
         t0 = time.perf_counter()
         try:
-            run_background(snap)
+            run_background(snap, self._retention_after(step))
         except BaseException as e:
             with self._mu:
                 self._last_error = f"step {step}: {type(e).__name__}: {e}"
             raise
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
-        if self._is_primary:
-            self._apply_retention(protect={step})
+
+    def _retention_after(self, step: int):
+        """The callback process 0 runs after committing `step`, before telling the others."""
+        return (lambda: self._apply_retention(protect={step})) if self._is_primary else None
 
     def _wait_for_room(self) -> None:
         while True:
@@ -363,6 +359,23 @@ class CheckpointManager:
                 last_write_s=self._last["write_s"],
                 last_commit_s=self._last["commit_s"],
             )
+
+    def drill(self, mesh_shape=None, *, axis_names=None):
+        """The restore drill: restore the newest committed step onto a scratch mesh of the
+        local devices (or `mesh_shape`), verify every checksum, and time it.
+
+        Returns:
+          A `DrillReport` (restore_s, verify_s, bytes_read, bytes_needed,
+          read_amplification, step, ok, problems).
+        Raises:
+          CheckpointNotFoundError: no committed step.
+          ValueError: fewer local devices than `mesh_shape` needs.
+
+        Multi-process: any process may call it alone; it uses local devices only.
+        """
+        from ._drill import drill
+
+        return drill(self.directory, mesh_shape, axis_names=axis_names)
 
     def recommend_interval(self, mtbf_s: float) -> float:
         """The checkpoint interval that minimises expected lost time, in seconds.

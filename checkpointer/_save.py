@@ -19,9 +19,10 @@ import itertools
 import logging
 import math
 import os
+import threading
 import time
 import uuid
-from typing import Mapping
+from typing import Callable, Mapping
 
 import crc32c
 import jax
@@ -30,7 +31,7 @@ import tensorstore as ts
 
 from . import _distributed, _format
 from ._box import Box
-from ._errors import CheckpointExistsError, SaveError, UnsupportedValueError, where
+from ._errors import CheckpointExistsError, CommitTimeoutError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
 from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
 from ._storage import TS_CONTEXT, Storage, storage_for
@@ -336,8 +337,12 @@ def _library_version() -> str:
     return __version__
 
 
-def commit(snap: Snapshot, record: dict) -> None:
+def commit(snap: Snapshot, record: dict, after_publish: Callable[[], None] | None = None) -> None:
     """Runs the commit protocol; returns once the checkpoint is committed on every process.
+
+    `after_publish` runs on process 0 after the commit and before the other processes
+    are told (the manager's retention), so when `save` returns anywhere, retention of
+    that step is done too. Its errors are logged, never raised: the commit stands.
 
     Raises:
       CommitTimeoutError, SaveError: nothing was committed.
@@ -356,6 +361,11 @@ def commit(snap: Snapshot, record: dict) -> None:
     except BaseException as e:
         coord.announce_commit(f"{type(e).__name__}: {e}")
         raise
+    if after_publish is not None:
+        try:
+            after_publish()
+        except Exception as e:  # retention failures must not undo a commit
+            log.warning("after committing %s: %s", snap.path, e)
     coord.announce_commit("ok")
     snap.commit_s = time.perf_counter() - t0
 
@@ -390,13 +400,33 @@ def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
         raise SaveError(f"committing {final} failed (process {snap.process_index}): {e}") from e
 
 
-def abort(snap: Snapshot) -> None:
-    """Best-effort removal of this save's partial folder after a failure (process 0)."""
-    if snap.process_index == 0 and snap.storage.supports_rename:
+def abort(snap: Snapshot, coord: _distributed.Coordinator, *, timed_out: bool = False) -> None:
+    """Best-effort removal of this save's partial folder after a failure (process 0).
+
+    With several processes, the removal waits on a daemon thread until every process
+    has reported (ok or error, up to the commit timeout), so that no one is still
+    writing into the folder it removes, while the error reaches the caller at once. A
+    process that never reports leaves the folder to garbage collection, unless the
+    failure itself was the commit timeout (`timed_out`): processes silent for that long
+    are taken for dead and the folder is removed at once.
+    """
+    if snap.process_index != 0 or not snap.storage.supports_rename:
+        return
+
+    def remove() -> None:
+        silent = [] if timed_out else coord.wait_all_reported(snap.commit_timeout_s)
+        if silent:
+            log.warning("processes %s never reported; leaving %s for garbage collection", silent, snap.partial_path)
+            return
         try:
             snap.storage.delete_tree(snap.partial_path)
         except OSError:
             log.warning("could not remove %s after a failed save", snap.partial_path)
+
+    if snap.process_count == 1 or timed_out:
+        remove()
+    else:
+        threading.Thread(target=remove, name=f"checkpointer-abort-{snap.generation}", daemon=True).start()
 
 
 def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S) -> Snapshot:
@@ -406,19 +436,19 @@ def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_t
     return snap
 
 
-def run_background(snap: Snapshot) -> None:
+def run_background(snap: Snapshot, after_publish: Callable[[], None] | None = None) -> None:
     """write_snapshot then commit; on failure tells the others, cleans up, re-raises."""
     coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
     try:
         record = write_snapshot(snap)
     except BaseException as e:
         coord.report_error(f"{type(e).__name__}: {e}")
-        abort(snap)
+        abort(snap, coord)
         raise
     try:
-        commit(snap, record)
-    except BaseException:
-        abort(snap)
+        commit(snap, record, after_publish)
+    except BaseException as e:
+        abort(snap, coord, timed_out=isinstance(e, CommitTimeoutError))
         raise
     finally:
         for leaf in snap.arrays:
