@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 from ._api import save, save_async
 from ._async import AsyncSave
+from ._drill import DrillReport
 from ._box import Box
 from ._errors import (
     CheckpointError,
@@ -35,7 +36,7 @@ from ._verify import VerifyReport, verify
 
 __all__ = [
     "save", "save_async", "restore", "metadata", "plan_restore", "verify", "VerifyReport",
-    "AsyncSave", "CheckpointManager", "ManagerStatus",
+    "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",
     "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "Box",

@@ -1,0 +1,804 @@
+"""The `checkpointer` command line: ls, inspect, plan, verify, gc, drill.
+
+Every subcommand prints readable tables (rich) or, with `--json`, one JSON document on
+stdout. Errors are one line on stderr, `checkpointer: error: ...`, with exit status 2
+for usage errors and missing checkpoints, 1 for failed verifications, drills and other
+failures, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Sequence
+
+from . import _directory, _drill
+from ._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    DTypeMismatchError,
+    InvalidTargetError,
+    ShapeMismatchError,
+    StructureMismatchError,
+)
+from ._storage import LocalStorage, Storage, storage_for
+
+PROG = "checkpointer"
+
+_SPEC_RULE = """\
+Default target per leaf: each entry of the leaf's saved PartitionSpec is kept when every
+mesh axis it names exists in the new mesh and the product of those axes' sizes divides
+that dimension; otherwise that dimension is replicated (None). Leaves saved without a
+named sharding (one device, a host numpy array) are replicated.
+
+--spec GLOB=SPEC overrides the default for every leaf whose path matches GLOB (fnmatch
+on leaf paths as `inspect` prints them; the last matching --spec wins). SPEC is one
+entry per dimension, comma-separated: a mesh axis name, several joined with '+' for one
+dimension, or 'none' / empty for None. Examples: 'params/*=data,model',
+'opt_state/*=data+model,none', 'step=' (replicated)."""
+
+
+class UsageError(Exception):
+    """A bad command line (exit status 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with errors raised (one line) instead of printed with the usage."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+# --- formatting -------------------------------------------------------------------------------
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60}m"
+    return f"{s // 86400}d {s % 86400 // 3600}h"
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _spec_str(spec) -> str:
+    parts = [repr(e) if not isinstance(e, tuple) else "(" + ", ".join(repr(a) for a in e) + ")" for e in spec]
+    return f"P({', '.join(parts)})"
+
+
+def _spec_json(spec) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def _metrics_str(metrics: dict) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+
+def _json_value(v: object) -> object:
+    if v is None or isinstance(v, (bool, str)) or isinstance(v, int):
+        return v
+    if isinstance(v, float) and math.isfinite(v):
+        return v
+    return repr(v)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    if isinstance(e, (CheckpointError, UsageError)):
+        return text or type(e).__name__
+    if isinstance(e, OSError):
+        return f"{type(e).__name__}: {text}"
+    return f"internal error: {type(e).__name__}: {text} (rerun with --traceback for details)"
+
+
+def _exit_code(e: BaseException) -> int:
+    usage = (UsageError, FileNotFoundError, NotADirectoryError, InvalidTargetError, ShapeMismatchError,
+             DTypeMismatchError, StructureMismatchError)
+    return 2 if isinstance(e, usage) else 1
+
+
+class _UI:
+    """Where output goes: rich consoles on stdout/stderr, or JSON on stdout."""
+
+    def __init__(self, json_mode: bool):
+        from rich.console import Console
+
+        self.json_mode = json_mode
+        out = Console(file=sys.stdout, highlight=False, soft_wrap=False)
+        if not out.is_terminal and "COLUMNS" not in os.environ:
+            out = Console(file=sys.stdout, highlight=False, soft_wrap=False, width=200)
+        self.out = out
+        self.err = Console(file=sys.stderr, highlight=False)
+
+    def json(self, obj: object) -> None:
+        sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+    def line(self, text: str = "", style: str | None = None) -> None:
+        from rich.text import Text
+
+        self._print(Text(text, style=style or ""))
+
+    def _print(self, renderable) -> None:
+        if self.out.is_terminal:
+            self.out.print(renderable)
+            return
+        with self.out.capture() as cap:  # plain text: no padding at line ends
+            self.out.print(renderable)
+        sys.stdout.write("".join(line.rstrip() + "\n" for line in cap.get().splitlines()))
+
+    def table(self, columns: Sequence[str], rows: Sequence[Sequence[object]], *, right: Sequence[str] = (),
+              title: str | None = None, footer: Sequence[object] | None = None) -> None:
+        from rich import box
+        from rich.table import Table
+        from rich.text import Text
+
+        t = Table(box=box.SIMPLE, title=title, title_justify="left", show_footer=footer is not None, show_edge=False,
+                  pad_edge=False)
+        for i, c in enumerate(columns):
+            t.add_column(c, justify="right" if c in right else "left", no_wrap=True,
+                         footer=Text(str(footer[i])) if footer is not None else "")
+        for r in rows:
+            t.add_row(*(Text(str(x)) for x in r))
+        self._print(t)
+
+    def fields(self, pairs: Sequence[tuple[str, object]]) -> None:
+        from rich.table import Table
+        from rich.text import Text
+
+        t = Table.grid(padding=(0, 2))
+        t.add_column(style="bold", no_wrap=True)
+        t.add_column()
+        for k, v in pairs:
+            t.add_row(Text(k), Text(str(v)))
+        self._print(t)
+
+
+@contextlib.contextmanager
+def _quiet_library_logs():
+    """Keeps the library's log records off stderr (Python's last-resort handler); the
+    commands print what happened themselves."""
+    logger = logging.getLogger("checkpointer")
+    handler = logging.NullHandler()
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+# --- shared helpers ---------------------------------------------------------------------------
+
+
+def _open_dir(location: str) -> tuple[Storage, str]:
+    storage, directory = storage_for(location)
+    if isinstance(storage, LocalStorage) and not os.path.isdir(directory):
+        raise CheckpointNotFoundError(f"{directory} is not a directory")
+    return storage, directory
+
+
+def _lock_holder(storage: Storage, directory: str) -> str | None:
+    """Who holds the directory lock of a running CheckpointManager, or None (POSIX only)."""
+    if not isinstance(storage, LocalStorage):
+        return None
+    import fcntl
+
+    from ._manager import LOCK_NAME
+
+    try:
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        return holder or "unknown holder"
+    finally:
+        os.close(fd)  # also drops a shared lock we took
+    return None
+
+
+def _metadata(location: str):
+    """`ckpt.metadata`, with a hint when `location` is a directory of steps."""
+    from ._metadata import read_metadata
+
+    storage, path = storage_for(location)
+    try:
+        return read_metadata(storage, path)
+    except CheckpointNotFoundError as e:
+        steps = _directory.committed_steps(storage, path)
+        if steps:
+            raise CheckpointNotFoundError(
+                f"{path} is a directory of steps (committed: {', '.join(map(str, steps[-5:]))}), not a checkpoint; "
+                f"give one step, e.g. {path}/{steps[-1]}"
+            ) from e
+        raise
+
+
+def _parse_mesh(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(s) for s in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(s < 1 for s in shape):
+        raise UsageError(f"--mesh {text!r}: give axis sizes >= 1 joined by 'x', e.g. 4x2 or 8")
+    return shape
+
+
+def _parse_axes(text: str | None, rank: int) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    names = tuple(a.strip() for a in text.split(","))
+    if len(names) != rank or not all(names) or len(set(names)) != len(names):
+        raise UsageError(f"--axes {text!r}: give {rank} distinct comma-separated names, one per mesh axis")
+    return names
+
+
+def _parse_spec(text: str, mesh) -> tuple[str, object]:
+    from jax.sharding import PartitionSpec as P
+
+    glob, eq, spec = text.partition("=")
+    if not eq or not glob:
+        raise UsageError(f"--spec {text!r}: expected LEAF_GLOB=SPEC, e.g. 'params/*=data,model'")
+    entries: list = []
+    used: list[str] = []
+    for raw in spec.split(",") if spec.strip() else []:
+        raw = raw.strip()
+        if raw.lower() in ("", "none"):
+            entries.append(None)
+            continue
+        names = tuple(n.strip() for n in raw.split("+"))
+        for n in names:
+            if n not in mesh.axis_names:
+                raise UsageError(f"--spec {text!r}: the mesh has no axis {n!r} (axes: {', '.join(mesh.axis_names)})")
+            if n in used:
+                raise UsageError(f"--spec {text!r}: mesh axis {n!r} is used twice")
+            used.append(n)
+        entries.append(names[0] if len(names) == 1 else names)
+    return glob, P(*entries)
+
+
+def _build_mesh(args, meta):
+    shape = _parse_mesh(args.mesh)
+    axes = _parse_axes(args.axes, len(shape)) or _drill.default_axis_names(meta, len(shape))
+    try:
+        return _drill.scratch_mesh(shape, axes)
+    except _drill.MeshError as e:
+        raise UsageError(str(e)) from e
+
+
+def _mesh_str(mesh) -> str:
+    return " x ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
+
+
+# --- ls ---------------------------------------------------------------------------------------
+
+
+def _folder_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except FileNotFoundError:  # removed while we walk (a save or gc at work)
+                pass
+    return total
+
+
+def _generation_time(generation: str | None) -> float | None:
+    try:
+        t = datetime.datetime.strptime(generation[:14], "%Y%m%d%H%M%S")
+    except (TypeError, ValueError):
+        return None
+    return t.replace(tzinfo=datetime.timezone.utc).timestamp()
+
+
+def _state(e: _directory.StepEntry, committed: set[int]) -> str:
+    if ".deleting-" in e.name:
+        return "deleting"
+    if e.generation is None:
+        return "committed" if e.committed else "no marker"
+    if e.committed:
+        return "committed, not renamed" if e.step not in committed else "superseded"
+    return "partial"
+
+
+def _cmd_ls(args, ui: _UI) -> int:
+    from ._metadata import read_metadata
+
+    storage, directory = _open_dir(args.directory)
+    found = _directory.entries(storage, directory)
+    if not found and storage.exists(f"{directory}/COMMITTED"):
+        raise UsageError(f"{directory} is one checkpoint, not a directory of steps: use `{PROG} inspect {directory}`")
+    committed = set(_directory.committed_steps(storage, directory))
+    now = time.time()
+    rows = []
+    for e in found:
+        state = _state(e, committed)
+        row = {"step": e.step, "folder": e.name, "state": state, "committed": state == "committed",
+               "size_bytes": None, "created_unix_s": None, "age_s": None, "metrics": {}, "note": None}
+        if e.committed:
+            try:
+                meta = read_metadata(storage, f"{directory}/{e.name}")
+                row["created_unix_s"] = meta.created_unix_s or None
+                metrics = meta.user_metadata.get("metrics", {})
+                row["metrics"] = {k: _json_value(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
+                if not isinstance(storage, LocalStorage):
+                    row["size_bytes"] = sum(meta.process_bytes_written)
+            except CheckpointError as err:
+                row["note"] = "manifest unreadable: " + " ".join(str(err).split())
+        if row["created_unix_s"] is None:
+            row["created_unix_s"] = _generation_time(e.generation)
+        if isinstance(storage, LocalStorage):
+            folder = os.path.join(directory, e.name)
+            row["size_bytes"] = _folder_bytes(folder)
+            if row["created_unix_s"] is None:
+                with contextlib.suppress(OSError):
+                    row["created_unix_s"] = os.stat(folder).st_mtime
+        if row["created_unix_s"] is not None:
+            row["age_s"] = max(0.0, now - row["created_unix_s"])
+        rows.append(row)
+    holder = _lock_holder(storage, directory)
+    if ui.json_mode:
+        ui.json({"directory": directory, "manager": holder, "steps": rows})
+        return 0
+    if not rows:
+        ui.line(f"no step folders in {directory}")
+        return 0
+    ui.table(
+        ["step", "state", "size", "age", "metrics", "folder"],
+        [(r["step"], r["state"] + (f" ({r['note']})" if r["note"] else ""), _human_bytes(r["size_bytes"]), _age(r["age_s"]),
+          _metrics_str(r["metrics"]) or "-", r["folder"]) for r in rows],
+        right=["step", "size", "age"], title=f"{directory}",
+    )
+    n_partial = sum(1 for r in rows if r["state"] == "partial")
+    n_other = len(rows) - n_partial - len(committed)
+    summary = f"{len(committed)} committed, {n_partial} partial" + (f", {n_other} other" if n_other else "")
+    ui.line(summary + ".")
+    if any(r["state"] == "no marker" for r in rows):
+        ui.line("Folders without a commit marker are not checkpoints (on object stores: a save in flight or a crashed "
+                "one); gc leaves them alone.")
+    if holder:
+        ui.line(f"A CheckpointManager holds this directory ({holder}): partial folders may be saves in flight.")
+    elif n_partial:
+        ui.line(f"No manager holds this directory: partial folders are crashed saves; `{PROG} gc {args.directory}` removes them.")
+    return 0
+
+
+# --- inspect ----------------------------------------------------------------------------------
+
+
+def _cmd_inspect(args, ui: _UI) -> int:
+    from ._format import ArrayMetadata
+
+    meta = _metadata(args.path)
+    leaves = []
+    for p, m in meta.leaves.items():
+        if isinstance(m, ArrayMetadata):
+            leaves.append({
+                "path": p, "type": "array", "shape": list(m.shape), "dtype": str(m.dtype), "key_impl": m.key_impl,
+                "kind": m.kind,
+                "saved_sharding": m.saved_sharding.describe() if m.saved_sharding else None,
+                "saved_spec": _spec_json(m.saved_sharding.spec) if m.saved_sharding and m.saved_sharding.kind == "named" else None,
+                "chunk_shape": list(m.chunk_shape), "inner_chunk_shape": list(m.inner_chunk_shape), "bytes": m.nbytes,
+            })
+        else:
+            leaves.append({"path": p, "type": "value", "value_type": type(m.value).__name__, "value": _json_value(m.value)})
+    info = {
+        "path": meta.path, "step": meta.step, "format_version": meta.format_version, "process_count": meta.process_count,
+        "created_unix_s": meta.created_unix_s, "library_version": meta.library_version, "jax_version": meta.jax_version,
+        "user_metadata": meta.user_metadata, "total_bytes": meta.total_bytes, "leaves": leaves,
+    }
+    if ui.json_mode:
+        ui.json(info)
+        return 0
+    created = datetime.datetime.fromtimestamp(meta.created_unix_s, datetime.timezone.utc) if meta.created_unix_s else None
+    n_arrays = sum(1 for leaf in leaves if leaf["type"] == "array")
+    ui.fields([
+        ("path", meta.path),
+        ("step", meta.step if meta.step is not None else "-"),
+        ("created", f"{created:%Y-%m-%d %H:%M:%S} UTC ({_age(time.time() - meta.created_unix_s)} ago)" if created else "-"),
+        ("processes", meta.process_count),
+        ("versions", f"format {meta.format_version}, checkpointer {meta.library_version or '?'}, jax {meta.jax_version or '?'}"),
+        ("leaves", f"{n_arrays} array{'s' * (n_arrays != 1)}, {len(leaves) - n_arrays} value{'s' * (len(leaves) - n_arrays != 1)}"),
+        ("total bytes", f"{meta.total_bytes} ({_human_bytes(meta.total_bytes)})"),
+        ("user metadata", json.dumps(meta.user_metadata, sort_keys=True) if meta.user_metadata else "-"),
+    ])
+    rows = []
+    for leaf in leaves:
+        name = leaf["path"] or "<root>"
+        if leaf["type"] == "array":
+            dtype = leaf["dtype"] + (f" (key<{leaf['key_impl']}>)" if leaf["key_impl"] else "")
+            sharding = leaf["saved_sharding"] or "host numpy array"
+            rows.append((name, _shape(leaf["shape"]), dtype, sharding, _shape(leaf["chunk_shape"]),
+                         _shape(leaf["inner_chunk_shape"]), leaf["bytes"]))
+        else:
+            value = repr(meta.leaves[leaf["path"]].value)
+            value = value if len(value) <= 40 else value[:37] + "..."
+            rows.append((name, "-", leaf["value_type"], f"value {value}", "-", "-", "-"))
+    ui.table(["leaf", "shape", "dtype", "saved sharding", "chunk", "inner chunk", "bytes"], rows, right=["bytes"],
+             footer=["total", "", "", "", "", "", meta.total_bytes])
+    return 0
+
+
+# --- plan -------------------------------------------------------------------------------------
+
+
+def _emulated_plan(path: str, meta, mesh, specs: dict, processes: int, process_index: int):
+    """The plan of `process_index` as if the mesh's devices were spread over `processes`
+    processes in mesh order (consecutive blocks of devices per process)."""
+    from jax.sharding import NamedSharding
+
+    from ._box import Box
+    from ._restore_plan import RestorePlan, plan_leaf
+
+    per = mesh.devices.size // processes
+    process_of = {d.id: i // per for i, d in enumerate(mesh.devices.flat)}
+    leaves = []
+    for p, m in meta.arrays.items():
+        shape = _drill.target_shape(m)
+        sharding = NamedSharding(mesh, specs[p])
+        try:
+            indices = sharding.devices_indices_map(shape)
+        except ValueError as e:
+            raise InvalidTargetError(f"leaf {p!r}: the target sharding {specs[p]} does not fit shape {shape}: {e}") from e
+        tail = m.shape[len(shape):]
+        boxes = []
+        for d, index in indices.items():
+            if process_of[d.id] == process_index:
+                b = Box.from_index(index, shape)
+                boxes.append((d.id, Box(b.origin + (0,) * len(tail), b.shape + tail)))
+        leaves.append(plan_leaf(m, boxes))
+    return RestorePlan(path, process_index, tuple(leaves))
+
+
+def _cmd_plan(args, ui: _UI) -> int:
+    import jax
+    from jax.sharding import NamedSharding
+
+    from ._restore import plan_restore
+
+    meta = _metadata(args.path)
+    mesh = _build_mesh(args, meta)
+    overrides = [_parse_spec(s, mesh) for s in args.spec]
+    try:
+        specs = _drill.target_specs(meta, mesh, overrides)
+    except ValueError as e:
+        raise UsageError(f"--spec: {e}") from e
+    processes = args.processes
+    pidx = args.process_index
+    if processes is None:
+        processes = jax.process_count()
+        pidx = jax.process_index() if pidx is None else pidx
+        if not 0 <= pidx < processes:
+            raise UsageError(
+                f"--process-index {pidx}: this command runs as {processes} process(es); add --processes P to plan "
+                "as if the mesh's devices were spread over P processes"
+            )
+        target = _drill.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
+        plan = plan_restore(meta.path, target, process_index=pidx)
+    else:
+        pidx = 0 if pidx is None else pidx
+        if processes < 1 or mesh.devices.size % processes:
+            raise UsageError(f"--processes {processes} must divide the mesh's {mesh.devices.size} devices")
+        if not 0 <= pidx < processes:
+            raise UsageError(f"--process-index {pidx} must be in [0, {processes})")
+        plan = _emulated_plan(meta.path, meta, mesh, specs, processes, pidx)
+
+    leaves = []
+    for leaf in plan.leaves:
+        leaves.append({
+            "leaf": leaf.leaf_path, "shape": list(leaf.shape), "dtype": str(leaf.dtype),
+            "target_spec": _spec_json(specs[leaf.leaf_path]),
+            "boxes": len(leaf.boxes), "chunks": sum(len(b.reads) for b in leaf.boxes),
+            "inner_chunks": sum(r.inner_chunks for b in leaf.boxes for r in b.reads),
+            "bytes_needed": leaf.bytes_needed, "bytes_read": leaf.bytes_read,
+            "read_amplification": leaf.bytes_read / leaf.bytes_needed if leaf.bytes_needed else 1.0,
+        })
+    if ui.json_mode:
+        ui.json({
+            "path": meta.path, "mesh": {"shape": list(mesh.devices.shape), "axis_names": list(mesh.axis_names)},
+            "process_index": pidx, "process_count": processes, "leaves": leaves,
+            "chunks": len(plan.reads), "bytes_needed": plan.bytes_needed, "bytes_read": plan.bytes_read,
+            "read_amplification": plan.read_amplification,
+        })
+        return 0
+    ui.line(f"restore plan for {meta.path}")
+    ui.line(f"target mesh {_mesh_str(mesh)} ({mesh.devices.size} devices), process {pidx} of {processes}")
+    ui.table(
+        ["leaf", "target", "boxes", "chunks", "needed", "read", "amplification"],
+        [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _human_bytes(r["bytes_needed"]),
+          _human_bytes(r["bytes_read"]), f"{r['read_amplification']:.3f}") for r in leaves],
+        right=["boxes", "chunks", "needed", "read", "amplification"],
+        footer=["total", "", sum(r["boxes"] for r in leaves), len(plan.reads), _human_bytes(plan.bytes_needed),
+                _human_bytes(plan.bytes_read), f"{plan.read_amplification:.3f}"],
+    )
+    ui.line(f"{plan.bytes_read} bytes read for {plan.bytes_needed} bytes needed: read amplification {plan.read_amplification:.3f}")
+    return 0
+
+
+# --- verify -----------------------------------------------------------------------------------
+
+
+def _cmd_verify(args, ui: _UI) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ._verify import verify
+
+    _metadata(args.path)  # a clear error (with the directory hint) before the progress bar
+    progress = Progress(TextColumn("verifying"), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"),
+                        TimeElapsedColumn(), console=ui.err, transient=True,
+                        disable=ui.json_mode or not ui.err.is_terminal)
+    with progress:
+        task = progress.add_task("verify", total=None)
+        report = verify(args.path, progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if ui.json_mode:
+        ui.json({"path": report.path, "ok": report.ok, "problems": list(report.problems), "chunks_checked": report.chunks_checked,
+                 "bytes_checked": report.bytes_checked, "elapsed_s": report.elapsed_s})
+    else:
+        verdict = "OK" if report.ok else f"{len(report.problems)} problem(s)"
+        ui.line(f"{report.path}: {verdict}", style="bold green" if report.ok else "bold red")
+        ui.line(f"{report.chunks_checked} chunks, {report.bytes_checked} bytes ({_human_bytes(report.bytes_checked)}) "
+                f"read and checksummed in {report.elapsed_s:.2f} s")
+        for p in report.problems:
+            ui.line(f"  - {p}")
+    return 0 if report.ok else 1
+
+
+# --- gc ---------------------------------------------------------------------------------------
+
+
+def _recovery_actions(storage: Storage, directory: str) -> list[tuple[str, str]]:
+    """What `_directory.recover` will do: (folder, "remove" | "roll forward")."""
+    existing = set(_directory.committed_steps(storage, directory))
+    out = []
+    for e in _directory.entries(storage, directory):
+        if e.generation is None:
+            continue
+        if e.committed and e.step not in existing and storage.supports_rename and ".partial-" in e.name:
+            existing.add(e.step)
+            out.append((e.name, "roll forward"))
+        else:
+            out.append((e.name, "remove"))
+    return out
+
+
+def _cmd_gc(args, ui: _UI) -> int:
+    storage, directory = _open_dir(args.directory)
+    holder = _lock_holder(storage, directory)
+    if holder and not args.dry_run:
+        raise CheckpointError(
+            f"a CheckpointManager is using {directory} ({holder}); gc would race its saves. Run gc after it closes "
+            "(a manager also removes crashed saves itself when it opens the directory)"
+        )
+    actions = _recovery_actions(storage, directory)
+    rolled = [n for n, a in actions if a == "roll forward"]
+    steps = sorted(set(_directory.committed_steps(storage, directory)) | {int(n.split(".", 1)[0]) for n in rolled})
+    lock = None
+    if not args.dry_run:
+        if isinstance(storage, LocalStorage):
+            from ._manager import _DirectoryLock
+
+            try:
+                lock = _DirectoryLock(directory)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e} (gc needs the directory to itself)") from e
+        try:
+            done = set(_directory.recover(storage, directory))
+            actions = [(n, a) for n, a in actions if n in done]
+            steps = _directory.committed_steps(storage, directory)
+            doomed = steps[: -args.keep_latest] if args.keep_latest else []
+            for s in doomed:
+                _directory.delete_step(storage, directory, s)
+        finally:
+            if lock is not None:
+                lock.release()
+    else:
+        doomed = steps[: -args.keep_latest] if args.keep_latest else []
+    kept = [s for s in steps if s not in doomed]
+    verb = {"remove": "would remove" if args.dry_run else "removed",
+            "roll forward": "would roll forward" if args.dry_run else "rolled forward"}
+    if ui.json_mode:
+        ui.json({"directory": directory, "dry_run": args.dry_run,
+                 "removed_partial": [n for n, a in actions if a == "remove"],
+                 "rolled_forward": [n for n, a in actions if a == "roll forward"],
+                 "removed_steps": doomed, "kept_steps": kept})
+        return 0
+    rows = [(verb[a], n, "crashed or replaced save" if a == "remove" else "committed, not yet renamed") for n, a in actions]
+    rows += [("would remove" if args.dry_run else "removed", str(s), f"beyond the newest {args.keep_latest}") for s in doomed]
+    if rows:
+        ui.table(["action", "folder", "why"], rows, title=f"{directory}{' (dry run)' if args.dry_run else ''}")
+    else:
+        ui.line(f"{directory}: nothing to remove{' (dry run)' if args.dry_run else ''}")
+    ui.line(f"kept steps: {', '.join(map(str, kept)) or 'none'}")
+    if holder:
+        ui.line(f"A CheckpointManager holds this directory ({holder}): gc without --dry-run would refuse to run.")
+    return 0
+
+
+# --- drill ------------------------------------------------------------------------------------
+
+
+def _cmd_drill(args, ui: _UI) -> int:
+    shape = _parse_mesh(args.mesh) if args.mesh else None
+    axes = _parse_axes(args.axes, len(shape)) if shape is not None and args.axes else None
+    if args.axes and shape is None:
+        raise UsageError("--axes needs --mesh")
+    storage, directory = storage_for(args.directory)
+    if isinstance(storage, LocalStorage) and not os.path.isdir(directory):
+        raise CheckpointNotFoundError(f"{directory} is not a directory")
+    try:
+        report = _drill.drill(args.directory, shape, axis_names=axes)
+    except _drill.MeshError as e:
+        raise UsageError(str(e)) from e
+    if ui.json_mode:
+        ui.json(report.to_json())
+        return 0 if report.ok else 1
+    ui.line(f"restore drill of {report.path} (step {report.step}): {'OK' if report.ok else 'FAILED'}",
+            style="bold green" if report.ok else "bold red")
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(report.mesh_axis_names, report.mesh_shape))
+    ui.fields([
+        ("scratch mesh", f"{mesh} ({math.prod(report.mesh_shape)} device{'s' * (math.prod(report.mesh_shape) != 1)})"),
+        ("time to restored state", f"{report.restore_s:.3f} s" if report.restore_s is not None else "restore FAILED"),
+        ("bytes needed", f"{report.bytes_needed} ({_human_bytes(report.bytes_needed)})"),
+        ("bytes read", f"{report.bytes_read} ({_human_bytes(report.bytes_read)})"),
+        ("read amplification", f"{report.read_amplification:.3f}"),
+        ("verify", f"{'OK' if not report.problems else f'{len(report.problems)} problem(s)'} in {report.verify_s:.3f} s"),
+    ])
+    for p in report.problems:
+        ui.line(f"  - {p}")
+    return 0 if report.ok else 1
+
+
+# --- parser and entry point -------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `checkpointer` (subcommands ls, inspect, plan, verify, gc, drill)."""
+    from . import __version__
+
+    parser = _Parser(
+        prog=PROG,
+        description="Inspect, plan, verify and clean up checkpointer checkpoints.",
+        epilog="DIR is a manager's directory (step folders inside), PATH one checkpoint (DIR/<step>); either is a local "
+        "path or a file://, gs:// or s3:// URL. Exit status: 0 ok; 1 verify or drill found problems, or an operation "
+        "failed; 2 usage error or no such checkpoint.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--traceback", action="store_true", help="on an error, raise it with its traceback")
+    common = _Parser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("ls", parents=[common], help="list step folders, committed or not",
+                       description="List every step folder of DIR: committed steps, partial folders of crashed saves "
+                       "(or saves in flight), folders being deleted; with size (sum of file sizes; from the manifest "
+                       "for URLs), age and the metrics saved with each step.")
+    p.add_argument("directory", metavar="DIR")
+    p.set_defaults(func=_cmd_ls)
+
+    p = sub.add_parser("inspect", parents=[common], help="show a checkpoint's tree and metadata",
+                       description="Show the tree of the checkpoint at PATH (per leaf: shape, dtype, saved sharding, "
+                       "chunk and inner chunk shapes, bytes), its step, process count, versions and user metadata. "
+                       "Reads only manifest.json; needs no devices.")
+    p.add_argument("path", metavar="PATH")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("plan", parents=[common], help="read plan and read amplification for a target mesh",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Plan the restore of PATH onto a mesh of this machine's devices: per leaf the unique "
+                       "target boxes, chunks, bytes needed and read, and the read amplification. Pure: reads only the "
+                       "manifest.\n\n" + _SPEC_RULE)
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--mesh", required=True, metavar="SHAPE", help="mesh axis sizes, e.g. 4x2: a mesh of the first 4*2 "
+                   "local devices (simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+    p.add_argument("--axes", metavar="NAMES", help="mesh axis names, e.g. data,model (default: those of the saved "
+                   "mesh with as many axes, else axis0,axis1,...)")
+    p.add_argument("--spec", action="append", default=[], metavar="LEAF_GLOB=SPEC",
+                   help="target PartitionSpec for the matching leaves (repeatable), e.g. 'params/*=data,model'")
+    p.add_argument("--process-index", type=int, metavar="I", help="plan for process I (default: this process)")
+    p.add_argument("--processes", type=int, metavar="P", help="plan as if the mesh's devices were spread over P "
+                   "processes, in mesh order, each holding a consecutive block")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("verify", parents=[common], help="read every byte, check every checksum",
+                       description="Read every chunk of the checkpoint at PATH and check every checksum (the codec's "
+                       "crc32c per inner chunk and index, and the writer's recorded crc32c per chunk). Exit status 1 "
+                       "when a problem is found; each problem names the leaf and the chunk key.")
+    p.add_argument("path", metavar="PATH")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("gc", parents=[common], help="remove crashed saves and old steps",
+                       description="Remove the partial folders of crashed saves (a committed but not yet renamed one is "
+                       "rolled forward instead) and, with --keep-latest N, every committed step but the newest N (the "
+                       "newest is never removed). Refuses to run while a CheckpointManager holds DIR (local "
+                       "directories); on object stores make sure no save is in flight.")
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--keep-latest", type=_positive_int, metavar="N", help="keep only the newest N committed steps (N >= 1)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    p.set_defaults(func=_cmd_gc)
+
+    p = sub.add_parser("drill", parents=[common], help="restore drill: restore the newest step, verify, time it",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Restore the newest committed step of DIR onto a scratch mesh of this machine's "
+                       "devices with the default targets of `plan`, time it until every array is ready, then verify "
+                       "every checksum. Reports time to restored state, bytes read, read amplification and the verify "
+                       "result; exit status 1 when anything failed.\n\n" + _SPEC_RULE.split("\n\n")[0])
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--mesh", metavar="SHAPE", help="scratch mesh axis sizes, e.g. 2x2 (default: the saved mesh's shape "
+                   "if it has as many devices as are present, else one axis of all devices)")
+    p.add_argument("--axes", metavar="NAMES", help="mesh axis names (with --mesh), e.g. data,model")
+    p.set_defaults(func=_cmd_drill)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return n
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the `checkpointer` command line.
+
+    Args:
+      argv: the arguments after the program name (default: `sys.argv[1:]`).
+    Returns:
+      The exit status: 0 ok, 1 a verification or drill found problems or an operation
+      failed, 2 a usage error or no such checkpoint. Errors are printed as one line on
+      stderr (`checkpointer: error: ...`), without a traceback unless `--traceback`.
+
+    Multi-process: a single-process tool; `plan --processes P` emulates P processes.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        sys.stderr.write(f"{PROG}: error: {_one_line(e)}\n")
+        return 2
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else 0
+    try:
+        with _quiet_library_logs():
+            return args.func(args, _UI(getattr(args, "json", False)))
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{PROG}: error: interrupted\n")
+        return 130
+    except Exception as e:
+        if args.traceback:
+            raise
+        sys.stderr.write(f"{PROG}: error: {_one_line(e)}\n")
+        return _exit_code(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
