@@ -33,6 +33,7 @@ from ._restore_plan import BoxRead, ChunkRead
 from ._storage import LocalStorage, Storage
 
 _MISSING = (1 << 64) - 1
+_MAX_RUN_BYTES = 16 << 20  # one read covers at most this many bytes of adjacent inner chunks
 
 
 class ReadCounter:
@@ -62,6 +63,28 @@ def fast_path_supported(dtype: np.dtype) -> bool:
     return dtype.kind in "bc"
 
 
+_local = threading.local()
+
+
+def _scratch(n: int) -> memoryview:
+    """A reusable per-thread read buffer of at least `n` bytes (no zero-fill, no page
+    faults after the first use)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = np.empty(max(n, 1 << 20), np.uint8)
+        _local.buf = buf
+    return memoryview(buf)[:n]
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data is `align`-byte aligned. XLA's CPU client
+    adopts such buffers without copying (`jax.device_put` aliases them)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
 class _ChunkFile:
     """Byte-range access to one zarr shard file."""
 
@@ -73,13 +96,15 @@ class _ChunkFile:
         return os.fstat(self._fd).st_size if self._fd is not None else None
 
     def read(self, offset: int, n: int) -> memoryview:
+        """`n` bytes from `offset`; for local files a view of a per-thread scratch
+        buffer that is valid until this thread's next read."""
         BYTES_READ.add(n)
         if self._fd is not None:
-            buf = bytearray(n)
+            buf = _scratch(n)
             got = os.preadv(self._fd, [buf], offset)
             if got != n:
                 raise EOFError(f"short read: {got} of {n} bytes at offset {offset}")
-            return memoryview(buf)
+            return buf
         return memoryview(self.storage.read_range(self.location, offset, n))
 
     def close(self) -> None:
@@ -130,8 +155,9 @@ def read_chunk_into(storage: Storage, path: str, meta: ArrayMetadata, read: Chun
         wanted.sort()
         # Coalesce inner chunks that are adjacent in the file into one read.
         runs: list[list[tuple[int, tuple]]] = []
+        per_run = max(1, _MAX_RUN_BYTES // (inner_bytes + 4))
         for offset, cell in wanted:
-            if runs and runs[-1][-1][0] + inner_bytes + 4 == offset:
+            if runs and runs[-1][-1][0] + inner_bytes + 4 == offset and len(runs[-1]) < per_run:
                 runs[-1].append((offset, cell))
             else:
                 runs.append([(offset, cell)])
@@ -155,7 +181,7 @@ def read_chunk_into(storage: Storage, path: str, meta: ArrayMetadata, read: Chun
 
 def read_box(storage: Storage, path: str, meta: ArrayMetadata, box_read: BoxRead, pool=None) -> np.ndarray:
     """Assembles one target box from its chunk reads (concurrently when `pool` is given)."""
-    out = np.empty(box_read.box.shape, meta.dtype)
+    out = aligned_empty(box_read.box.shape, meta.dtype)
     if pool is None or len(box_read.reads) <= 1:
         for r in box_read.reads:
             read_chunk_into(storage, path, meta, r, out, box_read.box)

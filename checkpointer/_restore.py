@@ -297,8 +297,13 @@ def _read_leaf(storage, path, meta: ArrayMetadata, lt: LeafTarget, lp: LeafResto
                 if lt.sharding is None:
                     out[-1] = host
                 elif len(slabs) == 1:
-                    for d in b.device_ids:
-                        out[d] = jax.device_put(host, devices[d])
+                    # The first device may adopt the host buffer without a copy (CPU);
+                    # every other device gets its own copy, so that donating one
+                    # device's buffer can never change another's.
+                    first, *rest = b.device_ids
+                    out[first] = jax.device_put(host, devices[first])
+                    for d in rest:
+                        out[d] = jax.device_put(out[first], devices[d])
                 else:
                     if bufs is None:
                         bufs = {d: jnp.zeros(b.box.shape, dtype, device=devices[d]) for d in b.device_ids}

@@ -123,3 +123,21 @@ def test_peak_host_memory_stays_within_target_plus_inflight(tmp_path):
     assert float(total) == 8192 * 8192
     # target 256 MiB + 32 MiB in flight + a constant (allocator arenas, thread stacks)
     assert int(rise_mib) <= 256 + 32 + 96, res.stdout
+
+
+def test_replicated_restore_gives_each_device_its_own_buffer(tmp_path):
+    """The first device may adopt the host buffer; the others must not share it, or
+    donating one device's buffer in a train step would change the others."""
+    x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    ckpt.save(str(tmp_path / "1"), {"x": x})
+    mesh = make_mesh((4,), ("d",))
+    out = ckpt.restore(str(tmp_path / "1"), {"x": NamedSharding(mesh, P())})["x"]
+    pointers = {s.data.unsafe_buffer_pointer() for s in out.addressable_shards}
+    assert len(pointers) == 4
+    datas = [s.data for s in out.addressable_shards]
+    del out
+    donate = jax.jit(lambda a: a * 0 - 1, donate_argnums=0)
+    result = donate(datas[0])
+    assert datas[0].is_deleted() and float(result[0, 0]) == -1.0
+    for d in datas[1:]:
+        np.testing.assert_array_equal(np.asarray(d), x)
