@@ -13,6 +13,7 @@ from typing import Mapping
 from . import _directory, _distributed
 from ._async import AsyncSave
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from ._host import HostBufferPool
 from ._metadata import read_metadata
 from ._policies import KeepLatest, KeepPolicy
 from ._restore import restore as _restore
@@ -131,6 +132,9 @@ class CheckpointManager:
         self._snapshot_history_s: list[float] = []
         self._metrics_cache: dict[int, dict] = {}
         self._closed = False
+        # The previous snapshot's host buffers, reused by the next one (warm memory
+        # copies about twice as fast as fresh pages); released by close().
+        self._buffers = HostBufferPool()
         self.storage.makedirs(self.directory)
         if self._is_primary:
             if self.storage.supports_rename:
@@ -213,7 +217,8 @@ class CheckpointManager:
         self._raise_pending()
         user_metadata = {"metrics": dict(metrics)} if metrics else {}
         snap = take_snapshot(
-            self.step_path(step), tree, metadata=user_metadata, overwrite=force, step=step, commit_timeout_s=self.commit_timeout_s
+            self.step_path(step), tree, metadata=user_metadata, overwrite=force, step=step,
+            commit_timeout_s=self.commit_timeout_s, buffers=self._buffers,
         )
         with self._mu:
             self._last["snapshot_s"], self._last["wait_s"] = snap.snapshot_s, wait_s
@@ -275,6 +280,7 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
+            self._buffers = HostBufferPool()
             if self._lock is not None:
                 self._lock.release()
 

@@ -12,7 +12,6 @@ background thread (see `_async.py`):
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import datetime
 import itertools
@@ -33,6 +32,7 @@ from . import _distributed, _format
 from ._box import Box
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
+from ._host import HostBufferPool, copy_to_host
 from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
 from ._storage import TS_CONTEXT, Storage, storage_for
 from ._tree import describe, flatten
@@ -40,7 +40,6 @@ from ._tree import describe, flatten
 log = logging.getLogger("checkpointer")
 
 _save_counter = itertools.count()
-_COPY_THREADS = max(2, os.cpu_count() or 2)
 
 
 @dataclasses.dataclass
@@ -68,6 +67,7 @@ class Snapshot:
     step: int | None
     overwrite: bool
     commit_timeout_s: float
+    buffers: HostBufferPool | None = None
     snapshot_s: float = 0.0
     write_s: float = 0.0
     commit_s: float = 0.0
@@ -162,11 +162,13 @@ def take_snapshot(
     overwrite: bool = False,
     step: int | None = None,
     commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
+    buffers: HostBufferPool | None = None,
 ) -> Snapshot:
     """Plans the save and copies this process's shards to host memory (blocking).
 
-    The host buffers are fresh copies, never views of device buffers: once this returns
-    the caller may donate, delete or overwrite the arrays.
+    The host buffers are real copies, never views of device buffers: once this returns
+    the caller may donate, delete or overwrite the arrays. With `buffers`, the copies
+    go into buffers reused from earlier snapshots and return to it once written.
 
     Raises:
       CheckpointExistsError: `path` is committed and `overwrite` is False.
@@ -206,22 +208,13 @@ def take_snapshot(
         timeout_s=commit_timeout_s,
     )
 
-    # Start every device-to-host transfer before waiting on any, then copy in parallel.
-    for datas in device_data:
-        for d in datas:
-            if isinstance(d, jax.Array):
-                d.copy_to_host_async()
-    flat = [(i, j, d) for i, datas in enumerate(device_data) for j, d in enumerate(datas)]
-    for leaf in arrays:
-        leaf.host = [None] * len(leaf.plan.writes)  # type: ignore[list-item]
-    with concurrent.futures.ThreadPoolExecutor(_COPY_THREADS) as pool:
-        copies = pool.map(lambda item: np.array(item[2], copy=True, order="C"), flat)
-        for (i, j, _), host in zip(flat, copies):
-            arrays[i].host[j] = host
+    copies = iter(copy_to_host([d for datas in device_data for d in datas], buffers))
+    for leaf, datas in zip(arrays, device_data):
+        leaf.host = [next(copies) for _ in datas]
     snap = Snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
-        overwrite=overwrite, commit_timeout_s=commit_timeout_s,
+        overwrite=overwrite, commit_timeout_s=commit_timeout_s, buffers=buffers,
     )
     snap.snapshot_s = time.perf_counter() - t0
     return snap
@@ -436,23 +429,31 @@ def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_t
     return snap
 
 
+def _release_host(snap: Snapshot) -> None:
+    for leaf in snap.arrays:
+        if snap.buffers is not None and leaf.host:
+            snap.buffers.give_back(leaf.host)
+        leaf.host = []
+
+
 def run_background(snap: Snapshot, after_publish: Callable[[], None] | None = None) -> None:
     """write_snapshot then commit; on failure tells the others, cleans up, re-raises."""
     coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
     try:
-        record = write_snapshot(snap)
-    except BaseException as e:
-        coord.report_error(f"{type(e).__name__}: {e}")
-        abort(snap, coord)
-        raise
-    try:
-        commit(snap, record, after_publish)
-    except BaseException as e:
-        abort(snap, coord, timed_out=isinstance(e, CommitTimeoutError))
-        raise
+        try:
+            record = write_snapshot(snap)
+        except BaseException as e:
+            coord.report_error(f"{type(e).__name__}: {e}")
+            abort(snap, coord)
+            raise
+        _release_host(snap)  # the bytes are durable: free (or recycle) host memory
+        try:
+            commit(snap, record, after_publish)
+        except BaseException as e:
+            abort(snap, coord, timed_out=isinstance(e, CommitTimeoutError))
+            raise
     finally:
-        for leaf in snap.arrays:
-            leaf.host = []  # free host memory as soon as the bytes are durable
+        _release_host(snap)
     log.info(
         "saved %s: %.1f MiB written by process %d, snapshot %.3f s, write %.3f s, commit %.3f s",
         snap.path, snap.bytes_written / 2**20, snap.process_index, snap.snapshot_s, snap.write_s, snap.commit_s,
