@@ -1,8 +1,9 @@
 """Restore execution: match the target to the checkpoint, plan, read, place on devices.
 
-Each process reads, per unique target box of its own devices, only the chunks that box
-intersects (TensorStore fetches only the inner chunks it needs inside each zarr shard
-file), and puts the result on every local device that holds that box.
+Each process reads, per unique target box of its own devices, only the inner chunks
+that box intersects (the byte ranges `_restore_plan` planned, fetched by `_read`), and
+puts the result on every local device that holds that box, within `max_inflight_bytes`
+of host memory.
 """
 
 from __future__ import annotations
