@@ -380,7 +380,10 @@ def drill(directory: str | os.PathLike, mesh_shape: Sequence[int] | None = None,
     names = tuple(axis_names) if axis_names is not None else default_axis_names(meta, len(shape))
     mesh = scratch_mesh(shape, names, devices)
     specs = target_specs(meta, mesh)
-    target = target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
+    # Leaves saved as host numpy arrays come back as numpy (a float64 one could not be
+    # put on a device with jax_enable_x64 off).
+    on_devices = {p: NamedSharding(mesh, s) for p, s in specs.items() if meta.arrays[p].kind == "jax"}
+    target = target_tree(meta, on_devices)
     plan = plan_restore(path, target)
 
     problems: list[str] = []

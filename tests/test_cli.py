@@ -340,3 +340,15 @@ def test_installed_console_script(run_dir):
     bad = subprocess.run(cmd + ["verify", f"{run_dir}/{PARTIAL}"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("checkpointer: error: no committed checkpoint") and bad.stderr.count("\n") == 1
+
+
+def test_drill_restores_host_numpy_leaves_as_numpy(tmp_path):
+    """A float64 numpy leaf cannot go on a device with jax_enable_x64 off; the drill
+    restores it on the host instead of failing."""
+    from checkpointer._drill import drill
+
+    d = tmp_path / "run"
+    ckpt.save(str(d / "3"), {"w": np.ones((8, 8), np.float32), "stats": np.linspace(0, 1, 5)})
+    report = drill(str(d))
+    assert report.ok, report.problems
+    assert report.step == 3
