@@ -15,6 +15,7 @@ damage, never fill values. Each inner chunk and each shard index carries `crc32c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -37,12 +38,20 @@ PARTIAL_INFIX = ".partial-"
 MAX_ARRAY_BYTES = 1 << 50
 MAX_RANK = 32
 MAX_MANIFEST_BYTES = 1 << 30
+# Chunks of one leaf: one per saved shard, so at most one per device that held it.
+MAX_CHUNKS_PER_LEAF = 1 << 18
+# Inner chunks of one zarr shard file (its index is 16 bytes per inner chunk): a chunk
+# of MAX_ARRAY_BYTES in 1 MiB inner chunks. Restore checks the files' real sizes too.
+MAX_INNER_CHUNKS_PER_CHUNK = 1 << 30
 
 # Inner chunks aim at 1/16 of the chunk within these bounds; see `inner_chunk_shape`.
 INNER_CHUNK_TARGET_BYTES = 1 << 20
 INNER_CHUNK_MIN_BYTES = 16 << 10
 INNER_CHUNKS_PER_CHUNK = 16
 MAX_SPLIT_FACTOR = 7
+# Hard ceiling on an inner chunk, far below the 2 GiB that one read() system call
+# returns on Linux and that many zarr codecs/readers handle; see `inner_chunk_shape`.
+MAX_INNER_CHUNK_BYTES = 64 << 20
 
 _PARTIAL_RE = re.compile(r"(?P<name>.+)\.partial-(?P<generation>[0-9a-z-]+)")
 
@@ -92,6 +101,18 @@ def dtype_from_name(name: str, *, where: str = "") -> np.dtype:
     return dtype
 
 
+@functools.lru_cache(maxsize=None)
+def zarr_supports_dtype(dtype: np.dtype) -> bool:
+    """Whether TensorStore's zarr3 driver can store `dtype` (e.g. int4: yes; uint4: no)."""
+    import tensorstore as ts
+
+    try:
+        ts.Spec({"driver": "zarr3", "kvstore": "memory://", "metadata": zarr_metadata((1,), dtype, (1,), (1,))})
+    except ValueError:
+        return False
+    return True
+
+
 # --- chunking rule ------------------------------------------------------------------------
 
 
@@ -136,6 +157,20 @@ def inner_chunk_shape(chunk_shape: Sequence[int], itemsize: int, target_bytes: i
         # Split only by small primes: a size like 1021 (prime) stays whole rather
         # than collapsing to inner chunks one element wide.
         candidates = [i for i, d in enumerate(inner) if d > 1 and _smallest_prime_factor(d) <= MAX_SPLIT_FACTOR]
+        if not candidates:
+            break
+        dim = max(candidates, key=lambda i: (inner[i], -i))
+        inner[dim] //= _smallest_prime_factor(inner[dim])
+    # Hard ceiling: an inner chunk still above MAX_INNER_CHUNK_BYTES (only dimensions
+    # with large prime factors left, e.g. (46337, 46349)) has its longest dimension
+    # split by its smallest prime factor whatever it is, as long as the inner chunk
+    # stays at least INNER_CHUNK_MIN_BYTES (so a 1-D leaf of prime length stays whole
+    # rather than becoming one-element inner chunks with an index 4x the data).
+    while math.prod(inner) * itemsize > MAX_INNER_CHUNK_BYTES:
+        candidates = [
+            i for i, d in enumerate(inner)
+            if d > 1 and math.prod(inner) // _smallest_prime_factor(d) * itemsize >= INNER_CHUNK_MIN_BYTES
+        ]
         if not candidates:
             break
         dim = max(candidates, key=lambda i: (inner[i], -i))
@@ -302,10 +337,19 @@ def array_metadata_from_json(path: str, obj: object, where: str) -> ArrayMetadat
     chunk = _shape(obj.get("chunk_shape"), "chunk_shape", loc)
     inner = _shape(obj.get("inner_chunk_shape"), "inner_chunk_shape", loc)
     dtype = dtype_from_name(obj.get("dtype"), where=loc)
-    if not (len(shape) == len(chunk) == len(inner)) or any(c < 1 or i < 1 or c % i for c, i in zip(chunk, inner)):
+    if not (len(shape) == len(chunk) == len(inner)) or any(
+        c < 1 or i < 1 or c % i or c > max(1, s) for s, c, i in zip(shape, chunk, inner)
+    ):
         raise CorruptCheckpointError(f"{loc}: chunk_shape {chunk} and inner_chunk_shape {inner} do not fit shape {shape}")
     if math.prod(shape) * dtype.itemsize > MAX_ARRAY_BYTES:
         raise CorruptCheckpointError(f"{loc}: shape {shape} of {dtype} declares more than {MAX_ARRAY_BYTES} bytes")
+    n_chunks = math.prod(-(-s // c) for s, c in zip(shape, chunk))
+    n_inner = math.prod(c // i for c, i in zip(chunk, inner))
+    if n_chunks > MAX_CHUNKS_PER_LEAF or n_inner > MAX_INNER_CHUNKS_PER_CHUNK:
+        raise CorruptCheckpointError(
+            f"{loc}: chunk_shape {chunk} and inner_chunk_shape {inner} declare {n_chunks} chunks of {n_inner} "
+            f"inner chunks (at most {MAX_CHUNKS_PER_LEAF} chunks, {MAX_INNER_CHUNKS_PER_CHUNK} inner chunks each)"
+        )
     key_impl = obj.get("key_impl")
     if key_impl is not None and not isinstance(key_impl, str):
         raise CorruptCheckpointError(f"{loc}: key_impl must be a string")
@@ -326,6 +370,10 @@ def value_to_json(value: object) -> dict | None:
     """JSON for a non-array leaf, bit-exact; None if the value is not of a storable kind."""
     if value is None:
         return {"type": "none"}
+    # numpy scalars first: np.float64 and np.complex128 subclass float and complex.
+    if isinstance(value, np.generic) and value.dtype.kind in "biufc" or type(value).__module__ == "ml_dtypes":
+        arr = np.asarray(value)
+        return {"type": "numpy_scalar", "dtype": dtype_name(arr.dtype), "hex": arr.tobytes().hex()}
     if isinstance(value, bool):
         return {"type": "bool", "value": value}
     if isinstance(value, int):  # hex: no 4300-digit limit, any size
@@ -336,9 +384,6 @@ def value_to_json(value: object) -> dict | None:
         return {"type": "complex", "hex": struct.pack("<dd", value.real, value.imag).hex()}
     if isinstance(value, str):
         return {"type": "str", "value": value}
-    if isinstance(value, np.generic) and value.dtype.kind in "biufc" or type(value).__module__ == "ml_dtypes":
-        arr = np.asarray(value)
-        return {"type": "numpy_scalar", "dtype": dtype_name(arr.dtype), "hex": arr.tobytes().hex()}
     return None
 
 

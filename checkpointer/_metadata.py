@@ -6,6 +6,8 @@ Needs no devices: a checkpoint saved by 8 processes × 4 devices is described on
 from __future__ import annotations
 
 import dataclasses
+import errno
+import math
 import os
 
 from . import _format
@@ -59,6 +61,10 @@ class CheckpointMetadata:
         return {p: m for p, m in self.leaves.items() if isinstance(m, ArrayMetadata)}
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _require(cond: bool, what: str, where: str) -> None:
     if not cond:
         raise CorruptCheckpointError(f"manifest of {where}: {what}")
@@ -68,13 +74,13 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     """Validates a parsed manifest; every failure is a `CorruptCheckpointError`."""
     _require(isinstance(raw, dict), "not a JSON object", where)
     version = raw.get("format_version")
-    if version != _format.FORMAT_VERSION:
+    if not _is_int(version) or version != _format.FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"{where} has format_version {version!r}; this library reads format_version "
             f"{_format.FORMAT_VERSION}. Upgrade checkpointer to read newer checkpoints."
         )
     step = raw.get("step")
-    _require(step is None or (isinstance(step, int) and not isinstance(step, bool)), f"step {step!r} is not an int", where)
+    _require(step is None or _is_int(step), f"step {step!r:.100} is not an int", where)
     leaves_raw = raw.get("leaves")
     _require(isinstance(leaves_raw, dict), "'leaves' is not an object", where)
     structure = raw.get("structure")
@@ -82,11 +88,19 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     user_metadata = raw.get("user_metadata", {})
     _require(isinstance(user_metadata, dict), "'user_metadata' is not an object", where)
     pcount = raw.get("process_count", 1)
-    _require(isinstance(pcount, int) and pcount >= 1, f"process_count {pcount!r} is invalid", where)
+    _require(_is_int(pcount) and pcount >= 1, f"process_count {pcount!r:.100} is invalid", where)
     pbytes = raw.get("process_bytes_written", [])
-    _require(isinstance(pbytes, list) and all(isinstance(b, int) for b in pbytes), "'process_bytes_written' is invalid", where)
+    _require(
+        isinstance(pbytes, list) and all(_is_int(b) and 0 <= b <= _format.MAX_ARRAY_BYTES for b in pbytes),
+        "'process_bytes_written' is not a list of byte counts",
+        where,
+    )
     created = raw.get("created_unix_s", 0.0)
-    _require(isinstance(created, (int, float)), "'created_unix_s' is not a number", where)
+    _require(
+        (isinstance(created, (int, float)) and not isinstance(created, bool)) and math.isfinite(created),
+        "'created_unix_s' is not a number",
+        where,
+    )
 
     leaves: dict[str, ArrayMetadata | ValueMetadata] = {}
     for path, entry in leaves_raw.items():
@@ -127,9 +141,13 @@ def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
         )
         raise CheckpointNotFoundError(f"no committed checkpoint at {path}: the commit marker {_format.COMMITTED} is absent.{hint}")
     try:
-        data = storage.read_file(f"{path}/{_format.MANIFEST}")
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{path} is marked committed but has no {_format.MANIFEST}") from e
+        data = storage.read_file(f"{path}/{_format.MANIFEST}", max_bytes=_format.MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, IsADirectoryError) as e:
+        raise CorruptCheckpointError(f"{path} is marked committed but has no {_format.MANIFEST} file") from e
+    except OSError as e:
+        if e.errno != errno.EFBIG:
+            raise
+        raise CorruptCheckpointError(f"{path}/{_format.MANIFEST} is larger than {_format.MAX_MANIFEST_BYTES} bytes") from e
     return parse_manifest(_format.loads(data, f"{path}/{_format.MANIFEST}"), path)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import sys
 import threading
 
@@ -101,9 +102,12 @@ class _ChunkFile:
         BYTES_READ.add(n)
         if self._fd is not None:
             buf = _scratch(n)
-            got = os.preadv(self._fd, [buf], offset)
-            if got != n:
-                raise EOFError(f"short read: {got} of {n} bytes at offset {offset}")
+            done = 0
+            while done < n:  # one call returns at most ~2 GiB on Linux, and may return less
+                got = os.preadv(self._fd, [buf[done:]], offset + done)
+                if got == 0:
+                    raise EOFError(f"short read: {done} of {n} bytes at offset {offset}")
+                done += got
             return buf
         return memoryview(self.storage.read_range(self.location, offset, n))
 
@@ -111,6 +115,37 @@ class _ChunkFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) -> None:
+    """Checks that the zarr shard files `keys` exist with the size the manifest implies.
+
+    Local files only (a `stat` each, in the order given, stopping at the first bad
+    one); on object stores the reads themselves check.
+
+    Raises:
+      CorruptCheckpointError: a file is missing, not a file, or of another size; names
+        the leaf and the chunk key.
+    """
+    if not isinstance(storage, LocalStorage):
+        return
+    expected = _format.encoded_chunk_bytes(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
+    seen: set[str] = set()
+    for key in keys:  # may be a generator: stops at the first bad file, holding only what it checked
+        if key in seen:
+            continue
+        seen.add(key)
+        what = f"{where(leaf=meta.path, path=path)}: chunk {key}"
+        try:
+            st = os.stat(f"{path}/{key}")
+        except OSError as e:
+            state = "is missing" if isinstance(e, FileNotFoundError) else "cannot be read"
+            raise CorruptCheckpointError(f"{what} {state} ({e.strerror}). Run `checkpointer verify {path}`.") from e
+        if not stat.S_ISREG(st.st_mode) or st.st_size != expected:
+            raise CorruptCheckpointError(
+                f"{what} has {st.st_size} bytes, expected {expected} (truncated or damaged). "
+                f"Run `checkpointer verify {path}`."
+            )
 
 
 def _check_crc(blob: memoryview, what: str) -> memoryview:
@@ -135,8 +170,9 @@ def read_chunk_into(storage: Storage, path: str, meta: ArrayMetadata, read: Chun
     index_bytes = n_inner * 16 + 4
     try:
         f = _ChunkFile(storage, path, read.chunk_key)
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{what} is missing ({e.strerror}). Run `checkpointer verify {path}`.") from e
+    except OSError as e:
+        state = "is missing" if isinstance(e, FileNotFoundError) else "cannot be opened"
+        raise CorruptCheckpointError(f"{what} {state} ({e.strerror}). Run `checkpointer verify {path}`.") from e
     try:
         size = f.size()
         expected = _format.encoded_chunk_bytes(meta.chunk_shape, inner_shape, meta.dtype.itemsize)

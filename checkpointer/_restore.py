@@ -16,11 +16,12 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
 from . import _format, _read
-from ._box import Box
+from ._box import Box, grid_cells
 from ._errors import (
     CorruptCheckpointError,
     DTypeMismatchError,
@@ -59,6 +60,23 @@ def _is_target_leaf(x: object) -> bool:
     return x is None or isinstance(x, (jax.ShapeDtypeStruct, jax.Array, jax.sharding.Sharding, np.ndarray))
 
 
+def _kind(dtype: np.dtype) -> str | None:
+    """'b' bool, 'i' integer (signed or unsigned, int4 too), 'f' floating (bfloat16,
+    float8_* too), 'c' complex; None for anything else. (numpy.can_cast's "same_kind"
+    is not used: it allows int to float and, through ml_dtypes, float32 to int4.)"""
+    if dtype.kind in "bfc":
+        return dtype.kind
+    if dtype.kind in "iu":
+        return "i"
+    for info, kind in ((ml_dtypes.iinfo, "i"), (ml_dtypes.finfo, "f")):
+        try:
+            info(dtype)
+            return kind
+        except (ValueError, TypeError):
+            continue
+    return None
+
+
 def _check_cast(meta: ArrayMetadata, dtype, path: str) -> np.dtype | None:
     """The dtype to cast to, None when none is needed; raises DTypeMismatchError."""
     stored_key = meta.key_impl is not None
@@ -72,11 +90,17 @@ def _check_cast(meta: ArrayMetadata, dtype, path: str) -> np.dtype | None:
                 f"but the target asks for {dtype}; a key and its raw data are not interchangeable. "
                 "Use jax.random.key_data / wrap_key_data on your side."
             )
+        stored = jax.eval_shape(lambda: jax.random.key(0, impl=meta.key_impl)).dtype
+        if stored != dtype:
+            raise DTypeMismatchError(
+                f"{where(leaf=meta.path, path=path)}: stored a {meta.key_impl} PRNG key array ({stored}) but the "
+                f"target asks for {dtype}; keys of one impl cannot be made into another. Fix the target's impl."
+            )
         return None
     dtype = np.dtype(dtype)
     if dtype == meta.dtype:
         return None
-    if not np.can_cast(meta.dtype, dtype, "same_kind") or dtype.kind == "b" and meta.dtype.kind != "b":
+    if _kind(meta.dtype) != _kind(dtype) or _kind(dtype) is None:
         raise DTypeMismatchError(
             f"{where(leaf=meta.path, path=path)}: stored dtype {meta.dtype}, target dtype {dtype}. A target "
             "dtype is applied as a cast only within one kind (float to float, int to int, complex to complex); "
@@ -87,11 +111,20 @@ def _check_cast(meta: ArrayMetadata, dtype, path: str) -> np.dtype | None:
 
 def resolve_target(meta: ArrayMetadata, target: object, path: str) -> LeafTarget:
     """Turns one target leaf (see `restore`) into a `LeafTarget`, checking shape and dtype."""
-    key_dims = 0
     stored_shape = meta.shape
     if meta.key_impl is not None:
-        impl = jax.random.key_impl(jax.random.key(0, impl=meta.key_impl))
-        key_dims = len(jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=impl))).shape)
+        try:
+            data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=meta.key_impl)))
+        except (ValueError, TypeError, KeyError) as e:
+            raise CorruptCheckpointError(
+                f"{where(leaf=meta.path, path=path)}: unknown PRNG key impl {meta.key_impl!r:.100} ({e})"
+            ) from e
+        key_dims = len(data.shape)
+        if meta.shape[len(meta.shape) - key_dims :] != tuple(data.shape) or meta.dtype != data.dtype:
+            raise CorruptCheckpointError(
+                f"{where(leaf=meta.path, path=path)}: a {meta.key_impl} key array needs key data of trailing "
+                f"shape {tuple(data.shape)} and dtype {data.dtype}; the manifest says {meta.shape} {meta.dtype}"
+            )
         stored_shape = meta.shape[: len(meta.shape) - key_dims]
     if target is None:
         return LeafTarget(None, stored_shape, None)
@@ -177,9 +210,18 @@ def _show(paths: list[str], n: int = 10) -> str:
     return shown + (f", ... ({len(paths) - n} more)" if len(paths) > n else "")
 
 
-def build_plan(storage: Storage, path: str, meta: CheckpointMetadata, target: object, *, partial: bool, process_index: int):
+def build_plan(
+    storage: Storage, path: str, meta: CheckpointMetadata, target: object, *, partial: bool, process_index: int,
+    check_files: bool = False,
+):
     """Matches and plans. Returns (treedef, items, RestorePlan) with items
-    `(leaf path, stored metadata, LeafTarget | None, LeafRestorePlan | None)`."""
+    `(leaf path, stored metadata, LeafTarget | None, LeafRestorePlan | None)`.
+
+    With `check_files`, each leaf's chunk files that this process needs are first
+    checked to exist with the size the manifest implies (local storage), one `stat`
+    each, before the leaf is planned: a damaged or hostile manifest declaring a huge
+    shape is refused before memory proportional to it is spent.
+    """
     tdef, pairs = match(meta, target, partial=partial, path=path)
     items, plans = [], []
     for p, m, t in pairs:
@@ -187,16 +229,26 @@ def build_plan(storage: Storage, path: str, meta: CheckpointMetadata, target: ob
             items.append((p, m, None, None))
             continue
         lt = resolve_target(m, t, path)
-        lp = plan_leaf(m, _device_boxes(lt, m, process_index))
+        device_boxes = _device_boxes(lt, m, process_index)
+        if check_files:
+            boxes = sorted({b for _, b in device_boxes})
+            _read.check_chunk_files(
+                storage, path, m, (_format.chunk_key(m.path, c) for b in boxes for c in grid_cells(b, m.chunk_shape))
+            )
+        lp = plan_leaf(m, device_boxes)
         items.append((p, m, lt, lp))
         plans.append(lp)
     return tdef, items, RestorePlan(path, process_index, tuple(plans))
 
 
 def _open_for_read(storage: Storage, path: str, meta: ArrayMetadata):
+    # The manifest's metadata as a constraint: TensorStore refuses a zarr.json whose
+    # shape, dtype, chunk grid or codecs differ, so bytes are never decoded as another
+    # dtype or inner-chunk layout.
     spec = {
         "driver": "zarr3",
         "kvstore": storage.kvstore_spec(f"{path}/{_format.array_dir(meta.path)}"),
+        "metadata": _format.zarr_metadata(meta.shape, meta.dtype, meta.chunk_shape, meta.inner_chunk_shape),
         "open": True,
         "fill_missing_data_reads": False,
         "recheck_cached_data": False,
@@ -294,7 +346,8 @@ def _read_leaf(storage, path, meta: ArrayMetadata, lt: LeafTarget, lp: LeafResto
             try:
                 host = _read_host(storage, path, meta, slab, store, pool)
                 if lt.dtype is not None:
-                    host = host.astype(lt.dtype)
+                    with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
+                        host = host.astype(lt.dtype)
                 if lt.sharding is None:
                     out[-1] = host
                 elif len(slabs) == 1:
@@ -313,7 +366,7 @@ def _read_leaf(storage, path, meta: ArrayMetadata, lt: LeafTarget, lp: LeafResto
                         bufs[d] = _update(bufs[d], jax.device_put(host, devices[d]), offsets)
                         bufs[d].block_until_ready()
                 del host
-            except CorruptCheckpointError:
+            except (CorruptCheckpointError, MemoryError):
                 raise
             except Exception as e:
                 raise CorruptCheckpointError(
@@ -336,6 +389,23 @@ def _assemble(meta: ArrayMetadata, lt: LeafTarget, placed: dict):
     return jax.random.wrap_key_data(out, impl=meta.key_impl) if meta.key_impl is not None else out
 
 
+def _with_x64(x64: bool, fn, *args):
+    with jax.enable_x64(x64):
+        return fn(*args)
+
+
+def _check_device_dtype(meta: ArrayMetadata, dtype: np.dtype, path: str) -> None:
+    """Raises DTypeMismatchError if JAX would silently narrow `dtype` on a device (x64 off)."""
+    if jax.dtypes.canonicalize_dtype(dtype) != np.dtype(dtype):
+        raise DTypeMismatchError(
+            f"{where(leaf=meta.path, path=path)}: the result dtype {np.dtype(dtype)} cannot live on a device while "
+            f"jax_enable_x64 is off (JAX would make it {jax.dtypes.canonicalize_dtype(dtype)}). Enable x64 "
+            "(jax.config.update('jax_enable_x64', True) or `with jax.enable_x64(True):`), restore it to the host "
+            f"(target leaf None), or ask for the cast explicitly with a target dtype of "
+            f"{jax.dtypes.canonicalize_dtype(dtype)}."
+        )
+
+
 def restore(path, target=None, *, partial=False, max_inflight_bytes=None):
     """Restores the committed checkpoint at `path`, onto the target's shardings.
 
@@ -355,9 +425,11 @@ def restore(path, target=None, *, partial=False, max_inflight_bytes=None):
       `TrainState`); array leaves are `jax.Array` with the target sharding, or numpy.
     Raises:
       CheckpointNotFoundError: no committed checkpoint at `path`.
-      StructureMismatchError, ShapeMismatchError, DTypeMismatchError: the target does not
-        fit; the message names the leaf paths and the fix.
-      CorruptCheckpointError: stored bytes are missing or fail a checksum; names the leaf.
+      StructureMismatchError, ShapeMismatchError, DTypeMismatchError, InvalidTargetError:
+        the target does not fit (DTypeMismatchError also for a 64-bit result dtype on a
+        device while jax_enable_x64 is off); the message names the leaf paths and the fix.
+      CorruptCheckpointError: stored bytes or metadata are missing, malformed or fail a
+        checksum; names the leaf and chunk.
 
     Multi-process: every process calls it with targets of the same global shardings;
     each reads only what its own devices need. No collective is run.
@@ -365,9 +437,15 @@ def restore(path, target=None, *, partial=False, max_inflight_bytes=None):
     storage, path = storage_for(path)
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
-    tdef, items, _ = build_plan(storage, path, meta, target, partial=partial, process_index=pidx)
+    tdef, items, _ = build_plan(storage, path, meta, target, partial=partial, process_index=pidx, check_files=True)
+    for p, m, lt, _ in items:
+        if lt is not None and lt.sharding is not None and m.key_impl is None:
+            _check_device_dtype(m, lt.dtype if lt.dtype is not None else m.dtype, path)
     budget = _Budget(max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES)
     results: dict[str, object] = {}
+    # The worker threads place arrays on devices: they must see the caller's
+    # jax_enable_x64 (a `with jax.enable_x64(...)` block is thread-local).
+    read_leaf = functools.partial(_with_x64, jax.config.jax_enable_x64, _read_leaf)
 
     workers = max(4, 2 * (os.cpu_count() or 2))
     with concurrent.futures.ThreadPoolExecutor(workers) as leaf_pool, concurrent.futures.ThreadPoolExecutor(workers) as chunk_pool:
@@ -376,7 +454,7 @@ def restore(path, target=None, *, partial=False, max_inflight_bytes=None):
             if isinstance(m, ValueMetadata):
                 results[p] = m.value
             else:
-                futures[p] = leaf_pool.submit(_read_leaf, storage, path, m, lt, lp, budget, pidx, chunk_pool)
+                futures[p] = leaf_pool.submit(read_leaf, storage, path, m, lt, lp, budget, pidx, chunk_pool)
         for p, m, lt, lp in items:
             if p in futures:
                 results[p] = _assemble(m, lt, futures[p].result())

@@ -25,6 +25,7 @@ from typing import Callable, Mapping
 
 import crc32c
 import jax
+import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
@@ -118,14 +119,42 @@ def _check_json_metadata(metadata: object, path: str) -> dict:
     return dict(metadata)
 
 
+# Longest name of one folder on common file systems (ext4, xfs, tmpfs, APFS), bytes.
+_MAX_NAME_BYTES = 255
+
+
+def _check_storable(leaf_path: str, dtype: np.dtype, path: str) -> None:
+    """Raises UnsupportedValueError unless the format can hold an array leaf of `dtype`."""
+    dtype = np.dtype(dtype)
+    numeric = dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"  # bfloat16, float8_*, int4, ...
+    if not numeric or dtype.hasobject:
+        raise UnsupportedValueError(
+            f"{where(leaf=leaf_path, path=path)}: dtype {dtype} cannot be stored; convert it to a numeric or bool array"
+        )
+    if not _format.zarr_supports_dtype(dtype):
+        try:
+            wider = "int8" if ml_dtypes.iinfo(dtype).min < 0 else "uint8"
+        except (ValueError, TypeError):
+            wider = "float32"
+        raise UnsupportedValueError(
+            f"{where(leaf=leaf_path, path=path)}: dtype {dtype} has no zarr v3 data type in TensorStore, so it "
+            f"cannot be stored. Save it as a wider dtype (x.astype(jnp.{wider})) and convert it back after restoring"
+        )
+    for part in _format.array_dir(leaf_path).split("/"):
+        if len(part.encode()) > _MAX_NAME_BYTES:
+            raise UnsupportedValueError(
+                f"{where(leaf=leaf_path, path=path)}: the escaped key {part[:40]!r}... is {len(part.encode())} bytes, "
+                f"longer than the {_MAX_NAME_BYTES} bytes a file or folder name may have; shorten the key "
+                "(non-ASCII characters take 6 to 12 bytes each once escaped)"
+            )
+
+
 def _plan_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: str):
     """Returns (ArrayMetadata, LeafWritePlan, {device_id: shard array}) for one array leaf."""
     if isinstance(arr, np.ndarray):
-        if arr.dtype.kind not in "biufcV" or arr.dtype.hasobject or arr.dtype.kind == "V" and type(arr.dtype).__module__ != "ml_dtypes":
-            raise UnsupportedValueError(
-                f"{where(leaf=leaf_path, path=path)}: numpy dtype {arr.dtype} cannot be stored; "
-                "convert it to a numeric or bool array"
-            )
+        _check_storable(leaf_path, arr.dtype, path)
+        if not arr.dtype.isnative:  # e.g. '>f4': store (and checksum) the native-order bytes
+            arr = arr.astype(arr.dtype.newbyteorder("="))
         shape = arr.shape
         shards = [ShardInfo(Box.whole(shape), -1, 0, 0)]
         plan = plan_leaf_write(leaf_path, shape, arr.dtype.itemsize, shape, shards, pidx)
@@ -142,6 +171,7 @@ def _plan_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: st
         key_impl = str(jax.random.key_impl(arr))
         arr = jax.random.key_data(arr)
     dtype = np.dtype(arr.dtype)
+    _check_storable(leaf_path, dtype, path)
     shard_shape = arr.sharding.shard_shape(arr.shape)
     shards = [ShardInfo(Box.from_index(s.index, arr.shape), s.device.id, pidx, s.replica_id) for s in arr.addressable_shards]
     plan = plan_leaf_write(leaf_path, arr.shape, dtype.itemsize, shard_shape, shards, pidx)
@@ -177,6 +207,11 @@ def take_snapshot(
     t0 = time.perf_counter()
     storage, path = storage_for(path)
     pidx, pcount = _distributed.process_index(), _distributed.process_count()
+    if storage.supports_rename and os.path.lexists(path) and not os.path.isdir(path):
+        raise SaveError(
+            f"cannot save to {path} (process {pidx}): it exists and is not a folder; a checkpoint path is a "
+            "folder. Remove or rename that file, or save to another path"
+        )
     if _committed(storage, path) and not overwrite:
         raise CheckpointExistsError(
             f"{path} is already a committed checkpoint (process {pidx}); pass overwrite=True "
@@ -381,16 +416,26 @@ def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
             # `recover_partials` rolls forward.
             old = f"{final}.deleting-{snap.generation}"
             storage.rename(final, old)
-            storage.rename(root, final)
-            storage.sync_dir(parent)
-            storage.delete_tree(old)
+            try:
+                storage.rename(root, final)
+            except OSError:
+                storage.rename(old, final)  # put the old checkpoint back before reporting
+                raise
         else:
+            old = None
             storage.rename(root, final)
-            storage.sync_dir(parent)
     except CheckpointExistsError:
         raise
     except OSError as e:
         raise SaveError(f"committing {final} failed (process {snap.process_index}): {e}") from e
+    # Committed: from here on a failure is logged, never raised (a SaveError means that
+    # nothing was committed). A leftover `.deleting-` folder is removed by recovery/gc.
+    try:
+        storage.sync_dir(parent)
+        if old is not None:
+            storage.delete_tree(old)
+    except OSError as e:
+        log.warning("committed %s, but syncing its folder or removing the replaced checkpoint failed: %s", final, e)
 
 
 def abort(snap: Snapshot, coord: _distributed.Coordinator, *, timed_out: bool = False) -> None:

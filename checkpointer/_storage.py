@@ -39,8 +39,12 @@ class Storage(abc.ABC):
         """Writes `data` to `path` durably (fsync on POSIX), replacing any old content."""
 
     @abc.abstractmethod
-    def read_file(self, path: str) -> bytes:
-        """Returns the bytes at `path`. Raises FileNotFoundError if absent."""
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """Returns the bytes at `path`. Raises FileNotFoundError if absent.
+
+        With `max_bytes`, a larger file raises `OSError(errno.EFBIG)` (local files are
+        not read at all then; object stores fetch the whole object first).
+        """
 
     @abc.abstractmethod
     def read_range(self, path: str, offset: int, length: int) -> bytes:
@@ -53,6 +57,10 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def list_dir(self, path: str) -> list[str]:
         """Names of the immediate children (files and folders) of `path`; [] if absent."""
+
+    @abc.abstractmethod
+    def list_files(self, path: str) -> list[str]:
+        """Paths relative to `path` of every file under it, at any depth, sorted; [] if absent."""
 
     @abc.abstractmethod
     def delete_tree(self, path: str) -> None:
@@ -79,6 +87,10 @@ class Storage(abc.ABC):
         return "/".join([head.rstrip("/")] + [p.strip("/") for p in rest if p])
 
 
+def _too_large(path: str, max_bytes: int) -> OSError:
+    return OSError(errno.EFBIG, f"larger than {max_bytes} bytes", path)
+
+
 class LocalStorage(Storage):
     """A local POSIX file system: durable writes with fsync, atomic directory rename."""
 
@@ -99,8 +111,10 @@ class LocalStorage(Storage):
             os.close(fd)
         os.replace(tmp, path)
 
-    def read_file(self, path: str) -> bytes:
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         with open(path, "rb") as f:
+            if max_bytes is not None and os.fstat(f.fileno()).st_size > max_bytes:
+                raise _too_large(path, max_bytes)
             return f.read()
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
@@ -115,6 +129,13 @@ class LocalStorage(Storage):
             return sorted(os.listdir(path))
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def list_files(self, path: str) -> list[str]:
+        out = []
+        for parent, _, files in os.walk(path):
+            rel = os.path.relpath(parent, path)
+            out += [f if rel == "." else f"{rel}/{f}" for f in files]
+        return sorted(out)
 
     def delete_tree(self, path: str) -> None:
         if os.path.isdir(path):
@@ -143,9 +164,10 @@ class LocalStorage(Storage):
 class KvStorage(Storage):
     """Any TensorStore kvstore URL. No rename: the commit marker alone publishes a save."""
 
-    def __init__(self, scheme_root: str):
+    def __init__(self, scheme_root: str, spec: str | dict | None = None):
         self._root = scheme_root  # e.g. "memory://", "s3://bucket/"
-        self._kv = ts.KvStore.open(scheme_root, context=TS_CONTEXT).result()
+        self._spec = spec  # a JSON spec replaces the URL (it may carry context resources)
+        self._kv = ts.KvStore.open(scheme_root if spec is None else spec, context=TS_CONTEXT).result()
 
     def _key(self, path: str) -> str:
         if not path.startswith(self._root):
@@ -153,17 +175,19 @@ class KvStorage(Storage):
         return path[len(self._root) :].lstrip("/")
 
     def kvstore_spec(self, path: str) -> dict:
-        spec = self._kv.spec().to_json()
+        spec = dict(self._spec) if isinstance(self._spec, dict) else self._kv.spec().to_json()
         spec["path"] = spec.get("path", "") + self._key(path).rstrip("/") + "/"
         return spec
 
     def write_file(self, path: str, data: bytes) -> None:
         self._kv.write(self._key(path), data).result()
 
-    def read_file(self, path: str) -> bytes:
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         r = self._kv.read(self._key(path)).result()
         if r.state != "value":
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
+        if max_bytes is not None and len(r.value) > max_bytes:
+            raise _too_large(path, max_bytes)
         return bytes(r.value)
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
@@ -183,12 +207,45 @@ class KvStorage(Storage):
         names = {k.decode()[len(prefix) :].split("/", 1)[0] for k in keys}
         return sorted(n for n in names if n)
 
+    def list_files(self, path: str) -> list[str]:
+        prefix = self._key(path).rstrip("/")
+        prefix = prefix + "/" if prefix else ""
+        key_range = ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()
+        return sorted(k.decode()[len(prefix) :] for k in self._kv.list(key_range).result())
+
     def delete_file(self, path: str) -> None:
         self._kv.delete_range(ts.KvStore.KeyRange(self._key(path), self._key(path) + "\x00")).result()
 
     def delete_tree(self, path: str) -> None:
         prefix = self._key(path).rstrip("/") + "/"
         self._kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
+
+
+def s3_spec(bucket: str) -> dict:
+    """The kvstore spec of an S3 bucket, with the endpoint from the environment.
+
+    TensorStore's `s3` driver does not read `AWS_ENDPOINT_URL`: without an `endpoint`
+    in the spec it addresses `https://<bucket>.s3.amazonaws.com`. So the standard
+    variables go into the spec here: `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` as
+    `endpoint` (path-style requests `<endpoint>/<bucket>/<key>`, http or https), and
+    with an endpoint `AWS_REGION` / `AWS_DEFAULT_REGION` as `aws_region` (the region
+    used in request signatures; TensorStore asks the endpoint when it is absent).
+    Credentials come from TensorStore's default AWS chain (`AWS_ACCESS_KEY_ID` /
+    `AWS_SECRET_ACCESS_KEY` / `AWS_SESSION_TOKEN`, then `~/.aws`, ECS, EC2 metadata);
+    when the key variables are set, the spec names the `environment` provider, the one
+    the chain would pick anyway, which spares the chain's error logs about absent
+    profile files.
+    """
+    spec: dict = {"driver": "s3", "bucket": bucket}
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        spec["aws_credentials"] = {"type": "environment"}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        spec["endpoint"] = endpoint.rstrip("/")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            spec["aws_region"] = region
+    return spec
 
 
 def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
@@ -211,7 +268,7 @@ def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
         bucket = rest.split("/", 1)[0]
         root = f"{scheme}://{bucket}/"
         try:
-            return KvStorage(root), loc.rstrip("/")
+            return KvStorage(root, s3_spec(bucket) if scheme == "s3" else None), loc.rstrip("/")
         except ValueError as e:
             raise CheckpointError(f"cannot open {root}: {e}") from e
     raise CheckpointError(

@@ -236,6 +236,8 @@ def leaf_paths_of(node: JsonNode) -> list[str]:
         if not isinstance(n, dict) or depth > MAX_DEPTH:
             raise CorruptCheckpointError("malformed or too deeply nested tree structure")
         if n.get("kind") == "leaf":
+            if not isinstance(n.get("path"), str):
+                raise CorruptCheckpointError(f"malformed tree structure: leaf path {n.get('path')!r:.100} is not a string")
             out.append(n.get("path"))
             continue
         children = n.get("children", [])
