@@ -382,7 +382,7 @@ def _cmd_ls(args, ui: _UI) -> int:
     ui.line(summary + ".")
     if any(r["state"] == "no marker" for r in rows):
         ui.line("Folders without a commit marker are not checkpoints (on object stores: a save in flight or a crashed "
-                "one); gc leaves them alone.")
+                "one); gc removes them once they have stayed unchanged for an hour.")
     if holder:
         ui.line(f"A CheckpointManager holds this directory ({holder}): partial folders may be saves in flight.")
     elif n_partial:
@@ -573,21 +573,6 @@ def _cmd_verify(args, ui: _UI) -> int:
 # --- gc ---------------------------------------------------------------------------------------
 
 
-def _recovery_actions(storage: Storage, directory: str) -> list[tuple[str, str]]:
-    """What `_directory.recover` will do: (folder, "remove" | "roll forward")."""
-    existing = set(_directory.committed_steps(storage, directory))
-    out = []
-    for e in _directory.entries(storage, directory):
-        if e.generation is None:
-            continue
-        if e.committed and e.step not in existing and storage.supports_rename and ".partial-" in e.name:
-            existing.add(e.step)
-            out.append((e.name, "roll forward"))
-        else:
-            out.append((e.name, "remove"))
-    return out
-
-
 def _cmd_gc(args, ui: _UI) -> int:
     storage, directory = _open_dir(args.directory)
     holder = _lock_holder(storage, directory)
@@ -596,7 +581,7 @@ def _cmd_gc(args, ui: _UI) -> int:
             f"a CheckpointManager is using {directory} ({holder}); gc would race its saves. Run gc after it closes "
             "(a manager also removes crashed saves itself when it opens the directory)"
         )
-    actions = _recovery_actions(storage, directory)
+    actions = _directory.plan_recovery(storage, directory)
     rolled = [n for n, a in actions if a == "roll forward"]
     steps = sorted(set(_directory.committed_steps(storage, directory)) | {int(n.split(".", 1)[0]) for n in rolled})
     lock = None

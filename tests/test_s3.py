@@ -1,0 +1,393 @@
+"""Object storage: `s3://bucket/prefix` end to end against a real S3-protocol server.
+
+A session-scoped moto server (`tests/s3server.py`) listens on 127.0.0.1; TensorStore's
+`s3` kvstore driver reaches it through the endpoint in `AWS_ENDPOINT_URL`. Object keys
+are checked with boto3, independently of the library. On object stores there is no
+rename: a save writes `<step>/` directly and the `COMMITTED` marker alone publishes it.
+"""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (dev extra)")
+pytest.importorskip("boto3", reason="the S3 tests need boto3 (dev extra)")
+
+import checkpointer as ckpt  # noqa: E402
+from checkpointer import _cli, _directory, _read  # noqa: E402
+from checkpointer._storage import KvStorage, s3_spec, storage_for  # noqa: E402
+from conftest import make_mesh  # noqa: E402
+from s3server import running_s3_server  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def s3():
+    with running_s3_server() as server:
+        yield server
+
+
+@pytest.fixture
+def bucket(s3):
+    return s3.new_bucket()
+
+
+def _state(value, mesh_shape=(2, 4)):
+    mesh = make_mesh(mesh_shape, ("data", "model"))
+    w = np.arange(32 * 16, dtype=np.float32).reshape(32, 16) + value
+    return {
+        "params": {
+            "w": jax.device_put(w, NamedSharding(mesh, P("data", "model"))),
+            "b": jax.device_put(jnp.full((16,), value, jnp.bfloat16), NamedSharding(mesh, P("model"))),
+            "e": jax.device_put(np.arange(8, dtype=np.int32) * value, NamedSharding(mesh, P())),
+        },
+        "step": int(value),
+        "name": "run-a",
+    }
+
+
+def _target(mesh, spec_w=P("model", "data")):
+    return {
+        "params": {
+            "w": jax.ShapeDtypeStruct((32, 16), np.float32, sharding=NamedSharding(mesh, spec_w)),
+            "b": jax.ShapeDtypeStruct((16,), ml_dtypes.bfloat16, sharding=NamedSharding(mesh, P("data"))),
+            "e": jax.ShapeDtypeStruct((8,), np.int32, sharding=NamedSharding(mesh, P())),
+        },
+        "step": None,
+        "name": None,
+    }
+
+
+def _assert_restored(restored, value):
+    w = np.arange(32 * 16, dtype=np.float32).reshape(32, 16) + value
+    np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), w)
+    np.testing.assert_array_equal(np.asarray(restored["params"]["b"]).astype(np.float32), np.full((16,), value, np.float32))
+    np.testing.assert_array_equal(np.asarray(restored["params"]["e"]), np.arange(8, dtype=np.int32) * value)
+    assert restored["step"] == value and restored["name"] == "run-a"
+
+
+def _crash_a_save(s3, bucket, prefix, step):
+    """Leaves `<prefix>/<step>/` as a save that died just before its commit marker."""
+    path = f"s3://{bucket}/{prefix}/{step}"
+    ckpt.save(path, _state(step))
+    s3.client.delete_object(Bucket=bucket, Key=f"{prefix}/{step}/COMMITTED")
+    return path
+
+
+# --- the endpoint ---------------------------------------------------------------------------
+
+
+def test_the_endpoint_and_region_come_from_the_standard_environment(s3, bucket, monkeypatch):
+    spec = s3_spec(bucket)
+    assert spec["endpoint"] == s3.endpoint and spec["aws_region"] == "us-east-1"
+    storage, path = storage_for(f"s3://{bucket}/run/7/")
+    assert isinstance(storage, KvStorage) and not storage.supports_rename and path == f"s3://{bucket}/run/7"
+    kv = storage.kvstore_spec(f"{path}/arrays/w")
+    assert kv["driver"] == "s3" and kv["bucket"] == bucket and kv["endpoint"] == s3.endpoint
+    assert kv["path"] == "run/7/arrays/w/"
+    # The service-specific variable wins, as in the AWS SDKs.
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint + "/")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    assert s3_spec(bucket)["endpoint"] == s3.endpoint
+    # Without an endpoint TensorStore addresses AWS itself and resolves the region.
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    assert "endpoint" not in s3_spec(bucket) and "aws_region" not in s3_spec(bucket)
+
+
+# --- save, restore, metadata, verify ---------------------------------------------------------
+
+
+def test_save_writes_the_final_name_and_restores_onto_another_mesh(s3, bucket):
+    path = f"s3://{bucket}/run/5"
+    ckpt.save(path, _state(5), metadata={"note": "object store"})
+    keys = s3.keys(bucket)
+    assert f"run/5/{'COMMITTED'}" in keys and "run/5/manifest.json" in keys and "run/5/processes/0.json" in keys
+    assert not [k for k in keys if ".partial-" in k or ".deleting-" in k]  # no rename on object stores
+    assert all(k.startswith("run/5/") for k in keys)
+    # The marker is the commit: it names the save's generation, as the manifest does.
+    marker = json.loads(s3.client.get_object(Bucket=bucket, Key="run/5/COMMITTED")["Body"].read())
+    manifest = json.loads(s3.client.get_object(Bucket=bucket, Key="run/5/manifest.json")["Body"].read())
+    assert marker["generation"] == manifest["generation"]
+
+    for mesh_shape in ((4, 2), (1, 4), (1, 1)):
+        mesh = make_mesh(mesh_shape, ("data", "model"))
+        restored = ckpt.restore(path, _target(mesh))
+        _assert_restored(restored, 5)
+        assert restored["params"]["w"].sharding == NamedSharding(mesh, P("model", "data"))
+    _assert_restored(ckpt.restore(path), 5)  # host numpy arrays
+
+    meta = ckpt.metadata(path)
+    assert meta.user_metadata == {"note": "object store"}
+    assert meta.leaves["params/w"].shape == (32, 16) and meta.leaves["params/w"].saved_sharding.mesh_shape == (2, 4)
+    report = ckpt.verify(path)
+    assert report.ok, report.problems
+    assert report.chunks_checked == 8 + 4 + 1
+
+
+def test_restore_fetches_only_the_planned_byte_ranges(s3, bucket):
+    path = f"s3://{bucket}/run/1"
+    w = np.random.default_rng(0).standard_normal((512, 256), np.float32)
+    ckpt.save(path, {"w": jax.device_put(w, NamedSharding(make_mesh((2, 4), ("data", "model")), P("data", "model")))})
+    mesh = make_mesh((4, 2), ("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P("data", "model")))}
+    plan = ckpt.plan_restore(path, target)
+    assert plan.bytes_needed == w.nbytes and plan.read_amplification <= 1.01, str(plan)
+    before = _read.BYTES_READ.bytes
+    out = ckpt.restore(path, target)
+    assert _read.BYTES_READ.bytes - before == plan.bytes_read  # byte-range GETs, nothing more
+    np.testing.assert_array_equal(np.asarray(out["w"]), w)
+
+
+def test_save_async_commits_on_wait(s3, bucket):
+    path = f"s3://{bucket}/run/3"
+    handle = ckpt.save_async(path, _state(3))
+    handle.wait(timeout=120)
+    assert handle.done()
+    assert "run/3/COMMITTED" in s3.keys(bucket)
+    _assert_restored(ckpt.restore(path, _target(make_mesh((2, 2), ("data", "model")))), 3)
+
+
+def test_a_committed_path_is_not_overwritten_without_overwrite(s3, bucket):
+    path = f"s3://{bucket}/run/2"
+    ckpt.save(path, _state(2))
+    with pytest.raises(ckpt.CheckpointExistsError):
+        ckpt.save(path, _state(9))
+    _assert_restored(ckpt.restore(path), 2)
+    assert ckpt.verify(path).ok
+
+
+# Known gap in _save.py (reported, not fixed here): on object stores a save writes
+# `<step>/` in place and process 0 opens each zarr array with `create: true`, which
+# fails with ALREADY_EXISTS when `<step>/arrays/<leaf>/zarr.json` is already there: an
+# overwrite of a committed step, or a re-save of a step whose crashed save is still
+# waiting for garbage collection. The fix belongs in the save path (process 0 clears
+# the folder, marker first, before the others start writing).
+_SAVE_GAP = "object stores: _save.py opens existing zarr arrays with create=true (ALREADY_EXISTS)"
+
+
+@pytest.mark.xfail(reason=_SAVE_GAP, strict=True, raises=ckpt.SaveError)
+def test_overwrite_replaces_a_committed_step(s3, bucket):
+    path = f"s3://{bucket}/run/2"
+    ckpt.save(path, _state(2))
+    ckpt.save(path, _state(9), overwrite=True)
+    restored = ckpt.restore(path)
+    np.testing.assert_array_equal(restored["params"]["w"], np.arange(32 * 16, dtype=np.float32).reshape(32, 16) + 9)
+    assert ckpt.verify(path).ok
+
+
+@pytest.mark.xfail(reason=_SAVE_GAP, strict=True, raises=ckpt.SaveError)
+def test_a_step_whose_crashed_save_awaits_gc_can_be_saved_again(s3, bucket):
+    d = f"s3://{bucket}/run"
+    _crash_a_save(s3, bucket, "run", 3)
+    with ckpt.CheckpointManager(d, async_save=False) as mgr:  # the crashed folder is kept (grace)
+        mgr.save(3, _state(3))
+        assert mgr.all_steps() == [3]
+    assert ckpt.verify(f"{d}/3").ok
+
+
+# --- only committed steps are checkpoints ------------------------------------------------------
+
+
+def test_a_step_folder_without_marker_is_invisible(s3, bucket):
+    d = f"s3://{bucket}/run"
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(5), async_save=False) as mgr:
+        mgr.save(1, _state(1))
+        mgr.save(2, _state(2))
+    crashed = _crash_a_save(s3, bucket, "run", 3)  # newest folder, but no marker
+    assert any(k.startswith("run/3/") for k in s3.keys(bucket))
+
+    with ckpt.CheckpointManager(d, async_save=False) as mgr:
+        assert mgr.all_steps() == [1, 2]
+        assert mgr.latest_step() == 2
+        assert mgr.status().latest_committed_step == 2
+        with pytest.raises(ckpt.CheckpointNotFoundError):
+            mgr.restore(3)
+        _assert_restored(mgr.restore(), 2)  # the newest *committed* step
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="commit marker"):
+        ckpt.restore(crashed)
+    with pytest.raises(ckpt.CheckpointNotFoundError):
+        ckpt.restore(crashed, _target(make_mesh((2, 4), ("data", "model"))))
+    with pytest.raises(ckpt.CheckpointNotFoundError):
+        ckpt.metadata(crashed)
+    with pytest.raises(ckpt.CheckpointNotFoundError):
+        ckpt.verify(crashed)
+
+
+# --- the manager ---------------------------------------------------------------------------
+
+
+def test_manager_saves_async_keeps_the_latest_and_restores_elsewhere(s3, bucket):
+    d = f"s3://{bucket}/exp/run"
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(2)) as mgr:
+        for step in range(5):
+            assert mgr.save(step, _state(step), metrics={"loss": 10.0 - step})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 4]
+        assert mgr.latest_step() == 4
+        status = mgr.status()
+        assert status.last_error is None and status.step_in_flight is None and status.commit_lag_steps == 0
+    # Retention removed every object of the dropped steps, and nothing else lingers.
+    steps_with_objects = {k.split("/")[2] for k in s3.keys(bucket, "exp/run/") if k.split("/")[2].isdigit()}
+    assert steps_with_objects == {"3", "4"}
+    assert [k for k in s3.keys(bucket, "exp/run/") if not k.split("/")[2].isdigit()] == []
+
+    with ckpt.CheckpointManager(d, async_save=False) as mgr:  # a fresh job, another mesh
+        assert mgr.latest_step() == 4
+        _assert_restored(mgr.restore(target=_target(make_mesh((1, 4), ("data", "model")))), 4)
+        _assert_restored(mgr.restore(3, target=_target(make_mesh((2, 1), ("data", "model")))), 3)
+        assert ckpt.metadata(mgr.step_path(4)).user_metadata["metrics"] == {"loss": 6.0}
+        with pytest.raises(ckpt.CheckpointExistsError):
+            mgr.save(4, _state(4))
+
+
+def test_manager_keep_best_uses_the_stored_metrics(s3, bucket):
+    d = f"s3://{bucket}/best"
+    losses = {1: 3.0, 2: 1.0, 3: 2.0, 4: 5.0}
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepBest("loss", n=1), async_save=False) as mgr:
+        for step, loss in losses.items():
+            mgr.save(step, _state(step), metrics={"loss": loss})
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepBest("loss", n=1)) as mgr:
+        assert mgr.all_steps() == [2, 4]  # the best one and the newest one
+
+
+# --- garbage collection of crashed saves ----------------------------------------------------------
+
+
+def test_recovery_removes_a_marker_less_step_only_after_it_stayed_unchanged_for_the_grace(s3, bucket):
+    storage, d = storage_for(f"s3://{bucket}/run")
+    ckpt.save(f"{d}/1", _state(1))
+    _crash_a_save(s3, bucket, "run", 2)
+    grace = _directory.OBJECT_STORE_GC_GRACE_S
+    t0 = 1_000_000.0
+
+    assert _directory.recover(storage, d, now=t0) == []  # first sighting: only noted
+    journal = json.loads(s3.client.get_object(Bucket=bucket, Key=f"run/{_directory.GC_JOURNAL}")["Body"].read())
+    assert journal["2"]["unchanged_since_unix_s"] == t0
+    assert _directory.recover(storage, d, now=t0 + grace - 1) == []
+    assert _directory.plan_recovery(storage, d, now=t0 + grace - 1) == []
+    # A step this caller is saving is never removed.
+    assert _directory.recover(storage, d, now=t0 + grace, live_steps=frozenset({2})) == []
+
+    # Progress (objects added) starts the clock again.
+    s3.client.put_object(Bucket=bucket, Key="run/2/processes/1.json", Body=b"{}")
+    assert _directory.recover(storage, d, now=t0 + grace) == []
+    assert _directory.plan_recovery(storage, d, now=t0 + 2 * grace) == [("2", "remove")]
+    assert _directory.recover(storage, d, now=t0 + 2 * grace - 1) == []
+    assert _directory.recover(storage, d, now=t0 + 2 * grace) == ["2"]
+
+    assert [k for k in s3.keys(bucket) if not k.startswith("run/1/")] == []  # the journal went with it
+    assert _directory.committed_steps(storage, d) == [1]
+    assert ckpt.verify(f"{d}/1").ok
+
+
+def test_grace_zero_removes_at_once_and_committed_steps_are_never_touched(s3, bucket):
+    storage, d = storage_for(f"s3://{bucket}/run")
+    ckpt.save(f"{d}/1", _state(1))
+    _crash_a_save(s3, bucket, "run", 2)
+    _crash_a_save(s3, bucket, "run", 3)
+    assert _directory.recover(storage, d, grace_s=0) == ["2", "3"]
+    assert {k.split("/")[1] for k in s3.keys(bucket)} == {"1"}
+    assert _directory.recover(storage, d, grace_s=0) == []
+
+
+def test_the_manager_notes_a_crashed_save_at_start_and_removes_it_at_a_later_start(s3, bucket, monkeypatch):
+    d = f"s3://{bucket}/run"
+    with ckpt.CheckpointManager(d, async_save=False) as mgr:
+        mgr.save(1, _state(1))
+    _crash_a_save(s3, bucket, "run", 2)
+
+    with ckpt.CheckpointManager(d, async_save=False) as mgr:
+        assert mgr.all_steps() == [1]
+    assert any(k.startswith("run/2/") for k in s3.keys(bucket))  # maybe another job's save in flight: kept
+    assert f"run/{_directory.GC_JOURNAL}" in s3.keys(bucket)
+
+    monkeypatch.setattr(_directory, "OBJECT_STORE_GC_GRACE_S", 0.5)
+    time.sleep(0.6)
+    with ckpt.CheckpointManager(d, async_save=False) as mgr:
+        assert mgr.all_steps() == [1]
+        assert not any(k.startswith("run/2/") for k in s3.keys(bucket))
+        assert f"run/{_directory.GC_JOURNAL}" not in s3.keys(bucket)
+        mgr.save(2, _state(2))  # the step can be saved again, from scratch
+        assert mgr.all_steps() == [1, 2]
+    assert ckpt.verify(f"{d}/2").ok
+
+
+def test_retention_deletes_the_marker_first(s3, bucket, monkeypatch):
+    """A crash in the middle of deleting a step leaves a marker-less folder, never a
+    committed step with missing chunks."""
+    storage, d = storage_for(f"s3://{bucket}/run")
+    ckpt.save(f"{d}/1", _state(1))
+    deleted = []
+    real_delete_tree = type(storage).delete_tree
+
+    def crash_before_tree(self, path):
+        deleted.append(path)
+        raise OSError("crash")
+
+    monkeypatch.setattr(type(storage), "delete_tree", crash_before_tree)
+    with pytest.raises(OSError):
+        _directory.delete_step(storage, d, 1)
+    monkeypatch.setattr(type(storage), "delete_tree", real_delete_tree)
+    assert deleted == [f"{d}/1"]
+    assert _directory.committed_steps(storage, d) == []
+    assert "run/1/manifest.json" in s3.keys(bucket)
+    assert _directory.recover(storage, d, grace_s=0) == ["1"]
+    assert s3.keys(bucket) == []
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def _run(capsys, *argv):
+    code = _cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_ls_inspect_verify_on_s3(s3, bucket, capsys):
+    d = f"s3://{bucket}/run"
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(5), async_save=False) as mgr:
+        mgr.save(1, _state(1), metrics={"loss": 2.5})
+        mgr.save(2, _state(2), metrics={"loss": 1.5})
+    _crash_a_save(s3, bucket, "run", 3)
+
+    code, out, err = _run(capsys, "ls", d, "--json")
+    assert code == 0, err
+    rows = {r["step"]: r for r in json.loads(out)["steps"]}
+    assert sorted(rows) == [1, 2, 3]
+    assert rows[1]["committed"] and rows[2]["committed"] and not rows[3]["committed"]
+    assert rows[3]["state"] == "no marker"
+    assert rows[2]["metrics"] == {"loss": 1.5} and rows[2]["size_bytes"] > 32 * 16 * 4
+    code, out, err = _run(capsys, "ls", d)
+    assert code == 0 and "no marker" in out and "committed" in out
+
+    code, out, err = _run(capsys, "inspect", f"{d}/2", "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    leaves = {leaf["path"]: leaf for leaf in info["leaves"]}
+    assert info["step"] == 2 and set(leaves) == {"params/w", "params/b", "params/e", "step", "name"}
+    assert leaves["params/w"]["shape"] == [32, 16] and leaves["params/w"]["dtype"] == "float32"
+    assert leaves["params/w"]["chunk_shape"] == [16, 4]
+    code, out, err = _run(capsys, "inspect", f"{d}/2")
+    assert code == 0 and "params/w" in out
+
+    code, out, err = _run(capsys, "verify", f"{d}/2", "--json")
+    assert code == 0, err
+    assert json.loads(out)["ok"] is True
+    code, out, err = _run(capsys, "verify", f"{d}/3")
+    assert code == 2 and "commit marker" in err and "Traceback" not in err
+
+    # Damage one zarr shard file: verify finds it and exits 1.
+    key = "run/2/arrays/params/w/c/0/0"
+    body = bytearray(s3.client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[10] ^= 0xFF
+    s3.client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    code, out, err = _run(capsys, "verify", f"{d}/2", "--json")
+    assert code == 1 and json.loads(out)["ok"] is False
