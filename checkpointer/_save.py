@@ -184,6 +184,17 @@ def _committed(storage: Storage, path: str) -> bool:
     return storage.exists(f"{path}/{_format.COMMITTED}")
 
 
+def _clear_for_object_store(storage: Storage, path: str) -> None:
+    """On an object store a save writes under the final name, so whatever is there (a
+    committed step being overwritten, or a crashed save's leftovers) goes first: the
+    marker, then every object. The step is absent until the new marker lands; that is
+    the best an object store allows without rename. Process 0 does it before the
+    generation is agreed, so no other process has started writing."""
+    if storage.list_dir(path):
+        storage.delete_file(f"{path}/{_format.COMMITTED}")
+        storage.delete_tree(path)
+
+
 def take_snapshot(
     path: str | os.PathLike,
     tree: object,
@@ -237,6 +248,8 @@ def take_snapshot(
             )
         values[leaf_path] = value
     structure = describe(tree, _is_array)
+    if not storage.supports_rename and pidx == 0:
+        _clear_for_object_store(storage, path)
     generation = _distributed.agree_on(
         f"save-{next(_save_counter)}",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%d%H%M%S}-{uuid.uuid4().hex[:8]}",

@@ -163,16 +163,10 @@ def test_a_committed_path_is_not_overwritten_without_overwrite(s3, bucket):
     assert ckpt.verify(path).ok
 
 
-# Known gap in _save.py (reported, not fixed here): on object stores a save writes
-# `<step>/` in place and process 0 opens each zarr array with `create: true`, which
-# fails with ALREADY_EXISTS when `<step>/arrays/<leaf>/zarr.json` is already there: an
-# overwrite of a committed step, or a re-save of a step whose crashed save is still
-# waiting for garbage collection. The fix belongs in the save path (process 0 clears
-# the folder, marker first, before the others start writing).
-_SAVE_GAP = "object stores: _save.py opens existing zarr arrays with create=true (ALREADY_EXISTS)"
+# On object stores a save writes `<step>/` in place, so process 0 first clears what is
+# there (marker first): an overwritten committed step, or a crashed save's leftovers.
 
 
-@pytest.mark.xfail(reason=_SAVE_GAP, strict=True, raises=ckpt.SaveError)
 def test_overwrite_replaces_a_committed_step(s3, bucket):
     path = f"s3://{bucket}/run/2"
     ckpt.save(path, _state(2))
@@ -182,7 +176,6 @@ def test_overwrite_replaces_a_committed_step(s3, bucket):
     assert ckpt.verify(path).ok
 
 
-@pytest.mark.xfail(reason=_SAVE_GAP, strict=True, raises=ckpt.SaveError)
 def test_a_step_whose_crashed_save_awaits_gc_can_be_saved_again(s3, bucket):
     d = f"s3://{bucket}/run"
     _crash_a_save(s3, bucket, "run", 3)
