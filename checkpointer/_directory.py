@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import logging
 import time
+import uuid
 
 from . import _format
 from ._errors import CheckpointError
@@ -194,15 +195,22 @@ def _read_journal(storage: Storage, directory: str) -> dict:
     return journal if isinstance(journal, dict) else {}
 
 
-def delete_step(storage: Storage, directory: str, step: int) -> None:
-    """Deletes a committed step: the marker goes first, so a crash midway leaves no
-    half-deleted checkpoint that looks committed."""
+def unpublish_step(storage: Storage, directory: str, step: int) -> str:
+    """Makes a committed step vanish from listings at once; returns what is left to remove.
+
+    On POSIX the step folder is renamed to `<step>.deleting-gc` (atomic); on object
+    stores its marker is deleted. Either way a crash before the removal leaves nothing
+    that looks committed, and recovery removes the rest.
+    """
     path = f"{directory}/{step}"
     if storage.supports_rename:
-        # Rename away first: the step vanishes from listings atomically.
-        tmp = f"{directory}/{step}.deleting-gc"
-        storage.rename(path, tmp)
-        storage.delete_tree(tmp)
-    else:
-        storage.delete_file(f"{path}/{_format.COMMITTED}")
-        storage.delete_tree(path)
+        moved = f"{directory}/{step}.deleting-gc-{uuid.uuid4().hex[:8]}"
+        storage.rename(path, moved)
+        return moved
+    storage.delete_file(f"{path}/{_format.COMMITTED}")
+    return path
+
+
+def delete_step(storage: Storage, directory: str, step: int) -> None:
+    """Deletes a committed step: unpublished first, then removed."""
+    storage.delete_tree(unpublish_step(storage, directory, step))

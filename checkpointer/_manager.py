@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -135,6 +136,7 @@ class CheckpointManager:
         # The previous snapshot's host buffers, reused by the next one (warm memory
         # copies about twice as fast as fresh pages); released by close().
         self._buffers = HostBufferPool()
+        self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-gc")
         self.storage.makedirs(self.directory)
         if self._is_primary:
             if self.storage.supports_rename:
@@ -280,6 +282,7 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
+            self._deleter.shutdown(wait=True)
             self._buffers = HostBufferPool()
             if self._lock is not None:
                 self._lock.release()
@@ -317,10 +320,19 @@ class CheckpointManager:
             kept |= {s for s, h in self._in_flight if not h.done()}
         removed = [s for s in steps if s not in kept]
         for s in removed:
-            _directory.delete_step(self.storage, self.directory, s)
+            # Unpublishing is instant; removing the bytes (a GiB takes a while) runs on
+            # the deleter thread, so it does not delay the commit being announced.
+            leftover = _directory.unpublish_step(self.storage, self.directory, s)
+            self._deleter.submit(self._remove, leftover)
             self._metrics_cache.pop(s, None)
             log.info("retention removed step %d from %s", s, self.directory)
         return removed
+
+    def _remove(self, path: str) -> None:
+        try:
+            self.storage.delete_tree(path)
+        except OSError as e:  # recovery removes it at the next start
+            log.warning("could not remove %s: %s", path, e)
 
     # --- restore ------------------------------------------------------------------------
 

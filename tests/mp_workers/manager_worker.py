@@ -1,7 +1,7 @@
 """Every process runs a CheckpointManager(keep=KeepLatest(2), async_save=True), steps 1..4.
 
 args: {"directory": path, "steps": [..], "keep": n}
-emits: {"event": "deleted", "steps": [steps this process passed to delete_step]}
+emits: {"event": "deleted", "steps": [steps this process passed to unpublish_step]}
        {"event": "done", "all_steps": [...], "latest_step": n}
        process 0 also: {"event": "listing", "entries": [names in the directory]}
 """
@@ -19,15 +19,15 @@ import checkpointer as ckpt  # noqa: E402
 import checkpointer._directory as directory_mod  # noqa: E402
 
 deleted = []
-real_delete_step = directory_mod.delete_step
+real_unpublish_step = directory_mod.unpublish_step
 
 
-def counting_delete_step(storage, directory, step):
+def counting_unpublish_step(storage, directory, step):
     deleted.append(int(step))
-    return real_delete_step(storage, directory, step)
+    return real_unpublish_step(storage, directory, step)
 
 
-directory_mod.delete_step = counting_delete_step
+directory_mod.unpublish_step = counting_unpublish_step
 
 mesh = _common.mesh((2, 4), ("data", "model"))
 tree = _common.build_tree(mesh)
