@@ -22,6 +22,7 @@ test: venv
 
 bench: venv
 	$(PY) benchmarks/save_bench.py
+	$(PY) benchmarks/restore_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out
