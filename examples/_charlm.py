@@ -135,7 +135,12 @@ def batch_for_step(corpus: np.ndarray, step: int, config: Config) -> np.ndarray:
 
 
 def make_mesh(data: int, model: int) -> jax.sharding.Mesh:
-    """Builds a ``data x model`` device mesh over the local devices.
+    """Builds a ``data x model`` device mesh over the devices of every process.
+
+    Devices are laid out process by process, so with several processes each
+    one owns whole rows of the mesh: the ``data`` axis splits across processes
+    and the ``model`` axis stays inside one. Only the gradient all-reduce over
+    ``data`` then crosses process boundaries.
 
     The axes are ``Auto`` so that XLA inserts the collectives implied by the
     parameter shardings; ``jax.make_mesh`` would default to ``Explicit`` axes.
@@ -146,8 +151,18 @@ def make_mesh(data: int, model: int) -> jax.sharding.Mesh:
 
     Returns:
         The mesh.
+
+    Raises:
+        ValueError: If ``data * model`` is not the number of devices.
     """
-    return jax.make_mesh((data, model), (DATA_AXIS, MODEL_AXIS), axis_types=(AxisType.Auto,) * 2)
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if data * model != len(devices):
+        raise ValueError(f"mesh {data} x {model} needs {data * model} devices, not {len(devices)}")
+    return jax.sharding.Mesh(
+        np.array(devices).reshape(data, model),
+        (DATA_AXIS, MODEL_AXIS),
+        axis_types=(AxisType.Auto,) * 2,
+    )
 
 
 def partition_spec_for(shape: tuple[int, ...], model_size: int) -> PartitionSpec:
@@ -174,8 +189,29 @@ def partition_spec_for(shape: tuple[int, ...], model_size: int) -> PartitionSpec
     return PartitionSpec(*spec)
 
 
+def with_data_axis(spec: PartitionSpec, shape: tuple[int, ...], data_size: int) -> PartitionSpec:
+    """Also splits an optimizer-state array over ``data`` (ZeRO stage 1).
+
+    The first dimension not already split, and divisible by ``data_size``, goes
+    over ``data``; if there is none the spec is unchanged. Parameters stay
+    replicated over ``data`` (every data-parallel replica needs them whole), but
+    the AdamW moments are only read by the update, so each data replica can keep
+    a slice: with ``data`` spanning processes, each process then holds, and
+    checkpoints, its own part of them.
+    """
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for dim, size in enumerate(shape):
+        if entries[dim] is None and size % data_size == 0:
+            entries[dim] = DATA_AXIS
+            return PartitionSpec(*entries)
+    return spec
+
+
 def state_shardings(abstract_state: Any, mesh: jax.sharding.Mesh) -> Any:
     """Returns a pytree of ``NamedSharding`` matching ``abstract_state``.
+
+    Parameters are split over ``model`` (:func:`partition_spec_for`); the
+    optimizer state is in addition split over ``data`` (:func:`with_data_axis`).
 
     Args:
         abstract_state: Pytree whose leaves have a ``.shape`` (arrays or
@@ -185,11 +221,15 @@ def state_shardings(abstract_state: Any, mesh: jax.sharding.Mesh) -> Any:
     Returns:
         A pytree of the same structure holding one sharding per leaf.
     """
-    model_size = mesh.shape[MODEL_AXIS]
-    return jax.tree.map(
-        lambda leaf: NamedSharding(mesh, partition_spec_for(leaf.shape, model_size)),
-        abstract_state,
-    )
+    model_size, data_size = mesh.shape[MODEL_AXIS], mesh.shape[DATA_AXIS]
+
+    def sharding(path, leaf) -> NamedSharding:
+        spec = partition_spec_for(leaf.shape, model_size)
+        if any(getattr(k, "name", None) == "opt_state" for k in path) and len(leaf.shape) >= 1:
+            spec = with_data_axis(spec, leaf.shape, data_size)
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(sharding, abstract_state)
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
@@ -202,6 +242,26 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
         The sharding.
     """
     return NamedSharding(mesh, PartitionSpec(DATA_AXIS, None))
+
+
+def device_batch(tokens: np.ndarray, mesh: jax.sharding.Mesh) -> jax.Array:
+    """Places a global batch on the mesh, rows split over ``data``.
+
+    Every process passes the same global batch and contributes only the rows
+    its own devices hold, so this also works when the mesh spans several
+    processes (``jax.device_put`` of a host array cannot target devices of
+    other processes).
+
+    Args:
+        tokens: The global batch from :func:`batch_for_step`.
+        mesh: Mesh with a ``data`` axis.
+
+    Returns:
+        A ``jax.Array`` with the sharding of :func:`batch_sharding`.
+    """
+    return jax.make_array_from_callback(
+        tokens.shape, batch_sharding(mesh), lambda index: tokens[index]
+    )
 
 
 def make_init_fn(config: Config) -> Callable[[], train_state.TrainState]:

@@ -1,18 +1,24 @@
-"""Elastic resume: train on 8 devices, get preempted, resume on 4 devices.
+"""Elastic resume: train on 2 processes x 4 devices, get preempted mid-save, resume on 4 devices.
 
 A small byte-level transformer (see ``_charlm.py``) is trained on the Python
-documentation text. The demo runs three fresh processes, each simulating its
+documentation text. Every phase runs in fresh processes that simulate their
 own number of CPU devices:
 
-1. ``phase1`` (8 devices, mesh data=2 x model=4) trains from scratch and saves
-   an asynchronous checkpoint every ``SAVE_INTERVAL_STEPS`` steps, then is
-   killed with SIGKILL between two checkpoints, losing the steps since the
-   last one.
-2. ``phase2`` (4 devices, mesh data=2 x model=2) finds the latest committed
-   checkpoint, restores it onto the smaller mesh, checks that every array is
-   bit-identical to what phase 1 saved, and trains on to ``TOTAL_STEPS``.
-3. ``reference`` (8 devices, same mesh as phase 1) trains all steps without
-   interruption.
+1. ``phase1`` is two JAX processes of 4 devices each, joined by
+   ``jax.distributed`` (gloo collectives over 127.0.0.1), with one mesh
+   data=2 x model=4 over all 8 devices: ``data`` splits across the processes.
+   Both train from scratch and save an asynchronous checkpoint every
+   ``SAVE_INTERVAL_STEPS`` steps. After step ``PREEMPTED_AFTER_STEP`` they
+   get a preemption notice, start an emergency save, and are killed with
+   SIGKILL while it is being written: the newest folder on disk is then an
+   uncommitted ``<step>.partial-<generation>``.
+2. ``phase2`` is one process with 4 devices (mesh data=2 x model=2). Opening
+   the checkpoint manager removes the crashed save's folder; the latest
+   committed checkpoint is restored onto the smaller mesh, checked to be
+   bit-identical to what phase 1 saved, and training goes on to
+   ``TOTAL_STEPS``.
+3. ``reference`` is one process with 8 devices (the mesh of phase 1) that
+   trains all steps without interruption.
 
 The parent process then compares the loss curves, writes a plot and exits
 non-zero if anything does not match.
@@ -23,11 +29,13 @@ Usage::
 """
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,6 +44,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 import _charlm
 import checkpointer as ckpt
@@ -44,41 +53,63 @@ TOTAL_STEPS = 150
 SAVE_INTERVAL_STEPS = 25
 PREEMPTED_AFTER_STEP = 135
 KEEP_CHECKPOINTS = 3
-# Phase 2 runs on 4 devices instead of 8, so XLA splits the batch and the
-# matrix products differently and sums float32 partial results in a different
-# order. Float addition is not associative, so the losses differ in the last
-# bits (below 1e-6 here); a difference near this tolerance would be a bug.
+# The reference runs in one process, so its all-reduces sum float32 partial
+# results in another order than gloo's across the two processes of phase 1;
+# phase 2 runs on 4 devices instead of 8, so XLA splits the batch and the
+# matrix products differently too. Float addition is not associative, so the
+# losses differ in the last bits (a few 1e-6 here); a difference near this
+# tolerance would be a bug.
 LOSS_TOLERANCE = 1e-4
 CHECKPOINT_DIR_NAME = "checkpoints"
+# What the commit protocol writes last into a checkpoint folder: a folder
+# without it is not a checkpoint (see the README, "What is guaranteed").
+COMMITTED_MARKER = "COMMITTED"
 PLOT_NAME = "loss_curves.png"
 # Marks an output directory as created by this demo, so it may be wiped.
 OUTPUT_MARKER_NAME = ".elastic_resume_demo"
+# A phase that runs longer than this is killed and the demo fails.
+PHASE_TIMEOUT_S = 300
+# Once one process of a phase failed, how long the others get before they are
+# killed (a peer of a dead process would wait in a collective).
+FAILURE_GRACE_S = 10
+# How long process 0 of phase 1 waits, after its emergency save started, for
+# the save's folder to appear and for the other processes to die.
+PREEMPTION_TIMEOUT_S = 60
 MIB = 2**20
 
 CONFIG = _charlm.Config()
 
 
 class Phase(NamedTuple):
-    """How one subprocess of the demo runs: its simulated devices and mesh."""
+    """How one phase of the demo runs: its processes, their devices, the mesh."""
 
-    num_devices: int
+    num_processes: int
+    devices_per_process: int
     data_axis_size: int
     model_axis_size: int
     description: str
 
     @property
+    def num_devices(self) -> int:
+        """Devices of all processes together."""
+        return self.num_processes * self.devices_per_process
+
+    @property
+    def devices(self) -> str:
+        """Describes the processes and devices, e.g. ``2 processes x 4 devices``."""
+        processes = "process" if self.num_processes == 1 else "processes"
+        return f"{self.num_processes} {processes} x {self.devices_per_process} devices"
+
+    @property
     def layout(self) -> str:
-        """Describes the devices and mesh, e.g. ``8 devices, mesh data=2 x model=4``."""
-        return (
-            f"{self.num_devices} devices, mesh data={self.data_axis_size} x "
-            f"model={self.model_axis_size}"
-        )
+        """Describes the devices and mesh, e.g. ``1 process x 8 devices, mesh data=2 x model=4``."""
+        return f"{self.devices}, mesh data={self.data_axis_size} x model={self.model_axis_size}"
 
 
 PHASES = {
-    "phase1": Phase(8, 2, 4, "train from scratch, checkpoint, get preempted"),
-    "phase2": Phase(4, 2, 2, "resume from the latest checkpoint on a smaller mesh"),
-    "reference": Phase(8, 2, 4, "train without interruption, for comparison"),
+    "phase1": Phase(2, 4, 2, 4, "train, checkpoint, get preempted mid-save"),
+    "phase2": Phase(1, 4, 2, 2, "resume from the latest committed step on a smaller mesh"),
+    "reference": Phase(1, 8, 2, 4, "train without interruption, for comparison"),
 }
 
 
@@ -88,12 +119,16 @@ PHASES = {
 
 
 def say(message: str) -> None:
-    """Prints one indented line of a phase's report, unbuffered."""
-    print(f"  {message}", flush=True)
+    """Prints one indented line of a phase's report, unbuffered (process 0 only)."""
+    if jax.process_index() == 0:
+        print(f"  {message}", flush=True)
 
 
 def leaf_digests(tree: Any) -> dict[str, str]:
-    """Hashes every array of a pytree.
+    """Hashes every array of a pytree, as its global value.
+
+    With several processes this gathers every array to every process: a
+    collective, so all processes must call it at the same point.
 
     Args:
         tree: Pytree of arrays (on any devices, with any sharding).
@@ -103,7 +138,8 @@ def leaf_digests(tree: Any) -> dict[str, str]:
         leaf's dtype, shape and bytes, as assembled on the host.
     """
     digests = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    host_tree = multihost_utils.process_allgather(tree, tiled=True)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(host_tree)[0]:
         host = np.ascontiguousarray(leaf)
         hasher = hashlib.sha256(f"{host.dtype}{host.shape}".encode())
         hasher.update(host.tobytes())
@@ -121,13 +157,25 @@ def checkpoint_bytes(checkpoint_dir: Path, step: int) -> int:
     return ckpt.metadata(f"{checkpoint_dir}/{step}").total_bytes
 
 
+def format_bytes(num_bytes: int) -> str:
+    """Formats a byte count in MiB, or KiB / bytes when it is small."""
+    if num_bytes >= MIB // 10:
+        return f"{num_bytes / MIB:.1f} MiB"
+    if num_bytes >= 1024:
+        return f"{num_bytes / 1024:.1f} KiB"
+    return f"{num_bytes} bytes"
+
+
 def train(
     state: Any,
     mesh: jax.sharding.Mesh,
     steps: range,
     after_step: Callable[[int, Any, float], None] | None = None,
-) -> dict[int, float]:
+) -> tuple[Any, dict[int, float]]:
     """Runs training steps on the deterministic batch sequence.
+
+    Every process of the mesh runs the same steps; each builds the global
+    batch and places only its own devices' rows.
 
     Args:
         state: Sharded TrainState; it is donated to the first step.
@@ -138,20 +186,18 @@ def train(
             save a checkpoint.
 
     Returns:
-        The loss of every step.
+        The final state and the loss of every step.
     """
     corpus = _charlm.load_corpus()
     train_step = _charlm.make_train_step(_charlm.state_shardings(state, mesh), mesh)
     losses = {}
     for step in steps:
-        batch = jax.device_put(
-            _charlm.batch_for_step(corpus, step, CONFIG), _charlm.batch_sharding(mesh)
-        )
+        batch = _charlm.device_batch(_charlm.batch_for_step(corpus, step, CONFIG), mesh)
         state, loss = train_step(state, batch)
-        losses[step] = float(loss)
+        losses[step] = float(loss)  # replicated on every device, so every process reads it
         if after_step is not None:
             after_step(step, state, losses[step])
-    return losses
+    return state, losses
 
 
 def new_manager(checkpoint_dir: Path) -> ckpt.CheckpointManager:
@@ -164,17 +210,29 @@ def new_manager(checkpoint_dir: Path) -> ckpt.CheckpointManager:
     )
 
 
-def run_phase1(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
-    """Trains from scratch with periodic async checkpoints, then dies hard.
+def partial_folders(checkpoint_dir: Path, step: int) -> list[str]:
+    """Returns the names of the uncommitted ``<step>.partial-*`` folders of a step."""
+    return sorted(
+        name for name in os.listdir(checkpoint_dir) if name.startswith(f"{step}.partial-")
+    )
 
-    Writes ``phase1.json`` with the per-step losses and the leaf digests of
-    every checkpointed state, then kills its own process with SIGKILL, so
+
+def run_phase1(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
+    """Trains from scratch with periodic async checkpoints, then dies mid-save.
+
+    Runs in every process of the job. Process 0 writes ``phase1.json`` with
+    the per-step losses and the leaf digests of every checkpointed state.
+    After ``PREEMPTED_AFTER_STEP`` every process starts one more save and
+    kills itself with SIGKILL while it is being written (process 0 last), so
     neither ``close()`` nor any other cleanup runs.
 
     Args:
         out_dir: Demo output directory.
-        mesh: The 8-device mesh.
+        mesh: The 8-device mesh over both processes.
     """
+    if jax.process_index() != 0:
+        # Taken before the first collective, so long before process 0 waits on it.
+        hold_alive_lock(out_dir, jax.process_index())
     state = _charlm.init_state(CONFIG, mesh)
     num_params = sum(leaf.size for leaf in jax.tree.leaves(state.params))
     say(
@@ -184,6 +242,8 @@ def run_phase1(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
     )
 
     checkpoint_dir = out_dir / CHECKPOINT_DIR_NAME
+    # Every process opens the manager and calls save() with the same steps;
+    # the commit is coordinated through jax.distributed's key-value store.
     manager = new_manager(checkpoint_dir)
     save_blocked_s = {}
     digests = {}
@@ -192,15 +252,15 @@ def run_phase1(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
         start_s = time.perf_counter()
         if manager.save(step, state, metrics={"loss": loss}):
             save_blocked_s[step] = time.perf_counter() - start_s
-            digests[step] = leaf_digests(state)
+            digests[step] = leaf_digests(state)  # a collective: every process hashes
 
-    losses = train(state, mesh, range(1, PREEMPTED_AFTER_STEP + 1), checkpoint)
-    # A real preemption can also land while a save is still being written; that
-    # checkpoint is then never committed and the previous one is used instead.
-    # Waiting here only makes the demo's output deterministic.
+    state, losses = train(state, mesh, range(1, PREEMPTED_AFTER_STEP + 1), checkpoint)
+    # Let the last regular checkpoint commit first, so that the output is the
+    # same on every run: the save in flight at the kill is the emergency one.
     manager.wait_until_finished()
     latest_step = manager.latest_step()
-    (out_dir / "phase1.json").write_text(json.dumps({"losses": losses, "digests": digests}))
+    if jax.process_index() == 0:
+        (out_dir / "phase1.json").write_text(json.dumps({"losses": losses, "digests": digests}))
 
     say(
         f"trained steps 1-{PREEMPTED_AFTER_STEP}: "
@@ -208,24 +268,88 @@ def run_phase1(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
     )
     say(
         f"saved checkpoints at steps {', '.join(map(str, save_blocked_s))}, "
-        f"{checkpoint_bytes(checkpoint_dir, latest_step) / MIB:.1f} MiB each"
+        f"{checkpoint_bytes(checkpoint_dir, latest_step) / MIB:.1f} MiB each; "
+        f"step {latest_step} is the last committed one"
     )
     say(
         f"save() blocked training {np.mean(list(save_blocked_s.values())):.3f} s on average; "
         f"writes ran in the background (last: {manager.status().last_commit_s:.2f} s)"
     )
+
+    # The preemption notice: save the current step at once, off the interval.
+    start_s = time.perf_counter()
+    manager.save(PREEMPTED_AFTER_STEP, state, metrics={"loss": losses[PREEMPTED_AFTER_STEP]},
+                 force=True)
+    blocked_s = time.perf_counter() - start_s
+    if jax.process_index() != 0:
+        # The snapshot is taken and the background write has started: die now.
+        # This process never reports its shards written, so the save cannot
+        # commit any more.
+        os.kill(os.getpid(), signal.SIGKILL)
+    # Process 0 dies last: it hosts jax.distributed's coordination service,
+    # and a process that loses the service aborts itself (SIGABRT). It waits
+    # for its background write to create the save's folder, so that the save
+    # is visibly in flight, and for the other processes to be dead.
+    deadline_s = time.monotonic() + PREEMPTION_TIMEOUT_S
+    while not partial_folders(checkpoint_dir, PREEMPTED_AFTER_STEP):
+        if time.monotonic() > deadline_s:
+            sys.exit(f"the save of step {PREEMPTED_AFTER_STEP} never created its folder")
+        time.sleep(0.001)
+    for process_id in range(1, jax.process_count()):
+        wait_until_dead(out_dir, process_id, deadline_s)
     say(
-        f"PREEMPTED after step {PREEMPTED_AFTER_STEP} (SIGKILL): last committed checkpoint is "
-        f"step {latest_step}, so {PREEMPTED_AFTER_STEP - latest_step} steps of work are lost"
+        f"PREEMPTED after step {PREEMPTED_AFTER_STEP}: both processes started an emergency save "
+        f"of step {PREEMPTED_AFTER_STEP}"
+    )
+    say(
+        f"(save() blocked {blocked_s:.3f} s) and were killed with SIGKILL while it was being "
+        "written"
     )
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_phase2(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
-    """Restores the latest checkpoint onto a smaller mesh and trains on.
+def alive_lock_path(out_dir: Path, process_id: int) -> Path:
+    """Returns the file a phase-1 process holds locked for as long as it lives."""
+    return out_dir / f"phase1-process{process_id}.alive"
 
-    Exits non-zero if the restored state differs from what phase 1 saved.
-    Writes ``phase2.json`` with the resume step and the per-step losses.
+
+def hold_alive_lock(out_dir: Path, process_id: int) -> None:
+    """Locks this process's ``alive`` file; the kernel unlocks it when the process dies."""
+    lock_fd = os.open(alive_lock_path(out_dir, process_id), os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)  # lock_fd stays open until the process dies
+
+
+def wait_until_dead(out_dir: Path, process_id: int, deadline_s: float) -> None:
+    """Waits until another phase-1 process has died (its ``alive`` lock is free).
+
+    Args:
+        out_dir: Demo output directory.
+        process_id: The process to wait for; it called :func:`hold_alive_lock`.
+        deadline_s: ``time.monotonic()`` value after which to give up.
+
+    Raises:
+        SystemExit: If the process is still alive at the deadline.
+    """
+    lock_fd = os.open(alive_lock_path(out_dir, process_id), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        while True:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline_s:
+                    sys.exit(f"process {process_id} did not die after its emergency save")
+                time.sleep(0.001)
+    finally:
+        os.close(lock_fd)
+
+
+def run_phase2(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
+    """Cleans up the crashed save, restores onto a smaller mesh, trains on.
+
+    Exits non-zero if the crashed save was not removed or the restored state
+    differs from what phase 1 saved. Writes ``phase2.json`` with the resume
+    step and the per-step losses.
 
     Args:
         out_dir: Demo output directory.
@@ -238,16 +362,35 @@ def run_phase2(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
         _charlm.state_shardings(abstract_state, mesh),
     )
     checkpoint_dir = out_dir / CHECKPOINT_DIR_NAME
+    before = set(os.listdir(checkpoint_dir))
     with new_manager(checkpoint_dir) as manager:
+        removed = sorted(before - set(os.listdir(checkpoint_dir)))
+        if not any(".partial-" in name for name in removed):
+            sys.exit(f"opening the manager did not remove the crashed save (removed: {removed})")
+        say(
+            f"opening the CheckpointManager removed {', '.join(n + '/' for n in removed)}, "
+            "the crashed save"
+        )
         resume_step = manager.latest_step()
         if resume_step is None:
             sys.exit(f"no committed checkpoint found in {checkpoint_dir}")
         say(f"committed checkpoints on disk: {manager.all_steps()}; resuming from {resume_step}")
+        metadata = ckpt.metadata(manager.step_path(resume_step))
+        written = ", ".join(
+            f"process {i} wrote {format_bytes(num_bytes)}"
+            for i, num_bytes in enumerate(metadata.process_bytes_written)
+        )
+        say(f"checkpoint {resume_step} was saved by {metadata.process_count} processes: {written}")
+        if 0 in metadata.process_bytes_written:
+            say(
+                "(the state is replicated over 'data', i.e. across the processes, and each "
+                "shard is\n   written once, by the process whose device holds replica 0)"
+            )
 
         start_s = time.perf_counter()
         state = jax.block_until_ready(manager.restore(resume_step, target=target))
         restore_s = time.perf_counter() - start_s
-        restored_bytes = checkpoint_bytes(checkpoint_dir, resume_step)
+        restored_bytes = metadata.total_bytes
         say(
             f"restored step {resume_step} onto the new mesh in {restore_s:.2f} s "
             f"({restored_bytes / MIB:.1f} MiB, {restored_bytes / MIB / restore_s:.0f} MiB/s)"
@@ -257,7 +400,7 @@ def run_phase2(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
         def checkpoint(step: int, state: Any, loss: float) -> None:
             manager.save(step, state, metrics={"loss": loss})
 
-        losses = train(state, mesh, range(resume_step + 1, TOTAL_STEPS + 1), checkpoint)
+        _, losses = train(state, mesh, range(resume_step + 1, TOTAL_STEPS + 1), checkpoint)
         manager.wait_until_finished()
         status = manager.status()
 
@@ -320,7 +463,7 @@ def run_reference(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
         mesh: The 8-device mesh.
     """
     state = _charlm.init_state(CONFIG, mesh)
-    losses = train(state, mesh, range(1, TOTAL_STEPS + 1))
+    _, losses = train(state, mesh, range(1, TOTAL_STEPS + 1))
     (out_dir / "reference.json").write_text(json.dumps({"losses": losses}))
     say(f"trained steps 1-{TOTAL_STEPS}: loss {losses[1]:.3f} -> {losses[TOTAL_STEPS]:.3f}")
 
@@ -328,18 +471,51 @@ def run_reference(out_dir: Path, mesh: jax.sharding.Mesh) -> None:
 PHASE_RUNNERS = {"phase1": run_phase1, "phase2": run_phase2, "reference": run_reference}
 
 
-def run_phase_here(name: str, out_dir: Path) -> None:
+def divert_native_stdout(log_path: Path) -> None:
+    """Sends what native code prints on stdout to a file; Python's prints stay.
+
+    gloo prints a line for every communicator it connects, straight to file
+    descriptor 1. This points descriptor 1 at ``log_path`` and gives
+    ``sys.stdout`` a duplicate of the original descriptor.
+
+    Args:
+        log_path: File that receives the native output.
+    """
+    sys.stdout.flush()
+    original_stdout = os.dup(1)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log_fd, 1)
+    os.close(log_fd)
+    sys.stdout = os.fdopen(original_stdout, "w", buffering=1)
+
+
+def run_phase_here(name: str, out_dir: Path, process_id: int, coordinator: str | None) -> None:
     """Entry point of a training subprocess.
 
     Args:
         name: Key of ``PHASES``.
         out_dir: Demo output directory.
+        process_id: This process's index among the phase's processes.
+        coordinator: ``host:port`` of the ``jax.distributed`` coordinator
+            (process 0 serves it); None for a single-process phase.
     """
     phase = PHASES[name]
-    if jax.device_count() != phase.num_devices:
+    if phase.num_processes > 1:
+        divert_native_stdout(out_dir / f"{name}-process{process_id}.log")
+        # CPU devices of different processes talk through gloo over TCP.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=phase.num_processes,
+            process_id=process_id,
+        )
+    if (
+        jax.local_device_count() != phase.devices_per_process
+        or jax.device_count() != phase.num_devices
+    ):
         sys.exit(
-            f"{name} expects {phase.num_devices} devices but JAX sees {jax.device_count()}; "
-            "XLA_FLAGS must be set before jax is imported"
+            f"{name} expects {phase.devices}, but JAX sees {jax.process_count()} x "
+            f"{jax.local_device_count()}; XLA_FLAGS must be set before jax is imported"
         )
     PHASE_RUNNERS[name](out_dir, _charlm.make_mesh(phase.data_axis_size, phase.model_axis_size))
 
@@ -349,15 +525,62 @@ def run_phase_here(name: str, out_dir: Path) -> None:
 # ----------------------------------------------------------------------------
 
 
-def launch_phase(name: str, out_dir: Path) -> None:
-    """Runs one phase in a fresh Python process with its own device count.
+def free_port() -> int:
+    """Returns a TCP port of 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_processes(
+    processes: list[subprocess.Popen], expected_returncode: int
+) -> list[str]:
+    """Waits for a phase's processes; kills them if they hang or one failed.
+
+    Args:
+        processes: The phase's processes, by process id.
+        expected_returncode: The exit status every process should have.
+
+    Returns:
+        One line per process that did not end as expected (empty if all did).
+    """
+    deadline_s = time.monotonic() + PHASE_TIMEOUT_S
+    first_failure_s = None
+    while any(process.poll() is None for process in processes):
+        now_s = time.monotonic()
+        if first_failure_s is None and any(
+            process.returncode not in (None, expected_returncode) for process in processes
+        ):
+            first_failure_s = now_s
+        if now_s > deadline_s or (
+            first_failure_s is not None and now_s > first_failure_s + FAILURE_GRACE_S
+        ):
+            break
+        time.sleep(0.05)
+    problems = []
+    for process_id, process in enumerate(processes):
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+            problems.append(f"process {process_id} did not finish in time and was killed")
+        elif process.returncode != expected_returncode:
+            problems.append(f"process {process_id} exited with code {process.returncode}")
+    return problems
+
+
+def launch_phase(
+    name: str, out_dir: Path, report: Callable[[Path], None] | None = None
+) -> None:
+    """Runs one phase in fresh Python processes with their own device count.
 
     Args:
         name: Key of ``PHASES``.
         out_dir: Demo output directory.
+        report: Optional ``report(out_dir)``, run once the processes ended.
 
     Raises:
-        SystemExit: If the subprocess fails (phase 1 is expected to be killed).
+        SystemExit: If a subprocess fails (those of phase 1 are expected to be
+            killed with SIGKILL).
     """
     phase = PHASES[name]
     print(f"\n[{name}] {phase.layout}: {phase.description}", flush=True)
@@ -366,18 +589,68 @@ def launch_phase(name: str, out_dir: Path) -> None:
         for flag in os.environ.get("XLA_FLAGS", "").split()
         if not flag.startswith("--xla_force_host_platform_device_count")
     ]
-    device_count_flag = f"--xla_force_host_platform_device_count={phase.num_devices}"
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join([*other_xla_flags, device_count_flag])
-    )
+    device_count_flag = f"--xla_force_host_platform_device_count={phase.devices_per_process}"
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.lower().endswith("_proxy")  # gRPC would send 127.0.0.1 through a proxy
+    }
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join([*other_xla_flags, device_count_flag]))
+    command = [sys.executable, __file__, "--phase", name, "--out", str(out_dir)]
+    if phase.num_processes > 1:
+        command += ["--coordinator", f"127.0.0.1:{free_port()}"]
+    expected_returncode = -signal.SIGKILL if name == "phase1" else 0
     start_s = time.perf_counter()
-    returncode = subprocess.run(
-        [sys.executable, __file__, "--phase", name, "--out", str(out_dir)], env=env, check=False
-    ).returncode
+    processes = []
+    try:
+        for process_id in range(phase.num_processes):
+            processes.append(
+                subprocess.Popen([*command, "--process-id", str(process_id)], env=env)
+            )
+        problems = wait_for_processes(processes, expected_returncode)
+    finally:  # never leave a training process behind (e.g. on Ctrl-C)
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     wall_s = time.perf_counter() - start_s
-    if returncode != (-signal.SIGKILL if name == "phase1" else 0):
-        sys.exit(f"FAILED: {name} exited with code {returncode}")
+    if problems:
+        sys.exit(f"FAILED: {name}: " + "; ".join(problems))
+    if report is not None:
+        report(out_dir)
     print(f"  ({name} took {wall_s:.1f} s)", flush=True)
+
+
+def report_killed_save(out_dir: Path) -> None:
+    """Lists the checkpoint folders phase 1 left; fails unless the newest is uncommitted.
+
+    Args:
+        out_dir: Demo output directory.
+
+    Raises:
+        SystemExit: If the newest folder is a committed checkpoint, i.e. the
+            kill did not land while a save was in flight.
+    """
+    checkpoint_dir = out_dir / CHECKPOINT_DIR_NAME
+    folders = sorted(
+        (name for name in os.listdir(checkpoint_dir) if name.split(".")[0].isdigit()),
+        key=lambda name: (int(name.split(".")[0]), name),
+    )
+    committed = [name for name in folders if (checkpoint_dir / name / COMMITTED_MARKER).exists()]
+    newest = folders[-1]
+    if newest in committed or ".partial-" not in newest:
+        sys.exit(f"FAILED: the newest folder {newest}/ is not an uncommitted save in flight")
+    last_step = int(committed[-1])
+    print("  both processes died by SIGKILL; checkpoint folders on disk:")
+    print(f"    {'  '.join(name + '/' for name in folders)}")
+    print(
+        f"  the newest has no {COMMITTED_MARKER} marker: it is the save in flight, not a "
+        "checkpoint; the last"
+    )
+    print(
+        f"  committed one is step {last_step}, so {PREEMPTED_AFTER_STEP - last_step} steps of "
+        "work are lost"
+    )
 
 
 def load_phase_result(out_dir: Path, name: str) -> dict[str, Any]:
@@ -409,8 +682,8 @@ def plot_losses(
 ) -> None:
     """Writes a PNG of the reference loss curve and the interrupted run's.
 
-    The top panel shows the losses, the bottom one how far the resumed run
-    is from the reference.
+    The top panel shows the losses, the bottom one how far each phase of the
+    interrupted run is from the reference.
 
     Args:
         path: PNG file to write.
@@ -442,16 +715,17 @@ def plot_losses(
                          label=f"work lost at the preemption after step {max(phase1)}")
     ax_loss.set_ylabel("cross-entropy (nats / byte)")
     ax_loss.set_title(
-        f"Elastic resume: checkpoint on {PHASES['phase1'].num_devices} devices, "
-        f"restore and continue on {PHASES['phase2'].num_devices}"
+        f"Elastic resume: checkpoint on {PHASES['phase1'].devices}, killed mid-save,\n"
+        f"restore and continue on {PHASES['phase2'].devices}"
     )
     ax_loss.legend()
 
-    diff = [phase2[step] - reference[step] for step in phase2]
-    ax_diff.plot(list(phase2), diff, color="tab:orange", marker=".", lw=1)
+    for losses, color in ((phase1, "tab:blue"), (phase2, "tab:orange")):
+        diff = [losses[step] - reference[step] for step in losses]
+        ax_diff.plot(list(losses), diff, color=color, marker=".", ms=3, lw=0.8)
     ax_diff.axhline(0, color="0.6", lw=1)
     ax_diff.set_xlabel("training step")
-    ax_diff.set_ylabel("phase 2 - reference")
+    ax_diff.set_ylabel("loss - reference")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -488,11 +762,12 @@ def run_demo(out_dir: Path) -> None:
     prepare_output_dir(out_dir)
     print(
         f"Elastic resume demo: {TOTAL_STEPS} training steps of a byte-level transformer on the "
-        f"Python docs,\ncheckpointed every {SAVE_INTERVAL_STEPS} steps. Each phase is a fresh "
-        f"process with its own number of\nsimulated CPU devices. Output: {out_dir}/"
+        f"Python docs,\ncheckpointed every {SAVE_INTERVAL_STEPS} steps. Each phase runs in fresh "
+        f"processes with their own number\nof simulated CPU devices; phase 1 is 2 JAX processes "
+        f"under jax.distributed. Output: {out_dir}/"
     )
     for name in PHASES:
-        launch_phase(name, out_dir)
+        launch_phase(name, out_dir, report_killed_save if name == "phase1" else None)
 
     reference = load_phase_result(out_dir, "reference")["losses"]
     phase1 = load_phase_result(out_dir, "phase1")["losses"]
@@ -505,15 +780,18 @@ def run_demo(out_dir: Path) -> None:
     resumed_devices = PHASES["phase2"].num_devices
     reference_devices = PHASES["reference"].num_devices
     print("\n[compare] per-step losses of the interrupted run vs the reference run")
-    print(f"  phase 1, steps 1-{max(phase1)}, same mesh: max |diff| = {phase1_diff:.1e}")
+    print(
+        f"  phase 1, steps 1-{max(phase1)}, same mesh on {PHASES['phase1'].num_processes} "
+        f"processes instead of 1: max |diff| = {phase1_diff:.1e}"
+    )
     print(
         f"  phase 2, steps {resume_step + 1}-{TOTAL_STEPS}, {resumed_devices} devices instead of "
         f"{reference_devices}: max |diff| = {phase2_diff:.1e}"
     )
     print(
-        f"  tolerance {LOSS_TOLERANCE:.0e}: after the resume the losses are not bit-exact because "
-        f"on {resumed_devices} devices\n  XLA adds float32 partial sums in a different order "
-        "(float addition is not associative)"
+        f"  tolerance {LOSS_TOLERANCE:.0e}: the losses are not bit-exact because gloo's all-reduce "
+        f"across processes and XLA\n  on {resumed_devices} devices add float32 partial sums in "
+        "another order than one 8-device process does\n  (float addition is not associative)"
     )
     print(
         f"  final loss: resumed {phase2[TOTAL_STEPS]:.4f}, reference {reference[TOTAL_STEPS]:.4f}"
@@ -541,9 +819,11 @@ def main() -> None:
         help="output directory, recreated on every run (default: demo_out)",
     )
     parser.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.phase:
-        run_phase_here(args.phase, args.out)
+        run_phase_here(args.phase, args.out, args.process_id, args.coordinator)
     else:
         run_demo(args.out)
 
