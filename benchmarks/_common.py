@@ -1,0 +1,239 @@
+"""Shared pieces of the benchmark scripts: the benchmark state, timing and RSS sampling,
+statistics, machine description and the per-script section of benchmarks/RESULTS.md.
+
+The importing script sets XLA_FLAGS (8 host devices) before this module imports jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import functools
+import gc
+import os
+import platform
+import shlex
+import statistics
+import sys
+import threading
+import time
+from importlib import metadata as _md
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import psutil
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+N_LEAVES = 16
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def parse_args(doc: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5, help="measured runs (default 5)")
+    ap.add_argument("--quick", action="store_true", help="1/8 of the state, 1 run; does not touch RESULTS.md unless --results is given")
+    ap.add_argument("--dir", default=None, help="parent of the temporary checkpoint folders (default: the system temp dir)")
+    ap.add_argument("--results", default=None, help=f"markdown file to update (default {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS})")
+    args = ap.parse_args()
+    if args.quick:
+        args.runs = 1
+    args.scale = 8 if args.quick else 1
+    args.results = Path(args.results) if args.results else (None if args.quick else RESULTS)
+    return args
+
+
+def mesh(shape=(2, 4), axes=("data", "model")) -> Mesh:
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), axes)
+
+
+def shapes(scale: int = 1) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(big leaf shape, replicated leaf shape); scale=8 gives 1/8 of the bytes."""
+    if scale == 1:
+        return (4096, 4096), (1024, 1024)
+    assert scale == 8
+    return (2048, 1024), (512, 256)
+
+
+def _fill(shape, seed: int) -> jax.Array:
+    """Cheap pseudo-random float32 in [0, 1): an integer hash of the element index."""
+    x = lax.iota(jnp.uint32, shape[0] * shape[1]).reshape(shape) * jnp.uint32(2654435761)
+    x = x + jnp.uint32((seed * 0x9E3779B9) & 0xFFFFFFFF)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x2C1B3C6D)
+    x = x ^ (x >> 12)
+    return lax.bitcast_convert_type((x >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+
+
+@functools.lru_cache(maxsize=None)
+def _builder(scale: int):
+    big, small = shapes(scale)
+    m = mesh()
+    out = {f"w{k:02d}": NamedSharding(m, P("data", "model")) for k in range(N_LEAVES)}
+    out["replicated"] = NamedSharding(m, P())
+
+    def build():
+        d = {f"w{k:02d}": _fill(big, k) for k in range(N_LEAVES)}
+        d["replicated"] = _fill(small, 99)
+        return d
+
+    return jax.jit(build, out_shardings=out)
+
+
+def make_state(scale: int = 1) -> dict:
+    """16 float32 leaves sharded P('data','model') on a 2x4 mesh + 1 replicated leaf (P()).
+
+    Deterministic: every call gives fresh device buffers holding the same values."""
+    return jax.block_until_ready(_builder(scale)())
+
+
+def logical_bytes(tree) -> int:
+    return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _malloc_trim() -> None:
+    """Returns freed heap memory to the OS (glibc), so RSS rises measure new allocations."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class Measure:
+    """Wall time and peak RSS (sampled every 5 ms by a thread) of a `with` block.
+
+    `peak_delta` is the peak RSS minus the RSS at entry (after gc and malloc_trim), bytes."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval, self.proc = interval, psutil.Process()
+
+    def __enter__(self):
+        gc.collect()
+        _malloc_trim()
+        self.base = self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        self.t0 = time.perf_counter()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def lap(self) -> float:
+        """Seconds since entry."""
+        return time.perf_counter() - self.t0
+
+    def __exit__(self, *exc):
+        self.seconds = self.lap()
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self.peak_delta = self.peak - self.base
+
+
+def stats(xs) -> tuple[float, float, float]:
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def fmt(xs, unit: str = "s", digits: int = 3) -> str:
+    """`median (min–max)` of a list, or `—` if empty."""
+    if not xs:
+        return "—"
+    med, lo, hi = stats(xs)
+    if len(xs) == 1:
+        return f"{med:.{digits}f} {unit}".rstrip()
+    return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f}) {unit}".rstrip()
+
+
+def ratio(a, b) -> str:
+    return f"{statistics.median(a) / statistics.median(b):.2f}×"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _version(dist: str) -> str:
+    try:
+        return _md.version(dist)
+    except _md.PackageNotFoundError:
+        return "not installed"
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    vers = ", ".join(f"{d} {_version(d)}" for d in ("jax", "jaxlib", "tensorstore", "orbax-checkpoint", "numpy", "checkpointer"))
+    return (f"{cpu}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.1f} GiB RAM, "
+            f"{platform.system()} {platform.release()}; Python {platform.python_version()}, {vers}; "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+
+
+class OtherLoad:
+    """CPU time used by *other* processes while the script runs, as a share of all cores."""
+
+    def __init__(self):
+        self.proc = psutil.Process()
+        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), self._own()
+
+    def _busy(self) -> float:
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0)
+
+    def _own(self) -> float:
+        t = self.proc.cpu_times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def share(self) -> float:
+        wall = time.perf_counter() - self.t0
+        return max(0.0, (self._busy() - self.busy0) - (self._own() - self.own0)) / (wall * (os.cpu_count() or 1))
+
+
+def header_lines(title: str, args, wall_s: float, load: OtherLoad) -> str:
+    cmd = shlex.join(["python", *sys.argv])
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    share = load.share()
+    warn = " (**the machine was not idle: treat these numbers with care**)" if share > 0.1 else ""
+    return (f"## {title}\n\n"
+            f"- Command: `{cmd}` (interpreter {sys.executable}), {now}, script wall time {wall_s:.0f} s\n"
+            f"- Machine: {machine()}\n"
+            f"- Other processes used {share:.0%} of the CPU time of all cores during the script{warn}\n"
+            f"- Checkpoints on local disk under {args.dir or '/tmp'} (`{_fs_of(args.dir)}`), warm page cache "
+            f"(it cannot be dropped here); cells are median (min–max) of {args.runs} run(s)\n")
+
+
+def _fs_of(d) -> str:
+    d = os.path.realpath(d or "/tmp")
+    parts = [p for p in psutil.disk_partitions(all=True) if d == p.mountpoint or d.startswith(p.mountpoint.rstrip("/") + "/")]
+    best = max(parts, key=lambda p: len(p.mountpoint), default=None)
+    return f"{best.device} {best.fstype}" if best else "unknown fs"
+
+
+def write_section(path: Path | None, name: str, body: str) -> None:
+    """Replaces (or appends) the `<!-- name:start -->`…`<!-- name:end -->` block of `path`."""
+    if path is None:
+        print(f"\n(not writing RESULTS.md: --quick without --results)")
+        return
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{body.strip()}\n{end}"
+    text = path.read_text() if path.exists() else (
+        "# Benchmark results\n\nEach section below is written by the script it names; rerun the script to replace it.\n")
+    if start in text and end in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+    print(f"\nwrote section {name!r} of {path}")
