@@ -12,7 +12,7 @@ from ._save import save_sync, take_snapshot
 
 def _step_from_path(path: str | os.PathLike) -> int | None:
     name = os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
-    return int(name) if name.isdigit() else None
+    return int(name) if name.isascii() and name.isdigit() else None
 
 
 def save(

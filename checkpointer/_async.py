@@ -31,7 +31,9 @@ class AsyncSave:
         self.finished_s: float | None = None
         self._on_finish = on_finish
         self._after_publish = after_publish
-        self._thread = threading.Thread(target=self._run, name=f"checkpointer-save-{snap.generation}", daemon=True)
+        # Not a daemon: the interpreter waits for it at exit, so a program that ends
+        # right after `save` (without `wait()` or `close()`) still commits its last save.
+        self._thread = threading.Thread(target=self._run, name=f"checkpointer-save-{snap.generation}", daemon=False)
         self._thread.start()
 
     def _run(self) -> None:

@@ -49,17 +49,27 @@ class StepEntry:
     generation: str | None
 
 
+# Process 0 of a save holds an flock on `<partial folder>.lock` while it writes (POSIX),
+# so recovery and gc in other processes tell a save in flight from a crashed one.
+SAVE_LOCK_SUFFIX = ".lock"
+
+
+def _is_step_name(name: str) -> bool:
+    """ASCII digits only: '²' or '٣' pass str.isdigit() but are not step numbers."""
+    return name.isascii() and name.isdigit()
+
+
 def entries(storage: Storage, directory: str) -> list[StepEntry]:
     """Every step folder (committed, partial, being deleted), sorted by step then name."""
     out = []
     for name in storage.list_dir(directory):
         partial = _format.parse_partial_name(name)
-        if name.isdigit():
+        if _is_step_name(name):
             out.append(StepEntry(name, int(name), storage.exists(f"{directory}/{name}/{_format.COMMITTED}"), None))
-        elif partial and partial[0].isdigit():
+        elif partial and _is_step_name(partial[0]):
             committed = storage.exists(f"{directory}/{name}/{_format.COMMITTED}")
             out.append(StepEntry(name, int(partial[0]), committed, partial[1]))
-        elif ".deleting-" in name and name.split(".deleting-")[0].isdigit():
+        elif ".deleting-" in name and _is_step_name(name.split(".deleting-")[0]):
             out.append(StepEntry(name, int(name.split(".deleting-")[0]), False, name.split(".deleting-")[1]))
     return sorted(out, key=lambda e: (e.step, e.name))
 
@@ -133,6 +143,14 @@ def recover(
             storage.delete_tree(path)
             log.info("removed %s (left by a crashed or replaced save)", path)
         done.append(name)
+    if storage.supports_rename:
+        # Lock files of saves that are over (crashed: the kernel dropped their lock).
+        names = set(storage.list_dir(directory))
+        for name in names:
+            folder = name[: -len(SAVE_LOCK_SUFFIX)]
+            if name.endswith(SAVE_LOCK_SUFFIX) and ".partial-" in name and folder not in names:
+                if not storage.lock_is_held(f"{directory}/{name}"):
+                    storage.delete_file(f"{directory}/{name}")
     if journal != old_journal:
         if journal:
             storage.write_file(f"{directory}/{GC_JOURNAL}", _format.dumps(journal))
@@ -149,6 +167,8 @@ def _plan(storage: Storage, directory: str, live_generations, live_steps, grace_
     for e in found:
         if e.generation is None or e.generation in live_generations:
             continue
+        if ".partial-" in e.name and storage.lock_is_held(f"{directory}/{e.name}{SAVE_LOCK_SUFFIX}"):
+            continue  # a save in flight (its process 0 holds the lock): not ours to touch
         if e.committed and e.step not in existing and storage.supports_rename and ".partial-" in e.name:
             existing.add(e.step)
             actions.append((e.name, "roll forward", e.step))

@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -50,6 +51,34 @@ class ManagerStatus:
     last_wait_s: float | None
     last_write_s: float | None
     last_commit_s: float | None
+
+
+def _as_step(step: object) -> int:
+    """The step as a Python int (numpy and 0-d JAX integers accepted)."""
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise ValueError(f"step must be an int >= 0, got {step!r}") from None
+    if value < 0 or isinstance(step, bool):
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return value
+
+
+def _metrics_json(metrics: Mapping[str, object] | None) -> dict:
+    """Metrics as JSON: numbers (numpy and 0-d JAX ones too) become floats, a NaN or
+    infinite value becomes the string "NaN" / "Infinity" / "-Infinity" (KeepBest
+    ignores it, as it ignores a missing metric)."""
+    out = {}
+    for name, value in (metrics or {}).items():
+        if isinstance(value, (str, bool)) or value is None:
+            out[str(name)] = value
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r:.80}") from None
+        out[str(name)] = number if math.isfinite(number) else ("NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity"))
+    return out
 
 
 class _DirectoryLock:
@@ -114,6 +143,13 @@ class CheckpointManager:
         commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
         max_saves_in_flight: int = 1,
     ):
+        if not isinstance(keep, KeepPolicy):
+            raise TypeError(
+                f"keep must be a retention policy (ckpt.KeepLatest(n), KeepEvery, KeepBest, KeepSteps, or a union "
+                f"with |), got {keep!r}; for Orbax's max_to_keep=n use keep=ckpt.KeepLatest(n)"
+            )
+        if not isinstance(max_saves_in_flight, int) or max_saves_in_flight < 1:
+            raise ValueError(f"max_saves_in_flight must be an int >= 1, got {max_saves_in_flight!r}")
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}")
         self.storage, self.directory = storage_for(directory)
@@ -121,7 +157,7 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
-        self.max_saves_in_flight = max(1, max_saves_in_flight)
+        self.max_saves_in_flight = max_saves_in_flight
         self._is_primary = _distributed.process_index() == 0
         self._lock = None
         self._mu = threading.Lock()
@@ -205,8 +241,7 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"the CheckpointManager of {self.directory} is closed")
         self._raise_pending()
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        step = _as_step(step)
         if not force and not self.should_save(step):
             return False
         if not force and step in self.all_steps():
@@ -217,7 +252,8 @@ class CheckpointManager:
         self._wait_for_room()
         wait_s = time.perf_counter() - t0
         self._raise_pending()
-        user_metadata = {"metrics": dict(metrics)} if metrics else {}
+        metrics = _metrics_json(metrics)
+        user_metadata = {"metrics": metrics} if metrics else {}
         snap = take_snapshot(
             self.step_path(step), tree, metadata=user_metadata, overwrite=force, step=step,
             commit_timeout_s=self.commit_timeout_s, buffers=self._buffers,

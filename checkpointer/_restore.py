@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import os
 import threading
 
@@ -23,6 +24,8 @@ import tensorstore as ts
 from . import _format, _read
 from ._box import Box, grid_cells
 from ._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     DTypeMismatchError,
     InvalidTargetError,
@@ -35,6 +38,8 @@ from ._metadata import CheckpointMetadata, read_metadata
 from ._restore_plan import BoxRead, LeafRestorePlan, RestorePlan, plan_chunk_read, plan_leaf
 from ._storage import TS_CONTEXT, Storage, storage_for
 from ._tree import flatten, rebuild
+
+log = logging.getLogger("checkpointer")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
 _COPIES_IN_FLIGHT = 3
@@ -126,8 +131,15 @@ def resolve_target(meta: ArrayMetadata, target: object, path: str) -> LeafTarget
                 f"shape {tuple(data.shape)} and dtype {data.dtype}; the manifest says {meta.shape} {meta.dtype}"
             )
         stored_shape = meta.shape[: len(meta.shape) - key_dims]
-    if target is None:
+    if target is None or isinstance(target, (bool, int, float, complex, np.generic)):
+        # A scalar in the target (e.g. `step=0` of a fresh TrainState where the saved
+        # state had an array): the stored array comes back on the host.
         return LeafTarget(None, stored_shape, None)
+    if not isinstance(target, (jax.sharding.Sharding, np.ndarray, jax.ShapeDtypeStruct, jax.Array)):
+        raise InvalidTargetError(
+            f"{where(leaf=meta.path, path=path)}: target leaf of type {type(target).__name__} is not one of "
+            "jax.ShapeDtypeStruct (with a sharding), jax.Array, jax.sharding.Sharding, None or a scalar"
+        )
     if isinstance(target, jax.sharding.Sharding):
         return LeafTarget(target, stored_shape, None)
     if isinstance(target, np.ndarray):
@@ -332,7 +344,13 @@ def _read_leaf(storage, path, meta: ArrayMetadata, lt: LeafTarget, lp: LeafResto
         except Exception as e:
             raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path, process=pidx)}: cannot open the zarr array: {e}") from e
         _check_stored(store, meta, path)
-    devices = {d.id: d for d in lt.sharding.addressable_devices} if lt.sharding is not None else {}
+    # Where each device's piece goes: the device, in the target's memory kind (so a
+    # target in pinned_host memory gets host-offloaded arrays).
+    devices = (
+        {d.id: jax.sharding.SingleDeviceSharding(d, memory_kind=lt.sharding.memory_kind) for d in lt.sharding.addressable_devices}
+        if lt.sharding is not None
+        else {}
+    )
     dtype = lt.dtype if lt.dtype is not None else meta.dtype
     out: dict[int, object] = {}
     for b in lp.boxes:
@@ -434,7 +452,40 @@ def restore(path, target=None, *, partial=False, max_inflight_bytes=None):
     Multi-process: every process calls it with targets of the same global shardings;
     each reads only what its own devices need. No collective is run.
     """
+    if max_inflight_bytes is not None and (
+        isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 1
+    ):
+        raise ValueError(f"max_inflight_bytes must be a positive int (bytes) or None, got {max_inflight_bytes!r}")
     storage, path = storage_for(path)
+    # A checkpoint replaced (overwrite=True) or deleted (retention) while it is read
+    # must not yield a mix of two saves or a false report of damage: compare the commit
+    # marker before and after, and read once more if it changed.
+    for attempt in range(2):
+        before = _marker(storage, path)
+        try:
+            result, ok = _restore_once(storage, path, target, partial, max_inflight_bytes), True
+        except CorruptCheckpointError:
+            if _marker(storage, path) == before:
+                raise
+            result, ok = None, False
+        after = _marker(storage, path)
+        if after is None:
+            raise CheckpointNotFoundError(f"{path} was deleted (e.g. by retention) while it was being restored")
+        if after == before and ok:
+            return result
+        log.warning("%s was replaced while it was being restored; reading it again", path)
+    raise CheckpointError(f"{path} kept being replaced while it was being restored; try again")
+
+
+def _marker(storage: Storage, path: str) -> bytes | None:
+    """The commit marker's content (it names the save's generation), None if absent."""
+    try:
+        return storage.read_file(f"{path}/{_format.COMMITTED}")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _restore_once(storage: Storage, path: str, target, partial: bool, max_inflight_bytes):
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
     tdef, items, _ = build_plan(storage, path, meta, target, partial=partial, process_index=pidx, check_files=True)

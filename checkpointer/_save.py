@@ -12,9 +12,9 @@ background thread (see `_async.py`):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
-import itertools
 import logging
 import math
 import os
@@ -35,12 +35,16 @@ from ._errors import CheckpointExistsError, CommitTimeoutError, SaveError, Unsup
 from ._format import ArrayMetadata, SavedSharding
 from ._host import HostBufferPool, copy_to_host
 from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
+from ._directory import SAVE_LOCK_SUFFIX
 from ._storage import TS_CONTEXT, Storage, storage_for
 from ._tree import describe, flatten
 
 log = logging.getLogger("checkpointer")
 
-_save_counter = itertools.count()
+# Saves of each path so far, by this process. Every process counts the same saves of a
+# path in the same order, so `(path, n)` names one save attempt on all of them, even if
+# some process made a save of another path that the others did not.
+_saves_of_path: collections.Counter = collections.Counter()
 
 
 @dataclasses.dataclass
@@ -69,6 +73,7 @@ class Snapshot:
     overwrite: bool
     commit_timeout_s: float
     buffers: HostBufferPool | None = None
+    lock: object | None = None  # process 0's lock on `<partial>.lock` while writing
     snapshot_s: float = 0.0
     write_s: float = 0.0
     commit_s: float = 0.0
@@ -184,6 +189,26 @@ def _committed(storage: Storage, path: str) -> bool:
     return storage.exists(f"{path}/{_format.COMMITTED}")
 
 
+# What a checkpoint folder (or a crashed save under the final name) may contain.
+_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED})
+
+
+def _check_target_folder(storage: Storage, path: str, pidx: int, overwrite: bool) -> None:
+    """Refuses to save into a folder that holds anything but a checkpoint's own files.
+
+    A save replaces what is at its path only when that is a checkpoint (committed, with
+    overwrite) or a crashed save of one; a folder with other content (a project, a
+    manager's run directory) is never moved aside or deleted.
+    """
+    foreign = [n for n in storage.list_dir(path) if n not in _FORMAT_NAMES]
+    if foreign:
+        raise CheckpointExistsError(
+            f"cannot save to {path} (process {pidx}): it exists and holds {len(foreign)} entries that are not "
+            f"part of a checkpoint (e.g. {foreign[:3]}); a save never replaces such a folder, even with "
+            "overwrite=True. Save to a new path (e.g. a subfolder named after the step)"
+        )
+
+
 def _clear_for_object_store(storage: Storage, path: str) -> None:
     """On an object store a save writes under the final name, so whatever is there (a
     committed step being overwritten, or a crashed save's leftovers) goes first: the
@@ -223,6 +248,9 @@ def take_snapshot(
             f"cannot save to {path} (process {pidx}): it exists and is not a folder; a checkpoint path is a "
             "folder. Remove or rename that file, or save to another path"
         )
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+    _check_target_folder(storage, path, pidx, overwrite)
     if _committed(storage, path) and not overwrite:
         raise CheckpointExistsError(
             f"{path} is already a committed checkpoint (process {pidx}); pass overwrite=True "
@@ -250,8 +278,9 @@ def take_snapshot(
     structure = describe(tree, _is_array)
     if not storage.supports_rename and pidx == 0:
         _clear_for_object_store(storage, path)
+    _saves_of_path[path] += 1
     generation = _distributed.agree_on(
-        f"save-{next(_save_counter)}",
+        f"save/{path}/{_saves_of_path[path]}",
         f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%d%H%M%S}-{uuid.uuid4().hex[:8]}",
         timeout_s=commit_timeout_s,
     )
@@ -301,6 +330,10 @@ def write_snapshot(snap: Snapshot) -> dict:
     root = snap.write_path
     futures: list = []
     try:
+        if snap.process_index == 0 and snap.storage.supports_rename:
+            # Held until commit or abort: recovery and gc leave a locked partial alone.
+            snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
+            snap.lock = snap.storage.hold_lock(snap.partial_path + SAVE_LOCK_SUFFIX)
         snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
         opened = [(leaf, _open_for_write(snap, leaf.meta, create=snap.process_index == 0)) for leaf in snap.arrays]
         chunks = []
@@ -398,6 +431,7 @@ def commit(snap: Snapshot, record: dict, after_publish: Callable[[], None] | Non
     try:
         summaries = coord.wait_all_done()
         process_bytes = [int(s) for s in summaries] if summaries else [record["bytes_written"]]
+        _check_records(snap)
         _publish(snap, process_bytes)
     except BaseException as e:
         coord.announce_commit(f"{type(e).__name__}: {e}")
@@ -409,6 +443,23 @@ def commit(snap: Snapshot, record: dict, after_publish: Callable[[], None] | Non
             log.warning("after committing %s: %s", snap.path, e)
     coord.announce_commit("ok")
     snap.commit_s = time.perf_counter() - t0
+
+
+def _check_records(snap: Snapshot) -> None:
+    """Process 0, before committing: every process's record is in this save's folder.
+
+    A process that reported done for this generation but wrote elsewhere (saves called
+    in different orders) must not yield a committed checkpoint with missing shards.
+    """
+    missing = [
+        i for i in range(snap.process_count)
+        if not snap.storage.exists(f"{snap.write_path}/{_format.process_record_name(i)}")
+    ]
+    if missing:
+        raise SaveError(
+            f"processes {missing} reported their shards durable but {snap.write_path} has no record of them; "
+            "nothing was committed. Every process must call save with the same paths in the same order."
+        )
 
 
 def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
@@ -512,6 +563,8 @@ def run_background(snap: Snapshot, after_publish: Callable[[], None] | None = No
             raise
     finally:
         _release_host(snap)
+        snap.storage.release_lock(snap.partial_path + SAVE_LOCK_SUFFIX, snap.lock)
+        snap.lock = None
     log.info(
         "saved %s: %.1f MiB written by process %d, snapshot %.3f s, write %.3f s, commit %.3f s",
         snap.path, snap.bytes_written / 2**20, snap.process_index, snap.snapshot_s, snap.write_s, snap.commit_s,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import errno
+import fcntl
 import os
 import shutil
 
@@ -69,6 +70,18 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete_file(self, path: str) -> None:
         """Removes the file at `path`; no error if absent."""
+
+    def hold_lock(self, path: str) -> object | None:
+        """Creates `path` and holds an exclusive lock on it until `release_lock` (or
+        process death). None where the backend has no locks (object stores)."""
+        return None
+
+    def lock_is_held(self, path: str) -> bool:
+        """Whether some live process holds the lock at `path` (False when absent)."""
+        return False
+
+    def release_lock(self, path: str, handle: object | None) -> None:
+        """Releases a lock from `hold_lock` and removes its file."""
 
     def makedirs(self, path: str) -> None:
         """Creates folder `path` (no-op on object stores)."""
@@ -138,7 +151,9 @@ class LocalStorage(Storage):
         return sorted(out)
 
     def delete_tree(self, path: str) -> None:
-        if os.path.isdir(path):
+        if os.path.islink(path):  # e.g. a step folder linked to an archive: drop the link only
+            os.unlink(path)
+        elif os.path.isdir(path):
             shutil.rmtree(path)
 
     def delete_file(self, path: str) -> None:
@@ -147,7 +162,36 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             pass
 
+    def hold_lock(self, path: str) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def lock_is_held(self, path: str) -> bool:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops the probe's own lock
+        return False
+
+    def release_lock(self, path: str, handle: object | None) -> None:
+        if handle is None:
+            return
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        os.close(handle)
+
     def makedirs(self, path: str) -> None:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
         os.makedirs(path, exist_ok=True)
 
     def rename(self, src: str, dst: str) -> None:

@@ -277,3 +277,15 @@ def test_harness_kills_hung_processes_and_reports_their_output(tmp_path):
     assert "did not finish within 3 s" in msg and msg.count("started") == 2 and msg.count("oops") == 2
     assert "process 1 (killed by the harness" in msg
 
+
+
+@pytest.mark.multiprocess
+def test_a_save_made_by_one_process_alone_does_not_shift_later_saves(tmp_path):
+    """Save attempts are agreed per path, so process 0's lone save of another path
+    (which times out) leaves the next saves of `run/<step>` matched on every process."""
+    results = run_processes(WORKERS / "order_worker.py", 2, 2, {"directory": str(tmp_path), "commit_timeout_s": 3}, timeout_s=120)
+    assert results[0].record("extra")["type"] == "CommitTimeoutError", describe_all(results)
+    for r in results:
+        assert [e["outcome"] for e in r.records if e["event"] == "saved"] == ["ok", "ok"], describe_all(results)
+    for step in (1, 2):
+        assert ckpt.verify(str(tmp_path / "run" / str(step))).ok
