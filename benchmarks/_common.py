@@ -225,7 +225,7 @@ def _fs_of(d) -> str:
 def write_section(path: Path | None, name: str, body: str) -> None:
     """Replaces (or appends) the `<!-- name:start -->`…`<!-- name:end -->` block of `path`."""
     if path is None:
-        print(f"\n(not writing RESULTS.md: --quick without --results)")
+        print("\n(not writing RESULTS.md: --quick without --results)")
         return
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
     block = f"{start}\n{body.strip()}\n{end}"

@@ -117,7 +117,6 @@ def check(name: str, scale: int, parent: str | None) -> dict:
         out["differing_leaves"] = sorted(bad)
         return out
     finally:
-        del state
         holder.clear()
         shutil.rmtree(d, ignore_errors=True)
 

@@ -460,7 +460,7 @@ def restore(path, target=None, *, partial=False, max_inflight_bytes=None):
     # A checkpoint replaced (overwrite=True) or deleted (retention) while it is read
     # must not yield a mix of two saves or a false report of damage: compare the commit
     # marker before and after, and read once more if it changed.
-    for attempt in range(2):
+    for _ in range(2):
         before = _marker(storage, path)
         try:
             result, ok = _restore_once(storage, path, target, partial, max_inflight_bytes), True
@@ -489,7 +489,7 @@ def _restore_once(storage: Storage, path: str, target, partial: bool, max_inflig
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
     tdef, items, _ = build_plan(storage, path, meta, target, partial=partial, process_index=pidx, check_files=True)
-    for p, m, lt, _ in items:
+    for _, m, lt, _ in items:
         if lt is not None and lt.sharding is not None and m.key_impl is None:
             _check_device_dtype(m, lt.dtype if lt.dtype is not None else m.dtype, path)
     budget = _Budget(max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES)
@@ -506,7 +506,7 @@ def _restore_once(storage: Storage, path: str, target, partial: bool, max_inflig
                 results[p] = m.value
             else:
                 futures[p] = leaf_pool.submit(read_leaf, storage, path, m, lt, lp, budget, pidx, chunk_pool)
-        for p, m, lt, lp in items:
+        for p, m, lt, _ in items:
             if p in futures:
                 results[p] = _assemble(m, lt, futures[p].result())
     if tdef is None:

@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import datetime
 import logging
-import math
 import os
 import threading
 import time

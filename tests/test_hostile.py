@@ -8,7 +8,6 @@ import collections
 import copy
 import importlib
 import json
-import math
 import os
 import pathlib
 import pickle

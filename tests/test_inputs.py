@@ -1,7 +1,6 @@
 """Every input a training job can hand the checkpointer: dtypes (x64 on and off), typed
 PRNG keys, odd shapes, tree structures and non-array leaves. Round trips are bit-exact."""
 
-import collections
 import json
 import math
 import os
