@@ -28,7 +28,7 @@ from ._errors import (
     ShapeMismatchError,
     StructureMismatchError,
 )
-from ._storage import LocalStorage, Storage, storage_for
+from ._storage import Storage, storage_for
 
 PROG = "checkpointer"
 
@@ -196,31 +196,17 @@ def _quiet_library_logs():
 
 def _open_dir(location: str) -> tuple[Storage, str]:
     storage, directory = storage_for(location)
-    if isinstance(storage, LocalStorage) and not os.path.isdir(directory):
+    if storage.has_folders and not storage.is_folder(directory):
         raise CheckpointNotFoundError(f"{directory} is not a directory")
     return storage, directory
 
 
 def _lock_holder(storage: Storage, directory: str) -> str | None:
-    """Who holds the directory lock of a running CheckpointManager, or None (POSIX only)."""
-    if not isinstance(storage, LocalStorage):
-        return None
-    import fcntl
-
+    """Who holds the directory lock of a running CheckpointManager, or None (always
+    None on storage without locks)."""
     from ._manager import LOCK_NAME
 
-    try:
-        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
-        return holder or "unknown holder"
-    finally:
-        os.close(fd)  # also drops a shared lock we took
-    return None
+    return storage.lock_holder(f"{directory}/{LOCK_NAME}")
 
 
 def _metadata(location: str):
@@ -299,17 +285,6 @@ def _mesh_str(mesh) -> str:
 # --- ls ---------------------------------------------------------------------------------------
 
 
-def _folder_bytes(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except FileNotFoundError:  # removed while we walk (a save or gc at work)
-                pass
-    return total
-
-
 def _generation_time(generation: str | None) -> float | None:
     try:
         t = datetime.datetime.strptime(generation[:14], "%Y%m%d%H%M%S")
@@ -348,18 +323,17 @@ def _cmd_ls(args, ui: _UI) -> int:
                 row["created_unix_s"] = meta.created_unix_s or None
                 metrics = meta.user_metadata.get("metrics", {})
                 row["metrics"] = {k: _json_value(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
-                if not isinstance(storage, LocalStorage):
-                    row["size_bytes"] = sum(meta.process_bytes_written)
+                row["size_bytes"] = sum(meta.process_bytes_written)  # replaced by the files' sizes where cheap
             except CheckpointError as err:
                 row["note"] = "manifest unreadable: " + " ".join(str(err).split())
         if row["created_unix_s"] is None:
             row["created_unix_s"] = _generation_time(e.generation)
-        if isinstance(storage, LocalStorage):
-            folder = os.path.join(directory, e.name)
-            row["size_bytes"] = _folder_bytes(folder)
-            if row["created_unix_s"] is None:
-                with contextlib.suppress(OSError):
-                    row["created_unix_s"] = os.stat(folder).st_mtime
+        folder = f"{directory}/{e.name}"
+        size = storage.folder_bytes(folder)
+        if size is not None:
+            row["size_bytes"] = size
+        if row["created_unix_s"] is None:
+            row["created_unix_s"] = storage.modified_unix_s(folder)
         if row["created_unix_s"] is not None:
             row["age_s"] = max(0.0, now - row["created_unix_s"])
         rows.append(row)
@@ -586,11 +560,11 @@ def _cmd_gc(args, ui: _UI) -> int:
     steps = sorted(set(_directory.committed_steps(storage, directory)) | {int(n.split(".", 1)[0]) for n in rolled})
     lock = None
     if not args.dry_run:
-        if isinstance(storage, LocalStorage):
+        if storage.supports_locks:
             from ._manager import _DirectoryLock
 
             try:
-                lock = _DirectoryLock(directory)
+                lock = _DirectoryLock(storage, directory)
             except CheckpointError as e:
                 raise CheckpointError(f"{e} (gc needs the directory to itself)") from e
         try:
@@ -634,9 +608,7 @@ def _cmd_drill(args, ui: _UI) -> int:
     axes = _parse_axes(args.axes, len(shape)) if shape is not None and args.axes else None
     if args.axes and shape is None:
         raise UsageError("--axes needs --mesh")
-    storage, directory = storage_for(args.directory)
-    if isinstance(storage, LocalStorage) and not os.path.isdir(directory):
-        raise CheckpointNotFoundError(f"{directory} is not a directory")
+    _open_dir(args.directory)
     try:
         report = _drill.drill(args.directory, shape, axis_names=axes)
     except _drill.MeshError as e:

@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import logging
 import time
-import uuid
 
 from . import _format
 from ._errors import CheckpointError
@@ -143,14 +142,14 @@ def recover(
             storage.delete_tree(path)
             log.info("removed %s (left by a crashed or replaced save)", path)
         done.append(name)
-    if storage.supports_rename:
+    if storage.supports_locks:
         # Lock files of saves that are over (crashed: the kernel dropped their lock).
         names = set(storage.list_dir(directory))
         for name in names:
             folder = name[: -len(SAVE_LOCK_SUFFIX)]
-            if name.endswith(SAVE_LOCK_SUFFIX) and ".partial-" in name and folder not in names:
-                if not storage.lock_is_held(f"{directory}/{name}"):
-                    storage.delete_file(f"{directory}/{name}")
+            over = name.endswith(SAVE_LOCK_SUFFIX) and ".partial-" in name and folder not in names
+            if over and storage.lock_holder(f"{directory}/{name}") is None:
+                storage.delete_file(f"{directory}/{name}")
     if journal != old_journal:
         if journal:
             storage.write_file(f"{directory}/{GC_JOURNAL}", _format.dumps(journal))
@@ -167,14 +166,14 @@ def _plan(storage: Storage, directory: str, live_generations, live_steps, grace_
     for e in found:
         if e.generation is None or e.generation in live_generations:
             continue
-        if ".partial-" in e.name and storage.lock_is_held(f"{directory}/{e.name}{SAVE_LOCK_SUFFIX}"):
+        if ".partial-" in e.name and storage.lock_holder(f"{directory}/{e.name}{SAVE_LOCK_SUFFIX}") is not None:
             continue  # a save in flight (its process 0 holds the lock): not ours to touch
         if e.committed and e.step not in existing and storage.supports_rename and ".partial-" in e.name:
             existing.add(e.step)
             actions.append((e.name, "roll forward", e.step))
         else:
             actions.append((e.name, "remove", e.step))
-    if storage.supports_rename:
+    if not storage.commit_strategy.writes_in_place:
         return actions, {}, {}
     # Object stores: marker-less <step>/ folders, by the journal of first sightings.
     grace_s = OBJECT_STORE_GC_GRACE_S if grace_s is None else float(grace_s)
@@ -218,17 +217,10 @@ def _read_journal(storage: Storage, directory: str) -> dict:
 def unpublish_step(storage: Storage, directory: str, step: int) -> str:
     """Makes a committed step vanish from listings at once; returns what is left to remove.
 
-    On POSIX the step folder is renamed to `<step>.deleting-gc` (atomic); on object
-    stores its marker is deleted. Either way a crash before the removal leaves nothing
-    that looks committed, and recovery removes the rest.
+    On POSIX the step folder is renamed to `<step>.deleting-gc-<id>` (atomic); on object
+    stores its marker is deleted (see `CommitStrategy.unpublish`).
     """
-    path = f"{directory}/{step}"
-    if storage.supports_rename:
-        moved = f"{directory}/{step}.deleting-gc-{uuid.uuid4().hex[:8]}"
-        storage.rename(path, moved)
-        return moved
-    storage.delete_file(f"{path}/{_format.COMMITTED}")
-    return path
+    return storage.commit_strategy.unpublish(f"{directory}/{step}")
 
 
 def delete_step(storage: Storage, directory: str, step: int) -> None:

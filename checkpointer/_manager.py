@@ -20,7 +20,7 @@ from ._metadata import read_metadata
 from ._policies import KeepLatest, KeepPolicy
 from ._restore import restore as _restore
 from ._save import Snapshot, run_background, take_snapshot
-from ._storage import storage_for
+from ._storage import LockHeldError, Storage, storage_for
 
 log = logging.getLogger("checkpointer")
 
@@ -82,34 +82,26 @@ def _metrics_json(metrics: Mapping[str, object] | None) -> dict:
 
 
 class _DirectoryLock:
-    """An advisory `flock` on `DIR/.checkpointer.lock` held by process 0 of one manager.
+    """An advisory lock on `DIR/.checkpointer.lock` held by process 0 of one manager.
 
     A second manager on the same directory (same machine) fails at once instead of
     corrupting the first one's steps. The kernel drops the lock when the process dies,
-    so a crashed job never leaves a stale lock.
+    so a crashed job never leaves a stale lock. Needs `storage.supports_locks`.
     """
 
-    def __init__(self, directory: str):
-        import fcntl
-
-        self.path = os.path.join(directory, LOCK_NAME)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, storage: Storage, directory: str):
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip()
-            os.close(self._fd)
+            self._lock = storage.lock(
+                f"{directory}/{LOCK_NAME}", wait=False, holder=f"pid {os.getpid()} on {os.uname().nodename}"
+            )
+        except LockHeldError as e:
             raise CheckpointError(
-                f"another CheckpointManager is using {directory} ({holder or 'unknown holder'}); two managers "
+                f"another CheckpointManager is using {directory} ({e.holder or 'unknown holder'}); two managers "
                 "writing one directory would delete each other's steps. Close the other one, or use another directory."
             ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._lock.release()
 
 
 class CheckpointManager:
@@ -175,8 +167,8 @@ class CheckpointManager:
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-gc")
         self.storage.makedirs(self.directory)
         if self._is_primary:
-            if self.storage.supports_rename:
-                self._lock = _DirectoryLock(self.directory)
+            if self.storage.supports_locks:
+                self._lock = _DirectoryLock(self.storage, self.directory)
             _directory.recover(self.storage, self.directory)
 
     # --- listing ------------------------------------------------------------------------

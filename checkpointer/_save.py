@@ -35,7 +35,7 @@ from ._format import ArrayMetadata, SavedSharding
 from ._host import HostBufferPool, copy_to_host
 from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
 from ._directory import SAVE_LOCK_SUFFIX
-from ._storage import TS_CONTEXT, Storage, storage_for
+from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
 from ._tree import describe, flatten
 
 log = logging.getLogger("checkpointer")
@@ -72,7 +72,7 @@ class Snapshot:
     overwrite: bool
     commit_timeout_s: float
     buffers: HostBufferPool | None = None
-    lock: object | None = None  # process 0's lock on `<partial>.lock` while writing
+    lock: FileLock | None = None  # process 0's lock on `<partial>.lock` while writing
     snapshot_s: float = 0.0
     write_s: float = 0.0
     commit_s: float = 0.0
@@ -86,7 +86,7 @@ class Snapshot:
     @property
     def write_path(self) -> str:
         """Where the files go: the partial folder on POSIX, the final path on object stores."""
-        return self.partial_path if self.storage.supports_rename else self.path
+        return self.storage.commit_strategy.write_path(self.path, self.generation)
 
     @property
     def host_bytes(self) -> int:
@@ -208,17 +208,6 @@ def _check_target_folder(storage: Storage, path: str, pidx: int, overwrite: bool
         )
 
 
-def _clear_for_object_store(storage: Storage, path: str) -> None:
-    """On an object store a save writes under the final name, so whatever is there (a
-    committed step being overwritten, or a crashed save's leftovers) goes first: the
-    marker, then every object. The step is absent until the new marker lands; that is
-    the best an object store allows without rename. Process 0 does it before the
-    generation is agreed, so no other process has started writing."""
-    if storage.list_dir(path):
-        storage.delete_file(f"{path}/{_format.COMMITTED}")
-        storage.delete_tree(path)
-
-
 def take_snapshot(
     path: str | os.PathLike,
     tree: object,
@@ -242,7 +231,7 @@ def take_snapshot(
     t0 = time.perf_counter()
     storage, path = storage_for(path)
     pidx, pcount = _distributed.process_index(), _distributed.process_count()
-    if storage.supports_rename and os.path.lexists(path) and not os.path.isdir(path):
+    if storage.commit_strategy.target_blocked(path):
         raise SaveError(
             f"cannot save to {path} (process {pidx}): it exists and is not a folder; a checkpoint path is a "
             "folder. Remove or rename that file, or save to another path"
@@ -275,8 +264,8 @@ def take_snapshot(
             )
         values[leaf_path] = value
     structure = describe(tree, _is_array)
-    if not storage.supports_rename and pidx == 0:
-        _clear_for_object_store(storage, path)
+    if pidx == 0:
+        storage.commit_strategy.prepare_overwrite(path)
     _saves_of_path[path] += 1
     generation = _distributed.agree_on(
         f"save/{path}/{_saves_of_path[path]}",
@@ -329,10 +318,10 @@ def write_snapshot(snap: Snapshot) -> dict:
     root = snap.write_path
     futures: list = []
     try:
-        if snap.process_index == 0 and snap.storage.supports_rename:
+        if snap.process_index == 0 and snap.storage.supports_locks:
             # Held until commit or abort: recovery and gc leave a locked partial alone.
             snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
-            snap.lock = snap.storage.hold_lock(snap.partial_path + SAVE_LOCK_SUFFIX)
+            snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
         snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
         opened = [(leaf, _open_for_write(snap, leaf.meta, create=snap.process_index == 0)) for leaf in snap.arrays]
         chunks = []
@@ -463,30 +452,12 @@ def _check_records(snap: Snapshot) -> None:
 
 def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
     storage, root, final = snap.storage, snap.write_path, snap.path
+    strategy = storage.commit_strategy
     try:
         storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps(manifest_json(snap, process_bytes)))
         marker = _format.dumps({"generation": snap.generation, "committed_unix_s": time.time()})
         storage.write_file(f"{root}/{_format.COMMITTED}", marker)
-        if not storage.supports_rename:
-            return
-        storage.sync_dir(root)
-        parent = final.rsplit("/", 1)[0]
-        if _committed(storage, final) or os.path.exists(final):
-            if not snap.overwrite and _committed(storage, final):
-                raise CheckpointExistsError(f"{final} was committed by another save while this one was writing")
-            # Replace: move the old one aside, publish the new one, then delete the old.
-            # A crash between the two renames leaves a committed partial folder that
-            # `recover_partials` rolls forward.
-            old = f"{final}.deleting-{snap.generation}"
-            storage.rename(final, old)
-            try:
-                storage.rename(root, final)
-            except OSError:
-                storage.rename(old, final)  # put the old checkpoint back before reporting
-                raise
-        else:
-            old = None
-            storage.rename(root, final)
+        replaced = strategy.publish(root, final, snap.generation, overwrite=snap.overwrite)
     except CheckpointExistsError:
         raise
     except OSError as e:
@@ -494,9 +465,7 @@ def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
     # Committed: from here on a failure is logged, never raised (a SaveError means that
     # nothing was committed). A leftover `.deleting-` folder is removed by recovery/gc.
     try:
-        storage.sync_dir(parent)
-        if old is not None:
-            storage.delete_tree(old)
+        strategy.finish_publish(final, replaced)
     except OSError as e:
         log.warning("committed %s, but syncing its folder or removing the replaced checkpoint failed: %s", final, e)
 
@@ -511,18 +480,19 @@ def abort(snap: Snapshot, coord: _distributed.Coordinator, *, timed_out: bool = 
     failure itself was the commit timeout (`timed_out`): processes silent for that long
     are taken for dead and the folder is removed at once.
     """
-    if snap.process_index != 0 or not snap.storage.supports_rename:
+    folder = snap.storage.commit_strategy.discard_path(snap.path, snap.generation)
+    if snap.process_index != 0 or folder is None:
         return
 
     def remove() -> None:
         silent = [] if timed_out else coord.wait_all_reported(snap.commit_timeout_s)
         if silent:
-            log.warning("processes %s never reported; leaving %s for garbage collection", silent, snap.partial_path)
+            log.warning("processes %s never reported; leaving %s for garbage collection", silent, folder)
             return
         try:
-            snap.storage.delete_tree(snap.partial_path)
+            snap.storage.delete_tree(folder)
         except OSError:
-            log.warning("could not remove %s after a failed save", snap.partial_path)
+            log.warning("could not remove %s after a failed save", folder)
 
     if snap.process_count == 1 or timed_out:
         remove()
@@ -562,8 +532,9 @@ def run_background(snap: Snapshot, after_publish: Callable[[], None] | None = No
             raise
     finally:
         _release_host(snap)
-        snap.storage.release_lock(snap.partial_path + SAVE_LOCK_SUFFIX, snap.lock)
-        snap.lock = None
+        if snap.lock is not None:
+            snap.lock.release(remove=True)
+            snap.lock = None
     log.info(
         "saved %s: %.1f MiB written by process %d, snapshot %.3f s, write %.3f s, commit %.3f s",
         snap.path, snap.bytes_written / 2**20, snap.process_index, snap.snapshot_s, snap.write_s, snap.commit_s,
