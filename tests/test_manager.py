@@ -119,7 +119,7 @@ def test_background_error_raises_from_next_save_and_status(ckpt_dir, monkeypatch
 
     monkeypatch.setattr(_save, "write_snapshot", broken)
     mgr.save(2, _state(2))
-    mgr._in_flight[-1][1]._thread.join()
+    mgr._in_flight[-1][1].join()
     status = mgr.status()
     assert "permission denied" in status.last_error and status.latest_committed_step == 1
     assert status.commit_lag_steps == 1
