@@ -59,6 +59,23 @@ def test_save_async_background_error_surfaces_in_wait(ckpt_dir, monkeypatch):
     assert float(ckpt.restore(f"{ckpt_dir}/0")["w"][0, 0]) == 0.5
 
 
+def test_save_async_join_waits_without_raising(ckpt_dir, monkeypatch):
+    release = threading.Event()
+
+    def blocked_then_broken(snap):
+        release.wait(30)
+        raise ckpt.SaveError("boom")
+
+    monkeypatch.setattr(_save, "write_snapshot", blocked_then_broken)
+    handle = ckpt.save_async(f"{ckpt_dir}/1", _state())
+    assert handle.join(timeout=0) is False and not handle.done()
+    release.set()
+    assert handle.join() is True and handle.done()  # finished; the error is kept, not raised
+    assert isinstance(handle.error, ckpt.SaveError)
+    with pytest.raises(ckpt.SaveError, match="boom"):
+        handle.wait()
+
+
 def test_manager_lists_committed_steps_only(ckpt_dir):
     with ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepLatest(10)) as mgr:
         for step in (1, 2, 3):
