@@ -393,7 +393,7 @@ class SavedSharding:
         """E.g. `P('data', 'model') on mesh data=2 x model=4`."""
         if self.kind != "named":
             return f"{self.kind} ({self.device_count} devices, shard {list(self.shard_shape)})"
-        spec = ", ".join(repr(s) if not isinstance(s, tuple) else repr(s) for s in self.spec)
+        spec = ", ".join(repr(s) for s in self.spec)
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_axis_names, self.mesh_shape))
         return f"P({spec}) on mesh {mesh}"
 
