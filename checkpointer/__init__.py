@@ -7,8 +7,6 @@
 See DESIGN.md for the on-disk format and the commit protocol.
 """
 
-__version__ = "0.1.0"
-
 from ._api import save, save_async
 from ._async import AsyncSave
 from ._drill import DrillReport
@@ -28,11 +26,13 @@ from ._errors import (
 )
 from ._format import ArrayMetadata, SavedSharding, ValueMetadata
 from ._manager import CheckpointManager, ManagerStatus
-from ._metadata import CheckpointMetadata, metadata
+from ._metadata import CheckpointMetadata, library_version as _library_version, metadata
 from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
 from ._restore import plan_restore, restore
 from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
 from ._verify import VerifyReport, verify
+
+__version__ = _library_version()  # the installed distribution's, as each manifest records it
 
 __all__ = [
     "save", "save_async", "restore", "metadata", "plan_restore", "verify", "VerifyReport",

@@ -50,6 +50,19 @@ class AsyncSave:
         """Whether the background work has finished (committed or failed)."""
         return not self._thread.is_alive()
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits until the background work has finished, without raising its error.
+
+        Args:
+          timeout: seconds to wait at most; None waits for as long as it takes.
+        Returns:
+          Whether it has finished (committed or failed; see `error`).
+
+        Multi-process: as `wait`.
+        """
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def wait(self, timeout: float | None = None) -> None:
         """Blocks until committed.
 
@@ -63,8 +76,7 @@ class AsyncSave:
         Multi-process: each process waits for its own part; process 0's wait returns
         after the commit, the others' after process 0 announced it.
         """
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        if not self.join(timeout):
             raise TimeoutError(f"save of {self.path} still running after {timeout} s")
         if self.error is not None:
             raise self.error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Iterator, Sequence
 
@@ -77,19 +78,12 @@ class Box:
 
 
 def grid_cells(box: Box, cell_shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    """Yields the indices of the grid cells (chunks) of shape `cell_shape` that `box` touches."""
+    """Yields the indices of the grid cells (chunks) of shape `cell_shape` that `box`
+    touches, in C order (last dimension fastest); none for an empty box."""
     if box.size == 0:
-        return
+        return iter(())
     ranges = [range(o // c, (o + s - 1) // c + 1) for o, s, c in zip(box.origin, box.shape, cell_shape)]
-
-    def rec(i: int, prefix: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-        if i == len(ranges):
-            yield prefix
-            return
-        for v in ranges[i]:
-            yield from rec(i + 1, prefix + (v,))
-
-    yield from rec(0, ())
+    return itertools.product(*ranges)
 
 
 def cell_box(cell: Sequence[int], cell_shape: Sequence[int], global_shape: Sequence[int]) -> Box:

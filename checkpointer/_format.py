@@ -7,7 +7,9 @@
   processes/<i>.json     what process i wrote
   COMMITTED              the commit marker, written last
 <path>.partial-<generation>/   a save in flight or a crashed one
+<path>.deleting-<generation>/  a replaced checkpoint being removed (overwrite, POSIX)
 ```
+A generation names one save attempt: `<UTC yyyymmddHHMMSS>-<8 hex>` (`new_generation`).
 Every chunk is stored (`store_data_equal_to_fill_value`), so a missing zarr shard file is
 damage, never fill values. Each inner chunk and each shard index carries `crc32c`.
 """
@@ -15,13 +17,16 @@ damage, never fill values. Each inner chunk and each shard index carries `crc32c
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 import math
 import re
 import struct
-from typing import Mapping, Sequence
+import uuid
+from typing import Literal, Mapping, Sequence
 
+import crc32c
 import numpy as np
 
 from ._errors import CorruptCheckpointError
@@ -33,6 +38,10 @@ COMMITTED = "COMMITTED"
 ARRAYS = "arrays"
 PROCESSES = "processes"
 PARTIAL_INFIX = ".partial-"
+DELETING_INFIX = ".deleting-"
+# strftime pattern of a generation's time part (UTC), and its length in characters.
+GENERATION_TIME_FORMAT = "%Y%m%d%H%M%S"
+GENERATION_TIME_CHARS = 14
 
 # Bound on what a manifest may declare, checked before anything is allocated.
 MAX_ARRAY_BYTES = 1 << 50
@@ -53,7 +62,36 @@ MAX_SPLIT_FACTOR = 7
 # returns on Linux and that many zarr codecs/readers handle; see `inner_chunk_shape`.
 MAX_INNER_CHUNK_BYTES = 64 << 20
 
-_PARTIAL_RE = re.compile(r"(?P<name>.+)\.partial-(?P<generation>[0-9a-z-]+)")
+# Generations are parsed more loosely than `new_generation` writes them: any lowercase
+# letters, digits and dashes (folders left by earlier versions or by hand stay visible).
+_PARTIAL_RE = re.compile(rf"(?P<name>.+){re.escape(PARTIAL_INFIX)}(?P<generation>[0-9a-z-]+)")
+_DELETING_RE = re.compile(rf"(?P<name>.+?){re.escape(DELETING_INFIX)}(?P<generation>.+)")
+
+
+def new_generation(now: datetime.datetime | None = None) -> str:
+    """A fresh save-attempt id: `<UTC yyyymmddHHMMSS>-<8 hex>`, e.g. `20260101120000-0a1b2c3d`.
+
+    Args:
+      now: the time to stamp (default: the current UTC time).
+    Returns:
+      The generation; sorting generations of one path sorts them by start time (to the
+      second), and the 32 random bits tell apart attempts started in the same second.
+
+    Multi-process: every process may call it; a save uses process 0's (agreed on through
+    `_distributed.agree_on`).
+    """
+    now = datetime.datetime.now(datetime.timezone.utc) if now is None else now.astimezone(datetime.timezone.utc)
+    return f"{now:{GENERATION_TIME_FORMAT}}-{uuid.uuid4().hex[:8]}"
+
+
+def generation_time(generation: str) -> datetime.datetime | None:
+    """When save attempt `generation` started (UTC, to the second), or None if its name
+    does not start with a timestamp (generations of older or hand-made folders)."""
+    try:
+        t = datetime.datetime.strptime(generation[:GENERATION_TIME_CHARS], GENERATION_TIME_FORMAT)
+    except ValueError:
+        return None
+    return t.replace(tzinfo=datetime.timezone.utc)
 
 
 def partial_name(name: str, generation: str) -> str:
@@ -64,6 +102,17 @@ def partial_name(name: str, generation: str) -> str:
 def parse_partial_name(name: str) -> tuple[str, str] | None:
     """`("100", generation)` for `"100.partial-<generation>"`, else None."""
     m = _PARTIAL_RE.fullmatch(name)
+    return (m["name"], m["generation"]) if m else None
+
+
+def deleting_name(name: str, generation: str) -> str:
+    """The folder name checkpoint `name` is moved to while save `generation` replaces it."""
+    return f"{name}{DELETING_INFIX}{generation}"
+
+
+def parse_deleting_name(name: str) -> tuple[str, str] | None:
+    """`("100", suffix)` for `"100.deleting-<suffix>"` (the first `.deleting-` splits), else None."""
+    m = _DELETING_RE.fullmatch(name)
     return (m["name"], m["generation"]) if m else None
 
 
@@ -95,10 +144,52 @@ def dtype_from_name(name: str, *, where: str = "") -> np.dtype:
         dtype = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
     except TypeError as e:
         raise CorruptCheckpointError(f"unknown dtype {name!r} in {where}") from e
-    numeric = dtype.kind in "biufc" or (type(dtype.type).__module__ == "ml_dtypes" or dtype.type.__module__ == "ml_dtypes")
-    if not numeric or dtype.itemsize == 0 or dtype.name != name:
+    if not is_numeric_dtype(dtype) or dtype.itemsize == 0 or dtype.name != name:
         raise CorruptCheckpointError(f"dtype {name!r} in {where} is not a numeric array dtype")
     return dtype
+
+
+def is_numeric_dtype(dtype: np.dtype) -> bool:
+    """Whether `dtype` is bool, integer, floating or complex, ml_dtypes' included
+    (bfloat16, float8_*, int4, ...): the dtypes an array leaf may have."""
+    dtype = np.dtype(dtype)
+    return dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"
+
+
+def dtype_kind(dtype: np.dtype) -> Literal["b", "i", "f", "c"] | None:
+    """'b' bool, 'i' integer (signed or unsigned, int4 too), 'f' floating (bfloat16,
+    float8_* too), 'c' complex; None for anything else. (numpy.can_cast's "same_kind"
+    is not used: it allows int to float and, through ml_dtypes, float32 to int4.)"""
+    import ml_dtypes
+
+    dtype = np.dtype(dtype)
+    if dtype.kind in "bfc":
+        return dtype.kind
+    if dtype.kind in "iu":
+        return "i"
+    for info, kind in ((ml_dtypes.iinfo, "i"), (ml_dtypes.finfo, "f")):
+        try:
+            info(dtype)
+            return kind
+        except (ValueError, TypeError):
+            continue
+    return None
+
+
+def is_whole_byte_dtype(dtype: np.dtype) -> bool:
+    """Whether each element fills its `itemsize` bytes: False for the packed sub-byte
+    dtypes (int4, int2, float4_e2m1fn, ...), whose bits per element are fewer."""
+    import ml_dtypes
+
+    dtype = np.dtype(dtype)
+    if dtype.kind in "bc":
+        return True
+    for info in (ml_dtypes.finfo, ml_dtypes.iinfo, np.finfo, np.iinfo):
+        try:
+            return info(dtype).bits == dtype.itemsize * 8
+        except (ValueError, TypeError):
+            continue
+    return False
 
 
 @functools.lru_cache(maxsize=None)
@@ -208,6 +299,46 @@ def encoded_chunk_bytes(chunk_shape: Sequence[int], inner_shape: Sequence[int], 
     return n_inner * (math.prod(inner_shape) * itemsize + 4) + n_inner * 16 + 4
 
 
+ZarrSpecMode = Literal["create", "write", "read"]
+
+
+def zarr_spec(kvstore: Mapping, meta: "ArrayMetadata", *, mode: ZarrSpecMode) -> dict:
+    """The TensorStore spec of a leaf's zarr array.
+
+    Args:
+      kvstore: the kvstore spec of the array's folder (`Storage.kvstore_spec`).
+      meta: the leaf's manifest entry; its zarr metadata is part of every spec.
+      mode: `"create"`: write, creating `zarr.json` (process 0 of a save); `"write"`:
+        write into an array another process creates (its `zarr.json` is assumed, not
+        read); `"read"`: open an existing array, refusing a `zarr.json` whose shape, dtype,
+        chunk grid or codecs differ from the manifest (so bytes are never decoded as
+        another dtype or inner-chunk layout), and a missing chunk (never fill values).
+    Returns:
+      A dict for `tensorstore.open`.
+    """
+    spec = {
+        "driver": "zarr3",
+        "kvstore": kvstore,
+        "metadata": zarr_metadata(meta.shape, meta.dtype, meta.chunk_shape, meta.inner_chunk_shape),
+    }
+    if mode == "read":
+        spec.update({"open": True, "fill_missing_data_reads": False, "recheck_cached_data": False})
+    elif mode in ("create", "write"):
+        spec["store_data_equal_to_fill_value"] = True
+        spec["create" if mode == "create" else "assume_metadata"] = True
+    else:
+        raise ValueError(f"zarr_spec mode must be 'create', 'write' or 'read', got {mode!r}")
+    return spec
+
+
+def data_crc32c(data: np.ndarray) -> int:
+    """crc32c of an array's C-order bytes (0 for an empty array): `data_crc32c` of a chunk
+    in `processes/<i>.json`, checked by `verify` on top of the codec's checksums."""
+    if data.size == 0:
+        return 0
+    return crc32c.crc32c(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+
+
 def chunk_key(leaf_path: str, chunk_index: Sequence[int]) -> str:
     """Key of a chunk (a zarr shard file) relative to the checkpoint path."""
     return f"{array_dir(leaf_path)}/c" + "".join(f"/{i}" for i in chunk_index) if chunk_index else f"{array_dir(leaf_path)}/c"
@@ -262,7 +393,7 @@ class SavedSharding:
         """E.g. `P('data', 'model') on mesh data=2 x model=4`."""
         if self.kind != "named":
             return f"{self.kind} ({self.device_count} devices, shard {list(self.shard_shape)})"
-        spec = ", ".join(repr(s) if not isinstance(s, tuple) else repr(s) for s in self.spec)
+        spec = ", ".join(repr(s) for s in self.spec)
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_axis_names, self.mesh_shape))
         return f"P({spec}) on mesh {mesh}"
 
@@ -413,6 +544,20 @@ def value_from_json(obj: object, where: str) -> object:
     except (KeyError, TypeError, ValueError, struct.error) as e:
         raise CorruptCheckpointError(f"malformed value {obj!r:.200} in {where}: {e}") from e
     raise CorruptCheckpointError(f"malformed value {obj!r:.200} in {where}")
+
+
+def format_bytes(n: int | None) -> str:
+    """A byte count for people: `"512 B"`, `"1.5 KiB"`, ... up to TiB; `"-"` for None."""
+    if n is None:
+        return "-"
+    if abs(n) < 1024:
+        return f"{n} B"
+    x = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if abs(x) < 1024:
+            return f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} TiB"
 
 
 def dumps(obj: object) -> bytes:

@@ -286,7 +286,7 @@ class CheckpointManager:
                 if len(self._in_flight) < self.max_saves_in_flight:
                     return
                 oldest = self._in_flight[0][1]
-            oldest._thread.join()
+            oldest.join()
 
     def wait_until_finished(self) -> None:
         """Blocks until every save in flight is committed.
@@ -297,7 +297,7 @@ class CheckpointManager:
         with self._mu:
             handles = [h for _, h in self._in_flight]
         for h in handles:
-            h._thread.join()
+            h.join()
         with self._mu:
             self._in_flight = []
         self._raise_pending()

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import logging
 import os
 import threading
 import time
-import uuid
 from typing import Callable, Mapping
 
-import crc32c
 import jax
 import ml_dtypes
 import numpy as np
@@ -33,6 +30,7 @@ from ._box import Box
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
 from ._host import HostBufferPool, copy_to_host
+from ._metadata import ChunkRecord, ProcessRecord, manifest_json
 from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
 from ._directory import SAVE_LOCK_SUFFIX
 from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
@@ -88,10 +86,6 @@ class Snapshot:
         """Where the files go: the partial folder on POSIX, the final path on object stores."""
         return self.storage.commit_strategy.write_path(self.path, self.generation)
 
-    @property
-    def host_bytes(self) -> int:
-        return sum(h.nbytes for leaf in self.arrays for h in leaf.host)
-
 
 def _is_array(x: object) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
@@ -130,8 +124,7 @@ _MAX_NAME_BYTES = 255
 def _check_storable(leaf_path: str, dtype: np.dtype, path: str) -> None:
     """Raises UnsupportedValueError unless the format can hold an array leaf of `dtype`."""
     dtype = np.dtype(dtype)
-    numeric = dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"  # bfloat16, float8_*, int4, ...
-    if not numeric or dtype.hasobject:
+    if not _format.is_numeric_dtype(dtype) or dtype.hasobject:
         raise UnsupportedValueError(
             f"{where(leaf=leaf_path, path=path)}: dtype {dtype} cannot be stored; convert it to a numeric or bool array"
         )
@@ -269,7 +262,7 @@ def take_snapshot(
     _saves_of_path[path] += 1
     generation = _distributed.agree_on(
         f"save/{path}/{_saves_of_path[path]}",
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%d%H%M%S}-{uuid.uuid4().hex[:8]}",
+        _format.new_generation(),
         timeout_s=commit_timeout_s,
     )
 
@@ -286,27 +279,11 @@ def take_snapshot(
 
 
 def _open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool):
-    spec = {
-        "driver": "zarr3",
-        "kvstore": snap.storage.kvstore_spec(f"{snap.write_path}/{_format.array_dir(meta.path)}"),
-        "metadata": _format.zarr_metadata(meta.shape, meta.dtype, meta.chunk_shape, meta.inner_chunk_shape),
-        "store_data_equal_to_fill_value": True,
-    }
-    if create:
-        spec["create"] = True
-    else:
-        spec["assume_metadata"] = True
-    return ts.open(spec, context=TS_CONTEXT)
+    kvstore = snap.storage.kvstore_spec(f"{snap.write_path}/{_format.array_dir(meta.path)}")
+    return ts.open(_format.zarr_spec(kvstore, meta, mode="create" if create else "write"), context=TS_CONTEXT)
 
 
-def data_crc32c(host: np.ndarray) -> int:
-    """crc32c of an array's C-order bytes (0 for an empty array)."""
-    if host.size == 0:
-        return 0
-    return crc32c.crc32c(np.ascontiguousarray(host).reshape(-1).view(np.uint8).data)
-
-
-def write_snapshot(snap: Snapshot) -> dict:
+def write_snapshot(snap: Snapshot) -> ProcessRecord:
     """Writes this process's chunks and its `processes/<i>.json` record, durably.
 
     Process 0 also writes every array's `zarr.json`. Returns the record.
@@ -333,14 +310,14 @@ def write_snapshot(snap: Snapshot) -> dict:
             for w, host in zip(leaf.plan.writes, leaf.host):
                 futures.append((leaf.meta.path, store[w.box.slices()].write(host) if host.size else None))
                 chunks.append(
-                    {
-                        "leaf": leaf.meta.path,
-                        "key": _format.chunk_key(leaf.meta.path, w.chunk_index),
-                        "box": w.box.to_json(),
-                        "bytes": _format.encoded_chunk_bytes(leaf.meta.chunk_shape, leaf.meta.inner_chunk_shape, leaf.meta.dtype.itemsize),
-                        "data_bytes": host.nbytes,
-                        "data_crc32c": data_crc32c(host),
-                    }
+                    ChunkRecord(
+                        leaf=leaf.meta.path,
+                        key=_format.chunk_key(leaf.meta.path, w.chunk_index),
+                        box=w.box,
+                        file_bytes=_format.encoded_chunk_bytes(leaf.meta.chunk_shape, leaf.meta.inner_chunk_shape, leaf.meta.dtype.itemsize),
+                        data_bytes=host.nbytes,
+                        data_crc32c=_format.data_crc32c(host),
+                    )
                 )
         for leaf_path, f in futures:
             if f is None:
@@ -350,16 +327,16 @@ def write_snapshot(snap: Snapshot) -> dict:
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
         snap.write_s = time.perf_counter() - t0
-        record = {
-            "process_index": snap.process_index,
-            "generation": snap.generation,
-            "chunks": chunks,
-            "bytes_written": sum(c["bytes"] for c in chunks),
-            "snapshot_s": round(snap.snapshot_s, 6),
-            "write_s": round(snap.write_s, 6),
-        }
-        snap.bytes_written = record["bytes_written"]
-        snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record))
+        record = ProcessRecord(
+            process_index=snap.process_index,
+            generation=snap.generation,
+            chunks=tuple(chunks),
+            bytes_written=sum(c.file_bytes for c in chunks),
+            snapshot_s=round(snap.snapshot_s, 6),
+            write_s=round(snap.write_s, 6),
+        )
+        snap.bytes_written = record.bytes_written
+        snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
         return record
     except BaseException as e:
         # Let writes already issued finish before anyone removes the partial folder.
@@ -374,32 +351,15 @@ def write_snapshot(snap: Snapshot) -> dict:
         raise SaveError(f"writing {root} failed (process {snap.process_index}): {type(e).__name__}: {e}") from e
 
 
-def manifest_json(snap: Snapshot, process_bytes: list[int]) -> dict:
-    """The manifest of DESIGN.md's format_version 1."""
-    leaves = {leaf.meta.path: leaf.meta.to_json() for leaf in snap.arrays}
-    leaves.update({p: {"type": "value", "value": v} for p, v in snap.values.items()})
-    return {
-        "format_version": _format.FORMAT_VERSION,
-        "step": snap.step,
-        "generation": snap.generation,
-        "created_unix_s": time.time(),
-        "process_count": snap.process_count,
-        "process_bytes_written": process_bytes,
-        "structure": snap.structure,
-        "leaves": leaves,
-        "user_metadata": snap.user_metadata,
-        "library_version": _library_version(),
-        "jax_version": jax.__version__,
-    }
+def _manifest(snap: Snapshot, process_bytes: list[int]) -> dict:
+    return manifest_json(
+        step=snap.step, generation=snap.generation, process_count=snap.process_count,
+        process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
+        values=snap.values, user_metadata=snap.user_metadata,
+    )
 
 
-def _library_version() -> str:
-    from . import __version__
-
-    return __version__
-
-
-def commit(snap: Snapshot, record: dict, after_publish: Callable[[], None] | None = None) -> None:
+def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], None] | None = None) -> None:
     """Runs the commit protocol; returns once the checkpoint is committed on every process.
 
     `after_publish` runs on process 0 after the commit and before the other processes
@@ -411,14 +371,14 @@ def commit(snap: Snapshot, record: dict, after_publish: Callable[[], None] | Non
     """
     t0 = time.perf_counter()
     coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
-    coord.report_done(str(record["bytes_written"]))
+    coord.report_done(str(record.bytes_written))
     if snap.process_index != 0:
         coord.wait_commit()
         snap.commit_s = time.perf_counter() - t0
         return
     try:
         summaries = coord.wait_all_done()
-        process_bytes = [int(s) for s in summaries] if summaries else [record["bytes_written"]]
+        process_bytes = [int(s) for s in summaries] if summaries else [record.bytes_written]
         _check_records(snap)
         _publish(snap, process_bytes)
     except BaseException as e:
@@ -454,7 +414,7 @@ def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
     storage, root, final = snap.storage, snap.write_path, snap.path
     strategy = storage.commit_strategy
     try:
-        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps(manifest_json(snap, process_bytes)))
+        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps(_manifest(snap, process_bytes)))
         marker = _format.dumps({"generation": snap.generation, "committed_unix_s": time.time()})
         storage.write_file(f"{root}/{_format.COMMITTED}", marker)
         replaced = strategy.publish(root, final, snap.generation, overwrite=snap.overwrite)

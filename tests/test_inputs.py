@@ -660,3 +660,16 @@ def test_a_single_shard_larger_than_2gib_for_real(tmp_path):
         assert np.array_equal(np.asarray(shard.data), x[shard.index])
     del out
     assert np.array_equal(ckpt.restore(str(tmp_path / "1"))["x"], x)
+
+
+def test_scalar_and_memory_kind_targets(tmp_path):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data")))
+    ckpt.save(str(tmp_path / "1"), {"x": x, "step": jax.numpy.int32(5)})
+    target = {"x": NamedSharding(mesh, P("data"), memory_kind="pinned_host"), "step": 0}  # a fresh TrainState's step
+    out = ckpt.restore(str(tmp_path / "1"), target)
+    assert out["x"].sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x))
+    assert int(out["step"]) == 5
+    with pytest.raises(ckpt.InvalidTargetError, match="leaf 'step'"):
+        ckpt.restore(str(tmp_path / "1"), {"x": None, "step": "zero"})
