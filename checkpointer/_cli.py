@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Sequence
 
-from . import _directory, _drill
+from . import _directory, _drill, _format
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -286,15 +286,12 @@ def _mesh_str(mesh) -> str:
 
 
 def _generation_time(generation: str | None) -> float | None:
-    try:
-        t = datetime.datetime.strptime(generation[:14], "%Y%m%d%H%M%S")
-    except (TypeError, ValueError):
-        return None
-    return t.replace(tzinfo=datetime.timezone.utc).timestamp()
+    t = _format.generation_time(generation) if generation else None
+    return None if t is None else t.timestamp()
 
 
 def _state(e: _directory.StepEntry, committed: set[int]) -> str:
-    if ".deleting-" in e.name:
+    if _format.parse_deleting_name(e.name):
         return "deleting"
     if e.generation is None:
         return "committed" if e.committed else "no marker"
@@ -308,7 +305,7 @@ def _cmd_ls(args, ui: _UI) -> int:
 
     storage, directory = _open_dir(args.directory)
     found = _directory.entries(storage, directory)
-    if not found and storage.exists(f"{directory}/COMMITTED"):
+    if not found and storage.exists(f"{directory}/{_format.COMMITTED}"):
         raise UsageError(f"{directory} is one checkpoint, not a directory of steps: use `{PROG} inspect {directory}`")
     committed = set(_directory.committed_steps(storage, directory))
     now = time.time()
@@ -637,7 +634,7 @@ def _cmd_drill(args, ui: _UI) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `checkpointer` (subcommands ls, inspect, plan, verify, gc, drill)."""
-    from . import __version__
+    from ._metadata import library_version
 
     parser = _Parser(
         prog=PROG,
@@ -646,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
         "path or a file://, gs:// or s3:// URL. Exit status: 0 ok; 1 verify or drill found problems, or an operation "
         "failed; 2 usage error or no such checkpoint.",
     )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--version", action="version", version=f"{PROG} {library_version()}")
     parser.add_argument("--traceback", action="store_true", help="on an error, raise it with its traceback")
     common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")

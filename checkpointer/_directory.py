@@ -68,8 +68,8 @@ def entries(storage: Storage, directory: str) -> list[StepEntry]:
         elif partial and _is_step_name(partial[0]):
             committed = storage.exists(f"{directory}/{name}/{_format.COMMITTED}")
             out.append(StepEntry(name, int(partial[0]), committed, partial[1]))
-        elif ".deleting-" in name and _is_step_name(name.split(".deleting-")[0]):
-            out.append(StepEntry(name, int(name.split(".deleting-")[0]), False, name.split(".deleting-")[1]))
+        elif (deleting := _format.parse_deleting_name(name)) and _is_step_name(deleting[0]):
+            out.append(StepEntry(name, int(deleting[0]), False, deleting[1]))
     return sorted(out, key=lambda e: (e.step, e.name))
 
 

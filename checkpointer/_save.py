@@ -294,6 +294,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
     t0 = time.perf_counter()
     root = snap.write_path
     futures: list = []
+    opened: list = []
     try:
         if snap.process_index == 0 and snap.storage.supports_locks:
             # Held until commit or abort: recovery and gc leave a locked partial alone.
@@ -339,8 +340,9 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
         return record
     except BaseException as e:
-        # Let writes already issued finish before anyone removes the partial folder.
-        for _, f in futures:
+        # Let array creations and writes already issued finish before anyone removes
+        # the partial folder (a creation still running would re-create files in it).
+        for _, f in opened + futures:
             if f is not None:
                 try:
                     f.result()

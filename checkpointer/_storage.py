@@ -280,7 +280,7 @@ class RenameCommit(CommitStrategy):
         # Replace: move the old one aside, publish the new one, then delete the old. A
         # crash between the two renames leaves a committed partial folder that
         # recovery rolls forward.
-        old = f"{path}.deleting-{generation}"
+        old = _format.deleting_name(path, generation)
         storage.rename(path, old)
         try:
             storage.rename(write_path, path)
@@ -298,7 +298,7 @@ class RenameCommit(CommitStrategy):
         return self.write_path(path, generation)
 
     def unpublish(self, path: str) -> str:
-        moved = f"{path}.deleting-gc-{uuid.uuid4().hex[:8]}"
+        moved = _format.deleting_name(path, f"gc-{uuid.uuid4().hex[:8]}")
         self.storage.rename(path, moved)
         return moved
 
