@@ -19,12 +19,13 @@ import sys
 import time
 from typing import Sequence
 
-from . import _directory, _drill
+from . import _directory, _drill, _targets
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     DTypeMismatchError,
     InvalidTargetError,
+    MeshError,
     ShapeMismatchError,
     StructureMismatchError,
 )
@@ -117,7 +118,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _exit_code(e: BaseException) -> int:
-    usage = (UsageError, FileNotFoundError, NotADirectoryError, InvalidTargetError, ShapeMismatchError,
+    usage = (UsageError, FileNotFoundError, NotADirectoryError, InvalidTargetError, MeshError, ShapeMismatchError,
              DTypeMismatchError, StructureMismatchError)
     return 2 if isinstance(e, usage) else 1
 
@@ -283,17 +284,18 @@ def _parse_spec(text: str, mesh) -> tuple[str, object]:
     return glob, P(*entries)
 
 
-def _build_mesh(args, meta):
+def _build_mesh(args, meta, *, abstract: bool = False):
+    """The `--mesh`/`--axes` mesh: of this machine's devices, or abstract (no devices needed)."""
     shape = _parse_mesh(args.mesh)
-    axes = _parse_axes(args.axes, len(shape)) or _drill.default_axis_names(meta, len(shape))
+    axes = _parse_axes(args.axes, len(shape)) or _targets.default_axis_names(meta, len(shape))
     try:
-        return _drill.scratch_mesh(shape, axes)
-    except _drill.MeshError as e:
+        return _targets.abstract_mesh(shape, axes) if abstract else _targets.scratch_mesh(shape, axes)
+    except MeshError as e:
         raise UsageError(str(e)) from e
 
 
 def _mesh_str(mesh) -> str:
-    return " x ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
+    return " x ".join(f"{n}={s}" for n, s in mesh.shape.items())
 
 
 # --- ls ---------------------------------------------------------------------------------------
@@ -449,34 +451,6 @@ def _cmd_inspect(args, ui: _UI) -> int:
 # --- plan -------------------------------------------------------------------------------------
 
 
-def _emulated_plan(path: str, meta, mesh, specs: dict, processes: int, process_index: int):
-    """The plan of `process_index` as if the mesh's devices were spread over `processes`
-    processes in mesh order (consecutive blocks of devices per process)."""
-    from jax.sharding import NamedSharding
-
-    from ._box import Box
-    from ._restore_plan import RestorePlan, plan_leaf
-
-    per = mesh.devices.size // processes
-    process_of = {d.id: i // per for i, d in enumerate(mesh.devices.flat)}
-    leaves = []
-    for p, m in meta.arrays.items():
-        shape = _drill.target_shape(m)
-        sharding = NamedSharding(mesh, specs[p])
-        try:
-            indices = sharding.devices_indices_map(shape)
-        except ValueError as e:
-            raise InvalidTargetError(f"leaf {p!r}: the target sharding {specs[p]} does not fit shape {shape}: {e}") from e
-        tail = m.shape[len(shape):]
-        boxes = []
-        for d, index in indices.items():
-            if process_of[d.id] == process_index:
-                b = Box.from_index(index, shape)
-                boxes.append((d.id, Box(b.origin + (0,) * len(tail), b.shape + tail)))
-        leaves.append(plan_leaf(m, boxes))
-    return RestorePlan(path, process_index, tuple(leaves))
-
-
 def _cmd_plan(args, ui: _UI) -> int:
     import jax
     from jax.sharding import NamedSharding
@@ -484,14 +458,17 @@ def _cmd_plan(args, ui: _UI) -> int:
     from ._restore import plan_restore
 
     meta = _metadata(args.path)
-    mesh = _build_mesh(args, meta)
-    overrides = [_parse_spec(s, mesh) for s in args.spec]
-    try:
-        specs = _drill.target_specs(meta, mesh, overrides)
-    except ValueError as e:
-        raise UsageError(f"--spec: {e}") from e
     processes = args.processes
     pidx = args.process_index
+    # With --processes the plan is pure (an abstract mesh, no devices needed);
+    # without, it is the plan of a restore run here, on this machine's devices.
+    mesh = _build_mesh(args, meta, abstract=processes is not None)
+    n_devices = math.prod(mesh.shape.values())
+    overrides = [_parse_spec(s, mesh) for s in args.spec]
+    try:
+        specs = _targets.target_specs(meta, mesh, overrides)
+    except ValueError as e:
+        raise UsageError(f"--spec: {e}") from e
     if processes is None:
         processes = jax.process_count()
         pidx = jax.process_index() if pidx is None else pidx
@@ -500,15 +477,14 @@ def _cmd_plan(args, ui: _UI) -> int:
                 f"--process-index {pidx}: this command runs as {processes} process(es); add --processes P to plan "
                 "as if the mesh's devices were spread over P processes"
             )
-        target = _drill.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
-        plan = plan_restore(meta.path, target, process_index=pidx)
     else:
         pidx = 0 if pidx is None else pidx
-        if processes < 1 or mesh.devices.size % processes:
-            raise UsageError(f"--processes {processes} must divide the mesh's {mesh.devices.size} devices")
+        if processes < 1 or n_devices % processes:
+            raise UsageError(f"--processes {processes} must divide the mesh's {n_devices} devices")
         if not 0 <= pidx < processes:
             raise UsageError(f"--process-index {pidx} must be in [0, {processes})")
-        plan = _emulated_plan(meta.path, meta, mesh, specs, processes, pidx)
+    target = _targets.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
+    plan = plan_restore(meta.path, target, process_index=pidx, processes=args.processes)
 
     leaves = []
     for leaf in plan.leaves:
@@ -522,14 +498,14 @@ def _cmd_plan(args, ui: _UI) -> int:
         })
     if ui.json_mode:
         ui.json({
-            "path": meta.path, "mesh": {"shape": list(mesh.devices.shape), "axis_names": list(mesh.axis_names)},
+            "path": meta.path, "mesh": {"shape": list(mesh.shape.values()), "axis_names": list(mesh.axis_names)},
             "process_index": pidx, "process_count": processes, "leaves": leaves,
             "chunks": len(plan.reads), "bytes_needed": plan.bytes_needed, "bytes_read": plan.bytes_read,
             "read_amplification": plan.read_amplification,
         })
         return 0
     ui.line(f"restore plan for {meta.path}")
-    ui.line(f"target mesh {_mesh_str(mesh)} ({mesh.devices.size} devices), process {pidx} of {processes}")
+    ui.line(f"target mesh {_mesh_str(mesh)} ({n_devices} devices), process {pidx} of {processes}")
     ui.table(
         ["leaf", "target", "boxes", "chunks", "needed", "read", "amplification"],
         [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _human_bytes(r["bytes_needed"]),
@@ -639,7 +615,7 @@ def _cmd_drill(args, ui: _UI) -> int:
         raise CheckpointNotFoundError(f"{directory} is not a directory")
     try:
         report = _drill.drill(args.directory, shape, axis_names=axes)
-    except _drill.MeshError as e:
+    except MeshError as e:
         raise UsageError(str(e)) from e
     if ui.json_mode:
         ui.json(report.to_json())
