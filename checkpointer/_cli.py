@@ -291,7 +291,8 @@ def _build_mesh(args, meta, *, abstract: bool = False):
     try:
         return _targets.abstract_mesh(shape, axes) if abstract else _targets.scratch_mesh(shape, axes)
     except MeshError as e:
-        raise UsageError(str(e)) from e
+        hint = "" if abstract else "; or plan without the devices with --processes P"
+        raise UsageError(f"{e}{hint}") from e
 
 
 def _mesh_str(mesh) -> str:
@@ -672,19 +673,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", parents=[common], help="read plan and read amplification for a target mesh",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Plan the restore of PATH onto a mesh of this machine's devices: per leaf the unique "
-                       "target boxes, chunks, bytes needed and read, and the read amplification. Pure: reads only the "
-                       "manifest.\n\n" + _SPEC_RULE)
+                       description="Plan the restore of PATH onto a mesh: per leaf the unique target boxes, chunks, "
+                       "bytes needed and read, and the read amplification. Pure: reads only the manifest. Without "
+                       "--processes the mesh is of this machine's devices; with --processes P it is abstract (any "
+                       "size, no devices needed, e.g. --mesh 64x128 --processes 1024).\n\n" + _SPEC_RULE)
     p.add_argument("path", metavar="PATH")
     p.add_argument("--mesh", required=True, metavar="SHAPE", help="mesh axis sizes, e.g. 4x2: a mesh of the first 4*2 "
-                   "local devices (simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+                   "local devices (simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N), "
+                   "or of any size with --processes")
     p.add_argument("--axes", metavar="NAMES", help="mesh axis names, e.g. data,model (default: those of the saved "
                    "mesh with as many axes, else axis0,axis1,...)")
     p.add_argument("--spec", action="append", default=[], metavar="LEAF_GLOB=SPEC",
                    help="target PartitionSpec for the matching leaves (repeatable), e.g. 'params/*=data,model'")
     p.add_argument("--process-index", type=int, metavar="I", help="plan for process I (default: this process)")
     p.add_argument("--processes", type=int, metavar="P", help="plan as if the mesh's devices were spread over P "
-                   "processes, in mesh order, each holding a consecutive block")
+                   "processes, in mesh order, each holding a consecutive block; needs no devices")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("verify", parents=[common], help="read every byte, check every checksum",

@@ -120,13 +120,64 @@ def _check_cast(meta: ArrayMetadata, dtype, path: str) -> np.dtype | None:
     return dtype
 
 
-def resolve_target(meta: ArrayMetadata, target: object, path: str) -> LeafTarget:
-    """Turns one target leaf (see `restore`) into a `LeafTarget`, checking shape and dtype.
+def _context_mesh() -> Mesh | None:
+    """The concrete mesh set by `jax.set_mesh` / `jax.sharding.use_mesh`, if any."""
+    get = getattr(jax.sharding, "get_mesh", None)
+    mesh = get() if get is not None else None
+    return None if mesh is None or mesh.empty else mesh
+
+
+def concrete_sharding(sharding: jax.sharding.Sharding, meta: ArrayMetadata, path: str) -> jax.sharding.Sharding:
+    """`sharding`, with an `AbstractMesh` (what `jax.eval_shape` / `nnx.eval_shape` under
+    `jax.set_mesh` give) replaced by a concrete mesh of the same axis names and sizes.
+
+    Resolution: the concrete mesh in context (`jax.set_mesh`, `jax.sharding.use_mesh`)
+    when its axes match; else `jax.make_mesh` over `jax.devices()` (global, in
+    `jax.make_mesh` order) when their count is the mesh's size and their platform is
+    the abstract mesh's (when it names one).
 
     Raises:
+      MeshError: no concrete mesh stands for the abstract one; the message names the
+        leaf, both meshes and how to make it concrete.
+
+    Multi-process: pure; every process resolves to the same global mesh.
+    """
+    if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, jax.sharding.AbstractMesh):
+        return sharding
+    am = sharding.mesh
+    wanted = tuple(am.shape.items())
+    ctx = _context_mesh()
+    if ctx is not None and tuple(ctx.shape.items()) == wanted:
+        return NamedSharding(ctx, sharding.spec, memory_kind=sharding.memory_kind)
+    devices = jax.devices()
+    platform = getattr(getattr(am, "abstract_device", None), "platform", None)
+    if len(devices) == math.prod(am.axis_sizes) and (platform is None or platform == devices[0].platform):
+        mesh = jax.make_mesh(am.axis_sizes, am.axis_names, axis_types=am.axis_types, devices=devices)
+        return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+    shown = " x ".join(f"{n}={s}" for n, s in wanted)
+    found = f"the mesh in context is {' x '.join(f'{n}={s}' for n, s in ctx.shape.items())}" if ctx is not None else "no mesh is in context"
+    raise MeshError(
+        f"{where(leaf=meta.path, path=path)}: the target sharding is over an abstract mesh ({shown}, "
+        f"{math.prod(am.axis_sizes)} devices) with no concrete devices: {found} and jax.devices() has "
+        f"{len(devices)} {devices[0].platform if devices else ''} device(s). Restore under `with jax.set_mesh(mesh):` "
+        "of a concrete mesh with these axis names and sizes, or build the target with NamedSharding(mesh, spec) "
+        "on a concrete mesh (plan_restore(..., processes=P) plans for an abstract mesh without devices)."
+    )
+
+
+def resolve_target(meta: ArrayMetadata, target: object, path: str, *, concrete: bool = True) -> LeafTarget:
+    """Turns one target leaf (see `restore`) into a `LeafTarget`, checking shape and dtype.
+
+    Args:
+      meta: the stored leaf.
+      target: the target leaf.
+      path: the checkpoint path, for messages.
+      concrete: resolve a sharding over an `AbstractMesh` to a concrete mesh
+        (`concrete_sharding`); False keeps it abstract (for planning without devices).
+    Raises:
       ShapeMismatchError, DTypeMismatchError, InvalidTargetError: the target leaf does
-        not fit the stored leaf; CorruptCheckpointError: the stored PRNG key entry is
-        inconsistent.
+        not fit the stored leaf; MeshError: an abstract mesh that cannot be made
+        concrete; CorruptCheckpointError: the stored PRNG key entry is inconsistent.
     """
     stored_shape = meta.shape
     if meta.key_impl is not None:
@@ -153,7 +204,7 @@ def resolve_target(meta: ArrayMetadata, target: object, path: str) -> LeafTarget
             "jax.ShapeDtypeStruct (with a sharding), jax.Array, jax.sharding.Sharding, None or a scalar"
         )
     if isinstance(target, jax.sharding.Sharding):
-        return LeafTarget(target, stored_shape, None)
+        return LeafTarget(concrete_sharding(target, meta, path) if concrete else target, stored_shape, None)
     if isinstance(target, np.ndarray):
         shape, dtype, sharding = target.shape, target.dtype, None
     else:
@@ -171,6 +222,8 @@ def resolve_target(meta: ArrayMetadata, target: object, path: str) -> LeafTarget
             "restore with a Sharding / None leaf to take the stored shape."
         )
     cast = _check_cast(meta, dtype, path)
+    if sharding is not None and concrete:
+        sharding = concrete_sharding(sharding, meta, path)
     return LeafTarget(sharding, stored_shape, cast)
 
 
@@ -184,7 +237,9 @@ def _spec_axes(entry) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def named_shard_boxes(shape: Sequence[int], mesh_shape: Mapping[str, int], spec: P) -> list[Box]:
+def named_shard_boxes(
+    shape: Sequence[int], mesh_shape: Mapping[str, int], spec: P, positions: Sequence[int] | None = None
+) -> list[Box]:
     """The box of every device of `NamedSharding(mesh, spec)`, purely, in mesh order.
 
     Args:
@@ -192,9 +247,11 @@ def named_shard_boxes(shape: Sequence[int], mesh_shape: Mapping[str, int], spec:
       mesh_shape: mesh axis name → size, in the mesh's axis order (`mesh.shape`).
       spec: the PartitionSpec (entries None, an axis name or a tuple of names; fewer
         entries than dimensions replicate the rest).
+      positions: only these devices (positions in row-major mesh order); default all.
     Returns:
       One box per device, devices in row-major order of the mesh axes (the order of
-      `mesh.devices.flat`). Equals `devices_indices_map` on a concrete mesh.
+      `mesh.devices.flat`), or per position given. Equals `devices_indices_map` on a
+      concrete mesh.
     Raises:
       ValueError: an entry names an axis the mesh lacks, or its axes' sizes do not
         divide the dimension (the message says which).
@@ -213,7 +270,8 @@ def named_shard_boxes(shape: Sequence[int], mesh_shape: Mapping[str, int], spec:
             raise ValueError(f"dimension {dim} of size {n} is not divisible by {parts} ({'*'.join(axes)})")
         per_dim.append(([names.index(a) for a in axes], n // parts))
     out = []
-    for coords in np.ndindex(*sizes):
+    every = np.ndindex(*sizes) if positions is None else (np.unravel_index(p, sizes) for p in positions)
+    for coords in every:
         origin = []
         for positions, length in per_dim:
             idx = 0
@@ -224,32 +282,43 @@ def named_shard_boxes(shape: Sequence[int], mesh_shape: Mapping[str, int], spec:
     return out
 
 
-def _check_divisible(lt: LeafTarget, meta: ArrayMetadata, path: str) -> None:
-    """Raises the divisibility InvalidTargetError for a NamedSharding that does not divide the shape."""
+def _check_fits(lt: LeafTarget, meta: ArrayMetadata, path: str) -> None:
+    """Checks a NamedSharding target against the shape, each problem with its own message.
+
+    Raises:
+      InvalidTargetError: more PartitionSpec entries than dimensions, an axis the mesh
+        lacks, or axis sizes that do not divide a dimension.
+    """
     s = lt.sharding
     if not isinstance(s, NamedSharding):
         return
+    what = f"{where(leaf=meta.path, path=path)}: the target sharding {s.spec} on shape {lt.shape}"
+    if len(s.spec) > len(lt.shape):
+        raise InvalidTargetError(
+            f"{what} has {len(s.spec)} PartitionSpec entries for {len(lt.shape)} dimension(s). Give at most one entry "
+            "per dimension."
+        )
     sizes = dict(s.mesh.shape)
     for dim, n in enumerate(lt.shape):
         axes = _spec_axes(s.spec[dim]) if dim < len(s.spec) else ()
-        if all(a in sizes for a in axes) and n % math.prod(sizes[a] for a in axes):
+        missing = [a for a in axes if a not in sizes]
+        if missing:
             raise InvalidTargetError(
-                f"{where(leaf=meta.path, path=path)}: the target sharding {s.spec} does not fit shape {lt.shape}: "
-                f"dimension {dim} of size {n} is not divisible by {math.prod(sizes[a] for a in axes)} "
-                f"({'*'.join(axes)}). Choose a PartitionSpec whose mesh axes divide the dimensions, or replicate "
-                "that dimension (None)."
+                f"{what} names mesh axis {missing[0]!r}, which the mesh ({', '.join(sizes)}) lacks. Use the mesh's axis names."
+            )
+        if n % math.prod(sizes[a] for a in axes):
+            raise InvalidTargetError(
+                f"{what} does not fit: dimension {dim} of size {n} is not divisible by "
+                f"{math.prod(sizes[a] for a in axes)} ({'*'.join(axes)}). Choose a PartitionSpec whose mesh axes divide "
+                "the dimensions, or replicate that dimension (None)."
             )
 
 
-def _all_device_boxes(lt: LeafTarget, meta: ArrayMetadata, path: str) -> list[tuple[int, int | None, Box]]:
-    """`(device id, the device's process_index or None, box)` of every device of the
-    target sharding, in mesh order (sharding device order for other shardings)."""
-    _check_divisible(lt, meta, path)
+def _concrete_device_boxes(lt: LeafTarget, meta: ArrayMetadata, path: str) -> list[tuple[int, int, Box]]:
+    """`(device id, the device's process_index, box)` of every device of a concrete
+    target sharding, in mesh order (sharding device order for other shardings), from JAX."""
     s = lt.sharding
     try:
-        if isinstance(s, NamedSharding) and isinstance(s.mesh, jax.sharding.AbstractMesh):
-            # No devices: ids are the positions in the mesh.
-            return [(i, None, b) for i, b in enumerate(named_shard_boxes(lt.shape, s.mesh.shape, s.spec))]
         indices = s.devices_indices_map(lt.shape)
     except ValueError as e:
         raise InvalidTargetError(
@@ -278,33 +347,43 @@ def device_boxes(
     Returns:
       The pairs, in mesh order.
     Raises:
-      InvalidTargetError: the sharding does not divide the shape (or JAX cannot lay it
-        out; the message says which). MeshError: `processes` does not divide the device
+      InvalidTargetError: the sharding does not fit the shape (too many spec entries,
+        an unknown axis, a dimension its axes do not divide, or JAX cannot lay it out;
+        each with its own message). MeshError: `processes` does not divide the device
         count, or an abstract mesh without `processes`.
 
     Multi-process: pure; any process may plan for any other.
     """
     if lt.sharding is None:
         return ((-1, Box.whole(meta.shape)),)
+    _check_fits(lt, meta, path)
     key_tail = meta.shape[len(lt.shape) :]
-    boxes = _all_device_boxes(lt, meta, path)
+    s = lt.sharding
+    n_devices = math.prod(s.mesh.axis_sizes) if isinstance(s, NamedSharding) else len(s.device_set)
     if processes is not None:
-        if processes < 1 or len(boxes) % processes:
-            raise MeshError(f"{processes} processes do not divide the target's {len(boxes)} devices; choose a divisor")
-        per = len(boxes) // processes
-        owners = [i // per for i in range(len(boxes))]
+        if processes < 1 or n_devices % processes:
+            raise MeshError(f"{processes} processes do not divide the target's {n_devices} devices; choose a divisor")
+        per = n_devices // processes
+        mine = range(process_index * per, (process_index + 1) * per) if 0 <= process_index < processes else range(0)
+    elif _is_abstract(s):
+        raise MeshError(
+            f"{where(leaf=meta.path, path=path)}: the target sharding is over an abstract mesh; give the process "
+            "count to plan for (processes=P) or a concrete mesh"
+        )
+    if _is_abstract(s):
+        # No devices: ids are the positions in the mesh; only this process's are computed.
+        pairs = list(zip(mine, named_shard_boxes(lt.shape, s.mesh.shape, s.spec, mine)))
     else:
-        if any(p is None for _, p, _ in boxes):
-            raise MeshError(
-                f"{where(leaf=meta.path, path=path)}: the target sharding is over an abstract mesh; give the process "
-                "count to plan for (processes=P) or a concrete mesh"
-            )
-        owners = [p for _, p, _ in boxes]
-    return tuple(
-        (d, Box(b.origin + (0,) * len(key_tail), b.shape + key_tail))
-        for (d, _, b), owner in zip(boxes, owners)
-        if owner == process_index
-    )
+        every = _concrete_device_boxes(lt, meta, path)
+        if processes is not None:
+            pairs = [(every[i][0], every[i][2]) for i in mine]
+        else:
+            pairs = [(d, b) for d, owner, b in every if owner == process_index]
+    return tuple((d, Box(b.origin + (0,) * len(key_tail), b.shape + key_tail)) for d, b in pairs)
+
+
+def _is_abstract(s: jax.sharding.Sharding) -> bool:
+    return isinstance(s, NamedSharding) and isinstance(s.mesh, jax.sharding.AbstractMesh)
 
 
 # --- the tree -------------------------------------------------------------------------------
@@ -391,7 +470,9 @@ def resolve_tree(
       target: as for `restore`.
       partial: as for `restore`.
       process_index: the process whose devices' boxes are listed.
-      processes: see `device_boxes`.
+      processes: see `device_boxes`. With it, shardings over an `AbstractMesh` stay
+        abstract (planning needs no devices); without, they are made concrete
+        (`concrete_sharding`).
     Returns:
       A `ResolvedTarget`.
     Raises:
@@ -405,7 +486,7 @@ def resolve_tree(
         if isinstance(m, ValueMetadata):
             leaves.append(ResolvedLeaf(p, m, None, ()))
             continue
-        lt = resolve_target(m, t, meta.path)
+        lt = resolve_target(m, t, meta.path, concrete=processes is None)
         leaves.append(ResolvedLeaf(p, m, lt, device_boxes(lt, m, process_index, processes=processes, path=meta.path)))
     return ResolvedTarget(treedef, tuple(leaves), process_index)
 
