@@ -170,3 +170,22 @@ def test_a_bug_in_the_reader_is_not_reported_as_a_damaged_checkpoint(big, monkey
     with pytest.raises(TypeError, match="a bug in our code") as info:
         ckpt.restore(path, target, partial=True)
     assert not isinstance(info.value, ckpt.CorruptCheckpointError)
+
+
+def test_shard_file_layout_matches_the_files_tensorstore_writes(tmp_path):
+    import crc32c
+
+    from checkpointer._format import ShardFileLayout
+
+    x = np.arange(512 * 256, dtype=np.int32).astype(np.int16).reshape(512, 256)  # chunks of 64 KiB
+    ckpt.save(str(tmp_path / "1"), {"x": jax.device_put(x, NamedSharding(make_mesh((2, 2), ("a", "b")), P("a", "b")))})
+    meta = ckpt.metadata(str(tmp_path / "1")).arrays["x"]
+    layout = ShardFileLayout(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
+    assert layout.inner_chunks > 1
+    blob = (tmp_path / "1" / "arrays" / "x" / "c" / "1" / "0").read_bytes()
+    assert len(blob) == layout.file_bytes == layout.index_offset + layout.index_bytes
+    data, crc = ShardFileLayout.split_crc(blob[layout.index_offset :])
+    assert crc32c.crc32c(data) == crc
+    index = np.frombuffer(data, "<u8").reshape(-1, 2)
+    assert len(index) == layout.inner_chunks and set(index[:, 1]) == {layout.inner_bytes_with_crc}
+    assert sorted(index[:, 0]) == [k * layout.inner_bytes_with_crc for k in range(layout.inner_chunks)]
