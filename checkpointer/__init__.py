@@ -19,6 +19,7 @@ from ._errors import (
     CorruptCheckpointError,
     DTypeMismatchError,
     InvalidTargetError,
+    MeshError,
     SaveError,
     ShapeMismatchError,
     StructureMismatchError,
@@ -27,6 +28,7 @@ from ._errors import (
 from ._format import ArrayMetadata, SavedSharding, ValueMetadata
 from ._manager import CheckpointManager, ManagerStatus
 from ._metadata import CheckpointMetadata, library_version as _library_version, metadata
+from ._read import RestoreStats
 from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
 from ._restore import plan_restore, restore
 from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
@@ -35,12 +37,12 @@ from ._verify import VerifyReport, verify
 __version__ = _library_version()  # the installed distribution's, as each manifest records it
 
 __all__ = [
-    "save", "save_async", "restore", "metadata", "plan_restore", "verify", "VerifyReport",
+    "save", "save_async", "restore", "metadata", "plan_restore", "RestoreStats", "verify", "VerifyReport",
     "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",
     "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "Box",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError", "StructureMismatchError",
-    "ShapeMismatchError", "DTypeMismatchError", "InvalidTargetError", "UnsupportedValueError",
+    "ShapeMismatchError", "DTypeMismatchError", "InvalidTargetError", "MeshError", "UnsupportedValueError",
     "CorruptCheckpointError", "SaveError", "CommitTimeoutError",
 ]

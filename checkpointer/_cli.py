@@ -19,12 +19,13 @@ import sys
 import time
 from typing import Sequence
 
-from . import _directory, _drill, _format
+from . import _directory, _drill, _format, _targets
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     DTypeMismatchError,
     InvalidTargetError,
+    MeshError,
     ShapeMismatchError,
     StructureMismatchError,
 )
@@ -59,14 +60,7 @@ class _Parser(argparse.ArgumentParser):
 # --- formatting -------------------------------------------------------------------------------
 
 
-def _human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_human_bytes = _format.format_bytes
 
 
 def _age(seconds: float | None) -> str:
@@ -117,7 +111,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _exit_code(e: BaseException) -> int:
-    usage = (UsageError, FileNotFoundError, NotADirectoryError, InvalidTargetError, ShapeMismatchError,
+    usage = (UsageError, FileNotFoundError, NotADirectoryError, InvalidTargetError, MeshError, ShapeMismatchError,
              DTypeMismatchError, StructureMismatchError)
     return 2 if isinstance(e, usage) else 1
 
@@ -269,17 +263,19 @@ def _parse_spec(text: str, mesh) -> tuple[str, object]:
     return glob, P(*entries)
 
 
-def _build_mesh(args, meta):
+def _build_mesh(args, meta, *, abstract: bool = False):
+    """The `--mesh`/`--axes` mesh: of this machine's devices, or abstract (no devices needed)."""
     shape = _parse_mesh(args.mesh)
-    axes = _parse_axes(args.axes, len(shape)) or _drill.default_axis_names(meta, len(shape))
+    axes = _parse_axes(args.axes, len(shape)) or _targets.default_axis_names(meta, len(shape))
     try:
-        return _drill.scratch_mesh(shape, axes)
-    except _drill.MeshError as e:
-        raise UsageError(str(e)) from e
+        return _targets.abstract_mesh(shape, axes) if abstract else _targets.scratch_mesh(shape, axes)
+    except MeshError as e:
+        hint = "" if abstract else "; or plan without the devices with --processes P"
+        raise UsageError(f"{e}{hint}") from e
 
 
 def _mesh_str(mesh) -> str:
-    return " x ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
+    return " x ".join(f"{n}={s}" for n, s in mesh.shape.items())
 
 
 # --- ls ---------------------------------------------------------------------------------------
@@ -420,34 +416,6 @@ def _cmd_inspect(args, ui: _UI) -> int:
 # --- plan -------------------------------------------------------------------------------------
 
 
-def _emulated_plan(path: str, meta, mesh, specs: dict, processes: int, process_index: int):
-    """The plan of `process_index` as if the mesh's devices were spread over `processes`
-    processes in mesh order (consecutive blocks of devices per process)."""
-    from jax.sharding import NamedSharding
-
-    from ._box import Box
-    from ._restore_plan import RestorePlan, plan_leaf
-
-    per = mesh.devices.size // processes
-    process_of = {d.id: i // per for i, d in enumerate(mesh.devices.flat)}
-    leaves = []
-    for p, m in meta.arrays.items():
-        shape = _drill.target_shape(m)
-        sharding = NamedSharding(mesh, specs[p])
-        try:
-            indices = sharding.devices_indices_map(shape)
-        except ValueError as e:
-            raise InvalidTargetError(f"leaf {p!r}: the target sharding {specs[p]} does not fit shape {shape}: {e}") from e
-        tail = m.shape[len(shape):]
-        boxes = []
-        for d, index in indices.items():
-            if process_of[d.id] == process_index:
-                b = Box.from_index(index, shape)
-                boxes.append((d.id, Box(b.origin + (0,) * len(tail), b.shape + tail)))
-        leaves.append(plan_leaf(m, boxes))
-    return RestorePlan(path, process_index, tuple(leaves))
-
-
 def _cmd_plan(args, ui: _UI) -> int:
     import jax
     from jax.sharding import NamedSharding
@@ -455,14 +423,17 @@ def _cmd_plan(args, ui: _UI) -> int:
     from ._restore import plan_restore
 
     meta = _metadata(args.path)
-    mesh = _build_mesh(args, meta)
-    overrides = [_parse_spec(s, mesh) for s in args.spec]
-    try:
-        specs = _drill.target_specs(meta, mesh, overrides)
-    except ValueError as e:
-        raise UsageError(f"--spec: {e}") from e
     processes = args.processes
     pidx = args.process_index
+    # With --processes the plan is pure (an abstract mesh, no devices needed);
+    # without, it is the plan of a restore run here, on this machine's devices.
+    mesh = _build_mesh(args, meta, abstract=processes is not None)
+    n_devices = math.prod(mesh.shape.values())
+    overrides = [_parse_spec(s, mesh) for s in args.spec]
+    try:
+        specs = _targets.target_specs(meta, mesh, overrides)
+    except ValueError as e:
+        raise UsageError(f"--spec: {e}") from e
     if processes is None:
         processes = jax.process_count()
         pidx = jax.process_index() if pidx is None else pidx
@@ -471,15 +442,14 @@ def _cmd_plan(args, ui: _UI) -> int:
                 f"--process-index {pidx}: this command runs as {processes} process(es); add --processes P to plan "
                 "as if the mesh's devices were spread over P processes"
             )
-        target = _drill.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
-        plan = plan_restore(meta.path, target, process_index=pidx)
     else:
         pidx = 0 if pidx is None else pidx
-        if processes < 1 or mesh.devices.size % processes:
-            raise UsageError(f"--processes {processes} must divide the mesh's {mesh.devices.size} devices")
+        if processes < 1 or n_devices % processes:
+            raise UsageError(f"--processes {processes} must divide the mesh's {n_devices} devices")
         if not 0 <= pidx < processes:
             raise UsageError(f"--process-index {pidx} must be in [0, {processes})")
-        plan = _emulated_plan(meta.path, meta, mesh, specs, processes, pidx)
+    target = _targets.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
+    plan = plan_restore(meta.path, target, process_index=pidx, processes=args.processes)
 
     leaves = []
     for leaf in plan.leaves:
@@ -493,14 +463,14 @@ def _cmd_plan(args, ui: _UI) -> int:
         })
     if ui.json_mode:
         ui.json({
-            "path": meta.path, "mesh": {"shape": list(mesh.devices.shape), "axis_names": list(mesh.axis_names)},
+            "path": meta.path, "mesh": {"shape": list(mesh.shape.values()), "axis_names": list(mesh.axis_names)},
             "process_index": pidx, "process_count": processes, "leaves": leaves,
             "chunks": len(plan.reads), "bytes_needed": plan.bytes_needed, "bytes_read": plan.bytes_read,
             "read_amplification": plan.read_amplification,
         })
         return 0
     ui.line(f"restore plan for {meta.path}")
-    ui.line(f"target mesh {_mesh_str(mesh)} ({mesh.devices.size} devices), process {pidx} of {processes}")
+    ui.line(f"target mesh {_mesh_str(mesh)} ({n_devices} devices), process {pidx} of {processes}")
     ui.table(
         ["leaf", "target", "boxes", "chunks", "needed", "read", "amplification"],
         [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _human_bytes(r["bytes_needed"]),
@@ -608,7 +578,7 @@ def _cmd_drill(args, ui: _UI) -> int:
     _open_dir(args.directory)
     try:
         report = _drill.drill(args.directory, shape, axis_names=axes)
-    except _drill.MeshError as e:
+    except MeshError as e:
         raise UsageError(str(e)) from e
     if ui.json_mode:
         ui.json(report.to_json())
@@ -665,19 +635,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", parents=[common], help="read plan and read amplification for a target mesh",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Plan the restore of PATH onto a mesh of this machine's devices: per leaf the unique "
-                       "target boxes, chunks, bytes needed and read, and the read amplification. Pure: reads only the "
-                       "manifest.\n\n" + _SPEC_RULE)
+                       description="Plan the restore of PATH onto a mesh: per leaf the unique target boxes, chunks, "
+                       "bytes needed and read, and the read amplification. Pure: reads only the manifest. Without "
+                       "--processes the mesh is of this machine's devices; with --processes P it is abstract (any "
+                       "size, no devices needed, e.g. --mesh 64x128 --processes 1024).\n\n" + _SPEC_RULE)
     p.add_argument("path", metavar="PATH")
     p.add_argument("--mesh", required=True, metavar="SHAPE", help="mesh axis sizes, e.g. 4x2: a mesh of the first 4*2 "
-                   "local devices (simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+                   "local devices (simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N), "
+                   "or of any size with --processes")
     p.add_argument("--axes", metavar="NAMES", help="mesh axis names, e.g. data,model (default: those of the saved "
                    "mesh with as many axes, else axis0,axis1,...)")
     p.add_argument("--spec", action="append", default=[], metavar="LEAF_GLOB=SPEC",
                    help="target PartitionSpec for the matching leaves (repeatable), e.g. 'params/*=data,model'")
     p.add_argument("--process-index", type=int, metavar="I", help="plan for process I (default: this process)")
     p.add_argument("--processes", type=int, metavar="P", help="plan as if the mesh's devices were spread over P "
-                   "processes, in mesh order, each holding a consecutive block")
+                   "processes, in mesh order, each holding a consecutive block; needs no devices")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("verify", parents=[common], help="read every byte, check every checksum",

@@ -36,6 +36,11 @@ class InvalidTargetError(CheckpointError, ValueError):
     """A restore target leaf is not one of the accepted kinds or lacks a sharding."""
 
 
+class MeshError(CheckpointError, ValueError):
+    """A mesh cannot be built or resolved: too few devices, names that do not fit its
+    shape, or an abstract mesh with no concrete devices to stand for it."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """A leaf of the tree to save is of a kind the format cannot hold."""
 
