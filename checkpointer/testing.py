@@ -24,6 +24,7 @@ Not part of the front-door API: `import checkpointer` does not import this modul
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import importlib
@@ -37,8 +38,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, BinaryIO, NoReturn
 
 RECORD_PREFIX = "CHECKPOINTER_RECORD "  # `emit` prefixes each JSON record line with this
 TAIL_CHARS = 4000  # output shown per process when a job fails
@@ -141,13 +143,21 @@ def _target_command(target: str | os.PathLike | Callable[..., Any]) -> tuple[lis
             "imports it by name, so lambdas and nested functions cannot be run"
         )
     if module == "__main__":  # the running script: the worker loads it from its file
-        module = os.path.abspath(sys.modules["__main__"].__file__)
+        main_file = getattr(sys.modules["__main__"], "__file__", None)
+        if main_file is None:
+            raise ValueError(f"{qualname} is defined in an interactive session; define it in a file")
+        module = os.path.abspath(main_file)
     bootstrap = "from checkpointer.testing import _run_function; _run_function()"
     return [sys.executable, "-c", bootstrap], {_ENV + "FUNCTION": f"{module}:{qualname}"}
 
 
 def _worker_env(
-    num_processes: int, devices_per_process: int, job_dir: str, heartbeat_timeout_s: int, recoverable: bool
+    num_processes: int,
+    devices_per_process: int,
+    job_dir: str,
+    heartbeat_timeout_s: int,
+    recoverable: bool,
+    distributed: bool,
 ) -> dict[str, str]:
     """The environment shared by every process of a job (`initialize` reads it)."""
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}  # gRPC to 127.0.0.1
@@ -165,6 +175,7 @@ def _worker_env(
         _ENV + "DEVICES_PER_PROCESS": str(devices_per_process),
         _ENV + "HEARTBEAT_TIMEOUT_S": str(heartbeat_timeout_s),
         _ENV + "RECOVERABLE": "1" if recoverable else "0",
+        _ENV + "DISTRIBUTED": "1" if distributed else "0",
         _ENV + "JOB_DIR": job_dir,
     })
     return env
@@ -180,8 +191,8 @@ def _kill_group(process: subprocess.Popen) -> None:
 class _Echo:
     """Copies the lines process 0 prints (records left out) to this process's stdout."""
 
-    def __init__(self, path: str):
-        self._file = open(path, "rb")
+    def __init__(self, file: BinaryIO):
+        self._file = file
         self._pending = b""
 
     def pump(self, final: bool = False) -> None:
@@ -193,8 +204,56 @@ class _Echo:
                 sys.stdout.write(line.decode(errors="replace") + "\n")
         sys.stdout.flush()
 
-    def close(self) -> None:
-        self._file.close()
+
+def _kill_all(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            _kill_group(process)
+            process.wait()
+
+
+def _wait(
+    processes: list[subprocess.Popen],
+    timeout_s: float,
+    expected_returncode: int,
+    fail_fast_grace_s: float | None,
+    echo: _Echo | None,
+) -> tuple[list[float], set[int], bool]:
+    """Waits for every process, killing them all at the timeout or after a failure's grace.
+
+    Returns:
+        Seconds from now to each process's end, the ids of the processes it killed, and
+        whether the timeout struck.
+    """
+    start_s = time.monotonic()
+    ended_s: dict[int, float] = {}
+    killed: set[int] = set()
+    first_failure_s = None
+    timed_out = False
+    while len(ended_s) < len(processes):
+        time.sleep(POLL_INTERVAL_S)
+        now_s = time.monotonic()
+        for i, process in enumerate(processes):
+            if i not in ended_s and process.poll() is not None:
+                ended_s[i] = now_s - start_s
+                if process.returncode != expected_returncode and first_failure_s is None:
+                    first_failure_s = now_s
+        running = [i for i in range(len(processes)) if i not in ended_s]
+        timed_out = bool(running) and now_s > start_s + timeout_s
+        gave_up = fail_fast_grace_s is not None and first_failure_s is not None and (
+            now_s > first_failure_s + fail_fast_grace_s
+        )
+        if running and (timed_out or gave_up):
+            for i in running:
+                _kill_group(processes[i])
+                processes[i].wait()
+                killed.add(i)
+                ended_s[i] = time.monotonic() - start_s
+        if echo is not None:
+            echo.pump()
+    if echo is not None:
+        echo.pump(final=True)
+    return [ended_s[i] for i in range(len(processes))], killed, timed_out
 
 
 def run_processes(
@@ -212,6 +271,7 @@ def run_processes(
     recoverable: bool = False,
     check: bool = True,
     echo: bool = False,
+    distributed: bool = True,
 ) -> list[ProcessResult]:
     """Runs `target` as `num_processes` JAX processes and waits for all of them.
 
@@ -241,6 +301,9 @@ def run_processes(
             `expected_returncode`.
         echo: Copy what process 0 prints on stdout (records left out) to this
             process's stdout as it arrives, e.g. for an example's progress report.
+        distributed: Join the processes with `jax.distributed` (gloo collectives).
+            False runs a single process without it, as a one-host job runs (its
+            collectives stay inside XLA); it needs `num_processes == 1`.
 
     Returns:
         One `ProcessResult` per process, by process id.
@@ -248,55 +311,37 @@ def run_processes(
     Raises:
         ProcessesFailed: The job timed out, or (with `check`) a process ended with an
             unexpected status; the message holds every process's output tail.
-        ValueError: `target` is a lambda or a nested function.
+        ValueError: `target` is a lambda or a nested function, or `distributed` is
+            False for several processes.
     """
+    if not distributed and num_processes != 1:
+        raise ValueError(
+            f"distributed=False runs one process, not {num_processes}: processes join only "
+            "through jax.distributed"
+        )
     command, target_env = _target_command(target)
-    job_dir = tempfile.TemporaryDirectory(prefix="checkpointer-testing-")
-    Path(job_dir.name, "args.json").write_text(json.dumps(dict(args or {})))
-    base_env = _worker_env(num_processes, devices_per_process, job_dir.name, heartbeat_timeout_s, recoverable)
-    base_env.update(target_env)
-    base_env.update(env or {})
-    processes: list[subprocess.Popen] = []
-    outputs: list[tuple[Any, Any]] = []
-    ended_s: dict[int, float] = {}
-    killed: set[int] = set()
-    echo_reader = None
-    start_s = time.monotonic()
-    timed_out = False
-    try:
+    with contextlib.ExitStack() as stack:
+        job_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="checkpointer-testing-"))
+        Path(job_dir, "args.json").write_text(json.dumps(dict(args or {})))
+        base_env = _worker_env(
+            num_processes, devices_per_process, job_dir, heartbeat_timeout_s, recoverable, distributed
+        )
+        base_env.update(target_env)
+        base_env.update(env or {})
+        processes: list[subprocess.Popen] = []
+        stack.callback(_kill_all, processes)  # never leave a process behind, whatever happens
+        outputs = []
         for i in range(num_processes):
-            out = open(os.path.join(job_dir.name, f"{i}.out"), "w+b")
-            err = open(os.path.join(job_dir.name, f"{i}.err"), "w+b")
+            out = stack.enter_context(open(os.path.join(job_dir, f"{i}.out"), "w+b"))
+            err = stack.enter_context(open(os.path.join(job_dir, f"{i}.err"), "w+b"))
             outputs.append((out, err))
             processes.append(subprocess.Popen(
                 command, env={**base_env, _ENV + "PROCESS_ID": str(i)}, stdout=out, stderr=err,
                 stdin=subprocess.DEVNULL, start_new_session=True,  # its own group, killed as a whole
             ))
-        if echo:
-            echo_reader = _Echo(os.path.join(job_dir.name, "0.out"))
-        first_failure_s = None
-        while len(ended_s) < num_processes:
-            now_s = time.monotonic()
-            for i, process in enumerate(processes):
-                if i not in ended_s and process.poll() is not None:
-                    ended_s[i] = now_s - start_s
-                    if process.returncode != expected_returncode and first_failure_s is None:
-                        first_failure_s = now_s
-            timed_out = now_s > start_s + timeout_s and len(ended_s) < num_processes
-            give_up = fail_fast and first_failure_s is not None and now_s > first_failure_s + fail_fast_grace_s
-            if timed_out or (give_up and len(ended_s) < num_processes):
-                for i, process in enumerate(processes):
-                    if i not in ended_s:
-                        _kill_group(process)
-                        process.wait()
-                        killed.add(i)
-                        ended_s[i] = time.monotonic() - start_s
-            if echo_reader is not None:
-                echo_reader.pump()
-            if len(ended_s) < num_processes:
-                time.sleep(POLL_INTERVAL_S)
-        if echo_reader is not None:
-            echo_reader.pump(final=True)
+        echo_to = _Echo(stack.enter_context(open(os.path.join(job_dir, "0.out"), "rb"))) if echo else None
+        grace_s = fail_fast_grace_s if fail_fast else None
+        ended_s, killed, timed_out = _wait(processes, timeout_s, expected_returncode, grace_s, echo_to)
         results = []
         for i, (process, (out, err)) in enumerate(zip(processes, outputs)):
             out.seek(0)
@@ -305,17 +350,6 @@ def run_processes(
                 i, process.returncode, out.read().decode(errors="replace"),
                 err.read().decode(errors="replace"), ended_s[i], i in killed,
             ))
-    finally:
-        for process in processes:  # never leave a process behind, whatever happened above
-            if process.poll() is None:
-                _kill_group(process)
-                process.wait()
-        for out, err in outputs:
-            out.close()
-            err.close()
-        if echo_reader is not None:
-            echo_reader.close()
-        job_dir.cleanup()
     name = getattr(target, "__qualname__", target)
     if timed_out:
         raise ProcessesFailed(
@@ -342,11 +376,12 @@ def process_id() -> int:
 def initialize() -> dict[str, Any]:
     """Joins this worker to its job; call it first in a worker script.
 
-    Selects gloo CPU collectives, initializes `jax.distributed` against process 0's
+    Selects gloo CPU collectives and initializes `jax.distributed` against process 0's
     coordinator (60 s to connect, 30 s for the shutdown barrier, the heartbeat timeout
-    the harness was given), reports an uncaught exception as an `"exception"` record
-    before the traceback, and sends what native code prints on stdout (gloo's
-    connection lines) to stderr, so that stdout holds only what Python prints.
+    the harness was given) unless the job runs with `distributed=False`. Reports an
+    uncaught exception as an `"exception"` record before the traceback, and sends what
+    native code prints on stdout (gloo's connection lines) to stderr, so that stdout
+    holds only what Python prints.
 
     Returns:
         The `args` given to `run_processes`.
@@ -362,22 +397,23 @@ def initialize() -> dict[str, Any]:
     devices_per_process = int(os.environ[_ENV + "DEVICES_PER_PROCESS"])
     import jax
 
-    try:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except AttributeError:  # option absent in this jax version
-        pass
-    if os.environ[_ENV + "RECOVERABLE"] == "1":
-        jax.config.update("jax_enable_recoverability", True)
     _hold_alive_lock()  # before the first collective, so before process 0 can wait on it
     _divert_native_stdout()
-    jax.distributed.initialize(
-        coordinator_address=os.environ[_ENV + "COORDINATOR"],
-        num_processes=num_processes,
-        process_id=process_id(),
-        initialization_timeout=60,
-        heartbeat_timeout_seconds=int(os.environ[_ENV + "HEARTBEAT_TIMEOUT_S"]),
-        shutdown_timeout_seconds=30,
-    )
+    if os.environ[_ENV + "DISTRIBUTED"] == "1":
+        try:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except AttributeError:  # option absent in this jax version
+            pass
+        if os.environ[_ENV + "RECOVERABLE"] == "1":
+            jax.config.update("jax_enable_recoverability", True)
+        jax.distributed.initialize(
+            coordinator_address=os.environ[_ENV + "COORDINATOR"],
+            num_processes=num_processes,
+            process_id=process_id(),
+            initialization_timeout=60,
+            heartbeat_timeout_seconds=int(os.environ[_ENV + "HEARTBEAT_TIMEOUT_S"]),
+            shutdown_timeout_seconds=30,
+        )
     if jax.process_count() != num_processes or jax.local_device_count() != devices_per_process:
         raise RuntimeError(
             f"process {process_id()}: expected {num_processes} processes x {devices_per_process} devices, "
@@ -437,7 +473,9 @@ def _wait_until_dead(process: int, deadline_s: float) -> None:
                 return
             except BlockingIOError:
                 if time.monotonic() > deadline_s:
-                    raise TimeoutError(f"process {process} is still alive; it did not call kill_job()") from None
+                    raise TimeoutError(
+                        f"process {process} is still alive after kill_job(); did it call kill_job() too?"
+                    ) from None
                 time.sleep(0.001)
     finally:
         os.close(fd)

@@ -13,8 +13,8 @@ uses the same one.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from checkpointer.testing import ProcessesFailed, ProcessResult, describe_all, free_port
 from checkpointer.testing import run_processes as _run_processes
@@ -43,4 +43,6 @@ def run_processes(
     env = dict(env or {})
     if env.pop("MP_RECOVERABLE", "0") == "1":
         kwargs["recoverable"] = True
-    return _run_processes(worker_script, num_processes, devices_per_process, args, timeout_s, env=env, **kwargs)
+    return _run_processes(
+        worker_script, num_processes, devices_per_process, args, timeout_s, env=env, **kwargs
+    )
