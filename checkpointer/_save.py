@@ -37,6 +37,7 @@ from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
 from ._directory import SAVE_LOCK_SUFFIX
 from ._storage import TS_CONTEXT, Storage, storage_for
 from ._tree import describe, flatten
+from ._user_metadata import metadata_json
 
 log = logging.getLogger("checkpointer")
 
@@ -110,17 +111,9 @@ def _saved_sharding(arr: jax.Array) -> SavedSharding:
 
 
 def _check_json_metadata(metadata: object, path: str) -> dict:
-    if metadata is None:
-        return {}
-    try:
-        _format.dumps(metadata)
-    except (TypeError, ValueError) as e:
-        raise UnsupportedValueError(
-            f"metadata for {path} is not JSON-serialisable ({e}); pass a dict of str, numbers, lists and dicts"
-        ) from e
-    if not isinstance(metadata, Mapping):
-        raise UnsupportedValueError(f"metadata for {path} must be a dict, got {type(metadata).__name__}")
-    return dict(metadata)
+    """`metadata=` as stored: the rule of `_user_metadata` (numpy/JAX scalars become
+    Python numbers, NaN/inf the strings "NaN"/"Infinity"/"-Infinity"); errors name the key."""
+    return metadata_json(metadata, path)
 
 
 # Longest name of one folder on common file systems (ext4, xfs, tmpfs, APFS), bytes.
