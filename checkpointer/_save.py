@@ -38,6 +38,7 @@ from ._directory import SAVE_LOCK_SUFFIX
 from ._storage import TS_CONTEXT, Storage, storage_for
 from ._tree import describe, flatten
 from ._user_metadata import metadata_json
+from ._zarr_groups import ZARR_JSON, write_group_nodes
 
 log = logging.getLogger("checkpointer")
 
@@ -182,7 +183,7 @@ def _committed(storage: Storage, path: str) -> bool:
 
 
 # What a checkpoint folder (or a crashed save under the final name) may contain.
-_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED})
+_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED, ZARR_JSON})
 
 
 def _check_target_folder(storage: Storage, path: str, pidx: int, overwrite: bool) -> None:
@@ -313,7 +314,8 @@ def data_crc32c(host: np.ndarray) -> int:
 def write_snapshot(snap: Snapshot) -> dict:
     """Writes this process's chunks and its `processes/<i>.json` record, durably.
 
-    Process 0 also writes every array's `zarr.json`. Returns the record.
+    Process 0 also writes every array's `zarr.json` and the group nodes of
+    `_zarr_groups`. Returns the record.
 
     Raises:
       SaveError: a write failed (names the leaf, the path and the process).
@@ -328,6 +330,8 @@ def write_snapshot(snap: Snapshot) -> dict:
             snap.lock = snap.storage.hold_lock(snap.partial_path + SAVE_LOCK_SUFFIX)
         snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
         opened = [(leaf, _open_for_write(snap, leaf.meta, create=snap.process_index == 0)) for leaf in snap.arrays]
+        if snap.process_index == 0:  # zarr v3 group nodes: browsable with zarr.open_group
+            write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays])
         chunks = []
         for leaf, fut in opened:
             try:
