@@ -29,6 +29,8 @@ from ._errors import (
 from ._format import ArrayMetadata, SavedSharding, ValueMetadata
 from ._manager import CheckpointManager, ManagerStatus
 from ._metadata import CheckpointMetadata, metadata
+from ._export import ExportReport, export
+from ._orbax_import import import_orbax
 from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
 from ._restore import plan_restore, restore
 from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
@@ -36,6 +38,7 @@ from ._verify import VerifyReport, verify
 
 __all__ = [
     "save", "save_async", "restore", "metadata", "plan_restore", "verify", "VerifyReport",
+    "import_orbax", "export", "ExportReport",
     "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",

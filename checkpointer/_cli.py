@@ -1,4 +1,4 @@
-"""The `checkpointer` command line: ls, inspect, plan, verify, gc, drill.
+"""The `checkpointer` command line: ls, inspect, plan, verify, gc, drill, import-orbax, export.
 
 Every subcommand prints readable tables (rich) or, with `--json`, one JSON document on
 stdout. Errors are one line on stderr, `checkpointer: error: ...`, with exit status 2
@@ -660,6 +660,66 @@ def _cmd_drill(args, ui: _UI) -> int:
     return 0 if report.ok else 1
 
 
+# --- import-orbax / export ----------------------------------------------------------------------
+
+
+def _cmd_import_orbax(args, ui: _UI) -> int:
+    from ._metadata import read_metadata
+    from ._orbax_import import import_orbax
+
+    t0 = time.perf_counter()
+    import_orbax(args.src, args.dst, overwrite=args.overwrite)
+    storage, dst = storage_for(args.dst)
+    meta = read_metadata(storage, dst)
+    elapsed_s = time.perf_counter() - t0
+    if ui.json_mode:
+        ui.json({"src": meta.user_metadata.get("imported_from", {}).get("path"), "dst": meta.path, "step": meta.step,
+                 "arrays": len(meta.arrays), "values": len(meta.leaves) - len(meta.arrays),
+                 "total_bytes": meta.total_bytes, "elapsed_s": elapsed_s})
+        return 0
+    ui.line(f"imported {meta.user_metadata.get('imported_from', {}).get('path', args.src)} into {meta.path}: "
+            f"{len(meta.arrays)} arrays, {len(meta.leaves) - len(meta.arrays)} values, "
+            f"{_human_bytes(meta.total_bytes)} in {elapsed_s:.2f} s")
+    ui.line(f"`{PROG} inspect {meta.path}` shows the tree; ckpt.restore restores it onto any mesh.")
+    return 0
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    unit = t[len(num):]
+    try:
+        n = int(float(num) * units[unit])
+    except (KeyError, ValueError):
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with KB, MB, GB, KiB, MiB, GiB")
+    return n
+
+
+def _cmd_export(args, ui: _UI) -> int:
+    from ._export import export
+
+    _metadata(args.path)  # the directory hint when PATH is a directory of steps
+    out = args.output
+    if out is None:
+        base = args.path.rstrip("/")
+        out = f"{base}.safetensors" if args.format == "safetensors" else f"{base}.npz"
+    report = export(args.path, out, format=args.format, max_shard_bytes=args.max_shard_bytes, separator=args.separator,
+                    upcast=args.upcast, overwrite=args.overwrite)
+    if ui.json_mode:
+        ui.json({"files": list(report.files), "tensors": report.tensors, "skipped": list(report.skipped),
+                 "total_bytes": report.total_bytes})
+        return 0
+    ui.line(f"exported {len(report.tensors)} tensors ({_human_bytes(report.total_bytes)}) as {args.format}:")
+    for f in report.files:
+        ui.line(f"  {f}")
+    if report.skipped:
+        ui.line(f"not exported (not arrays): {', '.join(report.skipped)}")
+    return 0
+
+
 # --- parser and entry point -------------------------------------------------------------------
 
 
@@ -739,6 +799,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "if it has as many devices as are present, else one axis of all devices)")
     p.add_argument("--axes", metavar="NAMES", help="mesh axis names (with --mesh), e.g. data,model")
     p.set_defaults(func=_cmd_drill)
+
+    p = sub.add_parser("import-orbax", parents=[common], help="convert an Orbax checkpoint into a checkpointer checkpoint",
+                       description="Read the Orbax PyTree checkpoint at SRC (an item folder holding _METADATA, or a "
+                       "CheckpointManager step folder with one item) through TensorStore, OCDBT or plain zarr, and "
+                       "write it as a checkpointer checkpoint at DST, one chunk at a time (host memory stays at about "
+                       "one chunk). Arrays keep their dtype, shape and saved sharding; DST's last component, if an "
+                       "integer, is the step.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    p.set_defaults(func=_cmd_import_orbax)
+
+    p = sub.add_parser("export", parents=[common], help="write the arrays as safetensors or npz",
+                       description="Write the array leaves of the checkpoint at PATH as safetensors (model.safetensors, "
+                       "or model-0000i-of-0000N.safetensors plus model.safetensors.index.json beyond --max-shard-bytes, "
+                       "as Hugging Face shards) or as one .npz, reading one slab at a time. Tensor names are the "
+                       "keys joined by --separator (params.dense.kernel). Non-array leaves are not exported.")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--format", choices=["safetensors", "npz"], default="safetensors", help="default: safetensors")
+    p.add_argument("-o", "--output", metavar="OUT", help="safetensors: a folder; npz: a file (default: PATH.safetensors "
+                   "or PATH.npz beside the checkpoint)")
+    p.add_argument("--max-shard-bytes", type=_parse_bytes, default="5GB", metavar="SIZE",
+                   help="safetensors: data per file, e.g. 5GB (the default, as Hugging Face), 2GiB, 500MB")
+    p.add_argument("--separator", default=".", help="joins a leaf's keys into its tensor name (default: .)")
+    p.add_argument("--upcast", action="store_true", help="export dtypes the format lacks (bfloat16 in npz, int4) as a "
+                   "wider dtype holding every value exactly (float32, int8) instead of failing")
+    p.add_argument("--overwrite", action="store_true", help="replace output files that exist")
+    p.set_defaults(func=_cmd_export)
     return parser
 
 
