@@ -54,7 +54,7 @@ _EMPTY = {"None": lambda: None, "Dict": dict, "List": list, "Tuple": tuple, "Nam
 _ARRAY_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": None}
 
 # Data chunks are never cached (each is read once); OCDBT's b-tree nodes are, a little.
-_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 32 << 20}})
+_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 8 << 20}})
 
 
 def find_item(storage: Storage, src: str) -> str:

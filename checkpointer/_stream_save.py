@@ -205,8 +205,8 @@ def _write_leaf(snap: _save.Snapshot, meta: ArrayMetadata, source: ArraySource, 
     if 0 in meta.shape:
         return out
     encoded = _format.encoded_chunk_bytes(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
-    for cell in grid_cells(Box.whole(meta.shape), meta.chunk_shape) if meta.shape else [()]:
-        box = cell_box(cell, meta.chunk_shape, meta.shape) if meta.shape else Box((), ())
+    for cell in grid_cells(Box.whole(meta.shape), meta.chunk_shape):
+        box = cell_box(cell, meta.chunk_shape, meta.shape)
         data = np.asarray(source.read(box))
         if data.shape != box.shape or data.dtype != meta.dtype:
             raise SaveError(
@@ -214,7 +214,9 @@ def _write_leaf(snap: _save.Snapshot, meta: ArrayMetadata, source: ArraySource, 
                 f"{box}, expected {box.shape} {meta.dtype}"
             )
         try:
-            store[box.slices()].write(data).result()
+            # The source array is not touched again: TensorStore may encode from it
+            # without a copy of its own (one chunk less of host memory).
+            store[box.slices()].write(data, can_reference_source_data_indefinitely=True).result()
         except Exception as e:
             raise SaveError(f"{where(leaf=meta.path, path=root)}: writing chunk {cell} failed: {e}") from e
         out.append({"leaf": meta.path, "key": _format.chunk_key(meta.path, cell), "box": box.to_json(),

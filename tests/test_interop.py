@@ -235,3 +235,65 @@ def test_cli_export(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert _cli.main(["export", str(tmp_path / "1"), "-o", str(tmp_path / "st"), "--max-shard-bytes", "1KiB", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["files"][0].endswith("model.safetensors")
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+_MAKE_ORBAX = textwrap.dedent("""
+    import sys, jax, numpy as np, ml_dtypes
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    n = 64 << 20  # 256 MiB of float32 per leaf, 1 GiB in all
+    tree = {
+        "host": np.arange(n, dtype=np.float32),  # a numpy leaf: one 256 MiB zarr chunk, decoded whole
+        "ints": jax.device_put(np.arange(n, dtype=np.int32).reshape(8192, 8192), NamedSharding(mesh, P(None, "model"))),
+        "sharded": jax.device_put(np.ones((8192, 8192), np.float32), NamedSharding(mesh, P("data", "model"))),
+        "bf16": jax.device_put(np.ones((16384, 8192), ml_dtypes.bfloat16), NamedSharding(mesh, P("model"))),
+    }
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True)) as c:
+        c.save(sys.argv[1], args=ocp.args.PyTreeSave(tree))
+""")
+
+_MEASURE = textwrap.dedent("""
+    import json, resource, sys, time
+    import psutil
+    import checkpointer as ckpt
+    import safetensors, zarr  # everything the call imports, before the baseline
+    kind, src, dst = sys.argv[1:4]
+    base = psutil.Process().memory_info().rss
+    t0 = time.perf_counter()
+    if kind == "import":
+        ckpt.import_orbax(src, dst)
+    else:
+        ckpt.export(src, dst, format=kind, upcast=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"growth_bytes": peak - base, "elapsed_s": time.perf_counter() - t0}))
+""")
+
+
+def _run(args, env_extra=None):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(ckpt.__file__))),
+                                         env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_import_and_export_of_1_gib_stay_within_the_largest_leaf_plus_256_mib(tmp_path):
+    """Peak RSS growth of a fresh process importing a 1 GiB Orbax checkpoint (4 leaves of
+    256 MiB) and exporting it, against the bound of issue 14: largest leaf + 256 MiB."""
+    orbax_path, path = str(tmp_path / "orbax"), str(tmp_path / "1")
+    _run([_MAKE_ORBAX, orbax_path])
+    bound = (256 << 20) + (256 << 20)
+    growth = {}
+    for kind, src, dst in [("import", orbax_path, path), ("safetensors", path, str(tmp_path / "st")),
+                           ("npz", path, str(tmp_path / "a.npz"))]:
+        result = json.loads(_run([_MEASURE, kind, src, dst]).strip().splitlines()[-1])
+        print(kind, result)
+        growth[kind] = result["growth_bytes"]
+    assert all(g <= bound for g in growth.values()), {k: f"{g / 2**20:.0f} MiB" for k, g in growth.items()}
+    assert ckpt.metadata(path).total_bytes == 1 << 30
+    assert os.path.getsize(tmp_path / "st" / "model.safetensors") > 1 << 30  # one file: the default 5 GB limit
