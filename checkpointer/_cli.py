@@ -383,10 +383,19 @@ def _cmd_ls(args, ui: _UI) -> int:
     if any(r["state"] == "no marker" for r in rows):
         ui.line("Folders without a commit marker are not checkpoints (on object stores: a save in flight or a crashed "
                 "one); gc removes them once they have stayed unchanged for an hour.")
-    if holder:
+    if n_partial and isinstance(storage, LocalStorage):
+        # A save in flight holds an flock on `<partial>.lock` (with or without a manager).
+        writing = sum(1 for r in rows if r["state"] == "partial"
+                      and storage.lock_is_held(f"{directory}/{r['folder']}{_directory.SAVE_LOCK_SUFFIX}"))
+        crashed = n_partial - writing
+        if writing:
+            ui.line(f"{writing} partial folder(s) are saves in flight (their save holds its lock).")
+        if crashed:
+            ui.line(f"{crashed} partial folder(s) are crashed saves: readers never remove them; a CheckpointManager "
+                    f"opening this directory does, and so does `{PROG} gc {args.directory}`"
+                    + (" once the manager holding it closes." if holder else "."))
+    elif holder:
         ui.line(f"A CheckpointManager holds this directory ({holder}): partial folders may be saves in flight.")
-    elif n_partial:
-        ui.line(f"No manager holds this directory: partial folders are crashed saves; `{PROG} gc {args.directory}` removes them.")
     return 0
 
 
@@ -539,6 +548,8 @@ def _cmd_plan(args, ui: _UI) -> int:
                 _human_bytes(plan.bytes_read), f"{plan.read_amplification:.3f}"],
     )
     ui.line(f"{plan.bytes_read} bytes read for {plan.bytes_needed} bytes needed: read amplification {plan.read_amplification:.3f}")
+    if processes > 1:
+        ui.line(f"These figures are process {pidx}'s of {processes}; --process-index I shows process I (0 <= I < {processes}).")
     return 0
 
 
@@ -840,6 +851,16 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _closed_stdout() -> int:
+    """The reader of stdout went away (`checkpointer ... | head`): exit quietly, status 141
+    (128 + SIGPIPE, what a shell reports for a command killed by the broken pipe). Later
+    writes, including the interpreter's flush at exit, go to /dev/null."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the `checkpointer` command line.
 
@@ -862,7 +883,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     try:
         with _quiet_library_logs():
-            return args.func(args, _UI(getattr(args, "json", False)))
+            status = args.func(args, _UI(getattr(args, "json", False)))
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+            return status
+    except BrokenPipeError:
+        return _closed_stdout()
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: error: interrupted\n")
         return 130

@@ -297,3 +297,38 @@ def test_import_and_export_of_1_gib_stay_within_the_largest_leaf_plus_256_mib(tm
     assert all(g <= bound for g in growth.values()), {k: f"{g / 2**20:.0f} MiB" for k, g in growth.items()}
     assert ckpt.metadata(path).total_bytes == 1 << 30
     assert os.path.getsize(tmp_path / "st" / "model.safetensors") > 1 << 30  # one file: the default 5 GB limit
+
+
+# --- CLI polish -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("json_mode", [False, True])
+def test_cli_output_into_a_pipe_closed_early_exits_quietly(tmp_path, json_mode):
+    path = str(tmp_path / "1")
+    ckpt.save(path, {f"layer_{i:04d}": {"w": np.zeros(2, np.float32), "b": 1} for i in range(1500)})
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(ckpt.__file__))))
+    cmd = [sys.executable, "-m", "checkpointer._cli", "inspect", path] + (["--json"] if json_mode else [])
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as proc:
+        proc.stdout.close()  # the reader is gone before the first write (`| head -0`)
+        stderr = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 141
+    assert stderr == ""
+
+
+def test_ls_footer_tells_crashed_saves_from_saves_in_flight(tmp_path, capsys):
+    from checkpointer._storage import LocalStorage
+
+    run = tmp_path / "run"
+    ckpt.save(str(run / "1"), {"w": np.ones(2)})
+    for gen in ("20260101000000-aaaaaaaa", "20260101000000-bbbbbbbb"):
+        (run / f"2.partial-{gen}" / "arrays").mkdir(parents=True)
+    storage = LocalStorage()
+    lock = storage.hold_lock(str(run / "2.partial-20260101000000-bbbbbbbb.lock"))  # a save in flight
+    try:
+        assert _cli.main(["ls", str(run)]) == 0
+        out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    finally:
+        storage.release_lock(str(run / "2.partial-20260101000000-bbbbbbbb.lock"), lock)
+    assert "1 partial folder(s) are saves in flight" in out
+    assert "1 partial folder(s) are crashed saves: readers never remove them" in out
+    assert f"checkpointer gc {run}" in out
