@@ -29,6 +29,8 @@ from ._format import ArrayMetadata, SavedSharding, ValueMetadata
 from ._manager import CheckpointManager, ManagerStatus
 from ._metadata import CheckpointMetadata, library_version as _library_version, metadata
 from ._read import RestoreStats
+from ._export import ExportReport, export
+from ._orbax_import import import_orbax
 from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
 from ._restore import plan_restore, restore
 from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
@@ -38,6 +40,7 @@ __version__ = _library_version()  # the installed distribution's, as each manife
 
 __all__ = [
     "save", "save_async", "restore", "metadata", "plan_restore", "RestoreStats", "verify", "VerifyReport",
+    "import_orbax", "export", "ExportReport",
     "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",

@@ -1,4 +1,4 @@
-"""The `checkpointer` command line: ls, inspect, plan, verify, gc, drill.
+"""The `checkpointer` command line: ls, inspect, plan, verify, gc, drill, import-orbax, export.
 
 Every subcommand prints readable tables (rich) or, with `--json`, one JSON document on
 stdout. Errors are one line on stderr, `checkpointer: error: ...`, with exit status 2
@@ -350,10 +350,19 @@ def _cmd_ls(args, ui: _UI) -> int:
     if any(r["state"] == "no marker" for r in rows):
         ui.line("Folders without a commit marker are not checkpoints (on object stores: a save in flight or a crashed "
                 "one); gc removes them once they have stayed unchanged for an hour.")
-    if holder:
+    if n_partial and storage.supports_locks:
+        # A save in flight holds an flock on `<partial>.lock` (with or without a manager).
+        writing = sum(1 for r in rows if r["state"] == "partial"
+                      and storage.lock_holder(f"{directory}/{r['folder']}{_directory.SAVE_LOCK_SUFFIX}") is not None)
+        crashed = n_partial - writing
+        if writing:
+            ui.line(f"{writing} partial folder(s) are saves in flight (their save holds its lock).")
+        if crashed:
+            ui.line(f"{crashed} partial folder(s) are crashed saves: readers never remove them; a CheckpointManager "
+                    f"opening this directory does, and so does `{PROG} gc {args.directory}`"
+                    + (" once the manager holding it closes." if holder else "."))
+    elif holder:
         ui.line(f"A CheckpointManager holds this directory ({holder}): partial folders may be saves in flight.")
-    elif n_partial:
-        ui.line(f"No manager holds this directory: partial folders are crashed saves; `{PROG} gc {args.directory}` removes them.")
     return 0
 
 
@@ -480,6 +489,8 @@ def _cmd_plan(args, ui: _UI) -> int:
                 _human_bytes(plan.bytes_read), f"{plan.read_amplification:.3f}"],
     )
     ui.line(f"{plan.bytes_read} bytes read for {plan.bytes_needed} bytes needed: read amplification {plan.read_amplification:.3f}")
+    if processes > 1:
+        ui.line(f"These figures are process {pidx}'s of {processes}; --process-index I shows process I (0 <= I < {processes}).")
     return 0
 
 
@@ -599,6 +610,66 @@ def _cmd_drill(args, ui: _UI) -> int:
     return 0 if report.ok else 1
 
 
+# --- import-orbax / export ----------------------------------------------------------------------
+
+
+def _cmd_import_orbax(args, ui: _UI) -> int:
+    from ._metadata import read_metadata
+    from ._orbax_import import import_orbax
+
+    t0 = time.perf_counter()
+    import_orbax(args.src, args.dst, overwrite=args.overwrite)
+    storage, dst = storage_for(args.dst)
+    meta = read_metadata(storage, dst)
+    elapsed_s = time.perf_counter() - t0
+    if ui.json_mode:
+        ui.json({"src": meta.user_metadata.get("imported_from", {}).get("path"), "dst": meta.path, "step": meta.step,
+                 "arrays": len(meta.arrays), "values": len(meta.leaves) - len(meta.arrays),
+                 "total_bytes": meta.total_bytes, "elapsed_s": elapsed_s})
+        return 0
+    ui.line(f"imported {meta.user_metadata.get('imported_from', {}).get('path', args.src)} into {meta.path}: "
+            f"{len(meta.arrays)} arrays, {len(meta.leaves) - len(meta.arrays)} values, "
+            f"{_human_bytes(meta.total_bytes)} in {elapsed_s:.2f} s")
+    ui.line(f"`{PROG} inspect {meta.path}` shows the tree; ckpt.restore restores it onto any mesh.")
+    return 0
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    unit = t[len(num):]
+    try:
+        n = int(float(num) * units[unit])
+    except (KeyError, ValueError):
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with KB, MB, GB, KiB, MiB, GiB")
+    return n
+
+
+def _cmd_export(args, ui: _UI) -> int:
+    from ._export import export
+
+    _metadata(args.path)  # the directory hint when PATH is a directory of steps
+    out = args.output
+    if out is None:
+        base = args.path.rstrip("/")
+        out = f"{base}.safetensors" if args.format == "safetensors" else f"{base}.npz"
+    report = export(args.path, out, format=args.format, max_shard_bytes=args.max_shard_bytes, separator=args.separator,
+                    upcast=args.upcast, overwrite=args.overwrite)
+    if ui.json_mode:
+        ui.json({"files": list(report.files), "tensors": report.tensors, "skipped": list(report.skipped),
+                 "total_bytes": report.total_bytes})
+        return 0
+    ui.line(f"exported {len(report.tensors)} tensors ({_human_bytes(report.total_bytes)}) as {args.format}:")
+    for f in report.files:
+        ui.line(f"  {f}")
+    if report.skipped:
+        ui.line(f"not exported (not arrays): {', '.join(report.skipped)}")
+    return 0
+
+
 # --- parser and entry point -------------------------------------------------------------------
 
 
@@ -680,6 +751,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "if it has as many devices as are present, else one axis of all devices)")
     p.add_argument("--axes", metavar="NAMES", help="mesh axis names (with --mesh), e.g. data,model")
     p.set_defaults(func=_cmd_drill)
+
+    p = sub.add_parser("import-orbax", parents=[common], help="convert an Orbax checkpoint into a checkpointer checkpoint",
+                       description="Read the Orbax PyTree checkpoint at SRC (an item folder holding _METADATA, or a "
+                       "CheckpointManager step folder with one item) through TensorStore, OCDBT or plain zarr, and "
+                       "write it as a checkpointer checkpoint at DST, one chunk at a time (host memory stays at about "
+                       "one chunk). Arrays keep their dtype, shape and saved sharding; DST's last component, if an "
+                       "integer, is the step.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    p.set_defaults(func=_cmd_import_orbax)
+
+    p = sub.add_parser("export", parents=[common], help="write the arrays as safetensors or npz",
+                       description="Write the array leaves of the checkpoint at PATH as safetensors (model.safetensors, "
+                       "or model-0000i-of-0000N.safetensors plus model.safetensors.index.json beyond --max-shard-bytes, "
+                       "as Hugging Face shards) or as one .npz, reading one slab at a time. Tensor names are the "
+                       "keys joined by --separator (params.dense.kernel). Non-array leaves are not exported.")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--format", choices=["safetensors", "npz"], default="safetensors", help="default: safetensors")
+    p.add_argument("-o", "--output", metavar="OUT", help="safetensors: a folder; npz: a file (default: PATH.safetensors "
+                   "or PATH.npz beside the checkpoint)")
+    p.add_argument("--max-shard-bytes", type=_parse_bytes, default="5GB", metavar="SIZE",
+                   help="safetensors: data per file, e.g. 5GB (the default, as Hugging Face), 2GiB, 500MB")
+    p.add_argument("--separator", default=".", help="joins a leaf's keys into its tensor name (default: .)")
+    p.add_argument("--upcast", action="store_true", help="export dtypes the format lacks (bfloat16 in npz, int4) as a "
+                   "wider dtype holding every value exactly (float32, int8) instead of failing")
+    p.add_argument("--overwrite", action="store_true", help="replace output files that exist")
+    p.set_defaults(func=_cmd_export)
     return parser
 
 
@@ -691,6 +790,16 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
     return n
+
+
+def _closed_stdout() -> int:
+    """The reader of stdout went away (`checkpointer ... | head`): exit quietly, status 141
+    (128 + SIGPIPE, what a shell reports for a command killed by the broken pipe). Later
+    writes, including the interpreter's flush at exit, go to /dev/null."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -715,7 +824,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     try:
         with _quiet_library_logs():
-            return args.func(args, _UI(getattr(args, "json", False)))
+            status = args.func(args, _UI(getattr(args, "json", False)))
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+            return status
+    except BrokenPipeError:
+        return _closed_stdout()
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: error: interrupted\n")
         return 130

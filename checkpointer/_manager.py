@@ -14,13 +14,14 @@ from typing import Mapping
 
 from . import _directory, _distributed
 from ._async import AsyncSave
-from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
 from ._host import HostBufferPool
 from ._metadata import read_metadata
 from ._policies import KeepLatest, KeepPolicy
 from ._restore import restore as _restore
 from ._save import Snapshot, run_background, take_snapshot
 from ._storage import LockHeldError, Storage, storage_for
+from ._user_metadata import metadata_json, metrics_json
 
 log = logging.getLogger("checkpointer")
 
@@ -62,23 +63,6 @@ def _as_step(step: object) -> int:
     if value < 0 or isinstance(step, bool):
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     return value
-
-
-def _metrics_json(metrics: Mapping[str, object] | None) -> dict:
-    """Metrics as JSON: numbers (numpy and 0-d JAX ones too) become floats, a NaN or
-    infinite value becomes the string "NaN" / "Infinity" / "-Infinity" (KeepBest
-    ignores it, as it ignores a missing metric)."""
-    out = {}
-    for name, value in (metrics or {}).items():
-        if isinstance(value, (str, bool)) or value is None:
-            out[str(name)] = value
-            continue
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r:.80}") from None
-        out[str(name)] = number if math.isfinite(number) else ("NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity"))
-    return out
 
 
 class _DirectoryLock:
@@ -210,7 +194,15 @@ class CheckpointManager:
         """Whether `save(step)` would write (the interval rule)."""
         return step % self.save_interval_steps == 0
 
-    def save(self, step: int, tree: object, *, metrics: Mapping[str, float] | None = None, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        tree: object,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, object] | None = None,
+        force: bool = False,
+    ) -> bool:
         """Saves `tree` as `step` (asynchronously unless `async_save=False`).
 
         Blocks for the host snapshot only (plus any wait for the previous save when
@@ -219,7 +211,12 @@ class CheckpointManager:
         Args:
           step: the training step (int >= 0).
           tree: the pytree to save (see `ckpt.save`).
-          metrics: JSON-serialisable numbers stored with the step (for `KeepBest`).
+          metrics: numbers stored with the step (for `KeepBest`), in the manifest's
+            `user_metadata["metrics"]`; numpy/JAX scalars become floats, NaN and
+            infinities the strings "NaN" / "Infinity" / "-Infinity".
+          metadata: a JSON dict stored with the step: its keys become the keys of
+            `ckpt.metadata(path).user_metadata` beside `"metrics"` (which it may not
+            use). Same rule as `ckpt.save(metadata=)` and `metrics`.
           force: save even off the interval, and replace an already committed `step`
             atomically.
         Returns:
@@ -227,6 +224,8 @@ class CheckpointManager:
         Raises:
           CheckpointError: the previous background save failed (raised here once); the
             step is already committed and `force` is False; a leaf cannot be stored.
+          UnsupportedValueError: a metric or metadata value the rule refuses (names its
+            key, e.g. `metadata['a']['b']`), or a `"metrics"` key in `metadata`.
 
         Multi-process: every process calls it with the same step.
         """
@@ -240,12 +239,19 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"step {step} is already committed in {self.directory}; pass force=True to replace it atomically"
             )
+        user_metadata = metadata_json(metadata, self.step_path(step))
+        if "metrics" in user_metadata:
+            raise UnsupportedValueError(
+                f"metadata['metrics'] for step {step} of {self.directory}: the key 'metrics' holds the manager's "
+                "metrics= (KeepBest reads it); pass metrics=... or rename the metadata key"
+            )
+        metrics = metrics_json(metrics)
+        if metrics:
+            user_metadata["metrics"] = metrics
         t0 = time.perf_counter()
         self._wait_for_room()
         wait_s = time.perf_counter() - t0
         self._raise_pending()
-        metrics = _metrics_json(metrics)
-        user_metadata = {"metrics": metrics} if metrics else {}
         snap = take_snapshot(
             self.step_path(step), tree, metadata=user_metadata, overwrite=force, step=step,
             commit_timeout_s=self.commit_timeout_s, buffers=self._buffers,

@@ -35,6 +35,8 @@ from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
 from ._directory import SAVE_LOCK_SUFFIX
 from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
 from ._tree import describe, flatten
+from ._user_metadata import metadata_json
+from ._zarr_groups import ZARR_JSON, write_group_nodes
 
 log = logging.getLogger("checkpointer")
 
@@ -104,17 +106,9 @@ def _saved_sharding(arr: jax.Array) -> SavedSharding:
 
 
 def _check_json_metadata(metadata: object, path: str) -> dict:
-    if metadata is None:
-        return {}
-    try:
-        _format.dumps(metadata)
-    except (TypeError, ValueError) as e:
-        raise UnsupportedValueError(
-            f"metadata for {path} is not JSON-serialisable ({e}); pass a dict of str, numbers, lists and dicts"
-        ) from e
-    if not isinstance(metadata, Mapping):
-        raise UnsupportedValueError(f"metadata for {path} must be a dict, got {type(metadata).__name__}")
-    return dict(metadata)
+    """`metadata=` as stored: the rule of `_user_metadata` (numpy/JAX scalars become
+    Python numbers, NaN/inf the strings "NaN"/"Infinity"/"-Infinity"); errors name the key."""
+    return metadata_json(metadata, path)
 
 
 # Longest name of one folder on common file systems (ext4, xfs, tmpfs, APFS), bytes.
@@ -182,7 +176,7 @@ def _committed(storage: Storage, path: str) -> bool:
 
 
 # What a checkpoint folder (or a crashed save under the final name) may contain.
-_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED})
+_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED, ZARR_JSON})
 
 
 def _check_target_folder(storage: Storage, path: str, pidx: int, overwrite: bool) -> None:
@@ -286,7 +280,8 @@ def _open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool):
 def write_snapshot(snap: Snapshot) -> ProcessRecord:
     """Writes this process's chunks and its `processes/<i>.json` record, durably.
 
-    Process 0 also writes every array's `zarr.json`. Returns the record.
+    Process 0 also writes every array's `zarr.json` and the group nodes of
+    `_zarr_groups`. Returns the record.
 
     Raises:
       SaveError: a write failed (names the leaf, the path and the process).
@@ -302,6 +297,8 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
         snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
         opened = [(leaf, _open_for_write(snap, leaf.meta, create=snap.process_index == 0)) for leaf in snap.arrays]
+        if snap.process_index == 0:  # zarr v3 group nodes: browsable with zarr.open_group
+            write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays])
         chunks = []
         for leaf, fut in opened:
             try:

@@ -283,7 +283,7 @@ def test_layout_on_disk_and_commit_marker(ckpt_dir):
     r = _put(np.ones((4,), np.float32), mesh, P())
     ckpt.save(f"{ckpt_dir}/5", {"x": x, "r": r}, metadata={"loss": 1.25})
     assert sorted(os.listdir(ckpt_dir)) == ["5"]  # the partial folder was renamed
-    assert sorted(os.listdir(f"{ckpt_dir}/5")) == ["COMMITTED", "arrays", "manifest.json", "processes"]
+    assert sorted(os.listdir(f"{ckpt_dir}/5")) == ["COMMITTED", "arrays", "manifest.json", "processes", "zarr.json"]
     zarr_json = _load_json(f"{ckpt_dir}/5/arrays/x/zarr.json")
     assert zarr_json["chunk_grid"]["configuration"]["chunk_shape"] == [4, 2]
     assert zarr_json["codecs"][0]["name"] == "sharding_indexed"
