@@ -30,6 +30,8 @@ log = logging.getLogger("checkpointer")
 # (the default commit timeout is 600 s), so a live save is never removed under itself.
 OBJECT_STORE_GC_GRACE_S = 3600.0
 GC_JOURNAL = ".checkpointer-gc.json"
+LOCK_NAME = ".checkpointer.lock"  # the writer's directory lock (POSIX)
+_OWN_FILES = frozenset({GC_JOURNAL, LOCK_NAME})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +56,12 @@ class StepEntry:
 SAVE_LOCK_SUFFIX = ".lock"
 
 
-def _is_step_name(name: str) -> bool:
-    """ASCII digits only: '²' or '٣' pass str.isdigit() but are not step numbers."""
-    return name.isascii() and name.isdigit()
+def is_step_name(name: str) -> bool:
+    """Whether `name` is the canonical decimal of a step: ASCII digits, no sign, no
+    leading zero ('0' itself is canonical). '0900000', '+5', '²' or '٣' are not steps:
+    such folders are foreign, ignored by readers and never deleted."""
+    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
+
 
 
 def entries(storage: Storage, directory: str) -> list[StepEntry]:
@@ -64,14 +69,37 @@ def entries(storage: Storage, directory: str) -> list[StepEntry]:
     out = []
     for name in storage.list_dir(directory):
         partial = _format.parse_partial_name(name)
-        if _is_step_name(name):
+        if is_step_name(name):
             out.append(StepEntry(name, int(name), storage.exists(f"{directory}/{name}/{_format.COMMITTED}"), None))
-        elif partial and _is_step_name(partial[0]):
+        elif partial and is_step_name(partial[0]):
             committed = storage.exists(f"{directory}/{name}/{_format.COMMITTED}")
             out.append(StepEntry(name, int(partial[0]), committed, partial[1]))
-        elif ".deleting-" in name and _is_step_name(name.split(".deleting-")[0]):
+        elif ".deleting-" in name and is_step_name(name.split(".deleting-")[0]):
             out.append(StepEntry(name, int(name.split(".deleting-")[0]), False, name.split(".deleting-")[1]))
     return sorted(out, key=lambda e: (e.step, e.name))
+
+
+def foreign_entries(storage: Storage, directory: str) -> list[str]:
+    """Names in `directory` that are neither step folders (canonical names, their
+    partial and deleting folders) nor the library's own files: readers ignore them and
+    nothing deletes them."""
+    own = {e.name for e in entries(storage, directory)}
+    out = []
+    for name in storage.list_dir(directory):
+        if name in own or name in _OWN_FILES:
+            continue
+        if _is_save_lock_name(name):
+            continue
+        out.append(name)
+    return out
+
+
+def _is_save_lock_name(name: str) -> bool:
+    """`<step>.partial-<generation>.lock` of a canonical step (a save's own lock file)."""
+    if not name.endswith(SAVE_LOCK_SUFFIX):
+        return False
+    partial = _format.parse_partial_name(name[: -len(SAVE_LOCK_SUFFIX)])
+    return bool(partial) and is_step_name(partial[0])
 
 
 def committed_steps(storage: Storage, directory: str) -> list[int]:
@@ -148,7 +176,7 @@ def recover(
         names = set(storage.list_dir(directory))
         for name in names:
             folder = name[: -len(SAVE_LOCK_SUFFIX)]
-            if name.endswith(SAVE_LOCK_SUFFIX) and ".partial-" in name and folder not in names:
+            if _is_save_lock_name(name) and folder not in names:
                 if not storage.lock_is_held(f"{directory}/{name}"):
                     storage.delete_file(f"{directory}/{name}")
     if journal != old_journal:

@@ -1,0 +1,66 @@
+"""Many parties on one directory (issue 11), in one process: canonical step folders,
+readers that take no lock, the writer's lazy lock, following a run, per-process state
+with one process, and background failures nobody waited for."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import checkpointer as ckpt
+from checkpointer import _cli, _directory, _storage
+
+
+def _tree(value: float = 0.0) -> dict:
+    return {"w": jax.numpy.arange(32, dtype=jax.numpy.float32).reshape(4, 8) + value, "step": int(value)}
+
+
+def _cli_json(capsys, *argv):
+    code = _cli.main([str(a) for a in argv] + ["--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)
+
+
+# --- canonical step folders ------------------------------------------------------------------
+
+
+def test_step_names_are_canonical_decimals():
+    assert [n for n in ("0", "7", "100000", "900000") if _directory.is_step_name(n)] == ["0", "7", "100000", "900000"]
+    assert not [n for n in ("0900000", "00", "+5", "-5", "5 ", "²", "٣", "", "1e3") if _directory.is_step_name(n)]
+
+
+def test_zero_padded_folder_is_foreign_to_listing_restore_retention_drill_and_gc(tmp_path, capsys):
+    """The issue's small input: `run/100000` and `run/0900000` saved by hand."""
+    run = str(tmp_path / "run")
+    ckpt.save(f"{run}/100000", _tree(1))
+    ckpt.save(f"{run}/0900000", _tree(9))
+    os.makedirs(f"{run}/0900001.partial-20260101000000-deadbeef")  # foreign too, though it looks crashed
+    foreign = ["0900000", "0900001.partial-20260101000000-deadbeef"]
+
+    mgr = ckpt.CheckpointManager(run)
+    assert mgr.all_steps() == [100000] and mgr.latest_step() == 100000
+    assert float(mgr.restore()["w"][0, 0]) == 1.0  # the newest *step*, not the zero-padded folder
+    with pytest.raises(ckpt.CheckpointNotFoundError):
+        mgr.restore(900000)
+    assert mgr.drill().step == 100000
+
+    doc = _cli_json(capsys, "ls", run)
+    assert [s["folder"] for s in doc["steps"]] == ["100000"] and doc["foreign"] == foreign
+    code = _cli.main(["ls", run])
+    out = capsys.readouterr().out
+    assert code == 0 and "foreign" in out and "0900000" in out
+
+    mgr.close()
+    # Retention and recovery leave foreign entries alone.
+    with ckpt.CheckpointManager(run, keep=ckpt.KeepLatest(1), async_save=False) as writer:
+        for step in (100001, 100002):
+            writer.save(step, _tree(step))
+        assert writer.all_steps() == [100002]
+    assert _cli_json(capsys, "gc", run, "--keep-latest", "1")["removed_partial"] == []
+    assert sorted(n for n in os.listdir(run) if not n.startswith(".")) == ["0900000", "0900001.partial-20260101000000-deadbeef", "100002"]
+    assert ckpt.metadata(f"{run}/0900000").step == 900000  # still a valid checkpoint at its own path
