@@ -43,8 +43,11 @@ class AsyncSave:
             self.error = e
         finally:
             self.finished_s = time.monotonic()
-            if self._on_finish is not None:
-                self._on_finish(self)
+            on_finish, self._on_finish, self._after_publish = self._on_finish, None, None
+            if on_finish is not None:
+                # Dropped once called: a manager's callbacks refer to the manager, which
+                # refers to this handle; no reference cycle outlives the save.
+                on_finish(self)
 
     def done(self) -> bool:
         """Whether the background work has finished (committed or failed)."""

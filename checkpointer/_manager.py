@@ -8,8 +8,10 @@ import logging
 import math
 import operator
 import os
+import gc
 import threading
 import time
+import weakref
 from typing import Mapping
 
 from . import _directory, _distributed
@@ -24,7 +26,7 @@ from ._storage import storage_for
 
 log = logging.getLogger("checkpointer")
 
-LOCK_NAME = ".checkpointer.lock"
+LOCK_NAME = _directory.LOCK_NAME
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +84,12 @@ def _metrics_json(metrics: Mapping[str, object] | None) -> dict:
 
 
 class _DirectoryLock:
-    """An advisory `flock` on `DIR/.checkpointer.lock` held by process 0 of one manager.
+    """An advisory `flock` on `DIR/.checkpointer.lock` held by process 0 of the writer.
 
-    A second manager on the same directory (same machine) fails at once instead of
-    corrupting the first one's steps. The kernel drops the lock when the process dies,
-    so a crashed job never leaves a stale lock.
+    Taken on the first operation that writes or deletes (not by readers), so a second
+    writer on the same directory (same machine) fails at once instead of deleting the
+    first one's steps. The kernel drops the lock when the process dies, so a crashed
+    job never leaves a stale lock.
     """
 
     def __init__(self, directory: str):
@@ -99,17 +102,56 @@ class _DirectoryLock:
         except BlockingIOError:
             holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip()
             os.close(self._fd)
-            raise CheckpointError(
-                f"another CheckpointManager is using {directory} ({holder or 'unknown holder'}); two managers "
-                "writing one directory would delete each other's steps. Close the other one, or use another directory."
-            ) from None
+            same = holder == _holder_text()
+            raise (_HeldByThisProcess if same else CheckpointError)(lock_conflict_message(directory, holder)) from None
         os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+        os.pwrite(self._fd, (_holder_text() + "\n").encode(), 0)
 
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+class _HeldByThisProcess(CheckpointError):
+    """The writer's lock is held by another manager of this very process."""
+
+
+def _holder_text() -> str:
+    """What the lock file says about its holder: `pid <n> on <host>`."""
+    return f"pid {os.getpid()} on {os.uname().nodename}"
+
+
+def lock_conflict_message(directory: str, holder: str) -> str:
+    """Why the writer's lock of `directory` cannot be taken, and how to free it.
+
+    `holder` is the lock file's content (`pid <n> on <host>`); when it names this very
+    process, the other writer is another `CheckpointManager` object (or `gc`) of ours.
+    """
+    if holder == _holder_text():
+        return (
+            f"another CheckpointManager in this same process (pid {os.getpid()}) holds the writer's lock of "
+            f"{directory}: it saved or cleaned up there and was neither closed nor garbage-collected. Call close() "
+            "on that manager (or `del` every reference to it, e.g. the variable of a notebook cell you ran again); "
+            "a manager that only reads (listing, restore, wait_for_step) needs no lock: "
+            "CheckpointManager(..., read_only=True)."
+        )
+    return (
+        f"another CheckpointManager is using {directory} ({holder or 'unknown holder'}) as writer; two managers "
+        "writing one directory would delete each other's steps. Close the other one, use another directory, or "
+        "open this one with read_only=True to only read (listing, restore, following new steps)."
+    )
+
+
+def _take_lock(directory: str) -> _DirectoryLock:
+    """The writer's lock. If this very process holds it through a manager nobody refers
+    to any more (a notebook cell run twice: the old manager may sit in a reference
+    cycle), a garbage collection runs its finalizer and the lock is tried once more."""
+    try:
+        return _DirectoryLock(directory)
+    except _HeldByThisProcess:
+        gc.collect()
+    return _DirectoryLock(directory)
 
 
 class CheckpointManager:
@@ -125,9 +167,15 @@ class CheckpointManager:
       commit_timeout_s: how long process 0 waits for every process's report, seconds.
       max_saves_in_flight: saves allowed in flight at once (1 bounds host memory to one
         snapshot); a new save waits for the oldest one, and the wait is recorded.
+      read_only: a reader only (an evaluation job, a notebook, a drill): `save` and
+        `recover` raise. Any manager reads without a lock; this makes the intent explicit.
 
-    Raises:
-      CheckpointError: another manager holds `directory` (POSIX).
+    Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
+    new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
+    of readers may run beside the writer. The writer's lock (`DIR/.checkpointer.lock`,
+    POSIX) is taken by the first operation that writes or deletes (`save`, `recover`),
+    together with the clean-up of crashed saves, and released by `close()`, when the
+    manager is garbage-collected, or at interpreter exit.
 
     Multi-process: every process constructs it and calls `save`/`restore` in the same
     order; process 0 alone cleans up, applies retention and holds the directory lock.
@@ -142,6 +190,7 @@ class CheckpointManager:
         async_save: bool = True,
         commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
         max_saves_in_flight: int = 1,
+        read_only: bool = False,
     ):
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -158,8 +207,11 @@ class CheckpointManager:
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
         self.max_saves_in_flight = max_saves_in_flight
+        self.read_only = bool(read_only)
         self._is_primary = _distributed.process_index() == 0
         self._lock = None
+        self._release_lock: weakref.finalize | None = None
+        self._writer_ready = False
         self._mu = threading.Lock()
         self._in_flight: list[tuple[int, AsyncSave]] = []
         self._pending_error: BaseException | None = None
@@ -173,11 +225,52 @@ class CheckpointManager:
         # copies about twice as fast as fresh pages); released by close().
         self._buffers = HostBufferPool()
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-gc")
+
+    # --- the writer's lock --------------------------------------------------------------
+
+    def _ensure_writer(self) -> list[str]:
+        """Before the first write or delete: the directory, then (process 0) the writer's
+        lock and the clean-up of crashed saves (returns what it removed or rolled
+        forward). Readers never get here."""
+        if self.read_only:
+            raise CheckpointError(
+                f"this CheckpointManager of {self.directory} is read_only: it lists, restores and follows steps but "
+                "never saves or deletes. Open one without read_only=True to save."
+            )
+        if self._writer_ready:
+            return []
+        done: list[str] = []
         self.storage.makedirs(self.directory)
         if self._is_primary:
-            if self.storage.supports_rename:
-                self._lock = _DirectoryLock(self.directory)
-            _directory.recover(self.storage, self.directory)
+            if self.storage.supports_rename and self._lock is None:
+                self._lock = _take_lock(self.directory)
+                # Released on close(), on garbage collection and at interpreter exit;
+                # the finalizer holds the lock object only, never the manager.
+                self._release_lock = weakref.finalize(self, self._lock.release)
+            done = _directory.recover(self.storage, self.directory)
+        self._writer_ready = True
+        return done
+
+    def recover(self) -> list[str]:
+        """Takes the writer's lock and cleans up after crashed saves now (the first
+        `save` does this by itself): rolls forward a committed but unrenamed step, removes
+        partial folders of saves not in flight. Foreign entries are never touched.
+
+        Returns:
+          The folder names removed or rolled forward (process 0; [] elsewhere).
+        Raises:
+          CheckpointError: the manager is read_only, or another writer holds the lock.
+
+        Multi-process: any process may call it; only process 0 acts.
+        """
+        if not self._writer_ready:
+            return self._ensure_writer()
+        if not self._is_primary:
+            return []
+        with self._mu:
+            live = frozenset(h.snapshot.generation for _, h in self._in_flight if not h.done())
+            steps = frozenset(s for s, h in self._in_flight if not h.done())
+        return _directory.recover(self.storage, self.directory, live_generations=live, live_steps=steps)
 
     # --- listing ------------------------------------------------------------------------
 
@@ -240,6 +333,7 @@ class CheckpointManager:
         """
         if self._closed:
             raise CheckpointError(f"the CheckpointManager of {self.directory} is closed")
+        self._ensure_writer()
         self._raise_pending()
         step = _as_step(step)
         if not force and not self.should_save(step):
@@ -320,8 +414,8 @@ class CheckpointManager:
             self._closed = True
             self._deleter.shutdown(wait=True)
             self._buffers = HostBufferPool()
-            if self._lock is not None:
-                self._lock.release()
+            if self._release_lock is not None:
+                self._release_lock()
 
     def __enter__(self) -> "CheckpointManager":
         return self

@@ -64,3 +64,79 @@ def test_zero_padded_folder_is_foreign_to_listing_restore_retention_drill_and_gc
     assert _cli_json(capsys, "gc", run, "--keep-latest", "1")["removed_partial"] == []
     assert sorted(n for n in os.listdir(run) if not n.startswith(".")) == ["0900000", "0900001.partial-20260101000000-deadbeef", "100002"]
     assert ckpt.metadata(f"{run}/0900000").step == 900000  # still a valid checkpoint at its own path
+
+
+# --- readers take no lock, the writer's lock is taken lazily --------------------------------
+
+
+def test_readers_beside_the_writer_take_no_lock_and_delete_nothing(tmp_path):
+    run = str(tmp_path / "run")
+    writer = ckpt.CheckpointManager(run, keep=ckpt.KeepLatest(5))
+    writer.save(1, _tree(1))
+    writer.wait_until_finished()
+    crashed = f"{run}/2.partial-20260101000000-deadbeef"
+    os.makedirs(crashed)
+    reader = ckpt.CheckpointManager(run, read_only=True)
+    also_reader = ckpt.CheckpointManager(run)  # any manager reads without the lock
+    for mgr in (reader, also_reader):
+        assert mgr.all_steps() == [1] and mgr.latest_step() == 1 and mgr.status().latest_committed_step == 1
+        assert float(mgr.restore()["w"][0, 0]) == 1.0
+        assert mgr.drill().ok
+    assert os.path.isdir(crashed)  # readers removed nothing
+    with pytest.raises(ckpt.CheckpointError, match="read_only"):
+        reader.save(2, _tree(2))
+    with pytest.raises(ckpt.CheckpointError, match="read_only"):
+        reader.recover()
+    writer.save(3, _tree(3))  # the writer goes on while readers are open
+    writer.close()
+    assert reader.all_steps() == [1, 3]
+    reader.close()
+    also_reader.close()
+
+
+def test_notebook_reopen_after_dropping_a_manager(tmp_path):
+    """A notebook cell run twice: the first manager is dropped without close()."""
+    run = str(tmp_path / "run")
+    mgr = ckpt.CheckpointManager(run)
+    mgr.save(1, _tree(1))
+    mgr.wait_until_finished()
+    second = ckpt.CheckpointManager(run)
+    with pytest.raises(ckpt.CheckpointError) as e:
+        second.save(2, _tree(2))  # the first one still holds the writer's lock, and is referenced
+    msg = str(e.value)
+    del e  # its traceback refers to `second`
+    assert f"this same process (pid {os.getpid()})" in msg and "close()" in msg and "del" in msg
+    del mgr  # the cell runs again: the old manager is no longer referenced
+    second.save(2, _tree(2))
+    second.wait_until_finished()
+    assert second.all_steps() == [1, 2]
+    del second
+    third = ckpt.CheckpointManager(run)  # garbage collection released the lock
+    third.save(3, _tree(3))
+    third.close()
+    assert ckpt.CheckpointManager(run, read_only=True).all_steps() == [1, 2, 3]
+
+
+def test_lock_of_another_process_names_it_and_is_released_at_exit(tmp_path):
+    run = str(tmp_path / "run")
+    code = (
+        "import sys, numpy as np, checkpointer as ckpt\n"
+        f"mgr = ckpt.CheckpointManager({run!r}, async_save=False)\n"
+        "mgr.save(1, {'w': np.ones(4)})\n"
+        "print('saved', flush=True)\n"
+        "sys.stdin.readline()\n"  # holds the lock (no close) until told to exit
+    )
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as p:
+        try:
+            assert p.stdout.readline().strip() == "saved"
+            mgr = ckpt.CheckpointManager(run)
+            assert mgr.all_steps() == [1]
+            with pytest.raises(ckpt.CheckpointError, match=rf"another CheckpointManager is using .*pid {p.pid} "):
+                mgr.save(2, _tree(2))
+            p.stdin.write("\n")
+            p.stdin.flush()
+            assert p.wait(60) == 0
+        finally:
+            p.kill()
+    mgr.save(2, _tree(2))  # the exit released it
+    mgr.close()
