@@ -12,7 +12,7 @@ import gc
 import threading
 import time
 import weakref
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from . import _directory, _distributed
 from ._async import AsyncSave
@@ -282,6 +282,61 @@ class CheckpointManager:
         """The newest committed step, or None when there is none."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def wait_for_step(self, after: int | None = None, *, timeout_s: float | None = None, poll_s: float = 1.0) -> int | None:
+        """Waits until a committed step newer than `after` exists and returns the newest.
+
+        Like Orbax's `wait_for_new_checkpoint`: an evaluation job calls it with the last
+        step it evaluated. Takes no lock; the directory is listed every `poll_s`.
+
+        Args:
+          after: a step, or None to accept any committed step.
+          timeout_s: give up after this many seconds (None: wait for as long as it takes).
+          poll_s: seconds between listings (> 0).
+        Returns:
+          The newest committed step (> `after`), or None if none appeared in time.
+
+        Multi-process: any process may call it alone.
+        """
+        if not poll_s > 0:
+            raise ValueError(f"poll_s must be > 0 seconds, got {poll_s!r}")
+        deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
+        while True:
+            latest = self.latest_step()
+            if latest is not None and (after is None or latest > after):
+                return latest
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            time.sleep(poll_s if deadline is None else min(poll_s, deadline - now))
+
+    def follow(self, after: int | None = None, *, timeout_s: float | None = None, poll_s: float = 1.0) -> Iterator[int]:
+        """Yields committed steps newer than `after`, oldest first, as they appear.
+
+        Like TensorFlow's `checkpoints_iterator`, but every new step is yielded (not just
+        the newest), in ascending order; the directory is listed again before each one,
+        so a step that retention removed meanwhile is skipped. A step yielded may still
+        be removed by retention before it is restored: `restore` then raises
+        `CheckpointNotFoundError` (never returns a mix or reports damage); skip it.
+
+        Args:
+          after: yield only steps > `after` (None: every committed step, from the oldest).
+          timeout_s: stop once no new step appeared for this many seconds (None: never).
+          poll_s: seconds between listings while waiting (> 0).
+        Yields:
+          Step numbers, strictly increasing.
+
+        Multi-process: any process may call it alone; takes no lock and deletes nothing.
+        """
+        last = after
+        while True:
+            step = self.wait_for_step(last, timeout_s=timeout_s, poll_s=poll_s)
+            if step is None:
+                return
+            newer = [s for s in self.all_steps() if last is None or s > last]
+            step = newer[0] if newer else step
+            last = step
+            yield step
 
     def step_path(self, step: int) -> str:
         """The checkpoint path of `step`."""

@@ -464,7 +464,9 @@ def restore(path, target=None, *, partial=False, max_inflight_bytes=None):
         before = _marker(storage, path)
         try:
             result, ok = _restore_once(storage, path, target, partial, max_inflight_bytes), True
-        except CorruptCheckpointError:
+        except (CorruptCheckpointError, OSError):
+            # Files that vanish under the reader (the folder renamed away by retention,
+            # then removed) surface as either; only the marker tells damage from deletion.
             if _marker(storage, path) == before:
                 raise
             result, ok = None, False

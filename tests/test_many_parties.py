@@ -140,3 +140,100 @@ def test_lock_of_another_process_names_it_and_is_released_at_exit(tmp_path):
             p.kill()
     mgr.save(2, _tree(2))  # the exit released it
     mgr.close()
+
+
+# --- following a run ---------------------------------------------------------------------------
+
+
+def test_wait_for_step_and_follow(tmp_path):
+    run = str(tmp_path / "run")
+    reader = ckpt.CheckpointManager(run, read_only=True)
+    assert reader.wait_for_step(timeout_s=0.2, poll_s=0.05) is None  # nothing yet (and no directory)
+    with ckpt.CheckpointManager(run, keep=ckpt.KeepLatest(10), async_save=False) as writer:
+        for step in (1, 2, 5):
+            writer.save(step, _tree(step))
+    assert reader.wait_for_step(timeout_s=0.2, poll_s=0.05) == 5
+    assert reader.wait_for_step(after=2, timeout_s=0.2, poll_s=0.05) == 5
+    assert reader.wait_for_step(after=5, timeout_s=0.2, poll_s=0.05) is None
+    assert list(reader.follow(timeout_s=0.2, poll_s=0.05)) == [1, 2, 5]
+    assert list(reader.follow(after=1, timeout_s=0.2, poll_s=0.05)) == [2, 5]
+    with pytest.raises(ValueError, match="poll_s"):
+        reader.wait_for_step(poll_s=0)
+
+
+def test_follow_beside_a_writer_with_retention_restores_exactly_or_not_found(tmp_path):
+    """A writer thread saves ten steps with KeepLatest(2); the follower restores each
+    step it is shown: bit-exact, or CheckpointNotFoundError if retention was faster."""
+    import threading
+
+    run = str(tmp_path / "run")
+    writer = ckpt.CheckpointManager(run, keep=ckpt.KeepLatest(2))
+
+    def write():
+        for step in range(1, 11):
+            writer.save(step, _tree(step))
+        writer.close()
+
+    t = threading.Thread(target=write)
+    t.start()
+    restored, missing = [], []
+    reader = ckpt.CheckpointManager(run, read_only=True)
+    for step in reader.follow(timeout_s=60, poll_s=0.01):
+        try:
+            tree = reader.restore(step)
+        except ckpt.CheckpointNotFoundError:
+            missing.append(step)
+        else:
+            np.testing.assert_array_equal(tree["w"], np.asarray(_tree(step)["w"]))
+            assert tree["step"] == step
+            restored.append(step)
+        if step == 10:
+            break
+    t.join(60)
+    assert restored and restored[-1] == 10 and sorted(restored + missing) == sorted(set(restored + missing))
+    assert reader.all_steps() == [9, 10]
+
+
+@pytest.mark.parametrize("how", ["renamed", "removed"])
+def test_step_deleted_while_it_is_restored_is_not_found(tmp_path, monkeypatch, how):
+    """Retention renames the folder away, then removes it, in the middle of a read."""
+    from checkpointer import _read
+
+    run = str(tmp_path / "run")
+    ckpt.save(f"{run}/1", {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
+    storage, directory = _storage.storage_for(run)
+    real = _read.read_chunk_into
+    calls = []
+
+    def delete_then_read(*args, **kwargs):
+        if not calls:
+            moved = _directory.unpublish_step(storage, directory, 1)
+            if how == "removed":
+                storage.delete_tree(moved)
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_read, "read_chunk_into", delete_then_read)
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="deleted"):
+        ckpt.restore(f"{run}/1")
+    assert calls
+
+
+def test_step_deleted_while_its_manifest_is_read_is_not_found(tmp_path, monkeypatch):
+    """An OSError that is not wrapped as damage (here from reading the manifest of a
+    step that vanished) is reported as not found too, once the marker is gone."""
+    from checkpointer import _restore
+
+    run = str(tmp_path / "run")
+    ckpt.save(f"{run}/1", {"a": np.arange(4.0)})
+    storage, directory = _storage.storage_for(run)
+    real = _restore.read_metadata
+
+    def vanish(storage_, path):
+        storage.delete_tree(_directory.unpublish_step(storage, directory, 1))
+        raise PermissionError(13, "Permission denied", f"{path}/manifest.json")
+
+    monkeypatch.setattr(_restore, "read_metadata", vanish)
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="deleted"):
+        ckpt.restore(f"{run}/1")
+    monkeypatch.setattr(_restore, "read_metadata", real)
