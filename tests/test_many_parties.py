@@ -237,3 +237,62 @@ def test_step_deleted_while_its_manifest_is_read_is_not_found(tmp_path, monkeypa
     with pytest.raises(ckpt.CheckpointNotFoundError, match="deleted"):
         ckpt.restore(f"{run}/1")
     monkeypatch.setattr(_restore, "read_metadata", real)
+
+
+# --- no silent failures -------------------------------------------------------------------------
+
+
+def test_failed_save_async_nobody_waited_on_is_logged_at_exit(tmp_path):
+    """The issue's small input: save_async, no wait(), the write fails, the program exits."""
+    (tmp_path / "a-file").write_text("")
+    code = (
+        "import numpy as np, checkpointer as ckpt\n"
+        f"handle = ckpt.save_async({str(tmp_path / 'a-file' / '1')!r}, {{'w': np.ones(4)}})\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "failed and nobody called wait()" in res.stderr and "a-file/1" in res.stderr, res.stderr
+    assert "SaveError" in res.stderr, res.stderr
+
+
+def test_failed_save_async_is_logged_once_when_dropped_and_never_when_waited(tmp_path, caplog):
+    import gc
+    import logging
+
+    (tmp_path / "a-file").write_text("")
+    caplog.set_level(logging.ERROR, logger="checkpointer")
+    handle = ckpt.save_async(str(tmp_path / "a-file" / "1"), {"w": np.ones(4)})
+    with pytest.raises(ckpt.SaveError):
+        handle.wait()
+    del handle
+    gc.collect()
+    assert not [r for r in caplog.records if "nobody called wait()" in r.getMessage()]
+
+    handle = ckpt.save_async(str(tmp_path / "a-file" / "2"), {"w": np.ones(4)})
+    handle._thread.join(60)
+    del handle  # dropped without wait()
+    gc.collect()
+    logged = [r for r in caplog.records if "nobody called wait()" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].levelno == logging.ERROR and "a-file/2" in logged[0].getMessage()
+
+
+def test_failed_save_async_dropped_while_running_is_logged_when_it_fails(tmp_path, caplog, monkeypatch):
+    import logging
+    import threading
+
+    from checkpointer import _save
+
+    release = threading.Event()
+
+    def failing_write(snap):
+        release.wait(30)
+        raise ckpt.SaveError(f"injected failure writing {snap.path}: No space left on device")
+
+    monkeypatch.setattr(_save, "write_snapshot", failing_write)
+    caplog.set_level(logging.ERROR, logger="checkpointer")
+    handle = ckpt.save_async(str(tmp_path / "3"), {"w": np.ones(4)})
+    thread = handle._thread
+    del handle  # collected at once: the thread refers to it only weakly
+    release.set()
+    thread.join(60)
+    logged = [r.getMessage() for r in caplog.records if "nobody called wait()" in r.getMessage()]
+    assert len(logged) == 1 and "No space left on device" in logged[0], logged
