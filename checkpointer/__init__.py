@@ -21,6 +21,8 @@ from ._errors import (
     CorruptCheckpointError,
     DTypeMismatchError,
     InvalidTargetError,
+    ProcessCountMismatchError,
+    SaveAgreementError,
     SaveError,
     ShapeMismatchError,
     StructureMismatchError,
@@ -29,18 +31,19 @@ from ._errors import (
 from ._format import ArrayMetadata, SavedSharding, ValueMetadata
 from ._manager import CheckpointManager, ManagerStatus
 from ._metadata import CheckpointMetadata, metadata
+from ._process_state import per_process_state
 from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
 from ._restore import plan_restore, restore
 from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
 from ._verify import VerifyReport, verify
 
 __all__ = [
-    "save", "save_async", "restore", "metadata", "plan_restore", "verify", "VerifyReport",
+    "save", "save_async", "restore", "metadata", "per_process_state", "plan_restore", "verify", "VerifyReport",
     "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",
     "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "Box",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError", "StructureMismatchError",
     "ShapeMismatchError", "DTypeMismatchError", "InvalidTargetError", "UnsupportedValueError",
-    "CorruptCheckpointError", "SaveError", "CommitTimeoutError",
+    "CorruptCheckpointError", "SaveError", "CommitTimeoutError", "SaveAgreementError", "ProcessCountMismatchError",
 ]

@@ -14,7 +14,7 @@ import time
 import weakref
 from typing import Iterator, Mapping
 
-from . import _directory, _distributed
+from . import _agreement, _directory, _distributed
 from ._async import AsyncSave
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from ._host import HostBufferPool
@@ -167,6 +167,8 @@ class CheckpointManager:
       commit_timeout_s: how long process 0 waits for every process's report, seconds.
       max_saves_in_flight: saves allowed in flight at once (1 bounds host memory to one
         snapshot); a new save waits for the oldest one, and the wait is recorded.
+      agreement_timeout_s: how long processes wait for each other to agree on what a
+        save writes (before anything is written), seconds.
       read_only: a reader only (an evaluation job, a notebook, a drill): `save` and
         `recover` raise. Any manager reads without a lock; this makes the intent explicit.
 
@@ -191,6 +193,7 @@ class CheckpointManager:
         commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
         max_saves_in_flight: int = 1,
         read_only: bool = False,
+        agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
     ):
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -206,6 +209,7 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
+        self.agreement_timeout_s = agreement_timeout_s
         self.max_saves_in_flight = max_saves_in_flight
         self.read_only = bool(read_only)
         self._is_primary = _distributed.process_index() == 0
@@ -366,7 +370,15 @@ class CheckpointManager:
         """Whether `save(step)` would write (the interval rule)."""
         return step % self.save_interval_steps == 0
 
-    def save(self, step: int, tree: object, *, metrics: Mapping[str, float] | None = None, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        tree: object,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        force: bool = False,
+        per_process_state: object = None,
+    ) -> bool:
         """Saves `tree` as `step` (asynchronously unless `async_save=False`).
 
         Blocks for the host snapshot only (plus any wait for the previous save when
@@ -378,13 +390,19 @@ class CheckpointManager:
           metrics: JSON-serialisable numbers stored with the step (for `KeepBest`).
           force: save even off the interval, and replace an already committed `step`
             atomically.
+          per_process_state: this process's own JSON-serialisable value (e.g. its data
+            loader's position), stored in its `processes/<i>.json`; read it back with
+            `per_process_state(step)`.
         Returns:
           True if a save was started, False if skipped by `save_interval_steps`.
         Raises:
           CheckpointError: the previous background save failed (raised here once); the
-            step is already committed and `force` is False; a leaf cannot be stored.
+            step is already committed and `force` is False; a leaf cannot be stored; the
+            manager is read_only or another writer holds the directory.
+          SaveAgreementError: the processes save different steps or trees; nothing written.
 
-        Multi-process: every process calls it with the same step.
+        Multi-process: every process calls it with the same step and tree (non-array
+        leaves equal), in the same order.
         """
         if self._closed:
             raise CheckpointError(f"the CheckpointManager of {self.directory} is closed")
@@ -406,6 +424,7 @@ class CheckpointManager:
         snap = take_snapshot(
             self.step_path(step), tree, metadata=user_metadata, overwrite=force, step=step,
             commit_timeout_s=self.commit_timeout_s, buffers=self._buffers,
+            agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
         )
         with self._mu:
             self._last["snapshot_s"], self._last["wait_s"] = snap.snapshot_s, wait_s
@@ -537,6 +556,27 @@ class CheckpointManager:
             if step is None:
                 raise CheckpointNotFoundError(f"no committed step in {self.directory}")
         return _restore(self.step_path(step), target, **kwargs)
+
+    def per_process_state(self, step: int | None = None, *, process_index: int | None = None, all_processes: bool = False):
+        """The per-process state saved with `step` (default: the newest committed step).
+
+        As `ckpt.per_process_state`: this process's own record when the job has as
+        many processes as the save; otherwise pass `all_processes=True` (a list indexed
+        by the saving process) or `process_index=i`.
+
+        Raises:
+          CheckpointNotFoundError: no committed step (or not that one).
+          ProcessCountMismatchError: the process counts differ and no choice was given.
+
+        Multi-process: any process may call it alone.
+        """
+        from ._process_state import per_process_state
+
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed step in {self.directory}")
+        return per_process_state(self.step_path(step), process_index, all_processes=all_processes)
 
     # --- operations ---------------------------------------------------------------------
 
