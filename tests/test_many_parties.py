@@ -296,3 +296,37 @@ def test_failed_save_async_dropped_while_running_is_logged_when_it_fails(tmp_pat
     thread.join(60)
     logged = [r.getMessage() for r in caplog.records if "nobody called wait()" in r.getMessage()]
     assert len(logged) == 1 and "No space left on device" in logged[0], logged
+
+
+# --- per-process state (one process; the multi-process rule is in test_multiprocess) ----------
+
+
+def test_per_process_state_round_trips_in_the_process_record(tmp_path):
+    loader = {"epoch": 3, "position": 12345, "files": ["a", "b"], "seed": (7, 8)}
+    ckpt.save(str(tmp_path / "1"), _tree(1), per_process_state=loader)
+    want = dict(loader, seed=[7, 8])  # JSON: tuples come back as lists
+    assert ckpt.per_process_state(str(tmp_path / "1")) == want
+    assert ckpt.per_process_state(str(tmp_path / "1"), process_index=0) == want
+    assert ckpt.per_process_state(str(tmp_path / "1"), all_processes=True) == [want]
+    with open(tmp_path / "1" / "processes" / "0.json") as f:
+        assert json.load(f)["per_process_state"] == want
+    with open(tmp_path / "1" / "manifest.json") as f:
+        assert "12345" not in f.read()  # never in the manifest
+    assert set(ckpt.restore(str(tmp_path / "1"))) == {"w", "step"}  # restore returns the tree only
+    with pytest.raises(ValueError, match=r"process_index must be an int in \[0, 1\)"):
+        ckpt.per_process_state(str(tmp_path / "1"), process_index=1)
+
+    ckpt.save(str(tmp_path / "2"), _tree(2))  # none given: None, and no field in the record
+    assert ckpt.per_process_state(str(tmp_path / "2")) is None
+    with pytest.raises(ckpt.UnsupportedValueError, match="per_process_state .* not JSON-serialisable"):
+        ckpt.save(str(tmp_path / "3"), _tree(3), per_process_state={"it": object()})
+    assert not os.path.exists(tmp_path / "3")
+    with pytest.raises(ckpt.CheckpointNotFoundError):
+        ckpt.per_process_state(str(tmp_path / "3"))
+
+    with ckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(10, _tree(10), per_process_state={"position": 10})
+        mgr.save(20, _tree(20), per_process_state={"position": 20})
+        mgr.wait_until_finished()
+        assert mgr.per_process_state() == {"position": 20} and mgr.per_process_state(10) == {"position": 10}
+        assert mgr.per_process_state(10, all_processes=True) == [{"position": 10}]
