@@ -54,6 +54,14 @@ def init() -> dict:
     return json.loads(os.environ.get("MP_ARGS", "{}"))
 
 
+def mp_args() -> dict:
+    """The worker args, for a worker that runs as an independent program (it does not
+    join a jax.distributed job: e.g. a writer and a separate evaluation job)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.excepthook = _excepthook
+    return json.loads(os.environ.get("MP_ARGS", "{}"))
+
+
 def _excepthook(tp, value, tb):
     emit(event="exception", type=tp.__name__, message=str(value), traceback="".join(traceback.format_exception(tp, value, tb)))
     sys.__excepthook__(tp, value, tb)
@@ -106,6 +114,11 @@ SAVE_SPECS = {
 }
 
 VALUES = {"step": 1234, "name": "run-α/β"}  # non-array leaves (live in the manifest)
+
+
+def loader_state(process_index: int) -> dict:
+    """The per-process state process `process_index` saves (its data loader's position)."""
+    return {"shard": process_index, "position": 1000 + 17 * process_index, "files": [f"part-{process_index}"]}
 
 
 def global_arrays() -> dict:
