@@ -584,7 +584,7 @@ def _cmd_gc(args, ui: _UI) -> int:
     if holder and not args.dry_run:
         raise CheckpointError(
             f"a CheckpointManager is using {directory} ({holder}); gc would race its saves. Run gc after it closes "
-            "(a manager also removes crashed saves itself when it opens the directory)"
+            "(a manager also removes crashed saves itself on its first save)"
         )
     actions = _directory.plan_recovery(storage, directory)
     rolled = [n for n, a in actions if a == "roll forward"]

@@ -148,7 +148,7 @@ def recover(
       seconds (default `OBJECT_STORE_GC_GRACE_S`, one hour). First sightings are kept
       in `DIR/.checkpointer-gc.json`; a folder that gained or lost objects since is
       seen anew. So the first recovery that meets a crashed save only notes it, and a
-      later one (the next manager start, `checkpointer gc`) removes it. `grace_s=0`
+      later one (a manager's next first save, `checkpointer gc`) removes it. `grace_s=0`
       removes every such folder at once (for a caller that knows nothing else writes
       the directory).
 

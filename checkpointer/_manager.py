@@ -535,7 +535,7 @@ class CheckpointManager:
     def _remove(self, path: str) -> None:
         try:
             self.storage.delete_tree(path)
-        except OSError as e:  # recovery removes it at the next start
+        except OSError as e:  # recovery removes it on a later first save
             log.warning("could not remove %s: %s", path, e)
 
     # --- restore ------------------------------------------------------------------------
