@@ -106,8 +106,11 @@ def refuse(ticket: int, path: str, error: BaseException) -> None:
     if _distributed.process_count() == 1:
         return
     text = f"{type(error).__name__}: {error}"
+    pidx = _distributed.process_index()
     try:
-        _client().key_value_set(_key(ticket, "p", _distributed.process_index()), json.dumps({"path": path, "refused": text}))
+        _client().key_value_set(_key(ticket, "p", pidx), json.dumps({"path": path, "refused": text}))
+        if pidx == 0:  # process 0 gives the verdict itself: there is nothing to compare
+            _fail(_client(), ticket, _path_problem(ticket, {0: {"path": path, "refused": text}}), raise_=False)
     except Exception:  # the service may be gone; the others then time out, naming us
         pass
 

@@ -79,6 +79,7 @@ _storage.LocalStorage.rename = rename
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
 sharding = NamedSharding(mesh, P("data", "model"))
 with ckpt.CheckpointManager(directory, keep=ckpt.KeepLatest(2)) as mgr:
+    mgr.recover()  # a resuming writer: roll forward a save committed but not yet renamed
     start = (mgr.latest_step() or 0) + 1
     for step in range(start, start + steps):
         state = {"w": jax.device_put(jnp.full((64, 32), step, jnp.float32), sharding), "step": step}

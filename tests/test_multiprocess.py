@@ -289,7 +289,7 @@ def test_harness_kills_hung_processes_and_reports_their_output(tmp_path):
 
 # --- 7. processes that disagree fail fast, before anything is written ----------------------
 
-DISAGREEMENTS = ["steps", "directories", "trees", "values", "refused"]
+DISAGREEMENTS = ["steps", "directories", "trees", "values", "refused", "refused0"]
 
 
 @pytest.mark.multiprocess
@@ -303,20 +303,23 @@ def test_processes_that_disagree_raise_within_seconds_and_write_nothing(tmp_path
     for case in DISAGREEMENTS:
         for i, rec in enumerate(g[case] for g in got):
             assert rec["elapsed_s"] < 10, (case, i, rec)
-            if case == "refused" and i == 1:  # its own reason, raised before the agreement
+            refuser = {"refused": 1, "refused0": 0}.get(case)
+            if i == refuser:  # its own reason, raised before the agreement
                 assert rec["type"] == "UnsupportedValueError" and "'extra'" in rec["message"], rec
                 continue
             assert rec["type"] == "SaveAgreementError", (case, i, rec)
-            assert "process 1" in rec["message"] and ("process 0" in rec["message"] or case == "refused"), (case, i, rec)
+            if refuser is None:
+                assert "process 0" in rec["message"] and "process 1" in rec["message"], (case, i, rec)
+            else:
+                assert f"process {refuser} (" in rec["message"] and "UnsupportedValueError" in rec["message"], (case, i, rec)
     msgs = {case: got[0][case]["message"] for case in DISAGREEMENTS}
     assert f"{tmp_path}/steps/1 (step 1)" in msgs["steps"] and f"{tmp_path}/steps/2 (step 2)" in msgs["steps"]
     assert f"{tmp_path}/dir-0/1" in msgs["directories"] and f"{tmp_path}/dir-1/1" in msgs["directories"]
     assert "leaf 'w'" in msgs["trees"] and "float32[8, 4]" in msgs["trees"] and "float32[16, 4]" in msgs["trees"]
     assert "leaf 'epoch'" in msgs["values"] and "process 0: 1" in msgs["values"] and "process 1: 2" in msgs["values"]
-    assert "process 1" in msgs["refused"] and "UnsupportedValueError" in msgs["refused"]
     assert got[1]["values"]["message"] == msgs["values"]  # every process gets the same verdict
     # Nothing was written for any disagreement: no commit marker, no partial folder.
-    for case_dir in ("steps", "dir-0", "dir-1", "trees", "values", "refused"):
+    for case_dir in ("steps", "dir-0", "dir-1", "trees", "values", "refused", "refused0"):
         left = [e for e in _listing(tmp_path / case_dir) if e != ".checkpointer.lock"] if (tmp_path / case_dir).exists() else []
         assert left == [], (case_dir, left)
     # The saves after the failures still line up, and commit.
