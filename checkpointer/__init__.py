@@ -20,6 +20,8 @@ from ._errors import (
     DTypeMismatchError,
     InvalidTargetError,
     MeshError,
+    ProcessCountMismatchError,
+    SaveAgreementError,
     SaveError,
     ShapeMismatchError,
     StructureMismatchError,
@@ -31,6 +33,7 @@ from ._metadata import CheckpointMetadata, library_version as _library_version, 
 from ._read import RestoreStats
 from ._export import ExportReport, export
 from ._orbax_import import import_orbax
+from ._process_state import per_process_state
 from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
 from ._restore import plan_restore, restore
 from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
@@ -39,13 +42,13 @@ from ._verify import VerifyReport, verify
 __version__ = _library_version()  # the installed distribution's, as each manifest records it
 
 __all__ = [
-    "save", "save_async", "restore", "metadata", "plan_restore", "RestoreStats", "verify", "VerifyReport",
-    "import_orbax", "export", "ExportReport",
+    "save", "save_async", "restore", "metadata", "per_process_state", "plan_restore", "RestoreStats", "verify",
+    "VerifyReport", "import_orbax", "export", "ExportReport",
     "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",
     "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "Box",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError", "StructureMismatchError",
     "ShapeMismatchError", "DTypeMismatchError", "InvalidTargetError", "MeshError", "UnsupportedValueError",
-    "CorruptCheckpointError", "SaveError", "CommitTimeoutError",
+    "CorruptCheckpointError", "SaveError", "CommitTimeoutError", "SaveAgreementError", "ProcessCountMismatchError",
 ]

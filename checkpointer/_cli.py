@@ -303,7 +303,9 @@ def _cmd_ls(args, ui: _UI) -> int:
     found = _directory.entries(storage, directory)
     if not found and storage.exists(f"{directory}/{_format.COMMITTED}"):
         raise UsageError(f"{directory} is one checkpoint, not a directory of steps: use `{PROG} inspect {directory}`")
-    committed = set(_directory.committed_steps(storage, directory))
+    # Steps committed in their own `<step>/` (a committed partial of another step is
+    # "committed, not renamed"; see `_directory.committed_folders`).
+    committed = {s for s, name in _directory.committed_folders(storage, directory).items() if name == str(s)}
     now = time.time()
     rows = []
     for e in found:
@@ -331,18 +333,23 @@ def _cmd_ls(args, ui: _UI) -> int:
             row["age_s"] = max(0.0, now - row["created_unix_s"])
         rows.append(row)
     holder = _lock_holder(storage, directory)
+    foreign = _directory.foreign_entries(storage, directory)
     if ui.json_mode:
-        ui.json({"directory": directory, "manager": holder, "steps": rows})
+        ui.json({"directory": directory, "manager": holder, "steps": rows, "foreign": foreign})
         return 0
-    if not rows:
+    if not rows and not foreign:
         ui.line(f"no step folders in {directory}")
         return 0
     ui.table(
         ["step", "state", "size", "age", "metrics", "folder"],
         [(r["step"], r["state"] + (f" ({r['note']})" if r["note"] else ""), _human_bytes(r["size_bytes"]), _age(r["age_s"]),
-          _metrics_str(r["metrics"]) or "-", r["folder"]) for r in rows],
+          _metrics_str(r["metrics"]) or "-", r["folder"]) for r in rows]
+        + [("-", "foreign", "-", "-", "-", name) for name in foreign],
         right=["step", "size", "age"], title=f"{directory}",
     )
+    if foreign:
+        ui.line(f"Foreign entries ({len(foreign)}) are not step folders (a step folder's name is the step in plain "
+                "decimal, e.g. 900000, not 0900000): readers ignore them and nothing deletes them.")
     n_partial = sum(1 for r in rows if r["state"] == "partial")
     n_other = len(rows) - n_partial - len(committed)
     summary = f"{len(committed)} committed, {n_partial} partial" + (f", {n_other} other" if n_other else "")
@@ -531,7 +538,7 @@ def _cmd_gc(args, ui: _UI) -> int:
     if holder and not args.dry_run:
         raise CheckpointError(
             f"a CheckpointManager is using {directory} ({holder}); gc would race its saves. Run gc after it closes "
-            "(a manager also removes crashed saves itself when it opens the directory)"
+            "(a manager also removes crashed saves itself on its first save)"
         )
     actions = _directory.plan_recovery(storage, directory)
     rolled = [n for n, a in actions if a == "roll forward"]

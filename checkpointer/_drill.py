@@ -113,7 +113,7 @@ def drill(directory: str | os.PathLike, mesh_shape: Sequence[int] | None = None,
             f"no committed step in {directory}, nothing to drill; `checkpointer ls {directory}` lists its step folders"
         )
     step = steps[-1]
-    path = f"{directory}/{step}"
+    path = _directory.committed_path(storage, directory, step)
     meta = read_metadata(storage, path)
     devices = jax.local_devices()
     shape = tuple(mesh_shape) if mesh_shape is not None else default_mesh_shape(meta, len(devices))

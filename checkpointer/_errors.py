@@ -57,6 +57,17 @@ class CommitTimeoutError(SaveError, TimeoutError):
     """Some processes did not report their shards durable within the commit timeout."""
 
 
+class ProcessCountMismatchError(CheckpointError, ValueError):
+    """Per-process state was asked for by a job whose process count differs from the
+    save's, without saying how to map the saved records onto its processes."""
+
+
+class SaveAgreementError(SaveError):
+    """Before a save wrote anything, the processes disagreed on what to save (another
+    path, step or tree, or a different non-array value), one refused, or one did not
+    arrive within the agreement timeout. Raised on every process; nothing was written."""
+
+
 def where(*, leaf: str | None = None, path: str | None = None, process: int | None = None) -> str:
     """Formats the location part of an error message: `leaf 'a/b' in /ckpt/100 (process 0)`."""
     parts = []

@@ -167,6 +167,8 @@ class ProcessRecord:
       bytes_written: sum of the chunks' `file_bytes`, bytes.
       snapshot_s: seconds the host snapshot took on that process.
       write_s: seconds the writes took on that process.
+      per_process_state: the JSON value the process passed as `save(...,
+        per_process_state=)`, or None (absent from the file) when it passed none.
       extra: JSON fields this version does not know, kept as read.
     """
 
@@ -176,6 +178,7 @@ class ProcessRecord:
     bytes_written: int | None = _json_field("bytes_written", _count, default=None)
     snapshot_s: float | None = _json_field("snapshot_s", _seconds, default=None)
     write_s: float | None = _json_field("write_s", _seconds, default=None)
+    per_process_state: object = _json_field("per_process_state", lambda v: v, default=None)
     extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:

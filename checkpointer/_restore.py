@@ -238,7 +238,9 @@ def restore(
         try:
             stats.attempts += 1
             result, ok = _restore_once(storage, path, target, partial, max_inflight_bytes, stats), True
-        except CorruptCheckpointError:
+        except (CorruptCheckpointError, OSError):
+            # Files that vanish under the reader (the folder renamed away by retention,
+            # then removed) surface as either; only the marker tells damage from deletion.
             if _marker(storage, path) == before:
                 raise
             result, ok = None, False

@@ -12,8 +12,8 @@ background thread (see `_async.py`):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -25,9 +25,9 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from . import _distributed, _format
+from . import _agreement, _distributed, _format
 from ._box import Box
-from ._errors import CheckpointExistsError, CommitTimeoutError, SaveError, UnsupportedValueError, where
+from ._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
 from ._host import HostBufferPool, copy_to_host
 from ._metadata import ChunkRecord, ProcessRecord, manifest_json
@@ -39,11 +39,6 @@ from ._user_metadata import metadata_json
 from ._zarr_groups import ZARR_JSON, write_group_nodes
 
 log = logging.getLogger("checkpointer")
-
-# Saves of each path so far, by this process. Every process counts the same saves of a
-# path in the same order, so `(path, n)` names one save attempt on all of them, even if
-# some process made a save of another path that the others did not.
-_saves_of_path: collections.Counter = collections.Counter()
 
 
 @dataclasses.dataclass
@@ -72,6 +67,7 @@ class Snapshot:
     overwrite: bool
     commit_timeout_s: float
     buffers: HostBufferPool | None = None
+    per_process_state: object = None  # this process's JSON value, stored in its own record
     lock: FileLock | None = None  # process 0's lock on `<partial>.lock` while writing
     snapshot_s: float = 0.0
     write_s: float = 0.0
@@ -204,8 +200,11 @@ def take_snapshot(
     step: int | None = None,
     commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
     buffers: HostBufferPool | None = None,
+    agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
+    per_process_state: object = None,
 ) -> Snapshot:
-    """Plans the save and copies this process's shards to host memory (blocking).
+    """Plans the save, agrees on it with the other processes, and copies this process's
+    shards to host memory (blocking).
 
     The host buffers are real copies, never views of device buffers: once this returns
     the caller may donate, delete or overwrite the arrays. With `buffers`, the copies
@@ -213,8 +212,57 @@ def take_snapshot(
 
     Raises:
       CheckpointExistsError: `path` is committed and `overwrite` is False.
-      UnsupportedValueError: a leaf cannot be stored (names the leaf path).
+      UnsupportedValueError: a leaf cannot be stored (names the leaf path), or
+        `per_process_state` is not JSON-serialisable.
+      SaveAgreementError: the processes differ in path, step or tree, one refused, or
+        one did not arrive within `agreement_timeout_s`; nothing was written.
+
+    Multi-process: every process calls it (through a save) once per save, in the same
+    order: the n-th save of every process is agreed on as one (DESIGN.md step 0).
     """
+    ticket = _agreement.next_ticket()
+    agreed: list[str] = []
+    try:
+        return _take_snapshot(
+            ticket, agreed, path, tree, metadata=metadata, overwrite=overwrite, step=step,
+            commit_timeout_s=commit_timeout_s, buffers=buffers, agreement_timeout_s=agreement_timeout_s,
+            per_process_state=per_process_state,
+        )
+    except BaseException as e:
+        if isinstance(e, SaveAgreementError):
+            raise
+        if not agreed:  # the others must not wait for us: tell them why we are out
+            _agreement.refuse(ticket, os.fspath(path), e)
+        else:  # agreed, then failed copying: process 0 stops waiting for our shards
+            _distributed.Coordinator(agreed[0], timeout_s=commit_timeout_s).report_error(f"{type(e).__name__}: {e}")
+        raise
+
+
+def _check_per_process_state(value: object, path: str, pidx: int) -> object:
+    """The per-process state as stored (a JSON round trip), or UnsupportedValueError."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise UnsupportedValueError(
+            f"per_process_state for {path} (process {pidx}) is not JSON-serialisable ({e}); pass dicts, lists, "
+            "str, finite numbers, bool and None (e.g. a data loader's state_dict() of plain values)"
+        ) from e
+
+
+def _take_snapshot(
+    ticket: int,
+    agreed: list[str],
+    path,
+    tree,
+    *,
+    metadata,
+    overwrite,
+    step,
+    commit_timeout_s,
+    buffers,
+    agreement_timeout_s,
+    per_process_state,
+) -> Snapshot:
     t0 = time.perf_counter()
     storage, path = storage_for(path)
     pidx, pcount = _distributed.process_index(), _distributed.process_count()
@@ -232,7 +280,10 @@ def take_snapshot(
             "(CheckpointManager: force=True) to replace it atomically, or save to a new path"
         )
     user_metadata = _check_json_metadata(metadata, path)
+    if per_process_state is not None:
+        per_process_state = _check_per_process_state(per_process_state, path, pidx)
     leaves = flatten(tree)
+    entries: dict[str, dict] = {}  # leaf path -> manifest entry, in tree order (the agreement's digest)
     arrays: list[LeafSnapshot] = []
     values: dict[str, dict] = {}
     device_data = []
@@ -241,6 +292,7 @@ def take_snapshot(
             meta, plan, by_device = _plan_array(leaf_path, leaf, pidx, path)
             arrays.append(LeafSnapshot(meta, plan, []))
             device_data.append([by_device[w.device_id] for w in plan.writes])
+            entries[leaf_path] = meta.to_json()
             continue
         value = _format.value_to_json(leaf)
         if value is None:
@@ -250,15 +302,15 @@ def take_snapshot(
                 "str or numpy scalars (nothing is pickled). Convert it, or register its type as a pytree node."
             )
         values[leaf_path] = value
+        entries[leaf_path] = {"type": "value", "value": value}
     structure = describe(tree, _is_array)
-    if pidx == 0:
-        storage.commit_strategy.prepare_overwrite(path)
-    _saves_of_path[path] += 1
-    generation = _distributed.agree_on(
-        f"save/{path}/{_saves_of_path[path]}",
-        _format.new_generation(),
-        timeout_s=commit_timeout_s,
+    # Step 0: every process agrees on path, step and tree before anything is written.
+    # Process 0 clears an object store's old step content only once all agreed.
+    clear = (lambda: storage.commit_strategy.prepare_overwrite(path)) if pidx == 0 else None
+    generation = _agreement.agree(
+        ticket, _agreement.proposal(path, step, structure, entries), timeout_s=agreement_timeout_s, before_verdict=clear,
     )
+    agreed.append(generation)
 
     copies = iter(copy_to_host([d for datas in device_data for d in datas], buffers))
     for leaf, datas in zip(arrays, device_data):
@@ -266,7 +318,7 @@ def take_snapshot(
     snap = Snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
-        overwrite=overwrite, commit_timeout_s=commit_timeout_s, buffers=buffers,
+        overwrite=overwrite, commit_timeout_s=commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
     )
     snap.snapshot_s = time.perf_counter() - t0
     return snap
@@ -332,6 +384,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             bytes_written=sum(c.file_bytes for c in chunks),
             snapshot_s=round(snap.snapshot_s, 6),
             write_s=round(snap.write_s, 6),
+            per_process_state=snap.per_process_state,  # additive: absent when the save gave none
         )
         snap.bytes_written = record.bytes_written
         snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
@@ -459,9 +512,11 @@ def abort(snap: Snapshot, coord: _distributed.Coordinator, *, timed_out: bool = 
         threading.Thread(target=remove, name=f"checkpointer-abort-{snap.generation}", daemon=True).start()
 
 
-def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S) -> Snapshot:
+def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S,
+              agreement_timeout_s=_agreement.DEFAULT_AGREEMENT_TIMEOUT_S, per_process_state=None) -> Snapshot:
     """take_snapshot, write_snapshot and commit on the caller's thread."""
-    snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=step, commit_timeout_s=commit_timeout_s)
+    snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=step, commit_timeout_s=commit_timeout_s,
+                         agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state)
     run_background(snap)
     return snap
 

@@ -414,7 +414,10 @@ def initialize() -> dict[str, Any]:
             heartbeat_timeout_seconds=int(os.environ[_ENV + "HEARTBEAT_TIMEOUT_S"]),
             shutdown_timeout_seconds=30,
         )
-    if jax.process_count() != num_processes or jax.local_device_count() != devices_per_process:
+    # Without jax.distributed each process is a job of its own (e.g. a writer and a
+    # separate evaluation job): JAX sees one process there.
+    jax_processes = num_processes if os.environ[_ENV + "DISTRIBUTED"] == "1" else 1
+    if jax.process_count() != jax_processes or jax.local_device_count() != devices_per_process:
         raise RuntimeError(
             f"process {process_id()}: expected {num_processes} processes x {devices_per_process} devices, "
             f"JAX sees {jax.process_count()} x {jax.local_device_count()}; was JAX initialized before "

@@ -300,7 +300,8 @@ def test_gc_rolls_forward_a_committed_unrenamed_step(run_dir, capsys):
 
 
 def test_gc_refuses_while_a_manager_holds_the_directory(run_dir, capsys):
-    with ckpt.CheckpointManager(run_dir, keep=ckpt.KeepLatest(10)):  # (it also cleans up the partial)
+    with ckpt.CheckpointManager(run_dir, keep=ckpt.KeepLatest(10)) as mgr:
+        mgr.recover()  # takes the writer's lock (and cleans up the partial)
         os.makedirs(f"{run_dir}/{PARTIAL}")
         assert_one_line_error(*run(capsys, "gc", run_dir, "--keep-latest", "1"), 1, "CheckpointManager is using")
         assert os.path.isdir(f"{run_dir}/{PARTIAL}") and os.path.isdir(f"{run_dir}/1")

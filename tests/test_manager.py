@@ -87,7 +87,9 @@ def test_manager_lists_committed_steps_only(ckpt_dir):
     os.makedirs(f"{ckpt_dir}/5")
     mgr = ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepLatest(10))
     assert mgr.latest_step() == 3
-    # The crashed partial folder was cleaned up when the manager opened the directory.
+    # Opening is reading: the crashed partial folder stays until the first write or recover().
+    assert os.path.exists(f"{ckpt_dir}/4.partial-20260101000000-deadbeef")
+    assert mgr.recover() == ["4.partial-20260101000000-deadbeef"]
     assert not os.path.exists(f"{ckpt_dir}/4.partial-20260101000000-deadbeef")
     restored = mgr.restore(None, target=_state())
     assert float(restored["w"][0, 0]) == 3.0
@@ -189,12 +191,16 @@ def test_one_save_in_flight_bounds_host_memory(ckpt_dir, monkeypatch):
     mgr.close()
 
 
-def test_second_manager_on_same_directory_fails_clearly(ckpt_dir):
+def test_second_writer_on_same_directory_fails_clearly(ckpt_dir):
     mgr = ckpt.CheckpointManager(ckpt_dir)
-    with pytest.raises(ckpt.CheckpointError, match="another CheckpointManager is using"):
-        ckpt.CheckpointManager(ckpt_dir)
+    mgr.recover()  # the first write or delete takes the writer's lock
+    other = ckpt.CheckpointManager(ckpt_dir)  # opening (reading) needs no lock
+    assert other.all_steps() == []
+    with pytest.raises(ckpt.CheckpointError, match=r"another CheckpointManager in this same process \(pid \d+\)"):
+        other.save(1, _state(1))
     mgr.close()
-    ckpt.CheckpointManager(ckpt_dir).close()  # free again once closed
+    other.save(1, _state(1))  # free again once closed
+    other.close()
 
 
 def test_status_and_logging(ckpt_dir, caplog):
@@ -231,9 +237,27 @@ def test_restore_without_committed_step_raises(ckpt_dir):
 def test_roll_forward_of_committed_but_unrenamed_partial(ckpt_dir):
     ckpt.save(f"{ckpt_dir}/3", _state(3))
     os.rename(f"{ckpt_dir}/3", f"{ckpt_dir}/3.partial-20260101000000-cafef00d")
+    partial = "3.partial-20260101000000-cafef00d"
     with ckpt.CheckpointManager(ckpt_dir) as mgr:
-        assert mgr.all_steps() == [3]
+        # The marker is the truth: readers list step 3 and read it from the partial
+        # folder, renaming nothing.
+        assert mgr.all_steps() == [3] and mgr.latest_step() == 3
         assert float(mgr.restore(target=_state())["w"][0, 0]) == 3.0
+        assert sorted(os.listdir(ckpt_dir)) == [partial]
+        assert mgr.recover() == [partial]  # the writer's recovery renames it into place
+        assert mgr.all_steps() == [3] and os.path.isdir(f"{ckpt_dir}/3")
+        assert float(mgr.restore(target=_state())["w"][0, 0]) == 3.0
+
+
+def test_resume_from_a_committed_but_unrenamed_step_needs_no_recover_call(ckpt_dir):
+    ckpt.save(f"{ckpt_dir}/3", _state(3))
+    os.rename(f"{ckpt_dir}/3", f"{ckpt_dir}/3.partial-20260101000000-cafef00d")
+    with ckpt.CheckpointManager(ckpt_dir) as mgr:
+        start = mgr.latest_step() + 1  # a resuming job, as the README writes it
+        mgr.save(start, _state(start))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 4]
+    assert sorted(n for n in os.listdir(ckpt_dir) if not n.startswith(".")) == ["3", "4"]
 
 
 def _sharded_tree(value=1.0):

@@ -298,6 +298,7 @@ def test_the_manager_notes_a_crashed_save_at_start_and_removes_it_at_a_later_sta
     _crash_a_save(s3, bucket, "run", 2)
 
     with ckpt.CheckpointManager(d, async_save=False) as mgr:
+        assert mgr.recover() == []
         assert mgr.all_steps() == [1]
     assert any(k.startswith("run/2/") for k in s3.keys(bucket))  # maybe another job's save in flight: kept
     assert f"run/{_directory.GC_JOURNAL}" in s3.keys(bucket)
@@ -305,6 +306,7 @@ def test_the_manager_notes_a_crashed_save_at_start_and_removes_it_at_a_later_sta
     monkeypatch.setattr(_directory, "OBJECT_STORE_GC_GRACE_S", 0.5)
     time.sleep(0.6)
     with ckpt.CheckpointManager(d, async_save=False) as mgr:
+        assert mgr.recover() == ["2"]
         assert mgr.all_steps() == [1]
         assert not any(k.startswith("run/2/") for k in s3.keys(bucket))
         assert f"run/{_directory.GC_JOURNAL}" not in s3.keys(bucket)

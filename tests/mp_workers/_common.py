@@ -19,6 +19,9 @@ init = testing.initialize
 # Report one JSON record (`{"event": ..., ...}`) to the test.
 emit = testing.emit
 process_index = testing.process_id
+# The worker args of a worker that runs as an independent program (started with
+# `distributed=False`: e.g. a writer and a separate evaluation job).
+mp_args = testing.initialize
 
 
 def mesh(shape, axis_names):
@@ -56,6 +59,11 @@ SAVE_SPECS = {
 }
 
 VALUES = {"step": 1234, "name": "run-α/β"}  # non-array leaves (live in the manifest)
+
+
+def loader_state(process_index: int) -> dict:
+    """The per-process state process `process_index` saves (its data loader's position)."""
+    return {"shard": process_index, "position": 1000 + 17 * process_index, "files": [f"part-{process_index}"]}
 
 
 def global_arrays() -> dict:
