@@ -185,7 +185,8 @@ def _slabs(meta: ArrayMetadata) -> list[Box]:
 
 def _reader(storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:
     if _read.fast_path_supported(meta.dtype):
-        return lambda box: _read.read_box(storage, path, meta, plan_leaf(meta, [(-1, box)]).boxes[0])
+        stats = _read.RestoreStats()
+        return lambda box: _read.read_box(storage, path, meta, plan_leaf(meta, [(-1, box)]).boxes[0], None, stats)
     from ._restore import _open_for_read  # sub-byte dtypes: TensorStore decodes them
 
     store = _open_for_read(storage, path, meta).result()

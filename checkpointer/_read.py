@@ -86,8 +86,8 @@ class _ChunkFile:
     counting the bytes fetched into the restore's statistics."""
 
     def __init__(self, storage: Storage, path: str, key: str, stats: RestoreStats):
-        self.stats = stats
-        self._reader = storage.open_reader(f"{path}/{key}")
+        self.stats, self.location = stats, f"{path}/{key}"
+        self._reader = storage.open_reader(self.location)
 
     def size(self) -> int | None:
         return self._reader.size()

@@ -17,12 +17,10 @@ subdivision, as replica-parallel saves use), so restore plans read it like any o
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import math
 import os
 import time
-import uuid
 from typing import Callable, Mapping
 
 import numpy as np
@@ -32,6 +30,7 @@ from ._box import Box, cell_box, grid_cells
 from ._directory import SAVE_LOCK_SUFFIX
 from ._errors import CheckpointExistsError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
+from ._metadata import ChunkRecord, ProcessRecord
 from ._save_plan import LeafWritePlan, chunk_shape_for
 from ._storage import storage_for
 from ._tree import describe, flatten
@@ -76,10 +75,6 @@ def chunk_shape_of(shape: tuple[int, ...], shard_shape: tuple[int, ...], itemsiz
     its dimensions have small prime factors (see `_format.inner_chunk_shape`)."""
     chunk = chunk_shape_for(shape, shard_shape)
     return _format.inner_chunk_shape(chunk, itemsize, MAX_CHUNK_BYTES) if chunk else chunk
-
-
-def _new_generation() -> str:
-    return f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%d%H%M%S}-{uuid.uuid4().hex[:8]}"
 
 
 def save_leaf_by_leaf(
@@ -144,10 +139,9 @@ def save_leaf_by_leaf(
                 f"{where(leaf=leaf_path, path=path)}: a leaf of type {type(leaf).__qualname__} cannot be stored"
             )
         values[leaf_path] = value
-    if not storage.supports_rename:
-        _save._clear_for_object_store(storage, path)
+    storage.commit_strategy.prepare_overwrite(path)
     snap = _save.Snapshot(
-        storage=storage, path=path, generation=_new_generation(), process_index=0, process_count=1,
+        storage=storage, path=path, generation=_format.new_generation(), process_index=0, process_count=1,
         structure=describe(tree, _is_source), arrays=[leaf for leaf, _ in arrays], values=values,
         user_metadata=user_metadata, step=step, overwrite=overwrite, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S,
     )
@@ -164,18 +158,19 @@ def save_leaf_by_leaf(
             _save.abort(snap, coord)
             raise
     finally:
-        snap.storage.release_lock(snap.partial_path + SAVE_LOCK_SUFFIX, snap.lock)
-        snap.lock = None
+        if snap.lock is not None:
+            snap.lock.release(remove=True)
+            snap.lock = None
 
 
-def _write(snap: _save.Snapshot, arrays: list, progress) -> dict:
+def _write(snap: _save.Snapshot, arrays: list, progress) -> ProcessRecord:
     """Writes every chunk, one at a time, and `processes/0.json`; returns the record."""
     t0 = time.perf_counter()
     root = snap.write_path
     try:
-        if snap.storage.supports_rename:
+        if snap.storage.supports_locks:
             snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
-            snap.lock = snap.storage.hold_lock(snap.partial_path + SAVE_LOCK_SUFFIX)
+            snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
         snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
         write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf, _ in arrays])
         chunks = []
@@ -186,16 +181,16 @@ def _write(snap: _save.Snapshot, arrays: list, progress) -> dict:
     except Exception as e:
         raise SaveError(f"writing {root} failed: {type(e).__name__}: {e}") from e
     snap.write_s = time.perf_counter() - t0
-    record = {
-        "process_index": 0, "generation": snap.generation, "chunks": chunks,
-        "bytes_written": sum(c["bytes"] for c in chunks), "snapshot_s": 0.0, "write_s": round(snap.write_s, 6),
-    }
-    snap.bytes_written = record["bytes_written"]
-    snap.storage.write_file(f"{root}/{_format.process_record_name(0)}", _format.dumps(record))
+    record = ProcessRecord(
+        process_index=0, generation=snap.generation, chunks=tuple(chunks),
+        bytes_written=sum(c.file_bytes or 0 for c in chunks), snapshot_s=0.0, write_s=round(snap.write_s, 6),
+    )
+    snap.bytes_written = record.bytes_written or 0
+    snap.storage.write_file(f"{root}/{_format.process_record_name(0)}", _format.dumps(record.to_json()))
     return record
 
 
-def _write_leaf(snap: _save.Snapshot, meta: ArrayMetadata, source: ArraySource, progress) -> list[dict]:
+def _write_leaf(snap: _save.Snapshot, meta: ArrayMetadata, source: ArraySource, progress) -> list[ChunkRecord]:
     root = snap.write_path
     try:
         store = _save._open_for_write(snap, meta, create=True).result()
@@ -219,8 +214,8 @@ def _write_leaf(snap: _save.Snapshot, meta: ArrayMetadata, source: ArraySource, 
             store[box.slices()].write(data, can_reference_source_data_indefinitely=True).result()
         except Exception as e:
             raise SaveError(f"{where(leaf=meta.path, path=root)}: writing chunk {cell} failed: {e}") from e
-        out.append({"leaf": meta.path, "key": _format.chunk_key(meta.path, cell), "box": box.to_json(),
-                    "bytes": encoded, "data_bytes": data.nbytes, "data_crc32c": _save.data_crc32c(data)})
+        out.append(ChunkRecord(leaf=meta.path, key=_format.chunk_key(meta.path, cell), box=box, file_bytes=encoded,
+                               data_bytes=data.nbytes, data_crc32c=_format.data_crc32c(data)))
         del data
         if progress is not None:
             progress(meta.path, encoded)

@@ -327,12 +327,12 @@ def test_ls_footer_tells_crashed_saves_from_saves_in_flight(tmp_path, capsys):
     for gen in ("20260101000000-aaaaaaaa", "20260101000000-bbbbbbbb"):
         (run / f"2.partial-{gen}" / "arrays").mkdir(parents=True)
     storage = LocalStorage()
-    lock = storage.hold_lock(str(run / "2.partial-20260101000000-bbbbbbbb.lock"))  # a save in flight
+    lock = storage.lock(str(run / "2.partial-20260101000000-bbbbbbbb.lock"))  # a save in flight
     try:
         assert _cli.main(["ls", str(run)]) == 0
         out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     finally:
-        storage.release_lock(str(run / "2.partial-20260101000000-bbbbbbbb.lock"), lock)
+        lock.release(remove=True)
     assert "1 partial folder(s) are saves in flight" in out
     assert "1 partial folder(s) are crashed saves: readers never remove them" in out
     assert f"checkpointer gc {run}" in out
