@@ -302,8 +302,9 @@ def run_processes(
         echo: Copy what process 0 prints on stdout (records left out) to this
             process's stdout as it arrives, e.g. for an example's progress report.
         distributed: Join the processes with `jax.distributed` (gloo collectives).
-            False runs a single process without it, as a one-host job runs (its
-            collectives stay inside XLA); it needs `num_processes == 1`.
+            False runs each process as a job of its own, without it (a one-host job,
+            or independent programs on one directory: a writer and an evaluation
+            job); JAX then sees one process in each.
 
     Returns:
         One `ProcessResult` per process, by process id.
@@ -311,14 +312,8 @@ def run_processes(
     Raises:
         ProcessesFailed: The job timed out, or (with `check`) a process ended with an
             unexpected status; the message holds every process's output tail.
-        ValueError: `target` is a lambda or a nested function, or `distributed` is
-            False for several processes.
+        ValueError: `target` is a lambda or a nested function.
     """
-    if not distributed and num_processes != 1:
-        raise ValueError(
-            f"distributed=False runs one process, not {num_processes}: processes join only "
-            "through jax.distributed"
-        )
     command, target_env = _target_command(target)
     with contextlib.ExitStack() as stack:
         job_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="checkpointer-testing-"))
