@@ -87,7 +87,8 @@ class _ChunkFile:
 
     def __init__(self, storage: Storage, path: str, key: str, stats: RestoreStats):
         self.stats = stats
-        self._reader = storage.open_reader(f"{path}/{key}")
+        self.location = f"{path}/{key}"
+        self._reader = storage.open_reader(self.location)
 
     def size(self) -> int | None:
         return self._reader.size()
