@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ._save import Snapshot, run_background
 
@@ -21,7 +21,7 @@ class AsyncSave:
         self,
         snap: Snapshot,
         *,
-        on_finish: Callable[["AsyncSave"], None] | None = None,
+        on_finish: Callable[[AsyncSave], None] | None = None,
         after_publish: Callable[[], None] | None = None,
     ):
         self.snapshot = snap

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import _default_targets, _directory, _drill, _format
 from ._errors import (

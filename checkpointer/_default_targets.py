@@ -20,12 +20,11 @@ import collections
 import fnmatch
 import math
 import urllib.parse
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 from jax.tree_util import DictKey
 
 from ._errors import CorruptCheckpointError, MeshError

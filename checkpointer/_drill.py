@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import NamedSharding

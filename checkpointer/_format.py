@@ -24,7 +24,8 @@ import math
 import re
 import struct
 import uuid
-from typing import Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import crc32c
 import numpy as np
@@ -192,7 +193,7 @@ def is_whole_byte_dtype(dtype: np.dtype) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def zarr_supports_dtype(dtype: np.dtype) -> bool:
     """Whether TensorStore's zarr3 driver can store `dtype` (e.g. int4: yes; uint4: no)."""
     import tensorstore as ts
@@ -301,7 +302,7 @@ def encoded_chunk_bytes(chunk_shape: Sequence[int], inner_shape: Sequence[int], 
 ZarrSpecMode = Literal["create", "write", "read"]
 
 
-def zarr_spec(kvstore: Mapping, meta: "ArrayMetadata", *, mode: ZarrSpecMode) -> dict:
+def zarr_spec(kvstore: Mapping, meta: ArrayMetadata, *, mode: ZarrSpecMode) -> dict:
     """The TensorStore spec of a leaf's zarr array.
 
     Args:
@@ -377,7 +378,7 @@ class SavedSharding:
         }
 
     @staticmethod
-    def from_json(obj: Mapping) -> "SavedSharding":
+    def from_json(obj: Mapping) -> SavedSharding:
         spec = tuple(tuple(s) if isinstance(s, list) else s for s in obj["spec"])
         return SavedSharding(
             kind=str(obj["kind"]),

@@ -10,7 +10,7 @@ import operator
 import os
 import threading
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from . import _directory, _distributed
 from ._async import AsyncSave
@@ -315,7 +315,7 @@ class CheckpointManager:
             if self._lock is not None:
                 self._lock.release()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

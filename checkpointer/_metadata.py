@@ -19,7 +19,7 @@ import importlib.metadata
 import math
 import os
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from . import _format
 from ._box import Box
@@ -31,7 +31,7 @@ from ._tree import check_leaf_path, leaf_paths_of, rebuild
 DISTRIBUTION = "checkpointer"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library_version() -> str:
     """The installed checkpointer's version (`importlib.metadata`), recorded in each
     manifest; `"0+unknown"` when the package runs from a source tree without being
@@ -136,7 +136,7 @@ class ChunkRecord:
         return _record_to_json(self)
 
     @staticmethod
-    def from_json(obj: object, where: str) -> "ChunkRecord":
+    def from_json(obj: object, where: str) -> ChunkRecord:
         """Parses one chunk entry.
 
         Raises:
@@ -183,7 +183,7 @@ class ProcessRecord:
         return _record_to_json(self)
 
     @staticmethod
-    def from_json(obj: object, where: str) -> "ProcessRecord":
+    def from_json(obj: object, where: str) -> ProcessRecord:
         """Parses and validates a process record.
 
         Args:

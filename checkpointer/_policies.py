@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def _is_count(n: object) -> bool:
@@ -23,7 +23,7 @@ class KeepPolicy:
         """Returns the subset of `steps` (sorted ascending, committed) to keep."""
         raise NotImplementedError
 
-    def __or__(self, other: "KeepPolicy") -> "KeepAny":
+    def __or__(self, other: KeepPolicy) -> KeepAny:
         if not isinstance(other, KeepPolicy):
             return NotImplemented
         return KeepAny((self, other))
@@ -41,7 +41,7 @@ class KeepAny(KeepPolicy):
             out |= p.keep(steps, metrics)
         return out
 
-    def __or__(self, other: KeepPolicy) -> "KeepAny":
+    def __or__(self, other: KeepPolicy) -> KeepAny:
         if not isinstance(other, KeepPolicy):
             return NotImplemented
         return KeepAny(self.policies + (other,))

@@ -19,7 +19,7 @@ inner chunks adjacent in the file into one read. No device work and no I/O here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -84,7 +84,7 @@ class BoxRead:
     device_ids: tuple[int, ...]
     reads: tuple[ChunkRead, ...]
     bytes_needed: int
-    slabs: tuple["BoxRead", ...] = ()
+    slabs: tuple[BoxRead, ...] = ()
 
     @property
     def bytes_read(self) -> int:

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import ml_dtypes
@@ -27,12 +27,12 @@ import tensorstore as ts
 
 from . import _distributed, _format
 from ._box import Box
+from ._directory import SAVE_LOCK_SUFFIX
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
 from ._host import HostBufferPool, copy_to_host
 from ._metadata import ChunkRecord, ProcessRecord, manifest_json
 from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
-from ._directory import SAVE_LOCK_SUFFIX
 from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
 from ._tree import describe, flatten
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import keyword
 import urllib.parse
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey

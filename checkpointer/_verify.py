@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import tensorstore as ts
 
