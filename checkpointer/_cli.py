@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import _default_targets, _directory, _drill, _format
 from ._errors import (
@@ -30,6 +31,9 @@ from ._errors import (
     StructureMismatchError,
 )
 from ._storage import Storage, storage_for
+
+if TYPE_CHECKING:
+    from jax.sharding import PartitionSpec
 
 PROG = "checkpointer"
 
@@ -239,7 +243,7 @@ def _parse_axes(text: str | None, rank: int) -> tuple[str, ...] | None:
     return names
 
 
-def _parse_spec(text: str, mesh) -> tuple[str, object]:
+def _parse_spec(text: str, mesh) -> tuple[str, PartitionSpec]:
     from jax.sharding import PartitionSpec as P
 
     glob, eq, spec = text.partition("=")
@@ -308,7 +312,7 @@ def _cmd_ls(args, ui: _UI) -> int:
     rows = []
     for e in found:
         state = _state(e, committed)
-        row = {"step": e.step, "folder": e.name, "state": state, "committed": state == "committed",
+        row: dict[str, Any] = {"step": e.step, "folder": e.name, "state": state, "committed": state == "committed",
                "size_bytes": None, "created_unix_s": None, "age_s": None, "metrics": {}, "note": None}
         if e.committed:
             try:
@@ -451,7 +455,7 @@ def _cmd_plan(args, ui: _UI) -> int:
     target = _default_targets.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
     plan = plan_restore(meta.path, target, process_index=pidx, processes=args.processes)
 
-    leaves = []
+    leaves: list[dict[str, Any]] = []
     for leaf in plan.leaves:
         leaves.append({
             "leaf": leaf.leaf_path, "shape": list(leaf.shape), "dtype": str(leaf.dtype),

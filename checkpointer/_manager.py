@@ -56,7 +56,7 @@ class ManagerStatus:
 def _as_step(step: object) -> int:
     """The step as a Python int (numpy and 0-d JAX integers accepted)."""
     try:
-        value = operator.index(step)
+        value = operator.index(step)  # type: ignore[arg-type]  # any object: the TypeError is the check
     except TypeError:
         raise ValueError(f"step must be an int >= 0, got {step!r}") from None
     if value < 0 or isinstance(step, bool):
@@ -68,13 +68,13 @@ def _metrics_json(metrics: Mapping[str, object] | None) -> dict:
     """Metrics as JSON: numbers (numpy and 0-d JAX ones too) become floats, a NaN or
     infinite value becomes the string "NaN" / "Infinity" / "-Infinity" (KeepBest
     ignores it, as it ignores a missing metric)."""
-    out = {}
+    out: dict[str, object] = {}
     for name, value in (metrics or {}).items():
         if isinstance(value, (str, bool)) or value is None:
             out[str(name)] = value
             continue
         try:
-            number = float(value)
+            number = float(value)  # type: ignore[arg-type]  # any object: the TypeError is the check
         except (TypeError, ValueError):
             raise ValueError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r:.80}") from None
         out[str(name)] = number if math.isfinite(number) else ("NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity"))
@@ -338,7 +338,7 @@ class CheckpointManager:
                 self._metrics_cache[step] = {}
         return self._metrics_cache[step]
 
-    def _apply_retention(self, protect: set[int] = frozenset()) -> list[int]:
+    def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
         steps = self.all_steps()
         if not steps:
             return []

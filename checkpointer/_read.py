@@ -78,7 +78,7 @@ def _scratch(n: int) -> memoryview:
     if buf is None or len(buf) < n:
         buf = np.empty(max(n, 1 << 20), np.uint8)
         _local.buf = buf
-    return memoryview(buf)[:n]
+    return buf.data[:n]
 
 
 class _ChunkFile:

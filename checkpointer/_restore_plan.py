@@ -286,8 +286,8 @@ def build_plan(resolved: ResolvedTarget, path: str, *, slab_bytes: int | None = 
     """
     leaves = []
     for leaf in resolved.leaves:
-        if leaf.target is None:
-            continue
+        if leaf.target is None or not isinstance(leaf.meta, ArrayMetadata):
+            continue  # a value leaf: nothing to read
         on_devices = leaf.target.sharding is not None
         leaves.append(plan_leaf(leaf.meta, leaf.device_boxes, slab_bytes=slab_bytes if on_devices else None))
     return RestorePlan(path, resolved.process_index, tuple(leaves))

@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import TypeGuard
 
 import jax
 import ml_dtypes
@@ -87,7 +88,7 @@ class Snapshot:
         return self.storage.commit_strategy.write_path(self.path, self.generation)
 
 
-def _is_array(x: object) -> bool:
+def _is_array(x: object) -> TypeGuard[jax.Array | np.ndarray]:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
@@ -328,15 +329,15 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
         snap.write_s = time.perf_counter() - t0
+        snap.bytes_written = sum(c.file_bytes for c in chunks if c.file_bytes is not None)
         record = ProcessRecord(
             process_index=snap.process_index,
             generation=snap.generation,
             chunks=tuple(chunks),
-            bytes_written=sum(c.file_bytes for c in chunks),
+            bytes_written=snap.bytes_written,
             snapshot_s=round(snap.snapshot_s, 6),
             write_s=round(snap.write_s, 6),
         )
-        snap.bytes_written = record.bytes_written
         snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
         return record
     except BaseException as e:
@@ -380,7 +381,7 @@ def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], No
         return
     try:
         summaries = coord.wait_all_done()
-        process_bytes = [int(s) for s in summaries] if summaries else [record.bytes_written]
+        process_bytes = [int(s) for s in summaries] if summaries else [snap.bytes_written]
         _check_records(snap)
         _publish(snap, process_bytes)
     except BaseException as e:

@@ -160,14 +160,19 @@ class _LocalReader(Reader):
     def __init__(self, path: str):
         self._fd: int | None = os.open(path, os.O_RDONLY)
 
-    def size(self) -> int:
-        return os.fstat(self._fd).st_size
+    def _open_fd(self) -> int:
+        if self._fd is None:
+            raise ValueError("read of a closed reader")
+        return self._fd
 
-    def read_into(self, offset: int, buffer) -> None:
-        view = memoryview(buffer).cast("B")
+    def size(self) -> int:
+        return os.fstat(self._open_fd()).st_size
+
+    def read_into(self, offset: int, buffer: memoryview | bytearray) -> None:
+        fd, view = self._open_fd(), memoryview(buffer).cast("B")
         n, done = len(view), 0
         while done < n:  # one call returns at most ~2 GiB on Linux, and may return less
-            got = os.preadv(self._fd, [view[done:]], offset + done)
+            got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
                 raise EOFError(f"short read: {done} of {n} bytes at offset {offset}")
             done += got
@@ -187,7 +192,7 @@ class _KvReader(Reader):
     def size(self) -> None:
         return None  # a kvstore read returns no object size: finding it costs a download
 
-    def read_into(self, offset: int, buffer) -> None:
+    def read_into(self, offset: int, buffer: memoryview | bytearray) -> None:
         view = memoryview(buffer).cast("B")
         data = self._storage.read_range(self._path, offset, len(view))
         if len(data) != len(view):

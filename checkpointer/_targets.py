@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any, TypeGuard
 
 import jax
 import numpy as np
@@ -291,6 +292,7 @@ def _concrete_device_boxes(lt: LeafTarget, meta: ArrayMetadata, path: str) -> li
     """`(device id, the device's process_index, box)` of every device of a concrete
     target sharding, in mesh order (sharding device order for other shardings), from JAX."""
     s = lt.sharding
+    assert s is not None, "device_boxes handles host targets"
     try:
         indices = s.devices_indices_map(lt.shape)
     except ValueError as e:
@@ -298,7 +300,7 @@ def _concrete_device_boxes(lt: LeafTarget, meta: ArrayMetadata, path: str) -> li
             f"{where(leaf=meta.path, path=path)}: JAX cannot lay out the target sharding {s} on shape {lt.shape}: "
             f"{str(e).rstrip('.')}. Fix the target's sharding."
         ) from e
-    order = list(s.mesh.devices.flat) if isinstance(s, NamedSharding) else list(indices)
+    order: list[Any] = list(s.mesh.devices.flat) if isinstance(s, NamedSharding) else list(indices)  # Any: no Device stubs
     return [(d.id, d.process_index, Box.from_index(indices[d], lt.shape)) for d in order]
 
 
@@ -355,7 +357,7 @@ def device_boxes(
     return tuple((d, Box(b.origin + (0,) * len(key_tail), b.shape + key_tail)) for d, b in pairs)
 
 
-def _is_abstract(s: jax.sharding.Sharding) -> bool:
+def _is_abstract(s: jax.sharding.Sharding) -> TypeGuard[NamedSharding]:
     return isinstance(s, NamedSharding) and isinstance(s.mesh, jax.sharding.AbstractMesh)
 
 

@@ -82,7 +82,7 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
         for cell in grid_cells(Box.whole(m.shape), m.chunk_shape):
             work.append((leaf, m, cell))
     n_bytes = 0
-    stores: dict[str, object] = {}
+    stores: dict[str, ts.TensorStore] = {}
     for i, (leaf, m, cell) in enumerate(work):
         key = _format.chunk_key(leaf, cell)
         try:
