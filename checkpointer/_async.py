@@ -22,8 +22,8 @@ class AsyncSave:
         snap: Snapshot,
         *,
         on_finish: Callable[[AsyncSave], None] | None = None,
-        after_publish: Callable[[], None] | None = None,
-    ):
+        after_publish: Callable[[], object] | None = None,
+    ) -> None:
         self.snapshot = snap
         self.path = snap.path
         self.error: BaseException | None = None

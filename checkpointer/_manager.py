@@ -10,7 +10,9 @@ import operator
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 from . import _directory, _distributed
 from ._async import AsyncSave
@@ -18,9 +20,14 @@ from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundE
 from ._host import HostBufferPool
 from ._metadata import read_metadata
 from ._policies import KeepLatest, KeepPolicy
+from ._read import RestoreStats
 from ._restore import restore as _restore
 from ._save import Snapshot, run_background, take_snapshot
 from ._storage import LockHeldError, Storage, storage_for
+from ._tree import PyTree
+
+if TYPE_CHECKING:
+    from ._drill import DrillReport
 
 log = logging.getLogger("checkpointer")
 
@@ -89,7 +96,7 @@ class _DirectoryLock:
     so a crashed job never leaves a stale lock. Needs `storage.supports_locks`.
     """
 
-    def __init__(self, storage: Storage, directory: str):
+    def __init__(self, storage: Storage, directory: str) -> None:
         try:
             self._lock = storage.lock(
                 f"{directory}/{LOCK_NAME}", wait=False, holder=f"pid {os.getpid()} on {os.uname().nodename}"
@@ -134,7 +141,7 @@ class CheckpointManager:
         async_save: bool = True,
         commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
         max_saves_in_flight: int = 1,
-    ):
+    ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
                 f"keep must be a retention policy (ckpt.KeepLatest(n), KeepEvery, KeepBest, KeepSteps, or a union "
@@ -210,7 +217,7 @@ class CheckpointManager:
         """Whether `save(step)` would write (the interval rule)."""
         return step % self.save_interval_steps == 0
 
-    def save(self, step: int, tree: object, *, metrics: Mapping[str, float] | None = None, force: bool = False) -> bool:
+    def save(self, step: int, tree: object, *, metrics: Mapping[str, object] | None = None, force: bool = False) -> bool:
         """Saves `tree` as `step` (asynchronously unless `async_save=False`).
 
         Blocks for the host snapshot only (plus any wait for the previous save when
@@ -275,7 +282,7 @@ class CheckpointManager:
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
 
-    def _retention_after(self, step: int):
+    def _retention_after(self, step: int) -> Callable[[], object] | None:
         """The callback process 0 runs after committing `step`, before telling the others."""
         return (lambda: self._apply_retention(protect={step})) if self._is_primary else None
 
@@ -318,7 +325,9 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:  # do not mask the caller's exception with a background one
@@ -364,12 +373,20 @@ class CheckpointManager:
 
     # --- restore ------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: object = None, **kwargs):
+    def restore(
+        self,
+        step: int | None = None,
+        target: object = None,
+        *,
+        partial: bool = False,
+        max_inflight_bytes: int | None = None,
+        stats: RestoreStats | None = None,
+    ) -> PyTree:
         """Restores `step` (default: the newest committed step) onto `target`.
 
         Args:
           step: the step, or None for `latest_step()`.
-          target, **kwargs: as for `ckpt.restore` (`partial`, `max_inflight_bytes`).
+          target, partial, max_inflight_bytes, stats: as for `ckpt.restore`.
         Raises:
           CheckpointNotFoundError: no committed step (or not that one).
 
@@ -379,7 +396,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed step in {self.directory}")
-        return _restore(self.step_path(step), target, **kwargs)
+        return _restore(self.step_path(step), target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats)
 
     # --- operations ---------------------------------------------------------------------
 
@@ -406,7 +423,7 @@ class CheckpointManager:
                 last_commit_s=self._last["commit_s"],
             )
 
-    def drill(self, mesh_shape=None, *, axis_names=None):
+    def drill(self, mesh_shape: Sequence[int] | None = None, *, axis_names: Sequence[str] | None = None) -> DrillReport:
         """The restore drill: restore the newest committed step onto a scratch mesh of the
         local devices (or `mesh_shape`), verify every checksum, and time it.
 

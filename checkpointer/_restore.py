@@ -36,7 +36,7 @@ from ._read import RestoreStats
 from ._restore_plan import BoxRead, LeafRestorePlan, RestorePlan, build_plan, chunk_keys
 from ._storage import TS_CONTEXT, Storage, storage_for
 from ._targets import LeafTarget, ResolvedTarget, resolve_tree
-from ._tree import rebuild
+from ._tree import PyTree, rebuild
 
 log = logging.getLogger("checkpointer")
 
@@ -195,7 +195,7 @@ def restore(
     partial: bool = False,
     max_inflight_bytes: int | None = None,
     stats: RestoreStats | None = None,
-) -> object:
+) -> PyTree:
     """Restores the committed checkpoint at `path`, onto the target's shardings.
 
     Args:

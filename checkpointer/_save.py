@@ -362,7 +362,7 @@ def _manifest(snap: Snapshot, process_bytes: list[int]) -> dict:
     )
 
 
-def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], None] | None = None) -> None:
+def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], object] | None = None) -> None:
     """Runs the commit protocol; returns once the checkpoint is committed on every process.
 
     `after_publish` runs on process 0 after the commit and before the other processes
@@ -477,7 +477,7 @@ def _release_host(snap: Snapshot) -> None:
         leaf.host = []
 
 
-def run_background(snap: Snapshot, after_publish: Callable[[], None] | None = None) -> None:
+def run_background(snap: Snapshot, after_publish: Callable[[], object] | None = None) -> None:
     """write_snapshot then commit; on failure tells the others, cleans up, re-raises."""
     coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
     try:

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 else:
     KeyEntry = DictKey | SequenceKey | GetAttrKey | FlattenedIndexKey
 JsonNode = dict
+# A pytree (nested containers of leaves); JAX types pytrees as Any too.
+PyTree = Any
 
 
 def _is_none(x: object) -> bool:
