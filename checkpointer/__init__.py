@@ -9,8 +9,8 @@ See DESIGN.md for the on-disk format and the commit protocol.
 
 from ._api import save, save_async
 from ._async import AsyncSave
-from ._drill import DrillReport
 from ._box import Box
+from ._drill import DrillReport
 from ._errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -27,14 +27,14 @@ from ._errors import (
     StructureMismatchError,
     UnsupportedValueError,
 )
+from ._export import ExportReport, export
 from ._format import ArrayMetadata, SavedSharding, ValueMetadata
 from ._manager import CheckpointManager, ManagerStatus
 from ._metadata import CheckpointMetadata, library_version as _library_version, metadata
-from ._read import RestoreStats
-from ._export import ExportReport, export
 from ._orbax_import import import_orbax
-from ._process_state import per_process_state
 from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
+from ._process_state import per_process_state
+from ._read import RestoreStats
 from ._restore import plan_restore, restore
 from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
 from ._verify import VerifyReport, verify

@@ -30,7 +30,7 @@ import itertools
 import json
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from . import _distributed, _format
 from ._errors import SaveAgreementError

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 from ._save import Snapshot, run_background
 
@@ -43,7 +43,13 @@ def _report_unobserved(outcome: _Outcome) -> None:
         outcome.log_unobserved()
 
 
-def _run(snap: Snapshot, outcome: _Outcome, after_publish, handle_ref, on_finish) -> None:
+def _run(
+    snap: Snapshot,
+    outcome: _Outcome,
+    after_publish: Callable[[], object] | None,
+    handle_ref: Callable[[], AsyncSave | None],
+    on_finish: Callable[[AsyncSave], None] | None,
+) -> None:
     """The background thread: write and commit, then record the outcome."""
     try:
         run_background(snap, after_publish)
@@ -53,7 +59,12 @@ def _run(snap: Snapshot, outcome: _Outcome, after_publish, handle_ref, on_finish
         _finish(outcome, handle_ref, on_finish, None)
 
 
-def _finish(outcome: _Outcome, handle_ref, on_finish, error: BaseException | None) -> None:
+def _finish(
+    outcome: _Outcome,
+    handle_ref: Callable[[], AsyncSave | None],
+    on_finish: Callable[[AsyncSave], None] | None,
+    error: BaseException | None,
+) -> None:
     # A frame of its own: the handle must not be a local of `_run`, whose frame the
     # error's traceback keeps.
     handle = handle_ref()
@@ -81,9 +92,9 @@ class AsyncSave:
         self,
         snap: Snapshot,
         *,
-        on_finish: Callable[["AsyncSave"], None] | None = None,
-        after_publish: Callable[[], None] | None = None,
-    ):
+        on_finish: Callable[[AsyncSave], None] | None = None,
+        after_publish: Callable[[], object] | None = None,
+    ) -> None:
         self.snapshot = snap
         self.path = snap.path
         self.started_s = time.monotonic()

@@ -17,9 +17,10 @@ import math
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from . import _directory, _drill, _format, _targets
+from . import _default_targets, _directory, _drill, _format
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -30,6 +31,9 @@ from ._errors import (
     StructureMismatchError,
 )
 from ._storage import Storage, storage_for
+
+if TYPE_CHECKING:
+    from jax.sharding import PartitionSpec
 
 PROG = "checkpointer"
 
@@ -239,7 +243,7 @@ def _parse_axes(text: str | None, rank: int) -> tuple[str, ...] | None:
     return names
 
 
-def _parse_spec(text: str, mesh) -> tuple[str, object]:
+def _parse_spec(text: str, mesh) -> tuple[str, PartitionSpec]:
     from jax.sharding import PartitionSpec as P
 
     glob, eq, spec = text.partition("=")
@@ -266,9 +270,9 @@ def _parse_spec(text: str, mesh) -> tuple[str, object]:
 def _build_mesh(args, meta, *, abstract: bool = False):
     """The `--mesh`/`--axes` mesh: of this machine's devices, or abstract (no devices needed)."""
     shape = _parse_mesh(args.mesh)
-    axes = _parse_axes(args.axes, len(shape)) or _targets.default_axis_names(meta, len(shape))
+    axes = _parse_axes(args.axes, len(shape)) or _default_targets.default_axis_names(meta, len(shape))
     try:
-        return _targets.abstract_mesh(shape, axes) if abstract else _targets.scratch_mesh(shape, axes)
+        return _default_targets.abstract_mesh(shape, axes) if abstract else _default_targets.scratch_mesh(shape, axes)
     except MeshError as e:
         hint = "" if abstract else "; or plan without the devices with --processes P"
         raise UsageError(f"{e}{hint}") from e
@@ -310,7 +314,7 @@ def _cmd_ls(args, ui: _UI) -> int:
     rows = []
     for e in found:
         state = _state(e, committed)
-        row = {"step": e.step, "folder": e.name, "state": state, "committed": state == "committed",
+        row: dict[str, Any] = {"step": e.step, "folder": e.name, "state": state, "committed": state == "committed",
                "size_bytes": None, "created_unix_s": None, "age_s": None, "metrics": {}, "note": None}
         if e.committed:
             try:
@@ -447,7 +451,7 @@ def _cmd_plan(args, ui: _UI) -> int:
     n_devices = math.prod(mesh.shape.values())
     overrides = [_parse_spec(s, mesh) for s in args.spec]
     try:
-        specs = _targets.target_specs(meta, mesh, overrides)
+        specs = _default_targets.target_specs(meta, mesh, overrides)
     except ValueError as e:
         raise UsageError(f"--spec: {e}") from e
     if processes is None:
@@ -464,10 +468,10 @@ def _cmd_plan(args, ui: _UI) -> int:
             raise UsageError(f"--processes {processes} must divide the mesh's {n_devices} devices")
         if not 0 <= pidx < processes:
             raise UsageError(f"--process-index {pidx} must be in [0, {processes})")
-    target = _targets.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
+    target = _default_targets.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
     plan = plan_restore(meta.path, target, process_index=pidx, processes=args.processes)
 
-    leaves = []
+    leaves: list[dict[str, Any]] = []
     for leaf in plan.leaves:
         leaves.append({
             "leaf": leaf.leaf_path, "shape": list(leaf.shape), "dtype": str(leaf.dtype),

@@ -98,7 +98,7 @@ def _is_save_lock_name(name: str) -> bool:
     if not name.endswith(SAVE_LOCK_SUFFIX):
         return False
     partial = _format.parse_partial_name(name[: -len(SAVE_LOCK_SUFFIX)])
-    return bool(partial) and is_step_name(partial[0])
+    return partial is not None and is_step_name(partial[0])
 
 
 def committed_folders(storage: Storage, directory: str) -> dict[int, str]:

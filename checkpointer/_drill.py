@@ -1,7 +1,7 @@
 """The restore drill: could the job resume from its newest step now, and how fast?
 
 Restores the newest committed step onto a scratch mesh of the devices present with the
-default targets of `_targets` (the same ones `checkpointer plan` uses), times it, then
+default targets of `_default_targets` (the same ones `checkpointer plan` uses), times it, then
 reads every stored byte and checks every checksum.
 """
 
@@ -10,17 +10,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import NamedSharding
 
 from . import _directory
+from ._default_targets import default_axis_names, default_mesh_shape, scratch_mesh, target_specs, target_tree
 from ._errors import CheckpointError, CheckpointNotFoundError
 from ._metadata import read_metadata
 from ._restore import plan_restore, restore
 from ._storage import storage_for
-from ._targets import default_axis_names, default_mesh_shape, scratch_mesh, target_specs, target_tree
 from ._verify import verify
 
 

@@ -27,7 +27,7 @@ import math
 import os
 import struct
 import zipfile
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -113,7 +113,7 @@ def tensor_names(meta: CheckpointMetadata, separator: str = ".") -> dict[str, st
 # --- dtypes ---------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def safetensors_dtype(dtype: np.dtype) -> str | None:
     """The safetensors dtype code of `dtype` (e.g. "BF16"), as the library names it; None
     when the format has none (int4, complex128, float8_e4m3b11fnuz, ...)."""

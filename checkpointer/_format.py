@@ -24,7 +24,8 @@ import math
 import re
 import struct
 import uuid
-from typing import Literal, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
 import crc32c
 import numpy as np
@@ -134,8 +135,9 @@ def dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 
 
-def dtype_from_name(name: str, *, where: str = "") -> np.dtype:
-    """The numpy dtype for a stored dtype name (ml_dtypes names included)."""
+def dtype_from_name(name: object, *, where: str = "") -> np.dtype:
+    """The numpy dtype for a stored dtype name (ml_dtypes names included; any JSON value
+    is accepted and refused unless it names a numeric dtype)."""
     import ml_dtypes  # noqa: F401  (registers bfloat16, float8_*, int4 with numpy)
 
     if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
@@ -156,24 +158,29 @@ def is_numeric_dtype(dtype: np.dtype) -> bool:
     return dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"
 
 
-def dtype_kind(dtype: np.dtype) -> Literal["b", "i", "f", "c"] | None:
+DTypeKind = Literal["b", "i", "f", "c"]
+_NUMPY_KINDS: dict[str, DTypeKind] = {"b": "b", "i": "i", "u": "i", "f": "f", "c": "c"}
+
+
+def dtype_kind(dtype: np.dtype) -> DTypeKind | None:
     """'b' bool, 'i' integer (signed or unsigned, int4 too), 'f' floating (bfloat16,
     float8_* too), 'c' complex; None for anything else. (numpy.can_cast's "same_kind"
     is not used: it allows int to float and, through ml_dtypes, float32 to int4.)"""
     import ml_dtypes
 
     dtype = np.dtype(dtype)
-    if dtype.kind in "bfc":
-        return dtype.kind
-    if dtype.kind in "iu":
+    if dtype.kind in _NUMPY_KINDS:
+        return _NUMPY_KINDS[dtype.kind]
+    try:
+        ml_dtypes.iinfo(dtype)
         return "i"
-    for info, kind in ((ml_dtypes.iinfo, "i"), (ml_dtypes.finfo, "f")):
-        try:
-            info(dtype)
-            return kind
-        except (ValueError, TypeError):
-            continue
-    return None
+    except (ValueError, TypeError):
+        pass
+    try:
+        ml_dtypes.finfo(dtype)
+        return "f"
+    except (ValueError, TypeError):
+        return None
 
 
 def is_whole_byte_dtype(dtype: np.dtype) -> bool:
@@ -192,7 +199,7 @@ def is_whole_byte_dtype(dtype: np.dtype) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def zarr_supports_dtype(dtype: np.dtype) -> bool:
     """Whether TensorStore's zarr3 driver can store `dtype` (e.g. int4: yes; uint4: no)."""
     import tensorstore as ts
@@ -301,7 +308,7 @@ def encoded_chunk_bytes(chunk_shape: Sequence[int], inner_shape: Sequence[int], 
 ZarrSpecMode = Literal["create", "write", "read"]
 
 
-def zarr_spec(kvstore: Mapping, meta: "ArrayMetadata", *, mode: ZarrSpecMode) -> dict:
+def zarr_spec(kvstore: Mapping, meta: ArrayMetadata, *, mode: ZarrSpecMode) -> dict:
     """The TensorStore spec of a leaf's zarr array.
 
     Args:
@@ -315,7 +322,7 @@ def zarr_spec(kvstore: Mapping, meta: "ArrayMetadata", *, mode: ZarrSpecMode) ->
     Returns:
       A dict for `tensorstore.open`.
     """
-    spec = {
+    spec: dict[str, object] = {
         "driver": "zarr3",
         "kvstore": kvstore,
         "metadata": zarr_metadata(meta.shape, meta.dtype, meta.chunk_shape, meta.inner_chunk_shape),
@@ -377,7 +384,7 @@ class SavedSharding:
         }
 
     @staticmethod
-    def from_json(obj: Mapping) -> "SavedSharding":
+    def from_json(obj: Mapping) -> SavedSharding:
         spec = tuple(tuple(s) if isinstance(s, list) else s for s in obj["spec"])
         return SavedSharding(
             kind=str(obj["kind"]),
@@ -519,6 +526,8 @@ def value_to_json(value: object) -> dict | None:
 
 def value_from_json(obj: object, where: str) -> object:
     """Inverse of `value_to_json`. Raises CorruptCheckpointError on malformed input."""
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"malformed value {obj!r:.200} in {where}: not an object")
     try:
         t = obj["type"]
         if t == "none":

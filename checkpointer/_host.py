@@ -15,7 +15,7 @@ import concurrent.futures
 import math
 import os
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import math
 import operator
 import os
-import gc
 import threading
 import time
 import weakref
-from typing import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 from . import _agreement, _directory, _distributed
 from ._async import AsyncSave
@@ -20,10 +22,15 @@ from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundE
 from ._host import HostBufferPool
 from ._metadata import read_metadata
 from ._policies import KeepLatest, KeepPolicy
+from ._read import RestoreStats
 from ._restore import restore as _restore
 from ._save import Snapshot, run_background, take_snapshot
 from ._storage import LockHeldError, Storage, storage_for
+from ._tree import PyTree
 from ._user_metadata import metadata_json, metrics_json
+
+if TYPE_CHECKING:
+    from ._drill import DrillReport
 
 log = logging.getLogger("checkpointer")
 
@@ -59,7 +66,7 @@ class ManagerStatus:
 def _as_step(step: object) -> int:
     """The step as a Python int (numpy and 0-d JAX integers accepted)."""
     try:
-        value = operator.index(step)
+        value = operator.index(step)  # type: ignore[arg-type]  # any object: the TypeError is the check
     except TypeError:
         raise ValueError(f"step must be an int >= 0, got {step!r}") from None
     if value < 0 or isinstance(step, bool):
@@ -76,7 +83,7 @@ class _DirectoryLock:
     job never leaves a stale lock. Needs `storage.supports_locks`.
     """
 
-    def __init__(self, storage: Storage, directory: str):
+    def __init__(self, storage: Storage, directory: str) -> None:
         try:
             self._lock = storage.lock(f"{directory}/{LOCK_NAME}", wait=False, holder=_holder_text())
         except LockHeldError as e:
@@ -169,7 +176,7 @@ class CheckpointManager:
         max_saves_in_flight: int = 1,
         read_only: bool = False,
         agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
-    ):
+    ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
                 f"keep must be a retention policy (ckpt.KeepLatest(n), KeepEvery, KeepBest, KeepSteps, or a union "
@@ -188,7 +195,7 @@ class CheckpointManager:
         self.max_saves_in_flight = max_saves_in_flight
         self.read_only = bool(read_only)
         self._is_primary = _distributed.process_index() == 0
-        self._lock = None
+        self._lock: _DirectoryLock | None = None
         self._release_lock: weakref.finalize | None = None
         self._writer_ready = False
         self._mu = threading.Lock()
@@ -356,7 +363,7 @@ class CheckpointManager:
         step: int,
         tree: object,
         *,
-        metrics: Mapping[str, float] | None = None,
+        metrics: Mapping[str, object] | None = None,
         metadata: Mapping[str, object] | None = None,
         force: bool = False,
         per_process_state: object = None,
@@ -447,7 +454,7 @@ class CheckpointManager:
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
 
-    def _retention_after(self, step: int):
+    def _retention_after(self, step: int) -> Callable[[], object] | None:
         """The callback process 0 runs after committing `step`, before telling the others."""
         return (lambda: self._apply_retention(protect={step})) if self._is_primary else None
 
@@ -487,10 +494,12 @@ class CheckpointManager:
             if self._release_lock is not None:
                 self._release_lock()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:  # do not mask the caller's exception with a background one
@@ -510,7 +519,7 @@ class CheckpointManager:
                 self._metrics_cache[step] = {}
         return self._metrics_cache[step]
 
-    def _apply_retention(self, protect: set[int] = frozenset()) -> list[int]:
+    def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
         steps = self.all_steps()
         if not steps:
             return []
@@ -536,12 +545,20 @@ class CheckpointManager:
 
     # --- restore ------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: object = None, **kwargs):
+    def restore(
+        self,
+        step: int | None = None,
+        target: object = None,
+        *,
+        partial: bool = False,
+        max_inflight_bytes: int | None = None,
+        stats: RestoreStats | None = None,
+    ) -> PyTree:
         """Restores `step` (default: the newest committed step) onto `target`.
 
         Args:
           step: the step, or None for `latest_step()`.
-          target, **kwargs: as for `ckpt.restore` (`partial`, `max_inflight_bytes`).
+          target, partial, max_inflight_bytes, stats: as for `ckpt.restore`.
         Raises:
           CheckpointNotFoundError: no committed step (or not that one).
 
@@ -551,9 +568,11 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed step in {self.directory}")
-        return _restore(self._read_path(step), target, **kwargs)
+        return _restore(self._read_path(step), target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats)
 
-    def per_process_state(self, step: int | None = None, *, process_index: int | None = None, all_processes: bool = False):
+    def per_process_state(
+        self, step: int | None = None, *, process_index: int | None = None, all_processes: bool = False
+    ) -> object:
         """The per-process state saved with `step` (default: the newest committed step).
 
         As `ckpt.per_process_state`: this process's own record when the job has as
@@ -599,7 +618,7 @@ class CheckpointManager:
                 last_commit_s=self._last["commit_s"],
             )
 
-    def drill(self, mesh_shape=None, *, axis_names=None):
+    def drill(self, mesh_shape: Sequence[int] | None = None, *, axis_names: Sequence[str] | None = None) -> DrillReport:
         """The restore drill: restore the newest committed step onto a scratch mesh of the
         local devices (or `mesh_shape`), verify every checksum, and time it.
 

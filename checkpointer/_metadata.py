@@ -19,7 +19,8 @@ import importlib.metadata
 import math
 import os
 import time
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from . import _format
 from ._box import Box
@@ -31,7 +32,7 @@ from ._tree import check_leaf_path, leaf_paths_of, rebuild
 DISTRIBUTION = "checkpointer"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library_version() -> str:
     """The installed checkpointer's version (`importlib.metadata`), recorded in each
     manifest; `"0+unknown"` when the package runs from a source tree without being
@@ -45,9 +46,9 @@ def library_version() -> str:
 # --- processes/<i>.json ---------------------------------------------------------------------
 
 
-def _json_field(key: str, parse: Callable[[object], object], dump: Callable[[object], object] = lambda v: v, **kw):
+def _json_field(key: str, parse: Callable[[object], object], dump: Callable[[Any], object] = lambda v: v, **kw: Any) -> Any:
     """A dataclass field stored under `key`: `parse` checks and converts the JSON value
-    (raising ValueError or TypeError), `dump` is its inverse."""
+    (raising ValueError or TypeError), `dump` is its inverse (it takes the field's type)."""
     return dataclasses.field(metadata={"key": key, "parse": parse, "dump": dump}, **kw)
 
 
@@ -69,7 +70,10 @@ def _seconds(v: object) -> float:
     return v
 
 
-def _record_to_json(obj: object) -> dict:
+_Record = TypeVar("_Record", "ChunkRecord", "ProcessRecord")
+
+
+def _record_to_json(obj: ChunkRecord | ProcessRecord) -> dict:
     out = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
@@ -79,7 +83,7 @@ def _record_to_json(obj: object) -> dict:
     return out
 
 
-def _record_from_json(cls: type, obj: object, where: str):
+def _record_from_json(cls: type[_Record], obj: object, where: str) -> _Record:
     """Parses `obj` into `cls` by its `_json_field`s: a required field (one without a
     default) must be present, an optional one may be absent or null; the others go to
     `extra`."""
@@ -136,7 +140,7 @@ class ChunkRecord:
         return _record_to_json(self)
 
     @staticmethod
-    def from_json(obj: object, where: str) -> "ChunkRecord":
+    def from_json(obj: object, where: str) -> ChunkRecord:
         """Parses one chunk entry.
 
         Raises:
@@ -186,7 +190,7 @@ class ProcessRecord:
         return _record_to_json(self)
 
     @staticmethod
-    def from_json(obj: object, where: str) -> "ProcessRecord":
+    def from_json(obj: object, where: str) -> ProcessRecord:
         """Parses and validates a process record.
 
         Args:
@@ -300,7 +304,8 @@ def _require(cond: bool, what: str, where: str) -> None:
 
 def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     """Validates a parsed manifest; every failure is a `CorruptCheckpointError`."""
-    _require(isinstance(raw, dict), "not a JSON object", where)
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"manifest of {where}: not a JSON object")
     version = raw.get("format_version")
     if not _is_int(version) or version != _format.FORMAT_VERSION:
         raise CorruptCheckpointError(
@@ -310,9 +315,11 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     step = raw.get("step")
     _require(step is None or _is_int(step), f"step {step!r:.100} is not an int", where)
     leaves_raw = raw.get("leaves")
-    _require(isinstance(leaves_raw, dict), "'leaves' is not an object", where)
+    if not isinstance(leaves_raw, dict):
+        raise CorruptCheckpointError(f"manifest of {where}: 'leaves' is not an object")
     structure = raw.get("structure")
-    _require(isinstance(structure, dict), "'structure' is not an object", where)
+    if not isinstance(structure, dict):
+        raise CorruptCheckpointError(f"manifest of {where}: 'structure' is not an object")
     user_metadata = raw.get("user_metadata", {})
     _require(isinstance(user_metadata, dict), "'user_metadata' is not an object", where)
     pcount = raw.get("process_count", 1)

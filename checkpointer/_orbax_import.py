@@ -34,7 +34,7 @@ import json
 import logging
 import math
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import tensorstore as ts
@@ -162,7 +162,7 @@ def orbax_tree(src: str | os.PathLike) -> tuple[str, object]:
     shardings = _read_json(storage, f"{item}/{SHARDING_FILE}", required=False) or {}
     strings = _read_json(storage, f"{item}/{STRINGS_FILE}", required=False) or {}
     entries = []
-    for raw_key, entry in meta["tree_metadata"].items():
+    for entry in meta["tree_metadata"].values():
         keys = _keys(entry, f"{item}/{METADATA_FILE}")
         value_meta = entry.get("value_metadata") or {}
         entries.append((keys, value_meta.get("value_type"), value_meta))
@@ -170,7 +170,7 @@ def orbax_tree(src: str | os.PathLike) -> tuple[str, object]:
     entries.sort(key=lambda e: tuple((type(k) is int, str(k)) for k in e[0]))
     all_keys = [e[0] for e in entries]
     flat = []
-    for keys, value_type, value_meta in entries:
+    for keys, value_type, _value_meta in entries:
         if value_type in _EMPTY and any(len(o) > len(keys) and o[: len(keys)] == keys for o in all_keys):
             continue
         name = ".".join(str(k) for k in keys)

@@ -78,7 +78,7 @@ def _scratch(n: int) -> memoryview:
     if buf is None or len(buf) < n:
         buf = np.empty(max(n, 1 << 20), np.uint8)
         _local.buf = buf
-    return memoryview(buf)[:n]
+    return buf.data[:n]
 
 
 class _ChunkFile:
@@ -86,7 +86,8 @@ class _ChunkFile:
     counting the bytes fetched into the restore's statistics."""
 
     def __init__(self, storage: Storage, path: str, key: str, stats: RestoreStats):
-        self.stats, self.location = stats, f"{path}/{key}"
+        self.stats = stats
+        self.location = f"{path}/{key}"
         self._reader = storage.open_reader(self.location)
 
     def size(self) -> int | None:

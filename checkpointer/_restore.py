@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +36,7 @@ from ._read import RestoreStats
 from ._restore_plan import BoxRead, LeafRestorePlan, RestorePlan, build_plan, chunk_keys
 from ._storage import TS_CONTEXT, Storage, storage_for
 from ._targets import LeafTarget, ResolvedTarget, resolve_tree
-from ._tree import rebuild
+from ._tree import PyTree, rebuild
 
 log = logging.getLogger("checkpointer")
 
@@ -116,11 +117,11 @@ def _read_leaf(
         _check_stored(store, meta, path)
     # Where each device's piece goes: the device, in the target's memory kind (so a
     # target in pinned_host memory gets host-offloaded arrays).
-    devices = (
-        {d.id: jax.sharding.SingleDeviceSharding(d, memory_kind=lt.sharding.memory_kind) for d in lt.sharding.addressable_devices}
-        if lt.sharding is not None
-        else {}
-    )
+    devices: dict[int, jax.sharding.Sharding] = {}
+    if lt.sharding is not None:
+        addressable: set[Any] = lt.sharding.addressable_devices  # Any: jaxlib has no stubs for Device
+        memory_kind = lt.sharding.memory_kind
+        devices = {d.id: jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in addressable}
     dtype = lt.dtype if lt.dtype is not None else meta.dtype
     out: dict[int, object] = {}
     for b in lp.boxes:
@@ -164,7 +165,8 @@ def _assemble(meta: ArrayMetadata, lt: LeafTarget, placed: dict):
     if lt.sharding is None:
         out = placed[-1]
     else:
-        devices = sorted(lt.sharding.addressable_devices, key=lambda d: d.id)
+        addressable: set[Any] = lt.sharding.addressable_devices  # Any: jaxlib has no stubs for Device
+        devices = sorted(addressable, key=lambda d: d.id)
         out = jax.make_array_from_single_device_arrays(meta.shape, lt.sharding, [placed[d.id] for d in devices])
     return jax.random.wrap_key_data(out, impl=meta.key_impl) if meta.key_impl is not None else out
 
@@ -193,7 +195,7 @@ def restore(
     partial: bool = False,
     max_inflight_bytes: int | None = None,
     stats: RestoreStats | None = None,
-) -> object:
+) -> PyTree:
     """Restores the committed checkpoint at `path`, onto the target's shardings.
 
     Args:
@@ -267,7 +269,7 @@ def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
     size, before the plan is built or anything is allocated: a damaged or hostile
     manifest declaring a huge shape is refused at its first file (one `stat` each)."""
     for leaf in resolved.leaves:
-        if leaf.target is not None:
+        if leaf.target is not None and isinstance(leaf.meta, ArrayMetadata):
             keys = chunk_keys(leaf.meta, [b for _, b in leaf.device_boxes])
             _read.check_chunk_files(storage, path, leaf.meta, keys)
 
@@ -278,7 +280,7 @@ def _restore_once(storage: Storage, path: str, target, partial: bool, max_inflig
     resolved = resolve_tree(meta, target, partial=partial, process_index=pidx)
     for leaf in resolved.leaves:
         lt, m = leaf.target, leaf.meta
-        if lt is not None and lt.sharding is not None and m.key_impl is None:
+        if lt is not None and lt.sharding is not None and isinstance(m, ArrayMetadata) and m.key_impl is None:
             _check_device_dtype(m, lt.dtype if lt.dtype is not None else m.dtype, path)
     _check_files(storage, path, resolved)
     budget = _Budget(max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES)
@@ -288,21 +290,22 @@ def _restore_once(storage: Storage, path: str, target, partial: bool, max_inflig
     results: dict[str, object] = {}
     # The worker threads place arrays on devices: they must see the caller's
     # jax_enable_x64 (a `with jax.enable_x64(...)` block is thread-local).
-    read_leaf = functools.partial(_with_x64, jax.config.jax_enable_x64, _read_leaf)
+    # (Config declares its flags at runtime, hence the ignore.)
+    read_leaf = functools.partial(_with_x64, jax.config.jax_enable_x64, _read_leaf)  # type: ignore[attr-defined]
 
     workers = max(4, 2 * (os.cpu_count() or 2))
     with concurrent.futures.ThreadPoolExecutor(workers) as leaf_pool, concurrent.futures.ThreadPoolExecutor(workers) as chunk_pool:
-        futures = {}
+        pending = []
         for leaf in resolved.leaves:
-            if isinstance(leaf.meta, ValueMetadata):
-                results[leaf.path] = leaf.meta.value
-            else:
-                futures[leaf.path] = leaf_pool.submit(
-                    read_leaf, storage, path, leaf.meta, leaf.target, leaf_plans[leaf.path], budget, pidx, chunk_pool, stats
-                )
-        for leaf in resolved.leaves:
-            if leaf.path in futures:
-                results[leaf.path] = _assemble(leaf.meta, leaf.target, futures[leaf.path].result())
+            m, lt = leaf.meta, leaf.target
+            if isinstance(m, ValueMetadata):
+                results[leaf.path] = m.value
+                continue
+            assert lt is not None, "resolve_tree gives every array leaf a target"
+            future = leaf_pool.submit(read_leaf, storage, path, m, lt, leaf_plans[leaf.path], budget, pidx, chunk_pool, stats)
+            pending.append((leaf.path, m, lt, future))
+        for leaf_path, m, lt, future in pending:
+            results[leaf_path] = _assemble(m, lt, future.result())
     if resolved.treedef is None:
         return rebuild(meta.structure, lambda p: results[p], where=path)
     return jax.tree_util.tree_unflatten(resolved.treedef, [results[leaf.path] for leaf in resolved.leaves])

@@ -19,7 +19,7 @@ inner chunks adjacent in the file into one read. No device work and no I/O here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -84,7 +84,7 @@ class BoxRead:
     device_ids: tuple[int, ...]
     reads: tuple[ChunkRead, ...]
     bytes_needed: int
-    slabs: tuple["BoxRead", ...] = ()
+    slabs: tuple[BoxRead, ...] = ()
 
     @property
     def bytes_read(self) -> int:
@@ -286,8 +286,8 @@ def build_plan(resolved: ResolvedTarget, path: str, *, slab_bytes: int | None = 
     """
     leaves = []
     for leaf in resolved.leaves:
-        if leaf.target is None:
-            continue
+        if leaf.target is None or not isinstance(leaf.meta, ArrayMetadata):
+            continue  # a value leaf: nothing to read
         on_devices = leaf.target.sharding is not None
         leaves.append(plan_leaf(leaf.meta, leaf.device_boxes, slab_bytes=slab_bytes if on_devices else None))
     return RestorePlan(path, resolved.process_index, tuple(leaves))

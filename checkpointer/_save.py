@@ -18,7 +18,8 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeGuard
 
 import jax
 import ml_dtypes
@@ -27,12 +28,12 @@ import tensorstore as ts
 
 from . import _agreement, _distributed, _format
 from ._box import Box
+from ._directory import SAVE_LOCK_SUFFIX
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
 from ._host import HostBufferPool, copy_to_host
 from ._metadata import ChunkRecord, ProcessRecord, manifest_json
 from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
-from ._directory import SAVE_LOCK_SUFFIX
 from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
 from ._tree import describe, flatten
 from ._user_metadata import metadata_json
@@ -85,7 +86,7 @@ class Snapshot:
         return self.storage.commit_strategy.write_path(self.path, self.generation)
 
 
-def _is_array(x: object) -> bool:
+def _is_array(x: object) -> TypeGuard[jax.Array | np.ndarray]:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
@@ -377,16 +378,16 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
         snap.write_s = time.perf_counter() - t0
+        snap.bytes_written = sum(c.file_bytes for c in chunks if c.file_bytes is not None)
         record = ProcessRecord(
             process_index=snap.process_index,
             generation=snap.generation,
             chunks=tuple(chunks),
-            bytes_written=sum(c.file_bytes for c in chunks),
+            bytes_written=snap.bytes_written,
             snapshot_s=round(snap.snapshot_s, 6),
             write_s=round(snap.write_s, 6),
             per_process_state=snap.per_process_state,  # additive: absent when the save gave none
         )
-        snap.bytes_written = record.bytes_written
         snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
         return record
     except BaseException as e:
@@ -411,7 +412,7 @@ def _manifest(snap: Snapshot, process_bytes: list[int]) -> dict:
     )
 
 
-def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], None] | None = None) -> None:
+def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], object] | None = None) -> None:
     """Runs the commit protocol; returns once the checkpoint is committed on every process.
 
     `after_publish` runs on process 0 after the commit and before the other processes
@@ -430,7 +431,7 @@ def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], No
         return
     try:
         summaries = coord.wait_all_done()
-        process_bytes = [int(s) for s in summaries] if summaries else [record.bytes_written]
+        process_bytes = [int(s) for s in summaries] if summaries else [snap.bytes_written]
         _check_records(snap)
         _publish(snap, process_bytes)
     except BaseException as e:
@@ -528,7 +529,7 @@ def _release_host(snap: Snapshot) -> None:
         leaf.host = []
 
 
-def run_background(snap: Snapshot, after_publish: Callable[[], None] | None = None) -> None:
+def run_background(snap: Snapshot, after_publish: Callable[[], object] | None = None) -> None:
     """write_snapshot then commit; on failure tells the others, cleans up, re-raises."""
     coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
     try:

@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import time
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 

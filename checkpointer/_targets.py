@@ -2,16 +2,11 @@
 
 Owns everything between a user's target tree and the restore planner: matching target
 leaves to stored leaves (`match`), resolving one target leaf into a `LeafTarget` (shape,
-dtype cast, sharding; `resolve_target`), assigning the target's per-device boxes to
+dtype cast, sharding; `resolve_target`), and assigning the target's per-device boxes to
 processes (`device_boxes`, from a device→process mapping, so `plan_restore`, the CLI
-and the drill plan for any process count with the same code), and the default targets
-of `checkpointer plan` and the drill (`default_spec`, `target_specs`, `target_tree`,
-`scratch_mesh`). No I/O; devices are only read from the target's shardings.
-
-Default target rule (`default_spec`): each entry of a leaf's saved PartitionSpec is kept
-when every mesh axis it names exists in the new mesh and the product of those axes'
-sizes divides that dimension; otherwise that dimension is replicated (None). A leaf
-saved without a named sharding (a single device, a host numpy array) is replicated.
+and the drill plan for any process count with the same code). The default targets of
+`checkpointer plan` and the drill live in `_default_targets`. No I/O; devices are only
+read from the target's shardings.
 
 Device→process rule (`device_boxes`): by default each device belongs to its own
 `process_index`; with `processes=P` the target mesh's devices are spread over P
@@ -20,18 +15,14 @@ processes in mesh order, each holding a consecutive block of `n_devices // P`.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import fnmatch
 import math
-import urllib.parse
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeGuard
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from jax.tree_util import DictKey
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from . import _format
 from ._box import Box
@@ -46,7 +37,7 @@ from ._errors import (
 )
 from ._format import ArrayMetadata, ValueMetadata
 from ._metadata import CheckpointMetadata
-from ._tree import escape_key, flatten
+from ._tree import flatten
 
 # --- one leaf -------------------------------------------------------------------------------
 
@@ -213,7 +204,7 @@ def resolve_target(meta: ArrayMetadata, target: object, path: str, *, concrete: 
 # --- device boxes ---------------------------------------------------------------------------
 
 
-def _spec_axes(entry) -> tuple[str, ...]:
+def spec_axes(entry) -> tuple[str, ...]:
     """The mesh axes one PartitionSpec entry names (major to minor)."""
     if entry is None:
         return ()
@@ -244,7 +235,7 @@ def named_shard_boxes(
     names, sizes = list(mesh_shape), list(mesh_shape.values())
     per_dim = []  # (mesh axis positions, parts, shard length) per dimension
     for dim, n in enumerate(shape):
-        axes = _spec_axes(spec[dim]) if dim < len(spec) else ()
+        axes = spec_axes(spec[dim]) if dim < len(spec) else ()
         for a in axes:
             if a not in mesh_shape:
                 raise ValueError(f"PartitionSpec {spec} names mesh axis {a!r}, which the mesh ({', '.join(names)}) lacks")
@@ -283,7 +274,7 @@ def _check_fits(lt: LeafTarget, meta: ArrayMetadata, path: str) -> None:
         )
     sizes = dict(s.mesh.shape)
     for dim, n in enumerate(lt.shape):
-        axes = _spec_axes(s.spec[dim]) if dim < len(s.spec) else ()
+        axes = spec_axes(s.spec[dim]) if dim < len(s.spec) else ()
         missing = [a for a in axes if a not in sizes]
         if missing:
             raise InvalidTargetError(
@@ -301,6 +292,7 @@ def _concrete_device_boxes(lt: LeafTarget, meta: ArrayMetadata, path: str) -> li
     """`(device id, the device's process_index, box)` of every device of a concrete
     target sharding, in mesh order (sharding device order for other shardings), from JAX."""
     s = lt.sharding
+    assert s is not None, "device_boxes handles host targets"
     try:
         indices = s.devices_indices_map(lt.shape)
     except ValueError as e:
@@ -308,7 +300,7 @@ def _concrete_device_boxes(lt: LeafTarget, meta: ArrayMetadata, path: str) -> li
             f"{where(leaf=meta.path, path=path)}: JAX cannot lay out the target sharding {s} on shape {lt.shape}: "
             f"{str(e).rstrip('.')}. Fix the target's sharding."
         ) from e
-    order = list(s.mesh.devices.flat) if isinstance(s, NamedSharding) else list(indices)
+    order: list[Any] = list(s.mesh.devices.flat) if isinstance(s, NamedSharding) else list(indices)  # Any: no Device stubs
     return [(d.id, d.process_index, Box.from_index(indices[d], lt.shape)) for d in order]
 
 
@@ -365,7 +357,7 @@ def device_boxes(
     return tuple((d, Box(b.origin + (0,) * len(key_tail), b.shape + key_tail)) for d, b in pairs)
 
 
-def _is_abstract(s: jax.sharding.Sharding) -> bool:
+def _is_abstract(s: jax.sharding.Sharding) -> TypeGuard[NamedSharding]:
     return isinstance(s, NamedSharding) and isinstance(s.mesh, jax.sharding.AbstractMesh)
 
 
@@ -472,266 +464,3 @@ def resolve_tree(
         lt = resolve_target(m, t, meta.path, concrete=processes is None)
         leaves.append(ResolvedLeaf(p, m, lt, device_boxes(lt, m, process_index, processes=processes, path=meta.path)))
     return ResolvedTarget(treedef, tuple(leaves), process_index)
-
-
-# --- meshes ---------------------------------------------------------------------------------
-
-
-def scratch_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A Mesh of the first `prod(mesh_shape)` of `devices`, in order.
-
-    Args:
-      mesh_shape: axis sizes, each >= 1.
-      axis_names: one distinct name per axis.
-      devices: the devices to use (default: `jax.local_devices()`).
-    Returns:
-      A `jax.sharding.Mesh` (Auto axes, so any PartitionSpec works).
-    Raises:
-      MeshError (a CheckpointError and ValueError): a size < 1, names that do not match
-        the shape, or fewer devices than the mesh needs (the message says how many are
-        needed and present, and how to simulate CPU devices with XLA_FLAGS).
-
-    Multi-process: uses only the caller's devices; no collective.
-    """
-    shape, names = check_mesh_shape(mesh_shape, axis_names)
-    devices = list(jax.local_devices() if devices is None else devices)
-    need = math.prod(shape)
-    if need > len(devices):
-        kind = devices[0].platform if devices else "cpu"
-        raise MeshError(
-            f"mesh {_shape_str(shape)} needs {need} devices but {len(devices)} {kind} device"
-            f"{'s are' if len(devices) != 1 else ' is'} present; to simulate {need} CPU devices, run with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} (and JAX_PLATFORMS=cpu)"
-        )
-    return Mesh(np.array(devices[:need], dtype=object).reshape(shape), names)
-
-
-def abstract_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str]) -> jax.sharding.AbstractMesh:
-    """A `jax.sharding.AbstractMesh` of this shape: a mesh to plan for without its devices.
-
-    Raises:
-      MeshError: a size < 1 or names that do not match the shape.
-
-    Multi-process: pure.
-    """
-    shape, names = check_mesh_shape(mesh_shape, axis_names)
-    return jax.sharding.AbstractMesh(shape, names)
-
-
-def check_mesh_shape(mesh_shape: Sequence[int], axis_names: Sequence[str]) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """`(shape, names)` checked: sizes >= 1, one distinct name per axis; raises MeshError."""
-    shape = tuple(int(s) for s in mesh_shape)
-    names = tuple(str(a) for a in axis_names)
-    if not shape or any(s < 1 for s in shape):
-        raise MeshError(f"mesh shape {shape} must be one or more sizes >= 1")
-    if len(names) != len(shape) or len(set(names)) != len(names):
-        raise MeshError(f"mesh shape {_shape_str(shape)} needs {len(shape)} distinct axis names, got {list(names)}")
-    return shape, names
-
-
-def _shape_str(shape: Sequence[int]) -> str:
-    return "x".join(str(s) for s in shape)
-
-
-def _saved_meshes(meta: CheckpointMetadata) -> list[tuple[tuple[str, ...], tuple[int, ...]]]:
-    """The saved meshes `(axis names, shape)`, most common first (ties: first seen)."""
-    counts = collections.Counter(
-        (m.saved_sharding.mesh_axis_names, m.saved_sharding.mesh_shape)
-        for m in meta.arrays.values()
-        if m.saved_sharding is not None and m.saved_sharding.kind == "named"
-    )
-    return [mesh for mesh, _ in counts.most_common()]
-
-
-def default_axis_names(meta: CheckpointMetadata, rank: int) -> tuple[str, ...]:
-    """Axis names for a new mesh of `rank` axes.
-
-    Returns:
-      The axis names of the most common saved mesh with `rank` axes, else
-      `("axis0", "axis1", ...)`.
-
-    Multi-process: pure; any process may call it.
-    """
-    for names, _ in _saved_meshes(meta):
-        if len(names) == rank:
-            return names
-    return tuple(f"axis{i}" for i in range(rank))
-
-
-def default_mesh_shape(meta: CheckpointMetadata, device_count: int) -> tuple[int, ...]:
-    """The drill's mesh shape when none is given.
-
-    Returns:
-      The shape of the most common saved mesh when it has exactly `device_count`
-      devices (the job resumes on the same layout), else `(device_count,)`.
-
-    Multi-process: pure; any process may call it.
-    """
-    for _, shape in _saved_meshes(meta):
-        if math.prod(shape) == device_count:
-            return shape
-    return (device_count,)
-
-
-# --- default targets ------------------------------------------------------------------------
-
-
-def target_shape(meta: ArrayMetadata) -> tuple[int, ...]:
-    """The shape a restore of `meta` produces (a PRNG key array's shape without the key data dims).
-
-    Multi-process: pure; any process may call it.
-    """
-    return resolve_target(meta, None, "").shape
-
-
-def default_spec(meta: ArrayMetadata, mesh: Mesh | jax.sharding.AbstractMesh) -> P:
-    """The default target PartitionSpec of one leaf on `mesh` (see the module docstring).
-
-    Args:
-      meta: the stored leaf.
-      mesh: the target mesh (concrete or abstract).
-    Returns:
-      The saved spec with every entry that does not fit `mesh` (an axis name it lacks,
-      or axis sizes that do not divide the dimension) replaced by None; `P()` for
-      leaves saved without a named sharding.
-
-    Multi-process: pure; every process gets the same answer.
-    """
-    saved = meta.saved_sharding
-    if saved is None or saved.kind != "named":
-        return P()
-    shape = target_shape(meta)
-    sizes = dict(mesh.shape)
-    entries = []
-    for dim, entry in enumerate(saved.spec):
-        names = _spec_axes(entry)
-        fits = (
-            entry is not None
-            and dim < len(shape)
-            and all(n in sizes for n in names)
-            and shape[dim] % math.prod(sizes[n] for n in names) == 0
-        )
-        entries.append(entry if fits else None)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return P(*entries)
-
-
-def target_specs(
-    meta: CheckpointMetadata, mesh: Mesh | jax.sharding.AbstractMesh, overrides: Sequence[tuple[str, P]] = ()
-) -> dict[str, P]:
-    """The target PartitionSpec of every array leaf.
-
-    Args:
-      meta: the checkpoint's metadata.
-      mesh: the target mesh (concrete or abstract).
-      overrides: `(glob, spec)` pairs; a leaf whose path matches `glob`
-        (`fnmatch.fnmatchcase`) gets `spec`; the last matching pair wins.
-    Returns:
-      Leaf path → PartitionSpec, for the array leaves, in tree order.
-    Raises:
-      ValueError: a glob matches no array leaf, or an overriding spec does not fit its
-        leaf (more entries than dimensions, an axis `mesh` lacks or uses twice, axis
-        sizes that do not divide the dimension); the message names the leaf.
-
-    Multi-process: pure; every process gets the same answer.
-    """
-    specs = {p: default_spec(m, mesh) for p, m in meta.arrays.items()}
-    chosen: dict[str, str] = {}
-    for glob, spec in overrides:
-        hits = [p for p in specs if fnmatch.fnmatchcase(p, glob)]
-        if not hits:
-            shown = ", ".join(repr(p) for p in list(specs)[:8]) + (", ..." if len(specs) > 8 else "")
-            raise ValueError(f"the leaf glob {glob!r} matches no array leaf (leaves: {shown})")
-        for p in hits:
-            specs[p], chosen[p] = spec, glob
-    sizes = dict(mesh.shape)
-    for p, glob in chosen.items():
-        shape, spec = target_shape(meta.arrays[p]), specs[p]
-        what = f"{spec} (from {glob!r}) for leaf {p!r} of shape {shape}"
-        if len(spec) > len(shape):
-            raise ValueError(f"{what}: {len(spec)} entries for {len(shape)} dimension(s); narrow the glob or add a later spec for that leaf")
-        used: list[str] = []
-        for dim, entry in enumerate(spec):
-            names = _spec_axes(entry)
-            for n in names:
-                if n not in sizes or n in used:
-                    raise ValueError(f"{what}: mesh axis {n!r} is {'used twice' if n in used else 'not in the mesh'}")
-                used.append(n)
-            if shape[dim] % math.prod(sizes[n] for n in names):
-                raise ValueError(
-                    f"{what}: dimension {dim} of size {shape[dim]} is not divisible by {math.prod(sizes[n] for n in names)} "
-                    f"({'*'.join(names)}); JAX needs even shards"
-                )
-    return specs
-
-
-class _PathNode:
-    """A pytree node whose children flatten to given leaf-path components.
-
-    Lets a restore target be built from the manifest's leaf paths alone, whatever node
-    types (and key types) the saved tree had.
-    """
-
-    def __init__(self, keys: tuple, children: list):
-        self.keys, self.children = keys, children
-
-
-jax.tree_util.register_pytree_with_keys(
-    _PathNode,
-    lambda n: (list(zip(n.keys, n.children)), n.keys),
-    lambda keys, children: _PathNode(keys, list(children)),
-    lambda n: (n.children, n.keys),
-)
-
-
-def _key_entry(component: str) -> DictKey:
-    """A key entry that `_tree.escape_key` turns back into `component`."""
-    if component.startswith("@int:"):
-        entry = DictKey(int(component[len("@int:") :]))
-    elif component.startswith("@"):
-        type_name, _, quoted = component[1:].partition(":")
-        text = urllib.parse.unquote(quoted)
-        entry = DictKey(type(type_name, (), {"__repr__": lambda self: text})())
-    elif component == "%":
-        entry = DictKey("")
-    else:
-        entry = DictKey(urllib.parse.unquote(component))
-    if escape_key(entry) != component:
-        raise CorruptCheckpointError(f"leaf path component {component!r} is not in canonical escaped form")
-    return entry
-
-
-def target_tree(meta: CheckpointMetadata, leaves: Mapping[str, object]) -> object:
-    """A restore target with exactly the checkpoint's leaf paths.
-
-    Args:
-      meta: the checkpoint's metadata.
-      leaves: leaf path → target leaf (a Sharding, ShapeDtypeStruct, ...); leaf paths
-        absent from it (non-array leaves) get None.
-    Returns:
-      A pytree to pass as `target` to `restore` / `plan_restore`; its nodes are
-      internal, so the restored tree is for inspection, not for training code.
-    Raises:
-      CorruptCheckpointError: a leaf path is not in the canonical escaped form.
-
-    Multi-process: pure; any process may call it.
-    """
-    if list(meta.leaves) == [""]:
-        return leaves.get("")
-    root: dict = {}
-    for path in meta.leaves:
-        node = root
-        parts = path.split("/")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = leaves.get(path)
-
-    def build(d: dict) -> _PathNode:
-        return _PathNode(tuple(_key_entry(k) for k in d), [build(v) if isinstance(v, dict) else v for v in d.values()])
-
-    tree = build(root)
-    flat = [p for p, _ in flatten(tree, is_leaf=lambda x: x is None or not isinstance(x, _PathNode))]
-    if sorted(flat) != sorted(meta.leaves):
-        raise CorruptCheckpointError(f"the leaf paths of {meta.path} cannot be rebuilt into a target tree")
-    return tree

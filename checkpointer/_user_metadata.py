@@ -14,7 +14,7 @@ Rule (both arguments, at any depth):
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import numpy as np

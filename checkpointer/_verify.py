@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import tensorstore as ts
 
@@ -82,7 +82,7 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
         for cell in grid_cells(Box.whole(m.shape), m.chunk_shape):
             work.append((leaf, m, cell))
     n_bytes = 0
-    stores: dict[str, object] = {}
+    stores: dict[str, ts.TensorStore] = {}
     for i, (leaf, m, cell) in enumerate(work):
         key = _format.chunk_key(leaf, cell)
         try:

@@ -22,7 +22,7 @@ written before them restore as ever. A level one of whose members escapes to the
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from . import _format
 

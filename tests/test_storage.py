@@ -16,6 +16,7 @@ import pytest
 import tensorstore as ts
 
 from checkpointer import _format
+from checkpointer._commit import MarkerCommit, RenameCommit
 from checkpointer._errors import CheckpointExistsError
 from checkpointer._storage import (
     TS_CONTEXT,
@@ -23,8 +24,6 @@ from checkpointer._storage import (
     KvStorage,
     LocalStorage,
     LockHeldError,
-    MarkerCommit,
-    RenameCommit,
     storage_for,
 )
 
