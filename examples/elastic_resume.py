@@ -142,11 +142,14 @@ def phase2(checkpoint_dir: str, crashed: list[str], digests: dict[str, dict[str,
         _charlm.state_shardings(abstract_state, mesh),
     )
     folders_before = demo.list_folders(checkpoint_dir)
-    with open_manager(checkpoint_dir) as manager:  # opening it removes crashed saves
+    with open_manager(checkpoint_dir) as manager:
+        # Opening a manager only reads; the writer cleans up crashed saves at its first
+        # save, or now with recover() (it takes the directory's writer lock).
+        manager.recover()
         removed = sorted(set(folders_before) - set(demo.list_folders(checkpoint_dir)))
         if removed != sorted(crashed):
-            demo.fail(f"opening the manager removed {removed}, expected the crashed save {crashed}")
-        demo.say(f"opening the CheckpointManager removed {', '.join(n + '/' for n in removed)}, "
+            demo.fail(f"recover() removed {removed}, expected the crashed save {crashed}")
+        demo.say(f"the resuming writer's recover() removed {', '.join(n + '/' for n in removed)}, "
                  "the crashed save")
         resume_step = manager.latest_step()
         demo.say(f"committed checkpoints on disk: {manager.all_steps()}; resuming from {resume_step}")
