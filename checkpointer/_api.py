@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from . import _distributed
+from . import _distributed, _ratelimit
 from ._async import AsyncSave
-from ._save import save_sync, take_snapshot
+from ._save import run_background, take_snapshot
 
 
 def _step_from_path(path: str | os.PathLike) -> int | None:
@@ -22,6 +22,7 @@ def save(
     metadata: Mapping | None = None,
     overwrite: bool = False,
     commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
+    max_write_bytes_per_s: float | None = None,
 ) -> None:
     """Saves `tree` to `path` and returns once it is committed.
 
@@ -33,15 +34,21 @@ def save(
       metadata: a JSON-serialisable dict stored in the manifest (`user_metadata`).
       overwrite: replace an already committed checkpoint at `path`, atomically.
       commit_timeout_s: how long process 0 waits for every process, seconds.
+      max_write_bytes_per_s: caps this process's write throughput, bytes per second
+        (a token bucket paced per chunk write, see `_ratelimit`); None: unlimited.
     Raises:
       CheckpointExistsError: `path` is committed and `overwrite` is False.
       UnsupportedValueError: a leaf cannot be stored (names its leaf path).
+      ValueError: `max_write_bytes_per_s` is not None or a positive number.
       SaveError, CommitTimeoutError: writing or committing failed; nothing was committed.
 
     Multi-process: every process must call it with the same path and tree structure;
     each writes only its devices' `replica_id == 0` shards; process 0 commits.
     """
-    save_sync(path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s)
+    limiter = _ratelimit.limiter_for(max_write_bytes_per_s)
+    snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s)
+    snap.write_limiter = limiter
+    run_background(snap)
 
 
 def save_async(
@@ -51,6 +58,7 @@ def save_async(
     metadata: Mapping | None = None,
     overwrite: bool = False,
     commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
+    max_write_bytes_per_s: float | None = None,
 ) -> AsyncSave:
     """Like `save`, but returns once the host snapshot is taken.
 
@@ -65,5 +73,7 @@ def save_async(
 
     Multi-process: as `save`.
     """
+    limiter = _ratelimit.limiter_for(max_write_bytes_per_s)
     snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s)
+    snap.write_limiter = limiter
     return AsyncSave(snap)

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Mapping
 
-from . import _directory, _distributed
+from . import _directory, _distributed, _ratelimit
 from ._async import AsyncSave
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from ._host import HostBufferPool
@@ -41,6 +41,8 @@ class ManagerStatus:
       last_wait_s: seconds the last `save` waited for the previous save to finish.
       last_write_s: seconds the last finished save spent writing.
       last_commit_s: seconds from the last finished save's snapshot to its commit.
+      last_write_bytes_per_s: this process's write throughput of the last finished save
+        (bytes written / `last_write_s`), bytes per second.
     """
 
     latest_committed_step: int | None
@@ -51,6 +53,7 @@ class ManagerStatus:
     last_wait_s: float | None
     last_write_s: float | None
     last_commit_s: float | None
+    last_write_bytes_per_s: float | None = None
 
 
 def _as_step(step: object) -> int:
@@ -79,6 +82,11 @@ def _metrics_json(metrics: Mapping[str, object] | None) -> dict:
             raise ValueError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r:.80}") from None
         out[str(name)] = number if math.isfinite(number) else ("NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity"))
     return out
+
+
+def _write_rate(snap: Snapshot) -> float | None:
+    """Bytes per second this process wrote in `snap` (None before it wrote anything)."""
+    return snap.bytes_written / snap.write_s if snap.write_s > 0 and snap.bytes_written else None
 
 
 class _DirectoryLock:
@@ -125,9 +133,13 @@ class CheckpointManager:
       commit_timeout_s: how long process 0 waits for every process's report, seconds.
       max_saves_in_flight: saves allowed in flight at once (1 bounds host memory to one
         snapshot); a new save waits for the oldest one, and the wait is recorded.
+      max_write_bytes_per_s: caps this process's write throughput, bytes per second,
+        shared by all its saves in flight (a token bucket, see `_ratelimit`); None:
+        unlimited. `status().last_write_bytes_per_s` shows the rate achieved.
 
     Raises:
       CheckpointError: another manager holds `directory` (POSIX).
+      ValueError: an interval, `max_saves_in_flight` or `max_write_bytes_per_s` out of range.
 
     Multi-process: every process constructs it and calls `save`/`restore` in the same
     order; process 0 alone cleans up, applies retention and holds the directory lock.
@@ -142,6 +154,7 @@ class CheckpointManager:
         async_save: bool = True,
         commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
         max_saves_in_flight: int = 1,
+        max_write_bytes_per_s: float | None = None,
     ):
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -152,6 +165,7 @@ class CheckpointManager:
             raise ValueError(f"max_saves_in_flight must be an int >= 1, got {max_saves_in_flight!r}")
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}")
+        self._write_limiter = _ratelimit.limiter_for(max_write_bytes_per_s)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
         self.save_interval_steps = save_interval_steps
@@ -165,7 +179,7 @@ class CheckpointManager:
         self._pending_error: BaseException | None = None
         self._last_error: str | None = None
         self._last_requested_step: int | None = None
-        self._last: dict[str, float | None] = dict.fromkeys(("snapshot_s", "wait_s", "write_s", "commit_s"))
+        self._last: dict[str, float | None] = dict.fromkeys(("snapshot_s", "wait_s", "write_s", "commit_s", "write_bytes_per_s"))
         self._snapshot_history_s: list[float] = []
         self._metrics_cache: dict[int, dict] = {}
         self._closed = False
@@ -207,6 +221,7 @@ class CheckpointManager:
         with self._mu:
             self._last["write_s"] = snap.write_s
             self._last["commit_s"] = handle.commit_s
+            self._last["write_bytes_per_s"] = _write_rate(snap)
             if handle.error is not None:
                 self._pending_error = handle.error
                 self._last_error = f"step {step}: {type(handle.error).__name__}: {handle.error}"
@@ -258,6 +273,7 @@ class CheckpointManager:
             self.step_path(step), tree, metadata=user_metadata, overwrite=force, step=step,
             commit_timeout_s=self.commit_timeout_s, buffers=self._buffers,
         )
+        snap.write_limiter = self._write_limiter
         with self._mu:
             self._last["snapshot_s"], self._last["wait_s"] = snap.snapshot_s, wait_s
             self._snapshot_history_s.append(snap.snapshot_s)
@@ -282,6 +298,7 @@ class CheckpointManager:
             raise
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
+            self._last["write_bytes_per_s"] = _write_rate(snap)
 
     def _retention_after(self, step: int):
         """The callback process 0 runs after committing `step`, before telling the others."""
@@ -412,6 +429,7 @@ class CheckpointManager:
                 last_wait_s=self._last["wait_s"],
                 last_write_s=self._last["write_s"],
                 last_commit_s=self._last["commit_s"],
+                last_write_bytes_per_s=self._last["write_bytes_per_s"],
             )
 
     def drill(self, mesh_shape=None, *, axis_names=None):

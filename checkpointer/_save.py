@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from . import _distributed, _format
+from . import _distributed, _format, _ratelimit
 from ._box import Box
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
@@ -73,6 +73,7 @@ class Snapshot:
     commit_timeout_s: float
     buffers: HostBufferPool | None = None
     lock: object | None = None  # process 0's lock on `<partial>.lock` while writing
+    write_limiter: _ratelimit.TokenBucket | None = None  # max_write_bytes_per_s (None: unlimited)
     snapshot_s: float = 0.0
     write_s: float = 0.0
     commit_s: float = 0.0
@@ -342,6 +343,7 @@ def write_snapshot(snap: Snapshot) -> dict:
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf.meta.path, path=root, process=snap.process_index)}: cannot create the zarr array: {e}") from e
             for w, host in zip(leaf.plan.writes, leaf.host):
+                _ratelimit.acquire(snap.write_limiter, host.nbytes)  # paced per chunk write
                 futures.append((leaf.meta.path, store[w.box.slices()].write(host) if host.size else None))
                 chunks.append(
                     {
