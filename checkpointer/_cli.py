@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Sequence
 
-from . import _directory, _drill
+from . import _catalog, _directory, _drill
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -595,6 +595,7 @@ def _cmd_gc(args, ui: _UI) -> int:
                 raise CheckpointError(f"{e} (gc needs the directory to itself)") from e
         try:
             done = set(_directory.recover(storage, directory))
+            _catalog.repair(storage, directory)
             actions = [(n, a) for n, a in actions if n in done]
             steps = _directory.committed_steps(storage, directory)
             doomed = steps[: -args.keep_latest] if args.keep_latest else []

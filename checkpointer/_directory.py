@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 
-from . import _format
+from . import _catalog, _format
 from ._errors import CheckpointError
 from ._storage import Storage
 
@@ -75,7 +75,13 @@ def entries(storage: Storage, directory: str) -> list[StepEntry]:
 
 
 def committed_steps(storage: Storage, directory: str) -> list[int]:
-    """The committed steps, ascending. Never a step whose folder lacks the marker."""
+    """The committed steps, ascending. Never a step whose folder lacks the marker.
+
+    Object stores read the step catalog when the directory has one (see `_catalog`).
+    """
+    steps = _catalog.committed_steps(storage, directory)
+    if steps is not None:
+        return steps
     return sorted({e.step for e in entries(storage, directory) if e.committed and e.generation is None})
 
 
@@ -228,6 +234,7 @@ def unpublish_step(storage: Storage, directory: str, step: int) -> str:
         storage.rename(path, moved)
         return moved
     storage.delete_file(f"{path}/{_format.COMMITTED}")
+    _catalog.remove_entry(storage, directory, step)  # after the marker, before the objects
     return path
 
 

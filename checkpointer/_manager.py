@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Mapping
 
-from . import _directory, _distributed, _ratelimit
+from . import _catalog, _directory, _distributed, _ratelimit
 from ._async import AsyncSave
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from ._host import HostBufferPool
@@ -192,6 +192,7 @@ class CheckpointManager:
             if self.storage.supports_rename:
                 self._lock = _DirectoryLock(self.directory)
             _directory.recover(self.storage, self.directory)
+            _catalog.repair(self.storage, self.directory)
 
     # --- listing ------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from . import _distributed, _format, _ratelimit
+from . import _catalog, _distributed, _format, _ratelimit
 from ._box import Box
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
@@ -433,6 +433,7 @@ def commit(snap: Snapshot, record: dict, after_publish: Callable[[], None] | Non
         summaries = coord.wait_all_done()
         process_bytes = [int(s) for s in summaries] if summaries else [record["bytes_written"]]
         _check_records(snap)
+        _catalog.add_entry(snap.storage, snap.path, snap.generation)  # before the marker
         _publish(snap, process_bytes)
     except BaseException as e:
         coord.announce_commit(f"{type(e).__name__}: {e}")
