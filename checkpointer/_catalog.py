@@ -149,10 +149,13 @@ def repair(storage: Storage, directory: str) -> tuple[list[int], list[int]]:
         return [], []
     from ._directory import entries  # _directory reads through this module
 
+    # The catalog first, then the folders: an entry seen here was written after its
+    # step's objects, so the full listing sees that folder and a save committing
+    # meanwhile (`checkpointer gc` beside a live writer) does not lose its entry.
+    listed = set(catalog_steps(storage, directory, complete_only=False))
     found = entries(storage, directory)
     committed = {e.step for e in found if e.committed and e.generation is None}
     folders = {e.step for e in found if e.generation is None}
-    listed = set(catalog_steps(storage, directory, complete_only=False))
     added = sorted(committed - listed)
     removed = sorted(s for s in listed if s not in folders)
     for step in added:

@@ -34,7 +34,7 @@ def run_dir(request):
     if request.param == "memory":
         return f"memory://catalog-{uuid.uuid4().hex[:8]}/run"
     s3 = request.getfixturevalue("s3")
-    return f"s3://{s3.new_bucket()}/run"
+    return f"s3://{s3.new_bucket('catalog')}/run"  # moto buckets are process-wide: own names
 
 
 def _state(value):
