@@ -28,10 +28,10 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from s3server import running_s3_server  # noqa: E402
+from s3server import running_s3_server
 
-from checkpointer import _catalog, _directory  # noqa: E402
-from checkpointer._storage import storage_for  # noqa: E402
+from checkpointer import _catalog, _directory
+from checkpointer._storage import storage_for
 
 
 def _timed(fn, runs: int) -> tuple[float, object]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 DEFAULT_BURST_S = 0.05
 MIN_BURST_BYTES = 64 * 1024

@@ -9,6 +9,7 @@ import uuid
 import jax
 import numpy as np
 import pytest
+from conftest import make_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -16,7 +17,6 @@ import checkpointer as ckpt
 from checkpointer import _catalog, _cli, _directory, _format, _save
 from checkpointer._errors import SaveError
 from checkpointer._storage import KvStorage, storage_for
-from conftest import make_mesh
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_steps_are_listed_through_the_catalog_and_equal_the_markers(run_dir, lis
 
 
 def test_the_entry_is_written_before_the_marker_so_no_commit_lacks_one(run_dir, monkeypatch):
-    storage, directory = storage_for(run_dir)
+    _, directory = storage_for(run_dir)
     writes = []
     real = KvStorage.write_file
     monkeypatch.setattr(KvStorage, "write_file", lambda self, p, d: writes.append(p) or real(self, p, d))

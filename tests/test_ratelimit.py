@@ -6,6 +6,7 @@ import threading
 import jax
 import numpy as np
 import pytest
+from conftest import make_mesh
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
@@ -14,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 import checkpointer as ckpt
 from checkpointer import _ratelimit
 from checkpointer._ratelimit import TokenBucket
-from conftest import make_mesh
 
 
 class FakeClock:
