@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo lint test bench clean
 
 venv: $(VENV)/.installed
 
@@ -17,7 +17,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: venv
 	$(PY) examples/elastic_resume.py
 
-test: venv
+# ruff and mypy read their configuration from pyproject.toml; `make test` runs them first.
+lint: venv
+	$(VENV)/bin/ruff check checkpointer
+	$(VENV)/bin/mypy
+
+test: lint
 	$(PY) -m pytest -q
 
 bench: venv
@@ -25,4 +30,4 @@ bench: venv
 	$(PY) benchmarks/restore_bench.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info demo_out
+	rm -rf $(VENV) build *.egg-info demo_out .mypy_cache .ruff_cache

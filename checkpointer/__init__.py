@@ -7,12 +7,10 @@
 See DESIGN.md for the on-disk format and the commit protocol.
 """
 
-__version__ = "0.1.0"
-
 from ._api import save, save_async
 from ._async import AsyncSave
-from ._drill import DrillReport
 from ._box import Box
+from ._drill import DrillReport
 from ._errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -21,26 +19,36 @@ from ._errors import (
     CorruptCheckpointError,
     DTypeMismatchError,
     InvalidTargetError,
+    MeshError,
+    ProcessCountMismatchError,
+    SaveAgreementError,
     SaveError,
     ShapeMismatchError,
     StructureMismatchError,
     UnsupportedValueError,
 )
+from ._export import ExportReport, export
 from ._format import ArrayMetadata, SavedSharding, ValueMetadata
 from ._manager import CheckpointManager, ManagerStatus
-from ._metadata import CheckpointMetadata, metadata
+from ._metadata import CheckpointMetadata, library_version as _library_version, metadata
+from ._orbax_import import import_orbax
 from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
+from ._process_state import per_process_state
+from ._read import RestoreStats
 from ._restore import plan_restore, restore
 from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
 from ._verify import VerifyReport, verify
 
+__version__ = _library_version()  # the installed distribution's, as each manifest records it
+
 __all__ = [
-    "save", "save_async", "restore", "metadata", "plan_restore", "verify", "VerifyReport",
+    "save", "save_async", "restore", "metadata", "per_process_state", "plan_restore", "RestoreStats", "verify",
+    "VerifyReport", "import_orbax", "export", "ExportReport",
     "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",
     "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "Box",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError", "StructureMismatchError",
-    "ShapeMismatchError", "DTypeMismatchError", "InvalidTargetError", "UnsupportedValueError",
-    "CorruptCheckpointError", "SaveError", "CommitTimeoutError",
+    "ShapeMismatchError", "DTypeMismatchError", "InvalidTargetError", "MeshError", "UnsupportedValueError",
+    "CorruptCheckpointError", "SaveError", "CommitTimeoutError", "SaveAgreementError", "ProcessCountMismatchError",
 ]

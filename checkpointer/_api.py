@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
-from . import _distributed, _ratelimit
+from . import _agreement, _distributed, _ratelimit
 from ._async import AsyncSave
-from ._save import run_background, take_snapshot
+from ._save import save_sync, take_snapshot
 
 
 def _step_from_path(path: str | os.PathLike) -> int | None:
@@ -22,6 +22,8 @@ def save(
     metadata: Mapping | None = None,
     overwrite: bool = False,
     commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
+    agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
+    per_process_state: object = None,
     max_write_bytes_per_s: float | None = None,
 ) -> None:
     """Saves `tree` to `path` and returns once it is committed.
@@ -33,22 +35,32 @@ def save(
         numpy arrays, None, bool, int, float, complex, str or numpy scalars.
       metadata: a JSON-serialisable dict stored in the manifest (`user_metadata`).
       overwrite: replace an already committed checkpoint at `path`, atomically.
-      commit_timeout_s: how long process 0 waits for every process, seconds.
+      commit_timeout_s: how long process 0 waits for every process's shards, seconds.
+      agreement_timeout_s: how long processes wait for each other to agree on what
+        they save, before anything is written, seconds.
+      per_process_state: this process's own JSON-serialisable value (a data loader's
+        position, a host's RNG seed), stored in its `processes/<i>.json` record and
+        read back with `ckpt.per_process_state(path)`; never compared across processes.
       max_write_bytes_per_s: caps this process's write throughput, bytes per second
         (a token bucket paced per chunk write, see `_ratelimit`); None: unlimited.
     Raises:
       CheckpointExistsError: `path` is committed and `overwrite` is False.
-      UnsupportedValueError: a leaf cannot be stored (names its leaf path).
+      UnsupportedValueError: a leaf or `per_process_state` cannot be stored (names it).
+      SaveAgreementError: processes save different paths, steps or trees (or different
+        non-array values), or one did not arrive in time; raised on every process,
+        naming per process what differs; nothing was written.
       ValueError: `max_write_bytes_per_s` is not None or a positive number.
       SaveError, CommitTimeoutError: writing or committing failed; nothing was committed.
 
-    Multi-process: every process must call it with the same path and tree structure;
-    each writes only its devices' `replica_id == 0` shards; process 0 commits.
+    Multi-process: every process must call it with the same path and tree (the same
+    non-array values too), as its n-th save when the others make their n-th; each
+    writes only its devices' `replica_id == 0` shards; process 0 commits.
     """
-    limiter = _ratelimit.limiter_for(max_write_bytes_per_s)
-    snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s)
-    snap.write_limiter = limiter
-    run_background(snap)
+    save_sync(
+        path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s,
+        agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
+        write_limiter=_ratelimit.limiter_for(max_write_bytes_per_s),
+    )
 
 
 def save_async(
@@ -58,6 +70,8 @@ def save_async(
     metadata: Mapping | None = None,
     overwrite: bool = False,
     commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
+    agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
+    per_process_state: object = None,
     max_write_bytes_per_s: float | None = None,
 ) -> AsyncSave:
     """Like `save`, but returns once the host snapshot is taken.
@@ -67,13 +81,17 @@ def save_async(
 
     Returns:
       An `AsyncSave`: `.wait(timeout=None)` returns when committed and raises the
-      background error if there was one; `.done()`.
+      background error if there was one; `.done()`. A failure that no `wait()` raised
+      is logged at ERROR when the handle is garbage-collected or at exit.
     Raises:
       As `save`, for what is checked before the snapshot.
 
     Multi-process: as `save`.
     """
-    limiter = _ratelimit.limiter_for(max_write_bytes_per_s)
-    snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s)
+    limiter = _ratelimit.limiter_for(max_write_bytes_per_s)  # raises before the snapshot
+    snap = take_snapshot(
+        path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s,
+        agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
+    )
     snap.write_limiter = limiter
     return AsyncSave(snap)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -20,7 +21,7 @@ class Box:
     shape: tuple[int, ...]
 
     @staticmethod
-    def from_index(index: Sequence[slice], global_shape: Sequence[int]) -> "Box":
+    def from_index(index: Sequence[slice], global_shape: Sequence[int]) -> Box:
         """The box of a JAX shard index (a tuple of slices) within `global_shape`."""
         origin, shape = [], []
         for sl, dim in zip(index, global_shape):
@@ -32,7 +33,7 @@ class Box:
         return Box(tuple(origin), tuple(shape))
 
     @staticmethod
-    def whole(global_shape: Sequence[int]) -> "Box":
+    def whole(global_shape: Sequence[int]) -> Box:
         """The box covering the whole array."""
         return Box((0,) * len(global_shape), tuple(global_shape))
 
@@ -49,11 +50,11 @@ class Box:
         """The box as a tuple of slices into the global array."""
         return tuple(slice(o, o + s) for o, s in zip(self.origin, self.shape))
 
-    def relative_to(self, outer: "Box") -> tuple[slice, ...]:
+    def relative_to(self, outer: Box) -> tuple[slice, ...]:
         """This box as slices into the buffer of `outer` (which must contain it)."""
         return tuple(slice(o - p, o - p + s) for o, p, s in zip(self.origin, outer.origin, self.shape))
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         """The overlap of two boxes, or None when it is empty."""
         origin = tuple(max(a, b) for a, b in zip(self.origin, other.origin))
         stop = tuple(min(a, b) for a, b in zip(self.stop, other.stop))
@@ -65,7 +66,7 @@ class Box:
         return [list(self.origin), list(self.shape)]
 
     @staticmethod
-    def from_json(obj: object) -> "Box":
+    def from_json(obj: object) -> Box:
         if (
             not isinstance(obj, list)
             or len(obj) != 2
@@ -77,19 +78,12 @@ class Box:
 
 
 def grid_cells(box: Box, cell_shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    """Yields the indices of the grid cells (chunks) of shape `cell_shape` that `box` touches."""
+    """Yields the indices of the grid cells (chunks) of shape `cell_shape` that `box`
+    touches, in C order (last dimension fastest); none for an empty box."""
     if box.size == 0:
-        return
+        return iter(())
     ranges = [range(o // c, (o + s - 1) // c + 1) for o, s, c in zip(box.origin, box.shape, cell_shape)]
-
-    def rec(i: int, prefix: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-        if i == len(ranges):
-            yield prefix
-            return
-        for v in ranges[i]:
-            yield from rec(i + 1, prefix + (v,))
-
-    yield from rec(0, ())
+    return itertools.product(*ranges)
 
 
 def cell_box(cell: Sequence[int], cell_shape: Sequence[int], global_shape: Sequence[int]) -> Box:

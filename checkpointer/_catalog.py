@@ -26,7 +26,8 @@ Rules:
   listing.
 - Deletion: the marker goes first (unpublishing the step), then the entry, then the
   step's objects; a crash in between leaves an entry without marker (ignored).
-- Only the writer repairs: `repair` (at a manager's start and in `checkpointer gc`)
+- Only the writer repairs: `repair` (with the writer's clean-up of crashed saves, at a
+  manager's first save or `recover()`, and in `checkpointer gc`)
   lists the directory in full once, adds entries for committed steps that lack one
   (steps committed by an earlier release's writer, entries removed by hand), removes
   entries of steps with no object left, and writes `catalog.json` when it is missing. A
@@ -55,8 +56,8 @@ _PROBE_THREADS = 16
 
 
 def uses_catalog(storage: Storage) -> bool:
-    """Whether `storage` keeps a step catalog: backends without rename (object stores)."""
-    return not storage.supports_rename
+    """Whether `storage` keeps a step catalog: stores that write in place (object stores)."""
+    return storage.commit_strategy.writes_in_place
 
 
 def _is_step_name(name: str) -> bool:
@@ -152,7 +153,7 @@ def repair(storage: Storage, directory: str) -> tuple[list[int], list[int]]:
     # The catalog first, then the folders: an entry seen here was written after its
     # step's objects, so the full listing sees that folder and a save committing
     # meanwhile (`checkpointer gc` beside a live writer) does not lose its entry.
-    listed = set(catalog_steps(storage, directory, complete_only=False))
+    listed = set(catalog_steps(storage, directory, complete_only=False) or ())
     found = entries(storage, directory)
     committed = {e.step for e in found if e.committed and e.generation is None}
     folders = {e.step for e in found if e.generation is None}

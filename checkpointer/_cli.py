@@ -1,4 +1,4 @@
-"""The `checkpointer` command line: ls, inspect, plan, verify, gc, drill.
+"""The `checkpointer` command line: ls, inspect, plan, verify, gc, drill, import-orbax, export.
 
 Every subcommand prints readable tables (rich) or, with `--json`, one JSON document on
 stdout. Errors are one line on stderr, `checkpointer: error: ...`, with exit status 2
@@ -17,18 +17,23 @@ import math
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from . import _catalog, _directory, _drill
+from . import _catalog, _default_targets, _directory, _drill, _format
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
     DTypeMismatchError,
     InvalidTargetError,
+    MeshError,
     ShapeMismatchError,
     StructureMismatchError,
 )
-from ._storage import LocalStorage, Storage, storage_for
+from ._storage import Storage, storage_for
+
+if TYPE_CHECKING:
+    from jax.sharding import PartitionSpec
 
 PROG = "checkpointer"
 
@@ -59,14 +64,7 @@ class _Parser(argparse.ArgumentParser):
 # --- formatting -------------------------------------------------------------------------------
 
 
-def _human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+_human_bytes = _format.format_bytes
 
 
 def _age(seconds: float | None) -> str:
@@ -117,7 +115,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def _exit_code(e: BaseException) -> int:
-    usage = (UsageError, FileNotFoundError, NotADirectoryError, InvalidTargetError, ShapeMismatchError,
+    usage = (UsageError, FileNotFoundError, NotADirectoryError, InvalidTargetError, MeshError, ShapeMismatchError,
              DTypeMismatchError, StructureMismatchError)
     return 2 if isinstance(e, usage) else 1
 
@@ -196,31 +194,17 @@ def _quiet_library_logs():
 
 def _open_dir(location: str) -> tuple[Storage, str]:
     storage, directory = storage_for(location)
-    if isinstance(storage, LocalStorage) and not os.path.isdir(directory):
+    if storage.has_folders and not storage.is_folder(directory):
         raise CheckpointNotFoundError(f"{directory} is not a directory")
     return storage, directory
 
 
 def _lock_holder(storage: Storage, directory: str) -> str | None:
-    """Who holds the directory lock of a running CheckpointManager, or None (POSIX only)."""
-    if not isinstance(storage, LocalStorage):
-        return None
-    import fcntl
-
+    """Who holds the directory lock of a running CheckpointManager, or None (always
+    None on storage without locks)."""
     from ._manager import LOCK_NAME
 
-    try:
-        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
-        return holder or "unknown holder"
-    finally:
-        os.close(fd)  # also drops a shared lock we took
-    return None
+    return storage.lock_holder(f"{directory}/{LOCK_NAME}")
 
 
 def _metadata(location: str):
@@ -259,7 +243,7 @@ def _parse_axes(text: str | None, rank: int) -> tuple[str, ...] | None:
     return names
 
 
-def _parse_spec(text: str, mesh) -> tuple[str, object]:
+def _parse_spec(text: str, mesh) -> tuple[str, PartitionSpec]:
     from jax.sharding import PartitionSpec as P
 
     glob, eq, spec = text.partition("=")
@@ -283,43 +267,31 @@ def _parse_spec(text: str, mesh) -> tuple[str, object]:
     return glob, P(*entries)
 
 
-def _build_mesh(args, meta):
+def _build_mesh(args, meta, *, abstract: bool = False):
+    """The `--mesh`/`--axes` mesh: of this machine's devices, or abstract (no devices needed)."""
     shape = _parse_mesh(args.mesh)
-    axes = _parse_axes(args.axes, len(shape)) or _drill.default_axis_names(meta, len(shape))
+    axes = _parse_axes(args.axes, len(shape)) or _default_targets.default_axis_names(meta, len(shape))
     try:
-        return _drill.scratch_mesh(shape, axes)
-    except _drill.MeshError as e:
-        raise UsageError(str(e)) from e
+        return _default_targets.abstract_mesh(shape, axes) if abstract else _default_targets.scratch_mesh(shape, axes)
+    except MeshError as e:
+        hint = "" if abstract else "; or plan without the devices with --processes P"
+        raise UsageError(f"{e}{hint}") from e
 
 
 def _mesh_str(mesh) -> str:
-    return " x ".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape))
+    return " x ".join(f"{n}={s}" for n, s in mesh.shape.items())
 
 
 # --- ls ---------------------------------------------------------------------------------------
 
 
-def _folder_bytes(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except FileNotFoundError:  # removed while we walk (a save or gc at work)
-                pass
-    return total
-
-
 def _generation_time(generation: str | None) -> float | None:
-    try:
-        t = datetime.datetime.strptime(generation[:14], "%Y%m%d%H%M%S")
-    except (TypeError, ValueError):
-        return None
-    return t.replace(tzinfo=datetime.timezone.utc).timestamp()
+    t = _format.generation_time(generation) if generation else None
+    return None if t is None else t.timestamp()
 
 
 def _state(e: _directory.StepEntry, committed: set[int]) -> str:
-    if ".deleting-" in e.name:
+    if _format.parse_deleting_name(e.name):
         return "deleting"
     if e.generation is None:
         return "committed" if e.committed else "no marker"
@@ -333,14 +305,16 @@ def _cmd_ls(args, ui: _UI) -> int:
 
     storage, directory = _open_dir(args.directory)
     found = _directory.entries(storage, directory)
-    if not found and storage.exists(f"{directory}/COMMITTED"):
+    if not found and storage.exists(f"{directory}/{_format.COMMITTED}"):
         raise UsageError(f"{directory} is one checkpoint, not a directory of steps: use `{PROG} inspect {directory}`")
-    committed = set(_directory.committed_steps(storage, directory))
+    # Steps committed in their own `<step>/` (a committed partial of another step is
+    # "committed, not renamed"; see `_directory.committed_folders`).
+    committed = {s for s, name in _directory.committed_folders(storage, directory).items() if name == str(s)}
     now = time.time()
     rows = []
     for e in found:
         state = _state(e, committed)
-        row = {"step": e.step, "folder": e.name, "state": state, "committed": state == "committed",
+        row: dict[str, Any] = {"step": e.step, "folder": e.name, "state": state, "committed": state == "committed",
                "size_bytes": None, "created_unix_s": None, "age_s": None, "metrics": {}, "note": None}
         if e.committed:
             try:
@@ -348,34 +322,38 @@ def _cmd_ls(args, ui: _UI) -> int:
                 row["created_unix_s"] = meta.created_unix_s or None
                 metrics = meta.user_metadata.get("metrics", {})
                 row["metrics"] = {k: _json_value(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
-                if not isinstance(storage, LocalStorage):
-                    row["size_bytes"] = sum(meta.process_bytes_written)
+                row["size_bytes"] = sum(meta.process_bytes_written)  # replaced by the files' sizes where cheap
             except CheckpointError as err:
                 row["note"] = "manifest unreadable: " + " ".join(str(err).split())
         if row["created_unix_s"] is None:
             row["created_unix_s"] = _generation_time(e.generation)
-        if isinstance(storage, LocalStorage):
-            folder = os.path.join(directory, e.name)
-            row["size_bytes"] = _folder_bytes(folder)
-            if row["created_unix_s"] is None:
-                with contextlib.suppress(OSError):
-                    row["created_unix_s"] = os.stat(folder).st_mtime
+        folder = f"{directory}/{e.name}"
+        size = storage.folder_bytes(folder)
+        if size is not None:
+            row["size_bytes"] = size
+        if row["created_unix_s"] is None:
+            row["created_unix_s"] = storage.modified_unix_s(folder)
         if row["created_unix_s"] is not None:
             row["age_s"] = max(0.0, now - row["created_unix_s"])
         rows.append(row)
     holder = _lock_holder(storage, directory)
+    foreign = _directory.foreign_entries(storage, directory)
     if ui.json_mode:
-        ui.json({"directory": directory, "manager": holder, "steps": rows})
+        ui.json({"directory": directory, "manager": holder, "steps": rows, "foreign": foreign})
         return 0
-    if not rows:
+    if not rows and not foreign:
         ui.line(f"no step folders in {directory}")
         return 0
     ui.table(
         ["step", "state", "size", "age", "metrics", "folder"],
         [(r["step"], r["state"] + (f" ({r['note']})" if r["note"] else ""), _human_bytes(r["size_bytes"]), _age(r["age_s"]),
-          _metrics_str(r["metrics"]) or "-", r["folder"]) for r in rows],
+          _metrics_str(r["metrics"]) or "-", r["folder"]) for r in rows]
+        + [("-", "foreign", "-", "-", "-", name) for name in foreign],
         right=["step", "size", "age"], title=f"{directory}",
     )
+    if foreign:
+        ui.line(f"Foreign entries ({len(foreign)}) are not step folders (a step folder's name is the step in plain "
+                "decimal, e.g. 900000, not 0900000): readers ignore them and nothing deletes them.")
     n_partial = sum(1 for r in rows if r["state"] == "partial")
     n_other = len(rows) - n_partial - len(committed)
     summary = f"{len(committed)} committed, {n_partial} partial" + (f", {n_other} other" if n_other else "")
@@ -383,10 +361,19 @@ def _cmd_ls(args, ui: _UI) -> int:
     if any(r["state"] == "no marker" for r in rows):
         ui.line("Folders without a commit marker are not checkpoints (on object stores: a save in flight or a crashed "
                 "one); gc removes them once they have stayed unchanged for an hour.")
-    if holder:
+    if n_partial and storage.supports_locks:
+        # A save in flight holds an flock on `<partial>.lock` (with or without a manager).
+        writing = sum(1 for r in rows if r["state"] == "partial"
+                      and storage.lock_holder(f"{directory}/{r['folder']}{_directory.SAVE_LOCK_SUFFIX}") is not None)
+        crashed = n_partial - writing
+        if writing:
+            ui.line(f"{writing} partial folder(s) are saves in flight (their save holds its lock).")
+        if crashed:
+            ui.line(f"{crashed} partial folder(s) are crashed saves: readers never remove them; a CheckpointManager "
+                    f"opening this directory does, and so does `{PROG} gc {args.directory}`"
+                    + (" once the manager holding it closes." if holder else "."))
+    elif holder:
         ui.line(f"A CheckpointManager holds this directory ({holder}): partial folders may be saves in flight.")
-    elif n_partial:
-        ui.line(f"No manager holds this directory: partial folders are crashed saves; `{PROG} gc {args.directory}` removes them.")
     return 0
 
 
@@ -449,34 +436,6 @@ def _cmd_inspect(args, ui: _UI) -> int:
 # --- plan -------------------------------------------------------------------------------------
 
 
-def _emulated_plan(path: str, meta, mesh, specs: dict, processes: int, process_index: int):
-    """The plan of `process_index` as if the mesh's devices were spread over `processes`
-    processes in mesh order (consecutive blocks of devices per process)."""
-    from jax.sharding import NamedSharding
-
-    from ._box import Box
-    from ._restore_plan import RestorePlan, plan_leaf
-
-    per = mesh.devices.size // processes
-    process_of = {d.id: i // per for i, d in enumerate(mesh.devices.flat)}
-    leaves = []
-    for p, m in meta.arrays.items():
-        shape = _drill.target_shape(m)
-        sharding = NamedSharding(mesh, specs[p])
-        try:
-            indices = sharding.devices_indices_map(shape)
-        except ValueError as e:
-            raise InvalidTargetError(f"leaf {p!r}: the target sharding {specs[p]} does not fit shape {shape}: {e}") from e
-        tail = m.shape[len(shape):]
-        boxes = []
-        for d, index in indices.items():
-            if process_of[d.id] == process_index:
-                b = Box.from_index(index, shape)
-                boxes.append((d.id, Box(b.origin + (0,) * len(tail), b.shape + tail)))
-        leaves.append(plan_leaf(m, boxes))
-    return RestorePlan(path, process_index, tuple(leaves))
-
-
 def _cmd_plan(args, ui: _UI) -> int:
     import jax
     from jax.sharding import NamedSharding
@@ -484,14 +443,17 @@ def _cmd_plan(args, ui: _UI) -> int:
     from ._restore import plan_restore
 
     meta = _metadata(args.path)
-    mesh = _build_mesh(args, meta)
-    overrides = [_parse_spec(s, mesh) for s in args.spec]
-    try:
-        specs = _drill.target_specs(meta, mesh, overrides)
-    except ValueError as e:
-        raise UsageError(f"--spec: {e}") from e
     processes = args.processes
     pidx = args.process_index
+    # With --processes the plan is pure (an abstract mesh, no devices needed);
+    # without, it is the plan of a restore run here, on this machine's devices.
+    mesh = _build_mesh(args, meta, abstract=processes is not None)
+    n_devices = math.prod(mesh.shape.values())
+    overrides = [_parse_spec(s, mesh) for s in args.spec]
+    try:
+        specs = _default_targets.target_specs(meta, mesh, overrides)
+    except ValueError as e:
+        raise UsageError(f"--spec: {e}") from e
     if processes is None:
         processes = jax.process_count()
         pidx = jax.process_index() if pidx is None else pidx
@@ -500,17 +462,16 @@ def _cmd_plan(args, ui: _UI) -> int:
                 f"--process-index {pidx}: this command runs as {processes} process(es); add --processes P to plan "
                 "as if the mesh's devices were spread over P processes"
             )
-        target = _drill.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
-        plan = plan_restore(meta.path, target, process_index=pidx)
     else:
         pidx = 0 if pidx is None else pidx
-        if processes < 1 or mesh.devices.size % processes:
-            raise UsageError(f"--processes {processes} must divide the mesh's {mesh.devices.size} devices")
+        if processes < 1 or n_devices % processes:
+            raise UsageError(f"--processes {processes} must divide the mesh's {n_devices} devices")
         if not 0 <= pidx < processes:
             raise UsageError(f"--process-index {pidx} must be in [0, {processes})")
-        plan = _emulated_plan(meta.path, meta, mesh, specs, processes, pidx)
+    target = _default_targets.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
+    plan = plan_restore(meta.path, target, process_index=pidx, processes=args.processes)
 
-    leaves = []
+    leaves: list[dict[str, Any]] = []
     for leaf in plan.leaves:
         leaves.append({
             "leaf": leaf.leaf_path, "shape": list(leaf.shape), "dtype": str(leaf.dtype),
@@ -522,14 +483,14 @@ def _cmd_plan(args, ui: _UI) -> int:
         })
     if ui.json_mode:
         ui.json({
-            "path": meta.path, "mesh": {"shape": list(mesh.devices.shape), "axis_names": list(mesh.axis_names)},
+            "path": meta.path, "mesh": {"shape": list(mesh.shape.values()), "axis_names": list(mesh.axis_names)},
             "process_index": pidx, "process_count": processes, "leaves": leaves,
             "chunks": len(plan.reads), "bytes_needed": plan.bytes_needed, "bytes_read": plan.bytes_read,
             "read_amplification": plan.read_amplification,
         })
         return 0
     ui.line(f"restore plan for {meta.path}")
-    ui.line(f"target mesh {_mesh_str(mesh)} ({mesh.devices.size} devices), process {pidx} of {processes}")
+    ui.line(f"target mesh {_mesh_str(mesh)} ({n_devices} devices), process {pidx} of {processes}")
     ui.table(
         ["leaf", "target", "boxes", "chunks", "needed", "read", "amplification"],
         [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _human_bytes(r["bytes_needed"]),
@@ -539,6 +500,8 @@ def _cmd_plan(args, ui: _UI) -> int:
                 _human_bytes(plan.bytes_read), f"{plan.read_amplification:.3f}"],
     )
     ui.line(f"{plan.bytes_read} bytes read for {plan.bytes_needed} bytes needed: read amplification {plan.read_amplification:.3f}")
+    if processes > 1:
+        ui.line(f"These figures are process {pidx}'s of {processes}; --process-index I shows process I (0 <= I < {processes}).")
     return 0
 
 
@@ -579,18 +542,18 @@ def _cmd_gc(args, ui: _UI) -> int:
     if holder and not args.dry_run:
         raise CheckpointError(
             f"a CheckpointManager is using {directory} ({holder}); gc would race its saves. Run gc after it closes "
-            "(a manager also removes crashed saves itself when it opens the directory)"
+            "(a manager also removes crashed saves itself on its first save)"
         )
     actions = _directory.plan_recovery(storage, directory)
     rolled = [n for n, a in actions if a == "roll forward"]
     steps = sorted(set(_directory.committed_steps(storage, directory)) | {int(n.split(".", 1)[0]) for n in rolled})
     lock = None
     if not args.dry_run:
-        if isinstance(storage, LocalStorage):
+        if storage.supports_locks:
             from ._manager import _DirectoryLock
 
             try:
-                lock = _DirectoryLock(directory)
+                lock = _DirectoryLock(storage, directory)
             except CheckpointError as e:
                 raise CheckpointError(f"{e} (gc needs the directory to itself)") from e
         try:
@@ -635,12 +598,10 @@ def _cmd_drill(args, ui: _UI) -> int:
     axes = _parse_axes(args.axes, len(shape)) if shape is not None and args.axes else None
     if args.axes and shape is None:
         raise UsageError("--axes needs --mesh")
-    storage, directory = storage_for(args.directory)
-    if isinstance(storage, LocalStorage) and not os.path.isdir(directory):
-        raise CheckpointNotFoundError(f"{directory} is not a directory")
+    _open_dir(args.directory)
     try:
         report = _drill.drill(args.directory, shape, axis_names=axes)
-    except _drill.MeshError as e:
+    except MeshError as e:
         raise UsageError(str(e)) from e
     if ui.json_mode:
         ui.json(report.to_json())
@@ -661,12 +622,72 @@ def _cmd_drill(args, ui: _UI) -> int:
     return 0 if report.ok else 1
 
 
+# --- import-orbax / export ----------------------------------------------------------------------
+
+
+def _cmd_import_orbax(args, ui: _UI) -> int:
+    from ._metadata import read_metadata
+    from ._orbax_import import import_orbax
+
+    t0 = time.perf_counter()
+    import_orbax(args.src, args.dst, overwrite=args.overwrite)
+    storage, dst = storage_for(args.dst)
+    meta = read_metadata(storage, dst)
+    elapsed_s = time.perf_counter() - t0
+    if ui.json_mode:
+        ui.json({"src": meta.user_metadata.get("imported_from", {}).get("path"), "dst": meta.path, "step": meta.step,
+                 "arrays": len(meta.arrays), "values": len(meta.leaves) - len(meta.arrays),
+                 "total_bytes": meta.total_bytes, "elapsed_s": elapsed_s})
+        return 0
+    ui.line(f"imported {meta.user_metadata.get('imported_from', {}).get('path', args.src)} into {meta.path}: "
+            f"{len(meta.arrays)} arrays, {len(meta.leaves) - len(meta.arrays)} values, "
+            f"{_human_bytes(meta.total_bytes)} in {elapsed_s:.2f} s")
+    ui.line(f"`{PROG} inspect {meta.path}` shows the tree; ckpt.restore restores it onto any mesh.")
+    return 0
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    unit = t[len(num):]
+    try:
+        n = int(float(num) * units[unit])
+    except (KeyError, ValueError):
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with KB, MB, GB, KiB, MiB, GiB")
+    return n
+
+
+def _cmd_export(args, ui: _UI) -> int:
+    from ._export import export
+
+    _metadata(args.path)  # the directory hint when PATH is a directory of steps
+    out = args.output
+    if out is None:
+        base = args.path.rstrip("/")
+        out = f"{base}.safetensors" if args.format == "safetensors" else f"{base}.npz"
+    report = export(args.path, out, format=args.format, max_shard_bytes=args.max_shard_bytes, separator=args.separator,
+                    upcast=args.upcast, overwrite=args.overwrite)
+    if ui.json_mode:
+        ui.json({"files": list(report.files), "tensors": report.tensors, "skipped": list(report.skipped),
+                 "total_bytes": report.total_bytes})
+        return 0
+    ui.line(f"exported {len(report.tensors)} tensors ({_human_bytes(report.total_bytes)}) as {args.format}:")
+    for f in report.files:
+        ui.line(f"  {f}")
+    if report.skipped:
+        ui.line(f"not exported (not arrays): {', '.join(report.skipped)}")
+    return 0
+
+
 # --- parser and entry point -------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `checkpointer` (subcommands ls, inspect, plan, verify, gc, drill)."""
-    from . import __version__
+    from ._metadata import library_version
 
     parser = _Parser(
         prog=PROG,
@@ -675,7 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
         "path or a file://, gs:// or s3:// URL. Exit status: 0 ok; 1 verify or drill found problems, or an operation "
         "failed; 2 usage error or no such checkpoint.",
     )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--version", action="version", version=f"{PROG} {library_version()}")
     parser.add_argument("--traceback", action="store_true", help="on an error, raise it with its traceback")
     common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -697,19 +718,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", parents=[common], help="read plan and read amplification for a target mesh",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Plan the restore of PATH onto a mesh of this machine's devices: per leaf the unique "
-                       "target boxes, chunks, bytes needed and read, and the read amplification. Pure: reads only the "
-                       "manifest.\n\n" + _SPEC_RULE)
+                       description="Plan the restore of PATH onto a mesh: per leaf the unique target boxes, chunks, "
+                       "bytes needed and read, and the read amplification. Pure: reads only the manifest. Without "
+                       "--processes the mesh is of this machine's devices; with --processes P it is abstract (any "
+                       "size, no devices needed, e.g. --mesh 64x128 --processes 1024).\n\n" + _SPEC_RULE)
     p.add_argument("path", metavar="PATH")
     p.add_argument("--mesh", required=True, metavar="SHAPE", help="mesh axis sizes, e.g. 4x2: a mesh of the first 4*2 "
-                   "local devices (simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+                   "local devices (simulate N CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N), "
+                   "or of any size with --processes")
     p.add_argument("--axes", metavar="NAMES", help="mesh axis names, e.g. data,model (default: those of the saved "
                    "mesh with as many axes, else axis0,axis1,...)")
     p.add_argument("--spec", action="append", default=[], metavar="LEAF_GLOB=SPEC",
                    help="target PartitionSpec for the matching leaves (repeatable), e.g. 'params/*=data,model'")
     p.add_argument("--process-index", type=int, metavar="I", help="plan for process I (default: this process)")
     p.add_argument("--processes", type=int, metavar="P", help="plan as if the mesh's devices were spread over P "
-                   "processes, in mesh order, each holding a consecutive block")
+                   "processes, in mesh order, each holding a consecutive block; needs no devices")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("verify", parents=[common], help="read every byte, check every checksum",
@@ -740,6 +763,34 @@ def build_parser() -> argparse.ArgumentParser:
                    "if it has as many devices as are present, else one axis of all devices)")
     p.add_argument("--axes", metavar="NAMES", help="mesh axis names (with --mesh), e.g. data,model")
     p.set_defaults(func=_cmd_drill)
+
+    p = sub.add_parser("import-orbax", parents=[common], help="convert an Orbax checkpoint into a checkpointer checkpoint",
+                       description="Read the Orbax PyTree checkpoint at SRC (an item folder holding _METADATA, or a "
+                       "CheckpointManager step folder with one item) through TensorStore, OCDBT or plain zarr, and "
+                       "write it as a checkpointer checkpoint at DST, one chunk at a time (host memory stays at about "
+                       "one chunk). Arrays keep their dtype, shape and saved sharding; DST's last component, if an "
+                       "integer, is the step.")
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    p.set_defaults(func=_cmd_import_orbax)
+
+    p = sub.add_parser("export", parents=[common], help="write the arrays as safetensors or npz",
+                       description="Write the array leaves of the checkpoint at PATH as safetensors (model.safetensors, "
+                       "or model-0000i-of-0000N.safetensors plus model.safetensors.index.json beyond --max-shard-bytes, "
+                       "as Hugging Face shards) or as one .npz, reading one slab at a time. Tensor names are the "
+                       "keys joined by --separator (params.dense.kernel). Non-array leaves are not exported.")
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--format", choices=["safetensors", "npz"], default="safetensors", help="default: safetensors")
+    p.add_argument("-o", "--output", metavar="OUT", help="safetensors: a folder; npz: a file (default: PATH.safetensors "
+                   "or PATH.npz beside the checkpoint)")
+    p.add_argument("--max-shard-bytes", type=_parse_bytes, default="5GB", metavar="SIZE",
+                   help="safetensors: data per file, e.g. 5GB (the default, as Hugging Face), 2GiB, 500MB")
+    p.add_argument("--separator", default=".", help="joins a leaf's keys into its tensor name (default: .)")
+    p.add_argument("--upcast", action="store_true", help="export dtypes the format lacks (bfloat16 in npz, int4) as a "
+                   "wider dtype holding every value exactly (float32, int8) instead of failing")
+    p.add_argument("--overwrite", action="store_true", help="replace output files that exist")
+    p.set_defaults(func=_cmd_export)
     return parser
 
 
@@ -751,6 +802,16 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
     return n
+
+
+def _closed_stdout() -> int:
+    """The reader of stdout went away (`checkpointer ... | head`): exit quietly, status 141
+    (128 + SIGPIPE, what a shell reports for a command killed by the broken pipe). Later
+    writes, including the interpreter's flush at exit, go to /dev/null."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -775,7 +836,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 0
     try:
         with _quiet_library_logs():
-            return args.func(args, _UI(getattr(args, "json", False)))
+            status = args.func(args, _UI(getattr(args, "json", False)))
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+            return status
+    except BrokenPipeError:
+        return _closed_stdout()
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: error: interrupted\n")
         return 130

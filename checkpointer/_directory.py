@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import logging
 import time
-import uuid
 
 from . import _catalog, _format
 from ._errors import CheckpointError
@@ -30,6 +29,8 @@ log = logging.getLogger("checkpointer")
 # (the default commit timeout is 600 s), so a live save is never removed under itself.
 OBJECT_STORE_GC_GRACE_S = 3600.0
 GC_JOURNAL = ".checkpointer-gc.json"
+LOCK_NAME = ".checkpointer.lock"  # the writer's directory lock (POSIX)
+_OWN_FILES = frozenset({GC_JOURNAL, LOCK_NAME, _catalog.CATALOG})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +55,12 @@ class StepEntry:
 SAVE_LOCK_SUFFIX = ".lock"
 
 
-def _is_step_name(name: str) -> bool:
-    """ASCII digits only: '²' or '٣' pass str.isdigit() but are not step numbers."""
-    return name.isascii() and name.isdigit()
+def is_step_name(name: str) -> bool:
+    """Whether `name` is the canonical decimal of a step: ASCII digits, no sign, no
+    leading zero ('0' itself is canonical). '0900000', '+5', '²' or '٣' are not steps:
+    such folders are foreign, ignored by readers and never deleted."""
+    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
+
 
 
 def entries(storage: Storage, directory: str) -> list[StepEntry]:
@@ -64,25 +68,74 @@ def entries(storage: Storage, directory: str) -> list[StepEntry]:
     out = []
     for name in storage.list_dir(directory):
         partial = _format.parse_partial_name(name)
-        if _is_step_name(name):
+        if is_step_name(name):
             out.append(StepEntry(name, int(name), storage.exists(f"{directory}/{name}/{_format.COMMITTED}"), None))
-        elif partial and _is_step_name(partial[0]):
+        elif partial and is_step_name(partial[0]):
             committed = storage.exists(f"{directory}/{name}/{_format.COMMITTED}")
             out.append(StepEntry(name, int(partial[0]), committed, partial[1]))
-        elif ".deleting-" in name and _is_step_name(name.split(".deleting-")[0]):
-            out.append(StepEntry(name, int(name.split(".deleting-")[0]), False, name.split(".deleting-")[1]))
+        elif (deleting := _format.parse_deleting_name(name)) and is_step_name(deleting[0]):
+            out.append(StepEntry(name, int(deleting[0]), False, deleting[1]))
     return sorted(out, key=lambda e: (e.step, e.name))
 
 
-def committed_steps(storage: Storage, directory: str) -> list[int]:
-    """The committed steps, ascending. Never a step whose folder lacks the marker.
+def foreign_entries(storage: Storage, directory: str) -> list[str]:
+    """Names in `directory` that are neither step folders (canonical names, their
+    partial and deleting folders) nor the library's own files: readers ignore them and
+    nothing deletes them."""
+    own = {e.name for e in entries(storage, directory)}
+    out = []
+    for name in storage.list_dir(directory):
+        if name in own or name in _OWN_FILES:
+            continue
+        if _is_save_lock_name(name):
+            continue
+        out.append(name)
+    return out
 
-    Object stores read the step catalog when the directory has one (see `_catalog`).
+
+def _is_save_lock_name(name: str) -> bool:
+    """`<step>.partial-<generation>.lock` of a canonical step (a save's own lock file)."""
+    if not name.endswith(SAVE_LOCK_SUFFIX):
+        return False
+    partial = _format.parse_partial_name(name[: -len(SAVE_LOCK_SUFFIX)])
+    return partial is not None and is_step_name(partial[0])
+
+
+def committed_folders(storage: Storage, directory: str) -> dict[int, str]:
+    """Step → folder name of every committed step, ascending by step.
+
+    A step's folder is `<step>/` when that holds the marker. A save that crashed after
+    writing its marker but before the rename that publishes it (POSIX) leaves a
+    committed `<step>.partial-<generation>/` and no committed `<step>/`: the marker is
+    the truth, so that step is committed and read from the partial folder until the
+    writer's recovery renames it into place (readers never rename or delete).
+
+    Stores that write in place (object stores) read the step catalog when the directory
+    has one (see `_catalog`): O(steps) requests instead of listing every object.
     """
     steps = _catalog.committed_steps(storage, directory)
     if steps is not None:
-        return steps
-    return sorted({e.step for e in entries(storage, directory) if e.committed and e.generation is None})
+        return {s: str(s) for s in steps}
+    out: dict[int, str] = {}
+    for e in entries(storage, directory):  # sorted: `<step>` before its partial folders
+        if not e.committed:
+            continue
+        if e.generation is None:
+            out[e.step] = e.name
+        elif _format.parse_partial_name(e.name) and (e.step not in out or out[e.step] != str(e.step)):
+            out[e.step] = e.name  # the newest committed partial of a step without `<step>/`
+    return dict(sorted(out.items()))
+
+
+def committed_steps(storage: Storage, directory: str) -> list[int]:
+    """The committed steps, ascending. Never a step whose folder lacks the marker."""
+    return list(committed_folders(storage, directory))
+
+
+def committed_path(storage: Storage, directory: str, step: int) -> str:
+    """The path to read committed `step` from (see `committed_folders`); `<step>/` when
+    the step is not committed (reading it then raises CheckpointNotFoundError)."""
+    return f"{directory}/{committed_folders(storage, directory).get(step, str(step))}"
 
 
 def plan_recovery(
@@ -126,7 +179,7 @@ def recover(
       seconds (default `OBJECT_STORE_GC_GRACE_S`, one hour). First sightings are kept
       in `DIR/.checkpointer-gc.json`; a folder that gained or lost objects since is
       seen anew. So the first recovery that meets a crashed save only notes it, and a
-      later one (the next manager start, `checkpointer gc`) removes it. `grace_s=0`
+      later one (a manager's next first save, `checkpointer gc`) removes it. `grace_s=0`
       removes every such folder at once (for a caller that knows nothing else writes
       the directory).
 
@@ -149,14 +202,13 @@ def recover(
             storage.delete_tree(path)
             log.info("removed %s (left by a crashed or replaced save)", path)
         done.append(name)
-    if storage.supports_rename:
+    if storage.supports_locks:
         # Lock files of saves that are over (crashed: the kernel dropped their lock).
         names = set(storage.list_dir(directory))
         for name in names:
             folder = name[: -len(SAVE_LOCK_SUFFIX)]
-            if name.endswith(SAVE_LOCK_SUFFIX) and ".partial-" in name and folder not in names:
-                if not storage.lock_is_held(f"{directory}/{name}"):
-                    storage.delete_file(f"{directory}/{name}")
+            if _is_save_lock_name(name) and folder not in names and storage.lock_holder(f"{directory}/{name}") is None:
+                storage.delete_file(f"{directory}/{name}")
     if journal != old_journal:
         if journal:
             storage.write_file(f"{directory}/{GC_JOURNAL}", _format.dumps(journal))
@@ -168,19 +220,19 @@ def recover(
 def _plan(storage: Storage, directory: str, live_generations, live_steps, grace_s, now):
     """Returns (actions [(name, action, step)], new journal, old journal)."""
     actions = []
-    existing = set(committed_steps(storage, directory))
     found = entries(storage, directory)
+    existing = {e.step for e in found if e.committed and e.generation is None}
     for e in found:
         if e.generation is None or e.generation in live_generations:
             continue
-        if ".partial-" in e.name and storage.lock_is_held(f"{directory}/{e.name}{SAVE_LOCK_SUFFIX}"):
+        if ".partial-" in e.name and storage.lock_holder(f"{directory}/{e.name}{SAVE_LOCK_SUFFIX}") is not None:
             continue  # a save in flight (its process 0 holds the lock): not ours to touch
         if e.committed and e.step not in existing and storage.supports_rename and ".partial-" in e.name:
             existing.add(e.step)
             actions.append((e.name, "roll forward", e.step))
         else:
             actions.append((e.name, "remove", e.step))
-    if storage.supports_rename:
+    if not storage.commit_strategy.writes_in_place:
         return actions, {}, {}
     # Object stores: marker-less <step>/ folders, by the journal of first sightings.
     grace_s = OBJECT_STORE_GC_GRACE_S if grace_s is None else float(grace_s)
@@ -224,18 +276,12 @@ def _read_journal(storage: Storage, directory: str) -> dict:
 def unpublish_step(storage: Storage, directory: str, step: int) -> str:
     """Makes a committed step vanish from listings at once; returns what is left to remove.
 
-    On POSIX the step folder is renamed to `<step>.deleting-gc` (atomic); on object
-    stores its marker is deleted. Either way a crash before the removal leaves nothing
-    that looks committed, and recovery removes the rest.
+    On POSIX the step folder is renamed to `<step>.deleting-gc-<id>` (atomic); on object
+    stores its marker is deleted (see `CommitStrategy.unpublish`).
     """
-    path = f"{directory}/{step}"
-    if storage.supports_rename:
-        moved = f"{directory}/{step}.deleting-gc-{uuid.uuid4().hex[:8]}"
-        storage.rename(path, moved)
-        return moved
-    storage.delete_file(f"{path}/{_format.COMMITTED}")
+    moved = storage.commit_strategy.unpublish(f"{directory}/{step}")
     _catalog.remove_entry(storage, directory, step)  # after the marker, before the objects
-    return path
+    return moved
 
 
 def delete_step(storage: Storage, directory: str, step: int) -> None:

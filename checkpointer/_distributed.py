@@ -160,20 +160,3 @@ class Coordinator:
         if outcome != "ok":
             raise SaveError(f"process 0 could not commit: {outcome}")
 
-
-def agree_on(name: str, value_if_process0: str, *, timeout_s: float = DEFAULT_COMMIT_TIMEOUT_S) -> str:
-    """Returns process 0's `value_if_process0` on every process (for the generation id).
-
-    Every process must call it with the same `name`, in the same order.
-    """
-    if process_count() == 1:
-        return value_if_process0
-    client = _client()
-    key = f"{_PREFIX}/agree/{name}"
-    if process_index() == 0:
-        client.key_value_set(key, value_if_process0)
-        return value_if_process0
-    try:
-        return client.blocking_key_value_get(key, int(timeout_s * 1000))
-    except Exception as e:
-        raise CommitTimeoutError(f"process 0 did not start save {name!r} within {timeout_s:.0f} s: {e}") from e

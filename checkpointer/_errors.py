@@ -36,6 +36,11 @@ class InvalidTargetError(CheckpointError, ValueError):
     """A restore target leaf is not one of the accepted kinds or lacks a sharding."""
 
 
+class MeshError(CheckpointError, ValueError):
+    """A mesh cannot be built or resolved: too few devices, names that do not fit its
+    shape, or an abstract mesh with no concrete devices to stand for it."""
+
+
 class UnsupportedValueError(CheckpointError, TypeError):
     """A leaf of the tree to save is of a kind the format cannot hold."""
 
@@ -50,6 +55,17 @@ class SaveError(CheckpointError, OSError):
 
 class CommitTimeoutError(SaveError, TimeoutError):
     """Some processes did not report their shards durable within the commit timeout."""
+
+
+class ProcessCountMismatchError(CheckpointError, ValueError):
+    """Per-process state was asked for by a job whose process count differs from the
+    save's, without saying how to map the saved records onto its processes."""
+
+
+class SaveAgreementError(SaveError):
+    """Before a save wrote anything, the processes disagreed on what to save (another
+    path, step or tree, or a different non-array value), one refused, or one did not
+    arrive within the agreement timeout. Raised on every process; nothing was written."""
 
 
 def where(*, leaf: str | None = None, path: str | None = None, process: int | None = None) -> str:

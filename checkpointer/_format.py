@@ -7,7 +7,9 @@
   processes/<i>.json     what process i wrote
   COMMITTED              the commit marker, written last
 <path>.partial-<generation>/   a save in flight or a crashed one
+<path>.deleting-<generation>/  a replaced checkpoint being removed (overwrite, POSIX)
 ```
+A generation names one save attempt: `<UTC yyyymmddHHMMSS>-<8 hex>` (`new_generation`).
 Every chunk is stored (`store_data_equal_to_fill_value`), so a missing zarr shard file is
 damage, never fill values. Each inner chunk and each shard index carries `crc32c`.
 """
@@ -15,13 +17,17 @@ damage, never fill values. Each inner chunk and each shard index carries `crc32c
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import json
 import math
 import re
 import struct
-from typing import Mapping, Sequence
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
+import crc32c
 import numpy as np
 
 from ._errors import CorruptCheckpointError
@@ -33,6 +39,10 @@ COMMITTED = "COMMITTED"
 ARRAYS = "arrays"
 PROCESSES = "processes"
 PARTIAL_INFIX = ".partial-"
+DELETING_INFIX = ".deleting-"
+# strftime pattern of a generation's time part (UTC), and its length in characters.
+GENERATION_TIME_FORMAT = "%Y%m%d%H%M%S"
+GENERATION_TIME_CHARS = 14
 
 # Bound on what a manifest may declare, checked before anything is allocated.
 MAX_ARRAY_BYTES = 1 << 50
@@ -53,7 +63,36 @@ MAX_SPLIT_FACTOR = 7
 # returns on Linux and that many zarr codecs/readers handle; see `inner_chunk_shape`.
 MAX_INNER_CHUNK_BYTES = 64 << 20
 
-_PARTIAL_RE = re.compile(r"(?P<name>.+)\.partial-(?P<generation>[0-9a-z-]+)")
+# Generations are parsed more loosely than `new_generation` writes them: any lowercase
+# letters, digits and dashes (folders left by earlier versions or by hand stay visible).
+_PARTIAL_RE = re.compile(rf"(?P<name>.+){re.escape(PARTIAL_INFIX)}(?P<generation>[0-9a-z-]+)")
+_DELETING_RE = re.compile(rf"(?P<name>.+?){re.escape(DELETING_INFIX)}(?P<generation>.+)")
+
+
+def new_generation(now: datetime.datetime | None = None) -> str:
+    """A fresh save-attempt id: `<UTC yyyymmddHHMMSS>-<8 hex>`, e.g. `20260101120000-0a1b2c3d`.
+
+    Args:
+      now: the time to stamp (default: the current UTC time).
+    Returns:
+      The generation; sorting generations of one path sorts them by start time (to the
+      second), and the 32 random bits tell apart attempts started in the same second.
+
+    Multi-process: every process may call it; a save uses process 0's (agreed on through
+    `_distributed.agree_on`).
+    """
+    now = datetime.datetime.now(datetime.timezone.utc) if now is None else now.astimezone(datetime.timezone.utc)
+    return f"{now:{GENERATION_TIME_FORMAT}}-{uuid.uuid4().hex[:8]}"
+
+
+def generation_time(generation: str) -> datetime.datetime | None:
+    """When save attempt `generation` started (UTC, to the second), or None if its name
+    does not start with a timestamp (generations of older or hand-made folders)."""
+    try:
+        t = datetime.datetime.strptime(generation[:GENERATION_TIME_CHARS], GENERATION_TIME_FORMAT)
+    except ValueError:
+        return None
+    return t.replace(tzinfo=datetime.timezone.utc)
 
 
 def partial_name(name: str, generation: str) -> str:
@@ -64,6 +103,17 @@ def partial_name(name: str, generation: str) -> str:
 def parse_partial_name(name: str) -> tuple[str, str] | None:
     """`("100", generation)` for `"100.partial-<generation>"`, else None."""
     m = _PARTIAL_RE.fullmatch(name)
+    return (m["name"], m["generation"]) if m else None
+
+
+def deleting_name(name: str, generation: str) -> str:
+    """The folder name checkpoint `name` is moved to while save `generation` replaces it."""
+    return f"{name}{DELETING_INFIX}{generation}"
+
+
+def parse_deleting_name(name: str) -> tuple[str, str] | None:
+    """`("100", suffix)` for `"100.deleting-<suffix>"` (the first `.deleting-` splits), else None."""
+    m = _DELETING_RE.fullmatch(name)
     return (m["name"], m["generation"]) if m else None
 
 
@@ -85,8 +135,9 @@ def dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 
 
-def dtype_from_name(name: str, *, where: str = "") -> np.dtype:
-    """The numpy dtype for a stored dtype name (ml_dtypes names included)."""
+def dtype_from_name(name: object, *, where: str = "") -> np.dtype:
+    """The numpy dtype for a stored dtype name (ml_dtypes names included; any JSON value
+    is accepted and refused unless it names a numeric dtype)."""
     import ml_dtypes  # noqa: F401  (registers bfloat16, float8_*, int4 with numpy)
 
     if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]+", name):
@@ -95,13 +146,60 @@ def dtype_from_name(name: str, *, where: str = "") -> np.dtype:
         dtype = np.dtype(getattr(ml_dtypes, name)) if hasattr(ml_dtypes, name) else np.dtype(name)
     except TypeError as e:
         raise CorruptCheckpointError(f"unknown dtype {name!r} in {where}") from e
-    numeric = dtype.kind in "biufc" or (type(dtype.type).__module__ == "ml_dtypes" or dtype.type.__module__ == "ml_dtypes")
-    if not numeric or dtype.itemsize == 0 or dtype.name != name:
+    if not is_numeric_dtype(dtype) or dtype.itemsize == 0 or dtype.name != name:
         raise CorruptCheckpointError(f"dtype {name!r} in {where} is not a numeric array dtype")
     return dtype
 
 
-@functools.lru_cache(maxsize=None)
+def is_numeric_dtype(dtype: np.dtype) -> bool:
+    """Whether `dtype` is bool, integer, floating or complex, ml_dtypes' included
+    (bfloat16, float8_*, int4, ...): the dtypes an array leaf may have."""
+    dtype = np.dtype(dtype)
+    return dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"
+
+
+DTypeKind = Literal["b", "i", "f", "c"]
+_NUMPY_KINDS: dict[str, DTypeKind] = {"b": "b", "i": "i", "u": "i", "f": "f", "c": "c"}
+
+
+def dtype_kind(dtype: np.dtype) -> DTypeKind | None:
+    """'b' bool, 'i' integer (signed or unsigned, int4 too), 'f' floating (bfloat16,
+    float8_* too), 'c' complex; None for anything else. (numpy.can_cast's "same_kind"
+    is not used: it allows int to float and, through ml_dtypes, float32 to int4.)"""
+    import ml_dtypes
+
+    dtype = np.dtype(dtype)
+    if dtype.kind in _NUMPY_KINDS:
+        return _NUMPY_KINDS[dtype.kind]
+    try:
+        ml_dtypes.iinfo(dtype)
+        return "i"
+    except (ValueError, TypeError):
+        pass
+    try:
+        ml_dtypes.finfo(dtype)
+        return "f"
+    except (ValueError, TypeError):
+        return None
+
+
+def is_whole_byte_dtype(dtype: np.dtype) -> bool:
+    """Whether each element fills its `itemsize` bytes: False for the packed sub-byte
+    dtypes (int4, int2, float4_e2m1fn, ...), whose bits per element are fewer."""
+    import ml_dtypes
+
+    dtype = np.dtype(dtype)
+    if dtype.kind in "bc":
+        return True
+    for info in (ml_dtypes.finfo, ml_dtypes.iinfo, np.finfo, np.iinfo):
+        try:
+            return info(dtype).bits == dtype.itemsize * 8
+        except (ValueError, TypeError):
+            continue
+    return False
+
+
+@functools.cache
 def zarr_supports_dtype(dtype: np.dtype) -> bool:
     """Whether TensorStore's zarr3 driver can store `dtype` (e.g. int4: yes; uint4: no)."""
     import tensorstore as ts
@@ -203,9 +301,48 @@ def zarr_metadata(shape: Sequence[int], dtype: np.dtype, chunk_shape: Sequence[i
 
 
 def encoded_chunk_bytes(chunk_shape: Sequence[int], inner_shape: Sequence[int], itemsize: int) -> int:
-    """Size of one zarr shard file: inner chunks with their crc32c, then the index and its crc32c."""
-    n_inner = math.prod(max(1, c) // i for c, i in zip(chunk_shape, inner_shape))
-    return n_inner * (math.prod(inner_shape) * itemsize + 4) + n_inner * 16 + 4
+    """Size of one zarr shard file, bytes (`ShardFileLayout.file_bytes`)."""
+    return ShardFileLayout(tuple(chunk_shape), tuple(inner_shape), itemsize).file_bytes
+
+
+ZarrSpecMode = Literal["create", "write", "read"]
+
+
+def zarr_spec(kvstore: Mapping, meta: ArrayMetadata, *, mode: ZarrSpecMode) -> dict:
+    """The TensorStore spec of a leaf's zarr array.
+
+    Args:
+      kvstore: the kvstore spec of the array's folder (`Storage.kvstore_spec`).
+      meta: the leaf's manifest entry; its zarr metadata is part of every spec.
+      mode: `"create"`: write, creating `zarr.json` (process 0 of a save); `"write"`:
+        write into an array another process creates (its `zarr.json` is assumed, not
+        read); `"read"`: open an existing array, refusing a `zarr.json` whose shape, dtype,
+        chunk grid or codecs differ from the manifest (so bytes are never decoded as
+        another dtype or inner-chunk layout), and a missing chunk (never fill values).
+    Returns:
+      A dict for `tensorstore.open`.
+    """
+    spec: dict[str, object] = {
+        "driver": "zarr3",
+        "kvstore": kvstore,
+        "metadata": zarr_metadata(meta.shape, meta.dtype, meta.chunk_shape, meta.inner_chunk_shape),
+    }
+    if mode == "read":
+        spec.update({"open": True, "fill_missing_data_reads": False, "recheck_cached_data": False})
+    elif mode in ("create", "write"):
+        spec["store_data_equal_to_fill_value"] = True
+        spec["create" if mode == "create" else "assume_metadata"] = True
+    else:
+        raise ValueError(f"zarr_spec mode must be 'create', 'write' or 'read', got {mode!r}")
+    return spec
+
+
+def data_crc32c(data: np.ndarray) -> int:
+    """crc32c of an array's C-order bytes (0 for an empty array): `data_crc32c` of a chunk
+    in `processes/<i>.json`, checked by `verify` on top of the codec's checksums."""
+    if data.size == 0:
+        return 0
+    return crc32c.crc32c(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
 
 
 def chunk_key(leaf_path: str, chunk_index: Sequence[int]) -> str:
@@ -247,7 +384,7 @@ class SavedSharding:
         }
 
     @staticmethod
-    def from_json(obj: Mapping) -> "SavedSharding":
+    def from_json(obj: Mapping) -> SavedSharding:
         spec = tuple(tuple(s) if isinstance(s, list) else s for s in obj["spec"])
         return SavedSharding(
             kind=str(obj["kind"]),
@@ -262,7 +399,7 @@ class SavedSharding:
         """E.g. `P('data', 'model') on mesh data=2 x model=4`."""
         if self.kind != "named":
             return f"{self.kind} ({self.device_count} devices, shard {list(self.shard_shape)})"
-        spec = ", ".join(repr(s) if not isinstance(s, tuple) else repr(s) for s in self.spec)
+        spec = ", ".join(repr(s) for s in self.spec)
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_axis_names, self.mesh_shape))
         return f"P({spec}) on mesh {mesh}"
 
@@ -389,6 +526,8 @@ def value_to_json(value: object) -> dict | None:
 
 def value_from_json(obj: object, where: str) -> object:
     """Inverse of `value_to_json`. Raises CorruptCheckpointError on malformed input."""
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"malformed value {obj!r:.200} in {where}: not an object")
     try:
         t = obj["type"]
         if t == "none":
@@ -415,6 +554,20 @@ def value_from_json(obj: object, where: str) -> object:
     raise CorruptCheckpointError(f"malformed value {obj!r:.200} in {where}")
 
 
+def format_bytes(n: int | None) -> str:
+    """A byte count for people: `"512 B"`, `"1.5 KiB"`, ... up to TiB; `"-"` for None."""
+    if n is None:
+        return "-"
+    if abs(n) < 1024:
+        return f"{n} B"
+    x = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if abs(x) < 1024:
+            return f"{x:.1f} {unit}"
+        x /= 1024
+    return f"{x:.1f} TiB"
+
+
 def dumps(obj: object) -> bytes:
     """The JSON encoding used for every file of the format."""
     return json.dumps(obj, indent=1, sort_keys=False, allow_nan=False).encode()
@@ -428,3 +581,82 @@ def loads(data: bytes, where: str) -> object:
         return json.loads(data)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where} is not valid JSON: {e}") from e
+
+
+# --- zarr shard file layout -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardFileLayout:
+    """The byte layout of one zarr shard file (one chunk) of this format.
+
+    ```
+    inner chunk 0: raw bytes || crc32c (u32 LE)    inner_bytes_with_crc each, in the
+    inner chunk 1: ...                             order the index says (C order as written)
+    index: per inner chunk in C order (offset u64 LE, nbytes u64 LE)   16 bytes each
+    crc32c(index) (u32 LE)
+    ```
+    The index sits at the end (`index_location: "end"`), `index_bytes` long from
+    `index_offset`; every inner chunk is stored, so the file is `file_bytes` long.
+
+    Attributes:
+      chunk_shape: the chunk (= zarr shard) shape, elements.
+      inner_chunk_shape: the inner chunk shape, elements.
+      itemsize: bytes per element.
+    """
+
+    chunk_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...]
+    itemsize: int
+
+    CRC_BYTES = 4
+    INDEX_ENTRY_BYTES = 16
+    MISSING = (1 << 64) - 1  # an index entry of an inner chunk that is not stored
+
+    @property
+    def inner_grid(self) -> tuple[int, ...]:
+        """Inner chunks per dimension."""
+        return tuple(max(1, c) // i for c, i in zip(self.chunk_shape, self.inner_chunk_shape))
+
+    @property
+    def inner_chunks(self) -> int:
+        """Inner chunks in the file."""
+        return math.prod(self.inner_grid)
+
+    @property
+    def inner_bytes(self) -> int:
+        """Raw bytes of one inner chunk."""
+        return math.prod(self.inner_chunk_shape) * self.itemsize
+
+    @property
+    def inner_bytes_with_crc(self) -> int:
+        """Stored bytes of one inner chunk: raw bytes and their crc32c."""
+        return self.inner_bytes + self.CRC_BYTES
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the index and its crc32c."""
+        return self.inner_chunks * self.INDEX_ENTRY_BYTES + self.CRC_BYTES
+
+    @property
+    def index_offset(self) -> int:
+        """Where the index starts: right after the inner chunks."""
+        return self.inner_chunks * self.inner_bytes_with_crc
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of the whole file."""
+        return self.index_offset + self.index_bytes
+
+    def inner_id(self, cell: Sequence[int]) -> int:
+        """The C-order position of inner chunk `cell` (its entry in the index)."""
+        out = 0
+        for c, n in zip(cell, self.inner_grid):
+            out = out * n + c
+        return out
+
+    @classmethod
+    def split_crc(cls, blob) -> tuple[memoryview, int]:
+        """`(data, stored crc32c)` of an inner chunk or index as stored (crc last)."""
+        view = memoryview(blob)
+        return view[: -cls.CRC_BYTES], int.from_bytes(view[-cls.CRC_BYTES :], "little")

@@ -15,15 +15,29 @@ import concurrent.futures
 import math
 import os
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from ._read import aligned_empty
-
 _COPY_THREADS = max(2, os.cpu_count() or 2)
 _BLOCK_BYTES = 8 << 20  # large shards are copied in row blocks of about this size
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised array whose data is `align`-byte aligned. XLA's CPU client
+    adopts such buffers without copying (`jax.device_put` aliases them).
+
+    Args:
+      shape: the array shape, elements per dimension.
+      dtype: the element type.
+      align: the alignment of the first element, bytes.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 class HostBufferPool:
@@ -50,12 +64,6 @@ class HostBufferPool:
         with self._lock:
             for a in arrays:
                 self._free.setdefault((a.shape, a.dtype), []).append(a)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by free buffers."""
-        with self._lock:
-            return sum(a.nbytes for v in self._free.values() for a in v)
 
 
 def _blocks(n_rows: int, row_bytes: int) -> list[slice]:

@@ -4,27 +4,37 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import gc
 import logging
 import math
 import operator
 import os
 import threading
 import time
-from typing import Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
 
-from . import _catalog, _directory, _distributed, _ratelimit
+from . import _agreement, _catalog, _directory, _distributed, _ratelimit
 from ._async import AsyncSave
-from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
+from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
 from ._host import HostBufferPool
 from ._metadata import read_metadata
 from ._policies import KeepLatest, KeepPolicy
+from ._read import RestoreStats
 from ._restore import restore as _restore
 from ._save import Snapshot, run_background, take_snapshot
-from ._storage import storage_for
+from ._storage import LockHeldError, Storage, storage_for
+from ._tree import PyTree
+from ._user_metadata import metadata_json, metrics_json
+
+if TYPE_CHECKING:
+    from ._drill import DrillReport
 
 log = logging.getLogger("checkpointer")
 
-LOCK_NAME = ".checkpointer.lock"
+LOCK_NAME = _directory.LOCK_NAME
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,29 +69,12 @@ class ManagerStatus:
 def _as_step(step: object) -> int:
     """The step as a Python int (numpy and 0-d JAX integers accepted)."""
     try:
-        value = operator.index(step)
+        value = operator.index(step)  # type: ignore[arg-type]  # any object: the TypeError is the check
     except TypeError:
         raise ValueError(f"step must be an int >= 0, got {step!r}") from None
     if value < 0 or isinstance(step, bool):
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     return value
-
-
-def _metrics_json(metrics: Mapping[str, object] | None) -> dict:
-    """Metrics as JSON: numbers (numpy and 0-d JAX ones too) become floats, a NaN or
-    infinite value becomes the string "NaN" / "Infinity" / "-Infinity" (KeepBest
-    ignores it, as it ignores a missing metric)."""
-    out = {}
-    for name, value in (metrics or {}).items():
-        if isinstance(value, (str, bool)) or value is None:
-            out[str(name)] = value
-            continue
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"metric {name!r} must be a number, got {type(value).__name__} {value!r:.80}") from None
-        out[str(name)] = number if math.isfinite(number) else ("NaN" if math.isnan(number) else ("Infinity" if number > 0 else "-Infinity"))
-    return out
 
 
 def _write_rate(snap: Snapshot) -> float | None:
@@ -90,34 +83,65 @@ def _write_rate(snap: Snapshot) -> float | None:
 
 
 class _DirectoryLock:
-    """An advisory `flock` on `DIR/.checkpointer.lock` held by process 0 of one manager.
+    """An advisory `flock` on `DIR/.checkpointer.lock` held by process 0 of the writer.
 
-    A second manager on the same directory (same machine) fails at once instead of
-    corrupting the first one's steps. The kernel drops the lock when the process dies,
-    so a crashed job never leaves a stale lock.
+    Taken on the first operation that writes or deletes (not by readers), so a second
+    writer on the same directory (same machine) fails at once instead of deleting the
+    first one's steps. The kernel drops the lock when the process dies, so a crashed
+    job never leaves a stale lock. Needs `storage.supports_locks`.
     """
 
-    def __init__(self, directory: str):
-        import fcntl
-
-        self.path = os.path.join(directory, LOCK_NAME)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    def __init__(self, storage: Storage, directory: str) -> None:
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 200, 0).decode(errors="replace").strip()
-            os.close(self._fd)
-            raise CheckpointError(
-                f"another CheckpointManager is using {directory} ({holder or 'unknown holder'}); two managers "
-                "writing one directory would delete each other's steps. Close the other one, or use another directory."
-            ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+            self._lock = storage.lock(f"{directory}/{LOCK_NAME}", wait=False, holder=_holder_text())
+        except LockHeldError as e:
+            holder = (e.holder or "").strip()
+            same = holder == _holder_text()
+            raise (_HeldByThisProcess if same else CheckpointError)(lock_conflict_message(directory, holder)) from None
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._lock.release()
+
+
+class _HeldByThisProcess(CheckpointError):
+    """The writer's lock is held by another manager of this very process."""
+
+
+def _holder_text() -> str:
+    """What the lock file says about its holder: `pid <n> on <host>`."""
+    return f"pid {os.getpid()} on {os.uname().nodename}"
+
+
+def lock_conflict_message(directory: str, holder: str) -> str:
+    """Why the writer's lock of `directory` cannot be taken, and how to free it.
+
+    `holder` is the lock file's content (`pid <n> on <host>`); when it names this very
+    process, the other writer is another `CheckpointManager` object (or `gc`) of ours.
+    """
+    if holder == _holder_text():
+        return (
+            f"another CheckpointManager in this same process (pid {os.getpid()}) holds the writer's lock of "
+            f"{directory}: it saved or cleaned up there and was neither closed nor garbage-collected. Call close() "
+            "on that manager (or `del` every reference to it, e.g. the variable of a notebook cell you ran again); "
+            "a manager that only reads (listing, restore, wait_for_step) needs no lock: "
+            "CheckpointManager(..., read_only=True)."
+        )
+    return (
+        f"another CheckpointManager is using {directory} ({holder or 'unknown holder'}) as writer; two managers "
+        "writing one directory would delete each other's steps. Close the other one, use another directory, or "
+        "open this one with read_only=True to only read (listing, restore, following new steps)."
+    )
+
+
+def _take_lock(storage: Storage, directory: str) -> _DirectoryLock:
+    """The writer's lock. If this very process holds it through a manager nobody refers
+    to any more (a notebook cell run twice: the old manager may sit in a reference
+    cycle), a garbage collection runs its finalizer and the lock is tried once more."""
+    try:
+        return _DirectoryLock(storage, directory)
+    except _HeldByThisProcess:
+        gc.collect()
+    return _DirectoryLock(storage, directory)
 
 
 class CheckpointManager:
@@ -133,12 +157,22 @@ class CheckpointManager:
       commit_timeout_s: how long process 0 waits for every process's report, seconds.
       max_saves_in_flight: saves allowed in flight at once (1 bounds host memory to one
         snapshot); a new save waits for the oldest one, and the wait is recorded.
+      agreement_timeout_s: how long processes wait for each other to agree on what a
+        save writes (before anything is written), seconds.
+      read_only: a reader only (an evaluation job, a notebook, a drill): `save` and
+        `recover` raise. Any manager reads without a lock; this makes the intent explicit.
       max_write_bytes_per_s: caps this process's write throughput, bytes per second,
         shared by all its saves in flight (a token bucket, see `_ratelimit`); None:
         unlimited. `status().last_write_bytes_per_s` shows the rate achieved.
 
+    Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
+    new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
+    of readers may run beside the writer. The writer's lock (`DIR/.checkpointer.lock`,
+    POSIX) is taken by the first operation that writes or deletes (`save`, `recover`),
+    together with the clean-up of crashed saves, and released by `close()`, when the
+    manager is garbage-collected, or at interpreter exit.
+
     Raises:
-      CheckpointError: another manager holds `directory` (POSIX).
       ValueError: an interval, `max_saves_in_flight` or `max_write_bytes_per_s` out of range.
 
     Multi-process: every process constructs it and calls `save`/`restore` in the same
@@ -154,8 +188,10 @@ class CheckpointManager:
         async_save: bool = True,
         commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
         max_saves_in_flight: int = 1,
+        read_only: bool = False,
+        agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
         max_write_bytes_per_s: float | None = None,
-    ):
+    ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
                 f"keep must be a retention policy (ckpt.KeepLatest(n), KeepEvery, KeepBest, KeepSteps, or a union "
@@ -171,9 +207,13 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
         self.commit_timeout_s = commit_timeout_s
+        self.agreement_timeout_s = agreement_timeout_s
         self.max_saves_in_flight = max_saves_in_flight
+        self.read_only = bool(read_only)
         self._is_primary = _distributed.process_index() == 0
-        self._lock = None
+        self._lock: _DirectoryLock | None = None
+        self._release_lock: weakref.finalize | None = None
+        self._writer_ready = False
         self._mu = threading.Lock()
         self._in_flight: list[tuple[int, AsyncSave]] = []
         self._pending_error: BaseException | None = None
@@ -187,12 +227,53 @@ class CheckpointManager:
         # copies about twice as fast as fresh pages); released by close().
         self._buffers = HostBufferPool()
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-gc")
+
+    # --- the writer's lock --------------------------------------------------------------
+
+    def _ensure_writer(self) -> list[str]:
+        """Before the first write or delete: the directory, then (process 0) the writer's
+        lock and the clean-up of crashed saves (returns what it removed or rolled
+        forward). Readers never get here."""
+        if self.read_only:
+            raise CheckpointError(
+                f"this CheckpointManager of {self.directory} is read_only: it lists, restores and follows steps but "
+                "never saves or deletes. Open one without read_only=True to save."
+            )
+        if self._writer_ready:
+            return []
+        done: list[str] = []
         self.storage.makedirs(self.directory)
         if self._is_primary:
-            if self.storage.supports_rename:
-                self._lock = _DirectoryLock(self.directory)
-            _directory.recover(self.storage, self.directory)
-            _catalog.repair(self.storage, self.directory)
+            if self.storage.supports_locks and self._lock is None:
+                self._lock = _take_lock(self.storage, self.directory)
+                # Released on close(), on garbage collection and at interpreter exit;
+                # the finalizer holds the lock object only, never the manager.
+                self._release_lock = weakref.finalize(self, self._lock.release)
+            done = _directory.recover(self.storage, self.directory)
+            _catalog.repair(self.storage, self.directory)  # object stores: the step catalog
+        self._writer_ready = True
+        return done
+
+    def recover(self) -> list[str]:
+        """Takes the writer's lock and cleans up after crashed saves now (the first
+        `save` does this by itself): rolls forward a committed but unrenamed step, removes
+        partial folders of saves not in flight. Foreign entries are never touched.
+
+        Returns:
+          The folder names removed or rolled forward (process 0; [] elsewhere).
+        Raises:
+          CheckpointError: the manager is read_only, or another writer holds the lock.
+
+        Multi-process: any process may call it; only process 0 acts.
+        """
+        if not self._writer_ready:
+            return self._ensure_writer()
+        if not self._is_primary:
+            return []
+        with self._mu:
+            live = frozenset(h.snapshot.generation for _, h in self._in_flight if not h.done())
+            steps = frozenset(s for s, h in self._in_flight if not h.done())
+        return _directory.recover(self.storage, self.directory, live_generations=live, live_steps=steps)
 
     # --- listing ------------------------------------------------------------------------
 
@@ -205,9 +286,70 @@ class CheckpointManager:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def wait_for_step(self, after: int | None = None, *, timeout_s: float | None = None, poll_s: float = 1.0) -> int | None:
+        """Waits until a committed step newer than `after` exists and returns the newest.
+
+        Like Orbax's `wait_for_new_checkpoint`: an evaluation job calls it with the last
+        step it evaluated. Takes no lock; the directory is listed every `poll_s`.
+
+        Args:
+          after: a step, or None to accept any committed step.
+          timeout_s: give up after this many seconds (None: wait for as long as it takes).
+          poll_s: seconds between listings (> 0).
+        Returns:
+          The newest committed step (> `after`), or None if none appeared in time.
+
+        Multi-process: any process may call it alone.
+        """
+        if not poll_s > 0:
+            raise ValueError(f"poll_s must be > 0 seconds, got {poll_s!r}")
+        deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
+        while True:
+            latest = self.latest_step()
+            if latest is not None and (after is None or latest > after):
+                return latest
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            time.sleep(poll_s if deadline is None else min(poll_s, deadline - now))
+
+    def follow(self, after: int | None = None, *, timeout_s: float | None = None, poll_s: float = 1.0) -> Iterator[int]:
+        """Yields committed steps newer than `after`, oldest first, as they appear.
+
+        Like TensorFlow's `checkpoints_iterator`, but every new step is yielded (not just
+        the newest), in ascending order; the directory is listed again before each one,
+        so a step that retention removed meanwhile is skipped. A step yielded may still
+        be removed by retention before it is restored: `restore` then raises
+        `CheckpointNotFoundError` (never returns a mix or reports damage); skip it.
+
+        Args:
+          after: yield only steps > `after` (None: every committed step, from the oldest).
+          timeout_s: stop once no new step appeared for this many seconds (None: never).
+          poll_s: seconds between listings while waiting (> 0).
+        Yields:
+          Step numbers, strictly increasing.
+
+        Multi-process: any process may call it alone; takes no lock and deletes nothing.
+        """
+        last = after
+        while True:
+            step = self.wait_for_step(last, timeout_s=timeout_s, poll_s=poll_s)
+            if step is None:
+                return
+            newer = [s for s in self.all_steps() if last is None or s > last]
+            step = newer[0] if newer else step
+            last = step
+            yield step
+
     def step_path(self, step: int) -> str:
         """The checkpoint path of `step`."""
         return f"{self.directory}/{int(step)}"
+
+    def _read_path(self, step: int) -> str:
+        """Where committed `step` is read from: `step_path(step)`, or the committed
+        partial folder of a save that crashed before its rename (until the writer's
+        recovery renames it into place)."""
+        return _directory.committed_path(self.storage, self.directory, int(step))
 
     # --- errors -------------------------------------------------------------------------
 
@@ -234,7 +376,16 @@ class CheckpointManager:
         """Whether `save(step)` would write (the interval rule)."""
         return step % self.save_interval_steps == 0
 
-    def save(self, step: int, tree: object, *, metrics: Mapping[str, float] | None = None, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        tree: object,
+        *,
+        metrics: Mapping[str, object] | None = None,
+        metadata: Mapping[str, object] | None = None,
+        force: bool = False,
+        per_process_state: object = None,
+    ) -> bool:
         """Saves `tree` as `step` (asynchronously unless `async_save=False`).
 
         Blocks for the host snapshot only (plus any wait for the previous save when
@@ -243,19 +394,33 @@ class CheckpointManager:
         Args:
           step: the training step (int >= 0).
           tree: the pytree to save (see `ckpt.save`).
-          metrics: JSON-serialisable numbers stored with the step (for `KeepBest`).
+          metrics: numbers stored with the step (for `KeepBest`), in the manifest's
+            `user_metadata["metrics"]`; numpy/JAX scalars become floats, NaN and
+            infinities the strings "NaN" / "Infinity" / "-Infinity".
+          metadata: a JSON dict stored with the step: its keys become the keys of
+            `ckpt.metadata(path).user_metadata` beside `"metrics"` (which it may not
+            use). Same rule as `ckpt.save(metadata=)` and `metrics`.
           force: save even off the interval, and replace an already committed `step`
             atomically.
+          per_process_state: this process's own JSON-serialisable value (e.g. its data
+            loader's position), stored in its `processes/<i>.json`; read it back with
+            `per_process_state(step)`.
         Returns:
           True if a save was started, False if skipped by `save_interval_steps`.
         Raises:
           CheckpointError: the previous background save failed (raised here once); the
-            step is already committed and `force` is False; a leaf cannot be stored.
+            step is already committed and `force` is False; a leaf cannot be stored; the
+            manager is read_only or another writer holds the directory.
+          UnsupportedValueError: a metric or metadata value the rule refuses (names its
+            key, e.g. `metadata['a']['b']`), or a `"metrics"` key in `metadata`.
+          SaveAgreementError: the processes save different steps or trees; nothing written.
 
-        Multi-process: every process calls it with the same step.
+        Multi-process: every process calls it with the same step and tree (non-array
+        leaves equal), in the same order.
         """
         if self._closed:
             raise CheckpointError(f"the CheckpointManager of {self.directory} is closed")
+        self._ensure_writer()
         self._raise_pending()
         step = _as_step(step)
         if not force and not self.should_save(step):
@@ -264,15 +429,23 @@ class CheckpointManager:
             raise CheckpointExistsError(
                 f"step {step} is already committed in {self.directory}; pass force=True to replace it atomically"
             )
+        user_metadata = metadata_json(metadata, self.step_path(step))
+        if "metrics" in user_metadata:
+            raise UnsupportedValueError(
+                f"metadata['metrics'] for step {step} of {self.directory}: the key 'metrics' holds the manager's "
+                "metrics= (KeepBest reads it); pass metrics=... or rename the metadata key"
+            )
+        metrics = metrics_json(metrics)
+        if metrics:
+            user_metadata["metrics"] = metrics
         t0 = time.perf_counter()
         self._wait_for_room()
         wait_s = time.perf_counter() - t0
         self._raise_pending()
-        metrics = _metrics_json(metrics)
-        user_metadata = {"metrics": metrics} if metrics else {}
         snap = take_snapshot(
             self.step_path(step), tree, metadata=user_metadata, overwrite=force, step=step,
             commit_timeout_s=self.commit_timeout_s, buffers=self._buffers,
+            agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
         )
         snap.write_limiter = self._write_limiter
         with self._mu:
@@ -301,7 +474,7 @@ class CheckpointManager:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
             self._last["write_bytes_per_s"] = _write_rate(snap)
 
-    def _retention_after(self, step: int):
+    def _retention_after(self, step: int) -> Callable[[], object] | None:
         """The callback process 0 runs after committing `step`, before telling the others."""
         return (lambda: self._apply_retention(protect={step})) if self._is_primary else None
 
@@ -312,7 +485,7 @@ class CheckpointManager:
                 if len(self._in_flight) < self.max_saves_in_flight:
                     return
                 oldest = self._in_flight[0][1]
-            oldest._thread.join()
+            oldest.join()
 
     def wait_until_finished(self) -> None:
         """Blocks until every save in flight is committed.
@@ -323,7 +496,7 @@ class CheckpointManager:
         with self._mu:
             handles = [h for _, h in self._in_flight]
         for h in handles:
-            h._thread.join()
+            h.join()
         with self._mu:
             self._in_flight = []
         self._raise_pending()
@@ -338,13 +511,15 @@ class CheckpointManager:
             self._closed = True
             self._deleter.shutdown(wait=True)
             self._buffers = HostBufferPool()
-            if self._lock is not None:
-                self._lock.release()
+            if self._release_lock is not None:
+                self._release_lock()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:  # do not mask the caller's exception with a background one
@@ -358,13 +533,13 @@ class CheckpointManager:
     def _metrics(self, step: int) -> dict:
         if step not in self._metrics_cache:
             try:
-                meta = read_metadata(self.storage, self.step_path(step))
+                meta = read_metadata(self.storage, self._read_path(step))
                 self._metrics_cache[step] = dict(meta.user_metadata.get("metrics", {}))
             except CheckpointError:
                 self._metrics_cache[step] = {}
         return self._metrics_cache[step]
 
-    def _apply_retention(self, protect: set[int] = frozenset()) -> list[int]:
+    def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
         steps = self.all_steps()
         if not steps:
             return []
@@ -385,17 +560,25 @@ class CheckpointManager:
     def _remove(self, path: str) -> None:
         try:
             self.storage.delete_tree(path)
-        except OSError as e:  # recovery removes it at the next start
+        except OSError as e:  # recovery removes it on a later first save
             log.warning("could not remove %s: %s", path, e)
 
     # --- restore ------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, target: object = None, **kwargs):
+    def restore(
+        self,
+        step: int | None = None,
+        target: object = None,
+        *,
+        partial: bool = False,
+        max_inflight_bytes: int | None = None,
+        stats: RestoreStats | None = None,
+    ) -> PyTree:
         """Restores `step` (default: the newest committed step) onto `target`.
 
         Args:
           step: the step, or None for `latest_step()`.
-          target, **kwargs: as for `ckpt.restore` (`partial`, `max_inflight_bytes`).
+          target, partial, max_inflight_bytes, stats: as for `ckpt.restore`.
         Raises:
           CheckpointNotFoundError: no committed step (or not that one).
 
@@ -405,7 +588,30 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed step in {self.directory}")
-        return _restore(self.step_path(step), target, **kwargs)
+        return _restore(self._read_path(step), target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats)
+
+    def per_process_state(
+        self, step: int | None = None, *, process_index: int | None = None, all_processes: bool = False
+    ) -> object:
+        """The per-process state saved with `step` (default: the newest committed step).
+
+        As `ckpt.per_process_state`: this process's own record when the job has as
+        many processes as the save; otherwise pass `all_processes=True` (a list indexed
+        by the saving process) or `process_index=i`.
+
+        Raises:
+          CheckpointNotFoundError: no committed step (or not that one).
+          ProcessCountMismatchError: the process counts differ and no choice was given.
+
+        Multi-process: any process may call it alone.
+        """
+        from ._process_state import per_process_state
+
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed step in {self.directory}")
+        return per_process_state(self._read_path(step), process_index, all_processes=all_processes)
 
     # --- operations ---------------------------------------------------------------------
 
@@ -433,7 +639,7 @@ class CheckpointManager:
                 last_write_bytes_per_s=self._last["write_bytes_per_s"],
             )
 
-    def drill(self, mesh_shape=None, *, axis_names=None):
+    def drill(self, mesh_shape: Sequence[int] | None = None, *, axis_names: Sequence[str] | None = None) -> DrillReport:
         """The restore drill: restore the newest committed step onto a scratch mesh of the
         local devices (or `mesh_shape`), verify every checksum, and time it.
 

@@ -1,5 +1,12 @@
-"""Reading a committed checkpoint's manifest into `CheckpointMetadata`, with validation.
+"""The JSON schemas of a checkpoint, each writer beside its reader.
 
+- `manifest.json` (process 0, at commit): `manifest_json` writes it, `parse_manifest`
+  validates it into `CheckpointMetadata`; `metadata` / `read_metadata` read it.
+- `processes/<i>.json` (each process, once its chunks are durable): `ProcessRecord`
+  with its `ChunkRecord`s, `to_json` / `from_json`.
+
+Readers never fail on a field they do not know (format changes are additive): the
+manifest parser ignores it, a `ProcessRecord` keeps it in `extra` and writes it back.
 Needs no devices: a checkpoint saved by 8 processes × 4 devices is described on a laptop.
 """
 
@@ -7,14 +14,239 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
+import importlib.metadata
 import math
 import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from . import _format
+from ._box import Box
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError
 from ._format import ArrayMetadata, ValueMetadata
 from ._storage import Storage, storage_for
 from ._tree import check_leaf_path, leaf_paths_of, rebuild
+
+DISTRIBUTION = "checkpointer"
+
+
+@functools.cache
+def library_version() -> str:
+    """The installed checkpointer's version (`importlib.metadata`), recorded in each
+    manifest; `"0+unknown"` when the package runs from a source tree without being
+    installed (a local version label, so it sorts below every release)."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+# --- processes/<i>.json ---------------------------------------------------------------------
+
+
+def _json_field(key: str, parse: Callable[[object], object], dump: Callable[[Any], object] = lambda v: v, **kw: Any) -> Any:
+    """A dataclass field stored under `key`: `parse` checks and converts the JSON value
+    (raising ValueError or TypeError), `dump` is its inverse (it takes the field's type)."""
+    return dataclasses.field(metadata={"key": key, "parse": parse, "dump": dump}, **kw)
+
+
+def _count(v: object) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"{v!r:.100} is not a count")
+    return v
+
+
+def _text(v: object) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"{v!r:.100} is not a string")
+    return v
+
+
+def _seconds(v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{v!r:.100} is not a number of seconds")
+    return v
+
+
+_Record = TypeVar("_Record", "ChunkRecord", "ProcessRecord")
+
+
+def _record_to_json(obj: ChunkRecord | ProcessRecord) -> dict:
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if "key" in f.metadata and value is not None:
+            out[f.metadata["key"]] = f.metadata["dump"](value)
+    out.update((k, v) for k, v in obj.extra.items() if k not in out)
+    return out
+
+
+def _record_from_json(cls: type[_Record], obj: object, where: str) -> _Record:
+    """Parses `obj` into `cls` by its `_json_field`s: a required field (one without a
+    default) must be present, an optional one may be absent or null; the others go to
+    `extra`."""
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+    values, known = {}, set()
+    for f in dataclasses.fields(cls):
+        if "key" not in f.metadata:
+            continue
+        key = f.metadata["key"]
+        known.add(key)
+        if obj.get(key) is None:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise CorruptCheckpointError(f"{where}: the field {key!r} is missing")
+            continue
+        try:
+            values[f.name] = f.metadata["parse"](obj[key])
+        except (ValueError, TypeError) as e:
+            raise CorruptCheckpointError(f"{where}: field {key!r}: {e}") from e
+    return cls(**values, extra={k: v for k, v in obj.items() if k not in known})
+
+
+def _box(v: object) -> Box:
+    return Box.from_json(v)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkRecord:
+    """One chunk (zarr shard file) a process wrote: an entry of `processes/<i>.json`.
+
+    Only `key` is required when read back (`verify` needs it and the crc); a record from
+    this library always has every field.
+
+    Attributes:
+      leaf: the leaf path.
+      key: the chunk's key relative to the checkpoint path (`_format.chunk_key`).
+      box: the chunk's region of the global array.
+      file_bytes: size of the zarr shard file, bytes (JSON `"bytes"`).
+      data_bytes: bytes of array data in the chunk (box size × itemsize).
+      data_crc32c: crc32c of the chunk's C-order bytes (`_format.data_crc32c`).
+      extra: JSON fields this version does not know, kept as read.
+    """
+
+    leaf: str | None = _json_field("leaf", _text, default=None)
+    key: str = _json_field("key", _text)
+    box: Box | None = _json_field("box", _box, Box.to_json, default=None)
+    file_bytes: int | None = _json_field("bytes", _count, default=None)
+    data_bytes: int | None = _json_field("data_bytes", _count, default=None)
+    data_crc32c: int | None = _json_field("data_crc32c", _count, default=None)
+    extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The JSON object (fields in the order of format_version 1; None fields omitted)."""
+        return _record_to_json(self)
+
+    @staticmethod
+    def from_json(obj: object, where: str) -> ChunkRecord:
+        """Parses one chunk entry.
+
+        Raises:
+          CorruptCheckpointError: not an object, `key` missing, or a field of the wrong type.
+        """
+        return _record_from_json(ChunkRecord, obj, where)
+
+
+def _chunks(v: object) -> tuple[ChunkRecord, ...]:
+    if not isinstance(v, list):
+        raise ValueError(f"{v!r:.100} is not a list")
+    return tuple(ChunkRecord.from_json(c, f"chunk {i}") for i, c in enumerate(v))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessRecord:
+    """What one process wrote in one save: `processes/<i>.json`.
+
+    Written once the process's chunks are durable; process 0 checks that every record
+    exists before committing, and `verify` checks the chunks against them. Only `chunks`
+    is required when read back. To add a field: one more optional `_json_field` (old
+    records read as None; older readers keep it in `extra`).
+
+    Attributes:
+      process_index: the process that wrote it.
+      generation: the save attempt (`_format.new_generation`).
+      chunks: the chunks it wrote, one per saved shard.
+      bytes_written: sum of the chunks' `file_bytes`, bytes.
+      snapshot_s: seconds the host snapshot took on that process.
+      write_s: seconds the writes took on that process.
+      per_process_state: the JSON value the process passed as `save(...,
+        per_process_state=)`, or None (absent from the file) when it passed none.
+      extra: JSON fields this version does not know, kept as read.
+    """
+
+    process_index: int | None = _json_field("process_index", _count, default=None)
+    generation: str | None = _json_field("generation", _text, default=None)
+    chunks: tuple[ChunkRecord, ...] = _json_field("chunks", _chunks, lambda cs: [c.to_json() for c in cs])
+    bytes_written: int | None = _json_field("bytes_written", _count, default=None)
+    snapshot_s: float | None = _json_field("snapshot_s", _seconds, default=None)
+    write_s: float | None = _json_field("write_s", _seconds, default=None)
+    per_process_state: object = _json_field("per_process_state", lambda v: v, default=None)
+    extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The JSON object (fields in the order of format_version 1; None fields omitted)."""
+        return _record_to_json(self)
+
+    @staticmethod
+    def from_json(obj: object, where: str) -> ProcessRecord:
+        """Parses and validates a process record.
+
+        Args:
+          obj: the parsed JSON (`_format.loads`).
+          where: the record's path, for messages.
+        Raises:
+          CorruptCheckpointError: not an object, `chunks` missing, or a field of the wrong type.
+        """
+        return _record_from_json(ProcessRecord, obj, where)
+
+
+# --- manifest.json ---------------------------------------------------------------------------
+
+
+def manifest_json(
+    *,
+    step: int | None,
+    generation: str,
+    process_count: int,
+    process_bytes_written: Sequence[int],
+    structure: dict,
+    arrays: Sequence[ArrayMetadata],
+    values: Mapping[str, dict],
+    user_metadata: Mapping,
+    created_unix_s: float | None = None,
+) -> dict:
+    """The manifest of DESIGN.md's format_version 1 (what `parse_manifest` reads).
+
+    Args:
+      step: the training step, or None.
+      generation: the save attempt.
+      process_count: processes that saved.
+      process_bytes_written: bytes of chunk files each process wrote, by process index.
+      structure: the JSON tree structure (`_tree.describe`).
+      arrays: the array leaves' metadata.
+      values: leaf path → `_format.value_to_json` of each non-array leaf.
+      user_metadata: the `metadata=` dict.
+      created_unix_s: the creation time, seconds since the epoch (default: now).
+    """
+    import jax
+
+    leaves = {m.path: m.to_json() for m in arrays}
+    leaves.update({p: {"type": "value", "value": v} for p, v in values.items()})
+    return {
+        "format_version": _format.FORMAT_VERSION,
+        "step": step,
+        "generation": generation,
+        "created_unix_s": time.time() if created_unix_s is None else created_unix_s,
+        "process_count": process_count,
+        "process_bytes_written": list(process_bytes_written),
+        "structure": structure,
+        "leaves": leaves,
+        "user_metadata": user_metadata,
+        "library_version": library_version(),
+        "jax_version": jax.__version__,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +304,8 @@ def _require(cond: bool, what: str, where: str) -> None:
 
 def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     """Validates a parsed manifest; every failure is a `CorruptCheckpointError`."""
-    _require(isinstance(raw, dict), "not a JSON object", where)
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"manifest of {where}: not a JSON object")
     version = raw.get("format_version")
     if not _is_int(version) or version != _format.FORMAT_VERSION:
         raise CorruptCheckpointError(
@@ -82,9 +315,11 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     step = raw.get("step")
     _require(step is None or _is_int(step), f"step {step!r:.100} is not an int", where)
     leaves_raw = raw.get("leaves")
-    _require(isinstance(leaves_raw, dict), "'leaves' is not an object", where)
+    if not isinstance(leaves_raw, dict):
+        raise CorruptCheckpointError(f"manifest of {where}: 'leaves' is not an object")
     structure = raw.get("structure")
-    _require(isinstance(structure, dict), "'structure' is not an object", where)
+    if not isinstance(structure, dict):
+        raise CorruptCheckpointError(f"manifest of {where}: 'structure' is not an object")
     user_metadata = raw.get("user_metadata", {})
     _require(isinstance(user_metadata, dict), "'user_metadata' is not an object", where)
     pcount = raw.get("process_count", 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def _is_count(n: object) -> bool:
@@ -19,11 +19,16 @@ def _is_count(n: object) -> bool:
 class KeepPolicy:
     """Base class of retention policies."""
 
-    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, float]]) -> set[int]:
-        """Returns the subset of `steps` (sorted ascending, committed) to keep."""
+    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, object]]) -> set[int]:
+        """Returns the subset of `steps` (sorted ascending, committed) to keep.
+
+        `metrics[step]` is the step's saved metrics: numbers as floats, NaN and the
+        infinities as the strings "NaN", "Infinity", "-Infinity", other values as given;
+        a step saved without metrics maps to {}.
+        """
         raise NotImplementedError
 
-    def __or__(self, other: "KeepPolicy") -> "KeepAny":
+    def __or__(self, other: KeepPolicy) -> KeepAny:
         if not isinstance(other, KeepPolicy):
             return NotImplemented
         return KeepAny((self, other))
@@ -35,13 +40,13 @@ class KeepAny(KeepPolicy):
 
     policies: tuple[KeepPolicy, ...]
 
-    def keep(self, steps, metrics):
+    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, object]]) -> set[int]:
         out: set[int] = set()
         for p in self.policies:
             out |= p.keep(steps, metrics)
         return out
 
-    def __or__(self, other: KeepPolicy) -> "KeepAny":
+    def __or__(self, other: KeepPolicy) -> KeepAny:
         if not isinstance(other, KeepPolicy):
             return NotImplemented
         return KeepAny(self.policies + (other,))
@@ -53,11 +58,11 @@ class KeepLatest(KeepPolicy):
 
     n: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not _is_count(self.n):
             raise ValueError(f"KeepLatest(n) needs an int n >= 1, got {self.n!r}")
 
-    def keep(self, steps, metrics):
+    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, object]]) -> set[int]:
         return set(sorted(steps)[-self.n :])
 
 
@@ -67,11 +72,11 @@ class KeepEvery(KeepPolicy):
 
     n: int
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not _is_count(self.n):
             raise ValueError(f"KeepEvery(n) needs an int n >= 1, got {self.n!r}")
 
-    def keep(self, steps, metrics):
+    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, object]]) -> set[int]:
         return {s for s in steps if s % self.n == 0}
 
 
@@ -87,13 +92,13 @@ class KeepBest(KeepPolicy):
     mode: str = "min"
     n: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.mode not in ("min", "max"):
             raise ValueError(f"KeepBest mode must be 'min' or 'max', got {self.mode!r}")
         if not _is_count(self.n):
             raise ValueError(f"KeepBest(n=...) needs an int n >= 1, got {self.n!r}")
 
-    def keep(self, steps, metrics):
+    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, object]]) -> set[int]:
         scored = []
         for s in steps:
             v = metrics.get(s, {}).get(self.metric)
@@ -106,7 +111,7 @@ class KeepBest(KeepPolicy):
 class KeepSteps(KeepPolicy):
     """Keeps exactly the given steps (when they exist)."""
 
-    steps: frozenset
+    steps: frozenset[int]
 
     def __init__(self, steps: Iterable[int]):
         if isinstance(steps, (str, bytes)):
@@ -117,5 +122,5 @@ class KeepSteps(KeepPolicy):
             raise ValueError(f"KeepSteps needs int steps >= 0, got {bad!r}")
         object.__setattr__(self, "steps", frozenset(steps))
 
-    def keep(self, steps, metrics):
+    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, object]]) -> set[int]:
         return {s for s in steps if s in self.steps}

@@ -9,59 +9,63 @@ same bytes at roughly half the throughput on this machine (see DESIGN.md perform
 notes). Anything this path does not handle (sub-byte dtypes, big-endian hosts) goes
 through TensorStore's array read instead.
 
-Layout of one zarr shard file (chunk): the encoded inner chunks, each `raw bytes ||
-crc32c(raw bytes)` (little-endian u32), then the index: per inner chunk in C order
-`(offset u64, nbytes u64)`, then `crc32c(index)`.
+The reader executes a `ChunkRead` as planned (see `_restore_plan`): it checks the file's
+size, reads the shard index range the plan names, looks up the planned inner chunk ids
+in it (the index is the only source of the inner chunks' file offsets), coalesces
+inner chunks adjacent in the file, checks each one's crc32c and copies the planned
+spans into the destination buffer. The file layout itself is `_format.ShardFileLayout`.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import stat
+import dataclasses
+import itertools
 import sys
 import threading
 
 import crc32c
-import ml_dtypes
 import numpy as np
 
-from . import _format
-from ._box import Box, grid_cells
 from ._errors import CorruptCheckpointError, where
-from ._format import ArrayMetadata
-from ._restore_plan import BoxRead, ChunkRead
-from ._storage import LocalStorage, Storage
+from ._format import ArrayMetadata, ShardFileLayout, is_whole_byte_dtype
+from ._host import aligned_empty
+from ._restore_plan import BoxRead, ChunkRead, RestorePlan
+from ._storage import Storage
 
-_MISSING = (1 << 64) - 1
 _MAX_RUN_BYTES = 16 << 20  # one read covers at most this many bytes of adjacent inner chunks
 
 
-class ReadCounter:
-    """Bytes fetched from storage by the fast path (for tests that check the plan)."""
+@dataclasses.dataclass(eq=False)
+class RestoreStats:
+    """What one `restore` did, filled in when passed as `restore(..., stats=...)`.
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.bytes = 0
+    Attributes:
+      bytes_read: bytes fetched from storage by the byte-range reader (inner chunks,
+        their crc32c and shard indexes); leaves read through TensorStore's array layer
+        (sub-byte dtypes) are not counted.
+      chunk_reads: chunk (zarr shard file) reads executed.
+      attempts: 1, or 2 when the checkpoint was replaced while it was read.
+      elapsed_s: seconds `restore` took, when it returned.
+      plan: the `RestorePlan` executed (of the last attempt).
+    """
 
-    def add(self, n: int) -> None:
+    bytes_read: int = 0
+    chunk_reads: int = 0
+    attempts: int = 0
+    elapsed_s: float | None = None
+    plan: RestorePlan | None = None
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    def _add(self, bytes_read: int, chunk_reads: int = 0) -> None:
         with self._lock:
-            self.bytes += n
-
-
-BYTES_READ = ReadCounter()
+            self.bytes_read += bytes_read
+            self.chunk_reads += chunk_reads
 
 
 def fast_path_supported(dtype: np.dtype) -> bool:
-    """Whether `read_box` can decode this dtype itself (whole-byte dtypes, little-endian host)."""
-    if sys.byteorder != "little":
-        return False
-    for info in (ml_dtypes.finfo, ml_dtypes.iinfo, np.finfo, np.iinfo):
-        try:
-            return info(dtype).bits == dtype.itemsize * 8
-        except (ValueError, TypeError):
-            continue
-    return dtype.kind in "bc"
+    """Whether `read_box` can decode this dtype itself: whole-byte real dtypes on a
+    little-endian host (complex and sub-byte dtypes go through TensorStore's array read)."""
+    return sys.byteorder == "little" and np.dtype(dtype).kind != "c" and is_whole_byte_dtype(dtype)
 
 
 _local = threading.local()
@@ -74,47 +78,31 @@ def _scratch(n: int) -> memoryview:
     if buf is None or len(buf) < n:
         buf = np.empty(max(n, 1 << 20), np.uint8)
         _local.buf = buf
-    return memoryview(buf)[:n]
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """An uninitialised array whose data is `align`-byte aligned. XLA's CPU client
-    adopts such buffers without copying (`jax.device_put` aliases them)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + align, np.uint8)
-    offset = (-raw.ctypes.data) % align
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+    return buf.data[:n]
 
 
 class _ChunkFile:
-    """Byte-range access to one zarr shard file."""
+    """Byte-range access to one zarr shard file through the storage's `Reader`,
+    counting the bytes fetched into the restore's statistics."""
 
-    def __init__(self, storage: Storage, path: str, key: str):
-        self.storage, self.location = storage, f"{path}/{key}"
-        self._fd = os.open(self.location, os.O_RDONLY) if isinstance(storage, LocalStorage) else None
+    def __init__(self, storage: Storage, path: str, key: str, stats: RestoreStats):
+        self.stats = stats
+        self.location = f"{path}/{key}"
+        self._reader = storage.open_reader(self.location)
 
     def size(self) -> int | None:
-        return os.fstat(self._fd).st_size if self._fd is not None else None
+        return self._reader.size()
 
     def read(self, offset: int, n: int) -> memoryview:
-        """`n` bytes from `offset`; for local files a view of a per-thread scratch
-        buffer that is valid until this thread's next read."""
-        BYTES_READ.add(n)
-        if self._fd is not None:
-            buf = _scratch(n)
-            done = 0
-            while done < n:  # one call returns at most ~2 GiB on Linux, and may return less
-                got = os.preadv(self._fd, [buf[done:]], offset + done)
-                if got == 0:
-                    raise EOFError(f"short read: {done} of {n} bytes at offset {offset}")
-                done += got
-            return buf
-        return memoryview(self.storage.read_range(self.location, offset, n))
+        """`n` bytes from `offset`: a view of a per-thread scratch buffer that is valid
+        until this thread's next read."""
+        self.stats._add(n)
+        buf = _scratch(n)
+        self._reader.read_into(offset, buf)
+        return buf
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._reader.close()
 
 
 def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) -> None:
@@ -127,9 +115,9 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
       CorruptCheckpointError: a file is missing, not a file, or of another size; names
         the leaf and the chunk key.
     """
-    if not isinstance(storage, LocalStorage):
+    if not storage.cheap_size:
         return
-    expected = _format.encoded_chunk_bytes(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
+    expected = ShardFileLayout(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize).file_bytes
     seen: set[str] = set()
     for key in keys:  # may be a generator: stops at the first bad file, holding only what it checked
         if key in seen:
@@ -137,91 +125,86 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
         seen.add(key)
         what = f"{where(leaf=meta.path, path=path)}: chunk {key}"
         try:
-            st = os.stat(f"{path}/{key}")
+            size = storage.size(f"{path}/{key}")
         except OSError as e:
             state = "is missing" if isinstance(e, FileNotFoundError) else "cannot be read"
             raise CorruptCheckpointError(f"{what} {state} ({e.strerror}). Run `checkpointer verify {path}`.") from e
-        if not stat.S_ISREG(st.st_mode) or st.st_size != expected:
+        if size != expected:
             raise CorruptCheckpointError(
-                f"{what} has {st.st_size} bytes, expected {expected} (truncated or damaged). "
+                f"{what} has {size} bytes, expected {expected} (truncated or damaged). "
                 f"Run `checkpointer verify {path}`."
             )
 
 
 def _check_crc(blob: memoryview, what: str) -> memoryview:
-    data, stored = blob[:-4], int.from_bytes(blob[-4:], "little")
+    data, stored = ShardFileLayout.split_crc(blob)
     if crc32c.crc32c(data) != stored:
         raise CorruptCheckpointError(f"{what}: crc32c mismatch (stored {stored:#010x})")
     return data
 
 
-def read_chunk_into(storage: Storage, path: str, meta: ArrayMetadata, read: ChunkRead, out: np.ndarray, out_box: Box) -> None:
-    """Reads `read.box` from its zarr shard file into `out` (the buffer of `out_box`).
+def read_chunk_into(
+    storage: Storage, path: str, meta: ArrayMetadata, read: ChunkRead, out: np.ndarray, stats: RestoreStats
+) -> None:
+    """Executes one planned chunk read into `out` (the buffer of the read's box).
 
     Raises:
-      CorruptCheckpointError: the file is missing, truncated, or a checksum fails;
-        the message names the leaf and the chunk key.
+      CorruptCheckpointError: the file is missing, of another size than planned, an
+        index entry is missing or out of range, or a checksum fails; the message names
+        the leaf and the chunk key.
     """
     what = f"{where(leaf=meta.path, path=path)}: chunk {read.chunk_key}"
-    inner_shape = meta.inner_chunk_shape
-    grid = tuple(c // i for c, i in zip(meta.chunk_shape, inner_shape))
-    n_inner = math.prod(grid)
-    inner_bytes = math.prod(inner_shape) * meta.dtype.itemsize
-    index_bytes = n_inner * 16 + 4
     try:
-        f = _ChunkFile(storage, path, read.chunk_key)
+        f = _ChunkFile(storage, path, read.chunk_key, stats)
     except OSError as e:
         state = "is missing" if isinstance(e, FileNotFoundError) else "cannot be opened"
         raise CorruptCheckpointError(f"{what} {state} ({e.strerror}). Run `checkpointer verify {path}`.") from e
+    stats._add(0, chunk_reads=1)
     try:
         size = f.size()
-        expected = _format.encoded_chunk_bytes(meta.chunk_shape, inner_shape, meta.dtype.itemsize)
-        if size is not None and size != expected:
-            raise CorruptCheckpointError(f"{what} has {size} bytes, expected {expected} (truncated or damaged)")
-        index = np.frombuffer(_check_crc(f.read(expected - index_bytes, index_bytes), f"{what} index"), "<u8").reshape(n_inner, 2)
-        chunk_origin = tuple(c * s for c, s in zip(read.chunk_index, meta.chunk_shape))
-        local = Box(tuple(o - c for o, c in zip(read.box.origin, chunk_origin)), read.box.shape)
+        if size is not None and size != read.file_bytes:
+            raise CorruptCheckpointError(f"{what} has {size} bytes, expected {read.file_bytes} (truncated or damaged)")
+        index = np.frombuffer(_check_crc(f.read(read.index_offset, read.index_bytes), f"{what} index"), "<u8").reshape(-1, 2)
+        step = read.inner_bytes_with_crc
         wanted = []
-        for cell in grid_cells(local, inner_shape):
-            k = int(np.ravel_multi_index(cell, grid))
-            offset, nbytes = int(index[k, 0]), int(index[k, 1])
-            if offset == _MISSING or nbytes != inner_bytes + 4 or offset + nbytes > expected - index_bytes:
-                raise CorruptCheckpointError(f"{what}: index entry {cell} is missing or out of range")
-            wanted.append((offset, cell))
+        for inner_id, spans in zip(read.inner_ids, itertools.product(*read.spans)):
+            offset, nbytes = int(index[inner_id, 0]), int(index[inner_id, 1])
+            if offset == ShardFileLayout.MISSING or nbytes != step or offset + nbytes > read.index_offset:
+                raise CorruptCheckpointError(f"{what}: index entry {inner_id} is missing or out of range")
+            wanted.append((offset, inner_id, spans))
         wanted.sort()
         # Coalesce inner chunks that are adjacent in the file into one read.
-        runs: list[list[tuple[int, tuple]]] = []
-        per_run = max(1, _MAX_RUN_BYTES // (inner_bytes + 4))
-        for offset, cell in wanted:
-            if runs and runs[-1][-1][0] + inner_bytes + 4 == offset and len(runs[-1]) < per_run:
-                runs[-1].append((offset, cell))
+        runs: list[list[tuple[int, int, tuple]]] = []
+        per_run = max(1, _MAX_RUN_BYTES // step)
+        for item in wanted:
+            if runs and runs[-1][-1][0] + step == item[0] and len(runs[-1]) < per_run:
+                runs[-1].append(item)
             else:
-                runs.append([(offset, cell)])
+                runs.append([item])
         dtype = meta.dtype.newbyteorder("<") if meta.dtype.itemsize > 1 and meta.dtype.kind in "iufc" else meta.dtype
         for run in runs:
             start = run[0][0]
-            blob = f.read(start, len(run) * (inner_bytes + 4))
-            for offset, cell in run:
+            blob = f.read(start, len(run) * step)
+            for offset, inner_id, spans in run:
                 rel = offset - start
-                data = _check_crc(blob[rel : rel + inner_bytes + 4], f"{what} inner chunk {cell}")
-                inner = np.frombuffer(data, dtype=dtype).reshape(inner_shape)
-                inner_box = Box(tuple(chunk_origin[d] + cell[d] * inner_shape[d] for d in range(len(cell))), inner_shape)
-                region = inner_box.intersect(read.box)
-                if region is not None:
-                    out[region.relative_to(out_box)] = inner[region.relative_to(inner_box)]
+                data = _check_crc(blob[rel : rel + step], f"{what} inner chunk {inner_id}")
+                inner = np.frombuffer(data, dtype=dtype).reshape(meta.inner_chunk_shape)
+                src = tuple(slice(s, s + n) for s, _, n in spans)
+                dst = tuple(slice(d, d + n) for _, d, n in spans)
+                out[dst] = inner[src]
     except (OSError, EOFError) as e:
         raise CorruptCheckpointError(f"{what} cannot be read: {e}. Run `checkpointer verify {path}`.") from e
     finally:
         f.close()
 
 
-def read_box(storage: Storage, path: str, meta: ArrayMetadata, box_read: BoxRead, pool=None) -> np.ndarray:
-    """Assembles one target box from its chunk reads (concurrently when `pool` is given)."""
+def read_box(storage: Storage, path: str, meta: ArrayMetadata, box_read: BoxRead, pool, stats: RestoreStats) -> np.ndarray:
+    """Assembles one target box (or slab) from its chunk reads (concurrently when `pool` is given)."""
     out = aligned_empty(box_read.box.shape, meta.dtype)
     if pool is None or len(box_read.reads) <= 1:
         for r in box_read.reads:
-            read_chunk_into(storage, path, meta, r, out, box_read.box)
+            read_chunk_into(storage, path, meta, r, out, stats)
     else:
-        for fut in [pool.submit(read_chunk_into, storage, path, meta, r, out, box_read.box) for r in box_read.reads]:
+        for fut in [pool.submit(read_chunk_into, storage, path, meta, r, out, stats) for r in box_read.reads]:
             fut.result()
     return out

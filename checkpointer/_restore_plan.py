@@ -1,28 +1,37 @@
-"""Restore planning (pure): which stored bytes each target shard box needs.
+"""Restore planning (pure): which stored bytes each target shard box needs, and where they go.
 
 Given the saved chunk grid of each leaf and the boxes the target sharding puts on this
-process's devices, the planner lists, per *unique* target box, the chunks (zarr shard
-files) it intersects, the inner chunks it needs inside each and the bytes that costs,
-including each zarr shard file's index. A box held by several local devices is read
-once and placed on each. No device work and no I/O: tests build inputs by hand.
+process's devices (`_targets.resolve_tree`), the planner lists, per *unique* target box,
+the chunks (zarr shard files) it intersects and, per chunk, a `ChunkRead` the reader runs
+as it stands: the file and its expected size, the byte range of its shard index, the
+index entries (inner chunks) to read, and for each the part of the inner chunk to copy
+and where in the box's buffer it goes. Like DCP's `ReadItem`, a read names both
+coordinate systems: storage (file, index range, inner chunk ids and lengths) and
+destination (offsets in the box). A box held by several local devices is read once and
+placed on each; a box larger than the host-memory bound is planned as slabs.
+
+The inner chunks' own offsets in the file are not in the plan: zarr lets a writer place
+them anywhere, so the reader takes them from the index it reads (one range per chunk),
+checks each entry against the plan's expected length and file bounds, and coalesces
+inner chunks adjacent in the file into one read. No device work and no I/O here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from . import _format
 from ._box import Box, cell_box, grid_cells
-from ._format import ArrayMetadata
+from ._format import ArrayMetadata, ShardFileLayout
+from ._targets import ResolvedTarget
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkRead:
-    """The part of one stored chunk a target box needs.
+    """The part of one stored chunk a target box needs, as the reader executes it.
 
     Attributes:
       chunk_index: the chunk's cell in the saved chunk grid.
@@ -30,6 +39,17 @@ class ChunkRead:
       box: the region of the global array read from this chunk (target ∩ chunk).
       inner_chunks: how many inner chunks of the zarr shard file that region touches.
       bytes_read: bytes fetched: those inner chunks with their crc32c, plus the index.
+      local_box: `box` in the chunk's own coordinates.
+      file_bytes: the size the zarr shard file must have, bytes.
+      index_offset: where its shard index (entries and crc32c) starts, bytes.
+      index_bytes: the index's length with its crc32c, bytes.
+      inner_bytes_with_crc: the stored length every index entry must give, bytes.
+      inner_ids: the index entries (C-order inner chunk ids) to read, ascending; the
+        k-th is the k-th element of `itertools.product(*spans)`.
+      spans: per dimension, per inner chunk index along it that is read,
+        `(source start in the inner chunk, destination start in the box buffer,
+        length)` in elements; the copy of one inner chunk is the product of one span
+        per dimension.
     """
 
     chunk_index: tuple[int, ...]
@@ -37,6 +57,13 @@ class ChunkRead:
     box: Box
     inner_chunks: int
     bytes_read: int
+    local_box: Box
+    file_bytes: int
+    index_offset: int
+    index_bytes: int
+    inner_bytes_with_crc: int
+    inner_ids: tuple[int, ...]
+    spans: tuple[tuple[tuple[int, int, int], ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,17 +73,24 @@ class BoxRead:
     Attributes:
       box: the region of the global array (a target shard).
       device_ids: the local devices that hold it.
-      reads: the chunk reads that assemble it.
+      reads: the chunk reads that assemble it (destinations relative to `box`).
       bytes_needed: bytes of the box itself.
+      slabs: when the box is larger than the host-memory bound it was planned with,
+        the slabs it is read in (consecutive along the first dimension, each with its
+        own reads, destinations relative to the slab); empty: read the box whole.
     """
 
     box: Box
     device_ids: tuple[int, ...]
     reads: tuple[ChunkRead, ...]
     bytes_needed: int
+    slabs: tuple[BoxRead, ...] = ()
 
     @property
     def bytes_read(self) -> int:
+        """Bytes fetched for this box (through its slabs when it has them)."""
+        if self.slabs:
+            return sum(s.bytes_read for s in self.slabs)
         return sum(r.bytes_read for r in self.reads)
 
 
@@ -125,8 +159,8 @@ class RestorePlan:
             chunks = sum(len(b.reads) for b in leaf.boxes)
             amp = leaf.bytes_read / leaf.bytes_needed if leaf.bytes_needed else 1.0
             rows.append((leaf.leaf_path or "<root>", "x".join(map(str, leaf.shape)) or "()", str(leaf.dtype), str(len(leaf.boxes)),
-                         str(chunks), _fmt_bytes(leaf.bytes_needed), _fmt_bytes(leaf.bytes_read), f"{amp:.3f}"))
-        rows.append(("total", "", "", "", str(len(self.reads)), _fmt_bytes(self.bytes_needed), _fmt_bytes(self.bytes_read),
+                         str(chunks), _format.format_bytes(leaf.bytes_needed), _format.format_bytes(leaf.bytes_read), f"{amp:.3f}"))
+        rows.append(("total", "", "", "", str(len(self.reads)), _format.format_bytes(self.bytes_needed), _format.format_bytes(self.bytes_read),
                      f"{self.read_amplification:.3f}"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"RestorePlan for {self.path} (process {self.process_index})"]
@@ -137,30 +171,82 @@ class RestorePlan:
         return "\n".join(lines)
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+def _axis_spans(origin: int, size: int, inner: int, box_origin: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Along one dimension of a chunk: `(inner chunk index, source start, destination
+    start, length)` of each inner chunk that the chunk-local range `[origin, origin +
+    size)` touches; destinations are relative to `box_origin` (chunk-local)."""
+    out = []
+    for cell in range(origin // inner, (origin + size - 1) // inner + 1):
+        lo, hi = max(origin, cell * inner), min(origin + size, (cell + 1) * inner)
+        out.append((cell, lo - cell * inner, lo - box_origin, hi - lo))
+    return tuple(out)
 
 
-def plan_chunk_read(meta: ArrayMetadata, chunk: tuple[int, ...], region: Box) -> ChunkRead:
-    """The read of `region` (inside chunk `chunk`) from its zarr shard file."""
+def plan_chunk_read(meta: ArrayMetadata, chunk: tuple[int, ...], region: Box, dest: Box | None = None) -> ChunkRead:
+    """The read of `region` (inside chunk `chunk`) from its zarr shard file.
+
+    Args:
+      meta: the stored leaf.
+      chunk: the chunk's cell in the chunk grid.
+      region: the global region to read, inside the chunk.
+      dest: the box whose buffer receives it (default: `region` itself).
+    """
+    layout = ShardFileLayout(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
+    dest = region if dest is None else dest
     chunk_origin = tuple(c * s for c, s in zip(chunk, meta.chunk_shape))
     local = Box(tuple(o - c for o, c in zip(region.origin, chunk_origin)), region.shape)
-    inner = sum(1 for _ in grid_cells(local, meta.inner_chunk_shape))
-    n_inner = math.prod(c // i for c, i in zip(meta.chunk_shape, meta.inner_chunk_shape))
-    inner_bytes = math.prod(meta.inner_chunk_shape) * meta.dtype.itemsize
-    return ChunkRead(chunk, _format.chunk_key(meta.path, chunk), region, inner, inner * (inner_bytes + 4) + n_inner * 16 + 4)
+    dest_local = tuple(d - c for d, c in zip(dest.origin, chunk_origin))
+    per_dim = [_axis_spans(o, n, i, d) for o, n, i, d in zip(local.origin, local.shape, meta.inner_chunk_shape, dest_local)]
+    grid = layout.inner_grid
+    # C-order ids of the product of the per-dimension inner chunk indices.
+    ids = [0]
+    for spans, n in zip(per_dim, grid):
+        ids = [i * n + s[0] for i in ids for s in spans]
+    inner = len(ids)
+    return ChunkRead(
+        chunk, _format.chunk_key(meta.path, chunk), region, inner,
+        inner * layout.inner_bytes_with_crc + layout.index_bytes,
+        local_box=local, file_bytes=layout.file_bytes, index_offset=layout.index_offset, index_bytes=layout.index_bytes,
+        inner_bytes_with_crc=layout.inner_bytes_with_crc, inner_ids=tuple(ids),
+        spans=tuple(tuple(s[1:] for s in spans) for spans in per_dim),
+    )
 
 
-def plan_leaf(meta: ArrayMetadata, device_boxes: Mapping[int, Box] | Sequence[tuple[int, Box]]) -> LeafRestorePlan:
+def _plan_box(meta: ArrayMetadata, box: Box) -> tuple[ChunkRead, ...]:
+    reads = []
+    for chunk in grid_cells(box, meta.chunk_shape):
+        region = box.intersect(cell_box(chunk, meta.chunk_shape, meta.shape))
+        if region is not None:
+            reads.append(plan_chunk_read(meta, chunk, region, box))
+    return tuple(reads)
+
+
+def _slabs(meta: ArrayMetadata, box: Box, device_ids: tuple[int, ...], slab_bytes: int) -> tuple[BoxRead, ...]:
+    """Splits a box larger than `slab_bytes` into slabs along its first dimension,
+    each planned like a box of its own; () when the box fits or cannot be split."""
+    itemsize = meta.dtype.itemsize
+    if box.size * itemsize <= slab_bytes or not box.shape or box.shape[0] <= 1:
+        return ()
+    row_bytes = box.size * itemsize // box.shape[0]
+    rows = max(1, slab_bytes // max(1, row_bytes))
+    out = []
+    for start in range(0, box.shape[0], rows):
+        n = min(rows, box.shape[0] - start)
+        slab = Box((box.origin[0] + start,) + box.origin[1:], (n,) + box.shape[1:])
+        out.append(BoxRead(slab, device_ids, _plan_box(meta, slab), slab.size * itemsize))
+    return tuple(out)
+
+
+def plan_leaf(
+    meta: ArrayMetadata, device_boxes: Mapping[int, Box] | Sequence[tuple[int, Box]], *, slab_bytes: int | None = None
+) -> LeafRestorePlan:
     """Plans the reads of one leaf for this process's devices.
 
     Args:
       meta: the stored leaf (shape, dtype, chunk and inner chunk shapes).
       device_boxes: `(device_id, target box)` pairs of this process's devices.
+      slab_bytes: host-memory bound of one read, bytes: a box larger than it is also
+        planned as slabs (`BoxRead.slabs`). None: no slabs.
     Returns:
       One `BoxRead` per unique box, in box order.
     """
@@ -171,10 +257,37 @@ def plan_leaf(meta: ArrayMetadata, device_boxes: Mapping[int, Box] | Sequence[tu
     boxes = []
     itemsize = meta.dtype.itemsize
     for box in sorted(by_box):
-        reads = []
-        for chunk in grid_cells(box, meta.chunk_shape):
-            region = box.intersect(cell_box(chunk, meta.chunk_shape, meta.shape))
-            if region is not None:
-                reads.append(plan_chunk_read(meta, chunk, region))
-        boxes.append(BoxRead(box, tuple(sorted(by_box[box])), tuple(reads), box.size * itemsize))
+        ids = tuple(sorted(by_box[box]))
+        slabs = _slabs(meta, box, ids, slab_bytes) if slab_bytes is not None else ()
+        boxes.append(BoxRead(box, ids, _plan_box(meta, box), box.size * itemsize, slabs))
     return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes))
+
+
+def chunk_keys(meta: ArrayMetadata, boxes: Sequence[Box]) -> Iterator[str]:
+    """The keys of the zarr shard files `boxes` need, lazily, each once per box (for a
+    file check ahead of planning: a huge declared shape is refused at its first file)."""
+    for box in sorted(set(boxes)):
+        for chunk in grid_cells(box, meta.chunk_shape):
+            yield _format.chunk_key(meta.path, chunk)
+
+
+def build_plan(resolved: ResolvedTarget, path: str, *, slab_bytes: int | None = None) -> RestorePlan:
+    """Plans every array leaf of a resolved target.
+
+    Args:
+      resolved: the target matched and resolved for one process (`_targets.resolve_tree`).
+      path: the checkpoint path.
+      slab_bytes: as for `plan_leaf`; applied to leaves placed on devices only (a host
+        target is read whole).
+    Returns:
+      The `RestorePlan`, its leaves in target order.
+
+    Multi-process: pure.
+    """
+    leaves = []
+    for leaf in resolved.leaves:
+        if leaf.target is None or not isinstance(leaf.meta, ArrayMetadata):
+            continue  # a value leaf: nothing to read
+        on_devices = leaf.target.sharding is not None
+        leaves.append(plan_leaf(leaf.meta, leaf.device_boxes, slab_bytes=slab_bytes if on_devices else None))
+    return RestorePlan(path, resolved.process_index, tuple(leaves))

@@ -12,38 +12,34 @@ background thread (see `_async.py`):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import datetime
+import json
 import logging
 import os
 import threading
 import time
-import uuid
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeGuard
 
-import crc32c
 import jax
 import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from . import _catalog, _distributed, _format, _ratelimit
+from . import _agreement, _catalog, _distributed, _format, _ratelimit
 from ._box import Box
-from ._errors import CheckpointExistsError, CommitTimeoutError, SaveError, UnsupportedValueError, where
+from ._directory import SAVE_LOCK_SUFFIX
+from ._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
 from ._host import HostBufferPool, copy_to_host
+from ._metadata import ChunkRecord, ProcessRecord, manifest_json
 from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
-from ._directory import SAVE_LOCK_SUFFIX
-from ._storage import TS_CONTEXT, Storage, storage_for
+from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
 from ._tree import describe, flatten
+from ._user_metadata import metadata_json
+from ._zarr_groups import ZARR_JSON, write_group_nodes
 
 log = logging.getLogger("checkpointer")
-
-# Saves of each path so far, by this process. Every process counts the same saves of a
-# path in the same order, so `(path, n)` names one save attempt on all of them, even if
-# some process made a save of another path that the others did not.
-_saves_of_path: collections.Counter = collections.Counter()
 
 
 @dataclasses.dataclass
@@ -72,7 +68,8 @@ class Snapshot:
     overwrite: bool
     commit_timeout_s: float
     buffers: HostBufferPool | None = None
-    lock: object | None = None  # process 0's lock on `<partial>.lock` while writing
+    per_process_state: object = None  # this process's JSON value, stored in its own record
+    lock: FileLock | None = None  # process 0's lock on `<partial>.lock` while writing
     write_limiter: _ratelimit.TokenBucket | None = None  # max_write_bytes_per_s (None: unlimited)
     snapshot_s: float = 0.0
     write_s: float = 0.0
@@ -87,14 +84,10 @@ class Snapshot:
     @property
     def write_path(self) -> str:
         """Where the files go: the partial folder on POSIX, the final path on object stores."""
-        return self.partial_path if self.storage.supports_rename else self.path
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(h.nbytes for leaf in self.arrays for h in leaf.host)
+        return self.storage.commit_strategy.write_path(self.path, self.generation)
 
 
-def _is_array(x: object) -> bool:
+def _is_array(x: object) -> TypeGuard[jax.Array | np.ndarray]:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
@@ -111,17 +104,9 @@ def _saved_sharding(arr: jax.Array) -> SavedSharding:
 
 
 def _check_json_metadata(metadata: object, path: str) -> dict:
-    if metadata is None:
-        return {}
-    try:
-        _format.dumps(metadata)
-    except (TypeError, ValueError) as e:
-        raise UnsupportedValueError(
-            f"metadata for {path} is not JSON-serialisable ({e}); pass a dict of str, numbers, lists and dicts"
-        ) from e
-    if not isinstance(metadata, Mapping):
-        raise UnsupportedValueError(f"metadata for {path} must be a dict, got {type(metadata).__name__}")
-    return dict(metadata)
+    """`metadata=` as stored: the rule of `_user_metadata` (numpy/JAX scalars become
+    Python numbers, NaN/inf the strings "NaN"/"Infinity"/"-Infinity"); errors name the key."""
+    return metadata_json(metadata, path)
 
 
 # Longest name of one folder on common file systems (ext4, xfs, tmpfs, APFS), bytes.
@@ -131,8 +116,7 @@ _MAX_NAME_BYTES = 255
 def _check_storable(leaf_path: str, dtype: np.dtype, path: str) -> None:
     """Raises UnsupportedValueError unless the format can hold an array leaf of `dtype`."""
     dtype = np.dtype(dtype)
-    numeric = dtype.kind in "biufc" or dtype.type.__module__ == "ml_dtypes"  # bfloat16, float8_*, int4, ...
-    if not numeric or dtype.hasobject:
+    if not _format.is_numeric_dtype(dtype) or dtype.hasobject:
         raise UnsupportedValueError(
             f"{where(leaf=leaf_path, path=path)}: dtype {dtype} cannot be stored; convert it to a numeric or bool array"
         )
@@ -190,7 +174,7 @@ def _committed(storage: Storage, path: str) -> bool:
 
 
 # What a checkpoint folder (or a crashed save under the final name) may contain.
-_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED})
+_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED, ZARR_JSON})
 
 
 def _check_target_folder(storage: Storage, path: str, pidx: int, overwrite: bool) -> None:
@@ -209,17 +193,6 @@ def _check_target_folder(storage: Storage, path: str, pidx: int, overwrite: bool
         )
 
 
-def _clear_for_object_store(storage: Storage, path: str) -> None:
-    """On an object store a save writes under the final name, so whatever is there (a
-    committed step being overwritten, or a crashed save's leftovers) goes first: the
-    marker, then every object. The step is absent until the new marker lands; that is
-    the best an object store allows without rename. Process 0 does it before the
-    generation is agreed, so no other process has started writing."""
-    if storage.list_dir(path):
-        storage.delete_file(f"{path}/{_format.COMMITTED}")
-        storage.delete_tree(path)
-
-
 def take_snapshot(
     path: str | os.PathLike,
     tree: object,
@@ -229,8 +202,11 @@ def take_snapshot(
     step: int | None = None,
     commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
     buffers: HostBufferPool | None = None,
+    agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
+    per_process_state: object = None,
 ) -> Snapshot:
-    """Plans the save and copies this process's shards to host memory (blocking).
+    """Plans the save, agrees on it with the other processes, and copies this process's
+    shards to host memory (blocking).
 
     The host buffers are real copies, never views of device buffers: once this returns
     the caller may donate, delete or overwrite the arrays. With `buffers`, the copies
@@ -238,12 +214,61 @@ def take_snapshot(
 
     Raises:
       CheckpointExistsError: `path` is committed and `overwrite` is False.
-      UnsupportedValueError: a leaf cannot be stored (names the leaf path).
+      UnsupportedValueError: a leaf cannot be stored (names the leaf path), or
+        `per_process_state` is not JSON-serialisable.
+      SaveAgreementError: the processes differ in path, step or tree, one refused, or
+        one did not arrive within `agreement_timeout_s`; nothing was written.
+
+    Multi-process: every process calls it (through a save) once per save, in the same
+    order: the n-th save of every process is agreed on as one (DESIGN.md step 0).
     """
+    ticket = _agreement.next_ticket()
+    agreed: list[str] = []
+    try:
+        return _take_snapshot(
+            ticket, agreed, path, tree, metadata=metadata, overwrite=overwrite, step=step,
+            commit_timeout_s=commit_timeout_s, buffers=buffers, agreement_timeout_s=agreement_timeout_s,
+            per_process_state=per_process_state,
+        )
+    except BaseException as e:
+        if isinstance(e, SaveAgreementError):
+            raise
+        if not agreed:  # the others must not wait for us: tell them why we are out
+            _agreement.refuse(ticket, os.fspath(path), e)
+        else:  # agreed, then failed copying: process 0 stops waiting for our shards
+            _distributed.Coordinator(agreed[0], timeout_s=commit_timeout_s).report_error(f"{type(e).__name__}: {e}")
+        raise
+
+
+def _check_per_process_state(value: object, path: str, pidx: int) -> object:
+    """The per-process state as stored (a JSON round trip), or UnsupportedValueError."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise UnsupportedValueError(
+            f"per_process_state for {path} (process {pidx}) is not JSON-serialisable ({e}); pass dicts, lists, "
+            "str, finite numbers, bool and None (e.g. a data loader's state_dict() of plain values)"
+        ) from e
+
+
+def _take_snapshot(
+    ticket: int,
+    agreed: list[str],
+    path,
+    tree,
+    *,
+    metadata,
+    overwrite,
+    step,
+    commit_timeout_s,
+    buffers,
+    agreement_timeout_s,
+    per_process_state,
+) -> Snapshot:
     t0 = time.perf_counter()
     storage, path = storage_for(path)
     pidx, pcount = _distributed.process_index(), _distributed.process_count()
-    if storage.supports_rename and os.path.lexists(path) and not os.path.isdir(path):
+    if storage.commit_strategy.target_blocked(path):
         raise SaveError(
             f"cannot save to {path} (process {pidx}): it exists and is not a folder; a checkpoint path is a "
             "folder. Remove or rename that file, or save to another path"
@@ -257,7 +282,10 @@ def take_snapshot(
             "(CheckpointManager: force=True) to replace it atomically, or save to a new path"
         )
     user_metadata = _check_json_metadata(metadata, path)
+    if per_process_state is not None:
+        per_process_state = _check_per_process_state(per_process_state, path, pidx)
     leaves = flatten(tree)
+    entries: dict[str, dict] = {}  # leaf path -> manifest entry, in tree order (the agreement's digest)
     arrays: list[LeafSnapshot] = []
     values: dict[str, dict] = {}
     device_data = []
@@ -266,6 +294,7 @@ def take_snapshot(
             meta, plan, by_device = _plan_array(leaf_path, leaf, pidx, path)
             arrays.append(LeafSnapshot(meta, plan, []))
             device_data.append([by_device[w.device_id] for w in plan.writes])
+            entries[leaf_path] = meta.to_json()
             continue
         value = _format.value_to_json(leaf)
         if value is None:
@@ -275,15 +304,15 @@ def take_snapshot(
                 "str or numpy scalars (nothing is pickled). Convert it, or register its type as a pytree node."
             )
         values[leaf_path] = value
+        entries[leaf_path] = {"type": "value", "value": value}
     structure = describe(tree, _is_array)
-    if not storage.supports_rename and pidx == 0:
-        _clear_for_object_store(storage, path)
-    _saves_of_path[path] += 1
-    generation = _distributed.agree_on(
-        f"save/{path}/{_saves_of_path[path]}",
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%d%H%M%S}-{uuid.uuid4().hex[:8]}",
-        timeout_s=commit_timeout_s,
+    # Step 0: every process agrees on path, step and tree before anything is written.
+    # Process 0 clears an object store's old step content only once all agreed.
+    clear = (lambda: storage.commit_strategy.prepare_overwrite(path)) if pidx == 0 else None
+    generation = _agreement.agree(
+        ticket, _agreement.proposal(path, step, structure, entries), timeout_s=agreement_timeout_s, before_verdict=clear,
     )
+    agreed.append(generation)
 
     copies = iter(copy_to_host([d for datas in device_data for d in datas], buffers))
     for leaf, datas in zip(arrays, device_data):
@@ -291,37 +320,22 @@ def take_snapshot(
     snap = Snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
-        overwrite=overwrite, commit_timeout_s=commit_timeout_s, buffers=buffers,
+        overwrite=overwrite, commit_timeout_s=commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
     )
     snap.snapshot_s = time.perf_counter() - t0
     return snap
 
 
 def _open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool):
-    spec = {
-        "driver": "zarr3",
-        "kvstore": snap.storage.kvstore_spec(f"{snap.write_path}/{_format.array_dir(meta.path)}"),
-        "metadata": _format.zarr_metadata(meta.shape, meta.dtype, meta.chunk_shape, meta.inner_chunk_shape),
-        "store_data_equal_to_fill_value": True,
-    }
-    if create:
-        spec["create"] = True
-    else:
-        spec["assume_metadata"] = True
-    return ts.open(spec, context=TS_CONTEXT)
+    kvstore = snap.storage.kvstore_spec(f"{snap.write_path}/{_format.array_dir(meta.path)}")
+    return ts.open(_format.zarr_spec(kvstore, meta, mode="create" if create else "write"), context=TS_CONTEXT)
 
 
-def data_crc32c(host: np.ndarray) -> int:
-    """crc32c of an array's C-order bytes (0 for an empty array)."""
-    if host.size == 0:
-        return 0
-    return crc32c.crc32c(np.ascontiguousarray(host).reshape(-1).view(np.uint8).data)
-
-
-def write_snapshot(snap: Snapshot) -> dict:
+def write_snapshot(snap: Snapshot) -> ProcessRecord:
     """Writes this process's chunks and its `processes/<i>.json` record, durably.
 
-    Process 0 also writes every array's `zarr.json`. Returns the record.
+    Process 0 also writes every array's `zarr.json` and the group nodes of
+    `_zarr_groups`. Returns the record.
 
     Raises:
       SaveError: a write failed (names the leaf, the path and the process).
@@ -329,13 +343,16 @@ def write_snapshot(snap: Snapshot) -> dict:
     t0 = time.perf_counter()
     root = snap.write_path
     futures: list = []
+    opened: list = []
     try:
-        if snap.process_index == 0 and snap.storage.supports_rename:
+        if snap.process_index == 0 and snap.storage.supports_locks:
             # Held until commit or abort: recovery and gc leave a locked partial alone.
             snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
-            snap.lock = snap.storage.hold_lock(snap.partial_path + SAVE_LOCK_SUFFIX)
+            snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
         snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
         opened = [(leaf, _open_for_write(snap, leaf.meta, create=snap.process_index == 0)) for leaf in snap.arrays]
+        if snap.process_index == 0:  # zarr v3 group nodes: browsable with zarr.open_group
+            write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays])
         chunks = []
         for leaf, fut in opened:
             try:
@@ -346,14 +363,14 @@ def write_snapshot(snap: Snapshot) -> dict:
                 _ratelimit.acquire(snap.write_limiter, host.nbytes)  # paced per chunk write
                 futures.append((leaf.meta.path, store[w.box.slices()].write(host) if host.size else None))
                 chunks.append(
-                    {
-                        "leaf": leaf.meta.path,
-                        "key": _format.chunk_key(leaf.meta.path, w.chunk_index),
-                        "box": w.box.to_json(),
-                        "bytes": _format.encoded_chunk_bytes(leaf.meta.chunk_shape, leaf.meta.inner_chunk_shape, leaf.meta.dtype.itemsize),
-                        "data_bytes": host.nbytes,
-                        "data_crc32c": data_crc32c(host),
-                    }
+                    ChunkRecord(
+                        leaf=leaf.meta.path,
+                        key=_format.chunk_key(leaf.meta.path, w.chunk_index),
+                        box=w.box,
+                        file_bytes=_format.encoded_chunk_bytes(leaf.meta.chunk_shape, leaf.meta.inner_chunk_shape, leaf.meta.dtype.itemsize),
+                        data_bytes=host.nbytes,
+                        data_crc32c=_format.data_crc32c(host),
+                    )
                 )
         for leaf_path, f in futures:
             if f is None:
@@ -363,20 +380,22 @@ def write_snapshot(snap: Snapshot) -> dict:
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
         snap.write_s = time.perf_counter() - t0
-        record = {
-            "process_index": snap.process_index,
-            "generation": snap.generation,
-            "chunks": chunks,
-            "bytes_written": sum(c["bytes"] for c in chunks),
-            "snapshot_s": round(snap.snapshot_s, 6),
-            "write_s": round(snap.write_s, 6),
-        }
-        snap.bytes_written = record["bytes_written"]
-        snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record))
+        snap.bytes_written = sum(c.file_bytes for c in chunks if c.file_bytes is not None)
+        record = ProcessRecord(
+            process_index=snap.process_index,
+            generation=snap.generation,
+            chunks=tuple(chunks),
+            bytes_written=snap.bytes_written,
+            snapshot_s=round(snap.snapshot_s, 6),
+            write_s=round(snap.write_s, 6),
+            per_process_state=snap.per_process_state,  # additive: absent when the save gave none
+        )
+        snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
         return record
     except BaseException as e:
-        # Let writes already issued finish before anyone removes the partial folder.
-        for _, f in futures:
+        # Let array creations and writes already issued finish before anyone removes
+        # the partial folder (a creation still running would re-create files in it).
+        for _, f in opened + futures:
             if f is not None:
                 try:
                     f.result()
@@ -387,32 +406,15 @@ def write_snapshot(snap: Snapshot) -> dict:
         raise SaveError(f"writing {root} failed (process {snap.process_index}): {type(e).__name__}: {e}") from e
 
 
-def manifest_json(snap: Snapshot, process_bytes: list[int]) -> dict:
-    """The manifest of DESIGN.md's format_version 1."""
-    leaves = {leaf.meta.path: leaf.meta.to_json() for leaf in snap.arrays}
-    leaves.update({p: {"type": "value", "value": v} for p, v in snap.values.items()})
-    return {
-        "format_version": _format.FORMAT_VERSION,
-        "step": snap.step,
-        "generation": snap.generation,
-        "created_unix_s": time.time(),
-        "process_count": snap.process_count,
-        "process_bytes_written": process_bytes,
-        "structure": snap.structure,
-        "leaves": leaves,
-        "user_metadata": snap.user_metadata,
-        "library_version": _library_version(),
-        "jax_version": jax.__version__,
-    }
+def _manifest(snap: Snapshot, process_bytes: list[int]) -> dict:
+    return manifest_json(
+        step=snap.step, generation=snap.generation, process_count=snap.process_count,
+        process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
+        values=snap.values, user_metadata=snap.user_metadata,
+    )
 
 
-def _library_version() -> str:
-    from . import __version__
-
-    return __version__
-
-
-def commit(snap: Snapshot, record: dict, after_publish: Callable[[], None] | None = None) -> None:
+def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], object] | None = None) -> None:
     """Runs the commit protocol; returns once the checkpoint is committed on every process.
 
     `after_publish` runs on process 0 after the commit and before the other processes
@@ -424,14 +426,14 @@ def commit(snap: Snapshot, record: dict, after_publish: Callable[[], None] | Non
     """
     t0 = time.perf_counter()
     coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
-    coord.report_done(str(record["bytes_written"]))
+    coord.report_done(str(record.bytes_written))
     if snap.process_index != 0:
         coord.wait_commit()
         snap.commit_s = time.perf_counter() - t0
         return
     try:
         summaries = coord.wait_all_done()
-        process_bytes = [int(s) for s in summaries] if summaries else [record["bytes_written"]]
+        process_bytes = [int(s) for s in summaries] if summaries else [snap.bytes_written]
         _check_records(snap)
         _catalog.add_entry(snap.storage, snap.path, snap.generation)  # before the marker
         _publish(snap, process_bytes)
@@ -466,30 +468,12 @@ def _check_records(snap: Snapshot) -> None:
 
 def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
     storage, root, final = snap.storage, snap.write_path, snap.path
+    strategy = storage.commit_strategy
     try:
-        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps(manifest_json(snap, process_bytes)))
+        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps(_manifest(snap, process_bytes)))
         marker = _format.dumps({"generation": snap.generation, "committed_unix_s": time.time()})
         storage.write_file(f"{root}/{_format.COMMITTED}", marker)
-        if not storage.supports_rename:
-            return
-        storage.sync_dir(root)
-        parent = final.rsplit("/", 1)[0]
-        if _committed(storage, final) or os.path.exists(final):
-            if not snap.overwrite and _committed(storage, final):
-                raise CheckpointExistsError(f"{final} was committed by another save while this one was writing")
-            # Replace: move the old one aside, publish the new one, then delete the old.
-            # A crash between the two renames leaves a committed partial folder that
-            # `recover_partials` rolls forward.
-            old = f"{final}.deleting-{snap.generation}"
-            storage.rename(final, old)
-            try:
-                storage.rename(root, final)
-            except OSError:
-                storage.rename(old, final)  # put the old checkpoint back before reporting
-                raise
-        else:
-            old = None
-            storage.rename(root, final)
+        replaced = strategy.publish(root, final, snap.generation, overwrite=snap.overwrite)
     except CheckpointExistsError:
         raise
     except OSError as e:
@@ -497,9 +481,7 @@ def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
     # Committed: from here on a failure is logged, never raised (a SaveError means that
     # nothing was committed). A leftover `.deleting-` folder is removed by recovery/gc.
     try:
-        storage.sync_dir(parent)
-        if old is not None:
-            storage.delete_tree(old)
+        strategy.finish_publish(final, replaced)
     except OSError as e:
         log.warning("committed %s, but syncing its folder or removing the replaced checkpoint failed: %s", final, e)
 
@@ -514,18 +496,19 @@ def abort(snap: Snapshot, coord: _distributed.Coordinator, *, timed_out: bool = 
     failure itself was the commit timeout (`timed_out`): processes silent for that long
     are taken for dead and the folder is removed at once.
     """
-    if snap.process_index != 0 or not snap.storage.supports_rename:
+    folder = snap.storage.commit_strategy.discard_path(snap.path, snap.generation)
+    if snap.process_index != 0 or folder is None:
         return
 
     def remove() -> None:
         silent = [] if timed_out else coord.wait_all_reported(snap.commit_timeout_s)
         if silent:
-            log.warning("processes %s never reported; leaving %s for garbage collection", silent, snap.partial_path)
+            log.warning("processes %s never reported; leaving %s for garbage collection", silent, folder)
             return
         try:
-            snap.storage.delete_tree(snap.partial_path)
+            snap.storage.delete_tree(folder)
         except OSError:
-            log.warning("could not remove %s after a failed save", snap.partial_path)
+            log.warning("could not remove %s after a failed save", folder)
 
     if snap.process_count == 1 or timed_out:
         remove()
@@ -533,9 +516,13 @@ def abort(snap: Snapshot, coord: _distributed.Coordinator, *, timed_out: bool = 
         threading.Thread(target=remove, name=f"checkpointer-abort-{snap.generation}", daemon=True).start()
 
 
-def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S) -> Snapshot:
+def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S,
+              agreement_timeout_s=_agreement.DEFAULT_AGREEMENT_TIMEOUT_S, per_process_state=None,
+              write_limiter: _ratelimit.TokenBucket | None = None) -> Snapshot:
     """take_snapshot, write_snapshot and commit on the caller's thread."""
-    snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=step, commit_timeout_s=commit_timeout_s)
+    snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=step, commit_timeout_s=commit_timeout_s,
+                         agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state)
+    snap.write_limiter = write_limiter
     run_background(snap)
     return snap
 
@@ -547,7 +534,7 @@ def _release_host(snap: Snapshot) -> None:
         leaf.host = []
 
 
-def run_background(snap: Snapshot, after_publish: Callable[[], None] | None = None) -> None:
+def run_background(snap: Snapshot, after_publish: Callable[[], object] | None = None) -> None:
     """write_snapshot then commit; on failure tells the others, cleans up, re-raises."""
     coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
     try:
@@ -565,8 +552,9 @@ def run_background(snap: Snapshot, after_publish: Callable[[], None] | None = No
             raise
     finally:
         _release_host(snap)
-        snap.storage.release_lock(snap.partial_path + SAVE_LOCK_SUFFIX, snap.lock)
-        snap.lock = None
+        if snap.lock is not None:
+            snap.lock.release(remove=True)
+            snap.lock = None
     log.info(
         "saved %s: %.1f MiB written by process %d, snapshot %.3f s, write %.3f s, commit %.3f s",
         snap.path, snap.bytes_written / 2**20, snap.process_index, snap.snapshot_s, snap.write_s, snap.commit_s,

@@ -14,7 +14,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from ._box import Box
 from ._errors import UnsupportedValueError

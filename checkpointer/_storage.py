@@ -2,7 +2,13 @@
 
 TensorStore moves the array bytes; this module adds only what TensorStore lacks for a
 checkpointer: small durable files (manifest, records, commit marker), listing of step
-folders, recursive deletion and, on POSIX, the atomic rename that publishes a save.
+folders, recursive deletion, ranged reads of shard files, and on POSIX the advisory
+locks and the atomic rename that publishes a save.
+
+A backend says what it can do with capabilities (`supports_rename`, `supports_locks`,
+`has_folders`, `cheap_size`) and hands out the commit strategy that fits it
+(`commit_strategy`: `_commit.RenameCommit` on POSIX, `_commit.MarkerCommit` on object
+stores), so the save, recovery and the CLI never ask which backend they hold.
 
 A location is a local path (`/ckpt`, `file:///ckpt`) or a kvstore URL TensorStore
 understands (`memory://`, `gs://bucket/prefix`, `s3://bucket/prefix`; the S3 endpoint
@@ -16,20 +22,205 @@ import errno
 import fcntl
 import os
 import shutil
+import stat
 
 import tensorstore as ts
 
+from ._commit import CommitStrategy, MarkerCommit, RenameCommit
 from ._errors import CheckpointError
 
 # One TensorStore context for the whole process, so that `memory://` locations opened
 # twice see the same bytes and cache/concurrency limits are shared.
 TS_CONTEXT = ts.Context()
 
+# Longest holder note a lock file carries (`pid 123 on host`), bytes.
+_HOLDER_NOTE_BYTES = 200
+
+
+class LockHeldError(BlockingIOError):
+    """`FileLock.acquire(wait=False)` found the lock held by another process.
+
+    Attributes:
+      holder: the note the holder wrote into the lock file ("" when it wrote none).
+    """
+
+    def __init__(self, path: str, holder: str):
+        super().__init__(errno.EWOULDBLOCK, f"locked by {holder or 'unknown holder'}", path)
+        self.holder = holder
+
+
+class FileLock:
+    """An advisory `flock` on one file, held until `release` or the process dies.
+
+    The kernel drops the lock with its process, so a crashed holder never leaves a
+    stale lock; only the lock file may remain. Used for the directory lock of a
+    manager (`DIR/.checkpointer.lock`, with a holder note) and the save lock of a
+    save in flight (`<partial>.lock`, removed on release).
+    """
+
+    def __init__(self, path: str, fd: int):
+        self.path = path
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, path: str, *, wait: bool = True, holder: str | None = None) -> FileLock:
+        """Creates `path` if absent and locks it exclusively.
+
+        Args:
+          path: the lock file.
+          wait: block until the lock is free; else raise `LockHeldError` at once.
+          holder: a note (e.g. `pid 12 on host`) written into the file once locked,
+            for `holder` probes of other processes.
+        Raises:
+          LockHeldError: `wait=False` and another process holds the lock.
+          OSError: the file cannot be created.
+        """
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            note = os.pread(fd, _HOLDER_NOTE_BYTES, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise LockHeldError(path, note) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if holder is not None:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{holder}\n".encode(), 0)
+        return cls(path, fd)
+
+    @staticmethod
+    def holder(path: str) -> str | None:
+        """Who holds the lock at `path`: its note ("unknown holder" without one), or
+        None when no live process holds it (or the file is absent)."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, _HOLDER_NOTE_BYTES, 0).decode(errors="replace").strip() or "unknown holder"
+        finally:
+            os.close(fd)  # closing drops the probe's own shared lock
+        return None
+
+    def release(self, *, remove: bool = False) -> None:
+        """Drops the lock (idempotent); with `remove`, deletes the lock file first."""
+        if self._fd is None:
+            return
+        if remove:
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
+        os.close(self._fd)
+        self._fd = None
+
+
+class Reader(abc.ABC):
+    """Byte-range reads of one file, opened once (a zarr shard file, typically).
+
+    A context manager; `close` is idempotent.
+    """
+
+    @abc.abstractmethod
+    def size(self) -> int | None:
+        """The file's size in bytes, or None where that would cost a request."""
+
+    @abc.abstractmethod
+    def read_into(self, offset: int, buffer: memoryview | bytearray) -> None:
+        """Fills `buffer` (writable, `len(buffer)` bytes) from byte `offset` of the file.
+
+        Raises:
+          EOFError: the file ends before `offset + len(buffer)`.
+          OSError: the read failed.
+        """
+
+    def read(self, offset: int, n: int) -> bytes:
+        """`n` bytes from byte `offset`. Raises as `read_into`."""
+        buf = bytearray(n)
+        self.read_into(offset, buf)
+        return bytes(buf)
+
+    def close(self) -> None:
+        """Releases the file."""
+
+    def __enter__(self):  # -> Self (typing.Self needs Python 3.11)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _LocalReader(Reader):
+    """`os.preadv` on one open file descriptor, straight into the caller's buffer."""
+
+    def __init__(self, path: str):
+        self._fd: int | None = os.open(path, os.O_RDONLY)
+
+    def _open_fd(self) -> int:
+        if self._fd is None:
+            raise ValueError("read of a closed reader")
+        return self._fd
+
+    def size(self) -> int:
+        return os.fstat(self._open_fd()).st_size
+
+    def read_into(self, offset: int, buffer: memoryview | bytearray) -> None:
+        fd, view = self._open_fd(), memoryview(buffer).cast("B")
+        n, done = len(view), 0
+        while done < n:  # one call returns at most ~2 GiB on Linux, and may return less
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise EOFError(f"short read: {done} of {n} bytes at offset {offset}")
+            done += got
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class _KvReader(Reader):
+    """Byte-range reads through TensorStore's kvstore (one request each)."""
+
+    def __init__(self, storage: KvStorage, path: str):
+        self._storage, self._path = storage, path
+
+    def size(self) -> None:
+        return None  # a kvstore read returns no object size: finding it costs a download
+
+    def read_into(self, offset: int, buffer: memoryview | bytearray) -> None:
+        view = memoryview(buffer).cast("B")
+        data = self._storage.read_range(self._path, offset, len(view))
+        if len(data) != len(view):
+            raise EOFError(f"short read: {len(data)} of {len(view)} bytes at offset {offset}")
+        view[:] = data
+
 
 class Storage(abc.ABC):
-    """A storage backend. Every method acts on one location string (path or URL)."""
+    """A storage backend. Every method acts on one location string (path or URL).
+
+    Capabilities (class attributes):
+      supports_rename: `rename` moves a folder atomically.
+      supports_locks: `lock` gives advisory locks that die with their process.
+      has_folders: folders exist apart from their files (an empty one too), and
+        `is_folder` tells a missing folder; on object stores a folder is only a
+        key prefix.
+      cheap_size: `size` costs a metadata lookup, not a download.
+    """
 
     supports_rename: bool = False
+    supports_locks: bool = False
+    has_folders: bool = False
+    cheap_size: bool = False
+
+    @property
+    def commit_strategy(self) -> CommitStrategy:
+        """How saves are published here: by rename where it exists, else by marker."""
+        return RenameCommit(self) if self.supports_rename else MarkerCommit(self)
 
     @abc.abstractmethod
     def kvstore_spec(self, path: str) -> dict:
@@ -49,11 +240,31 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def read_range(self, path: str, offset: int, length: int) -> bytes:
-        """Returns `length` bytes of `path` from byte `offset`. Raises FileNotFoundError."""
+        """Returns `length` bytes of `path` from byte `offset` (fewer at the end of the
+        file on POSIX). Raises FileNotFoundError if absent."""
+
+    @abc.abstractmethod
+    def open_reader(self, path: str) -> Reader:
+        """Opens `path` for byte-range reads. Raises FileNotFoundError if absent
+        (object stores: at the first read)."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """The size of the file at `path` in bytes (object stores fetch it whole, see
+        `cheap_size`).
+
+        Raises:
+          FileNotFoundError: nothing is at `path`.
+          IsADirectoryError: `path` is a folder.
+        """
 
     @abc.abstractmethod
     def exists(self, path: str) -> bool:
         """Whether a file exists at `path`."""
+
+    @abc.abstractmethod
+    def is_folder(self, path: str) -> bool:
+        """Whether `path` is a folder (object stores: whether any file is under it)."""
 
     @abc.abstractmethod
     def list_dir(self, path: str) -> list[str]:
@@ -71,33 +282,33 @@ class Storage(abc.ABC):
     def delete_file(self, path: str) -> None:
         """Removes the file at `path`; no error if absent."""
 
-    def hold_lock(self, path: str) -> object | None:
-        """Creates `path` and holds an exclusive lock on it until `release_lock` (or
-        process death). None where the backend has no locks (object stores)."""
+    def folder_bytes(self, path: str) -> int | None:
+        """Total bytes of the files under `path`, or None where that costs a request
+        per file (object stores)."""
         return None
 
-    def lock_is_held(self, path: str) -> bool:
-        """Whether some live process holds the lock at `path` (False when absent)."""
-        return False
+    def modified_unix_s(self, path: str) -> float | None:
+        """When `path` last changed (seconds since the epoch), or None where unknown."""
+        return None
 
-    def release_lock(self, path: str, handle: object | None) -> None:
-        """Releases a lock from `hold_lock` and removes its file."""
+    def lock(self, path: str, *, wait: bool = True, holder: str | None = None) -> FileLock:
+        """Takes the lock at `path` (see `FileLock.acquire`); needs `supports_locks`."""
+        raise NotImplementedError(f"{type(self).__name__} has no locks")
+
+    def lock_holder(self, path: str) -> str | None:
+        """Who holds the lock at `path` (see `FileLock.holder`); None where nothing
+        holds it, which is always so without `supports_locks`."""
+        return None
 
     def makedirs(self, path: str) -> None:
         """Creates folder `path` (no-op on object stores)."""
 
     def rename(self, src: str, dst: str) -> None:
-        """Atomically renames folder `src` to `dst` (POSIX only)."""
-        raise NotImplementedError
+        """Atomically renames folder `src` to `dst`; needs `supports_rename`."""
+        raise NotImplementedError(f"{type(self).__name__} has no rename")
 
     def sync_dir(self, path: str) -> None:
         """Makes the entries of folder `path` durable (POSIX only)."""
-
-    @staticmethod
-    def join(*parts: str) -> str:
-        """Joins location parts with `/`."""
-        head, *rest = parts
-        return "/".join([head.rstrip("/")] + [p.strip("/") for p in rest if p])
 
 
 def _too_large(path: str, max_bytes: int) -> OSError:
@@ -105,9 +316,13 @@ def _too_large(path: str, max_bytes: int) -> OSError:
 
 
 class LocalStorage(Storage):
-    """A local POSIX file system: durable writes with fsync, atomic directory rename."""
+    """A local POSIX file system: durable writes with fsync, atomic directory rename,
+    flock."""
 
     supports_rename = True
+    supports_locks = True
+    has_folders = True
+    cheap_size = True
 
     def kvstore_spec(self, path: str) -> dict:
         return {"driver": "file", "path": path.rstrip("/") + "/"}
@@ -134,8 +349,20 @@ class LocalStorage(Storage):
         with open(path, "rb") as f:
             return os.pread(f.fileno(), length, offset)
 
+    def open_reader(self, path: str) -> Reader:
+        return _LocalReader(path)
+
+    def size(self, path: str) -> int:
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        return st.st_size
+
     def exists(self, path: str) -> bool:
         return os.path.isfile(path)
+
+    def is_folder(self, path: str) -> bool:
+        return os.path.isdir(path)
 
     def list_dir(self, path: str) -> list[str]:
         try:
@@ -162,32 +389,27 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             pass
 
-    def hold_lock(self, path: str) -> int:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return fd
+    def folder_bytes(self, path: str) -> int:
+        total = 0
+        for root, _, files in os.walk(path):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(root, f)).st_size
+                except FileNotFoundError:  # removed while we walk (a save or gc at work)
+                    pass
+        return total
 
-    def lock_is_held(self, path: str) -> bool:
+    def modified_unix_s(self, path: str) -> float | None:
         try:
-            fd = os.open(path, os.O_RDONLY)
+            return os.stat(path).st_mtime
         except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)  # closing drops the probe's own lock
-        return False
+            return None
 
-    def release_lock(self, path: str, handle: object | None) -> None:
-        if handle is None:
-            return
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
-        os.close(handle)
+    def lock(self, path: str, *, wait: bool = True, holder: str | None = None) -> FileLock:
+        return FileLock.acquire(path, wait=wait, holder=holder)
+
+    def lock_holder(self, path: str) -> str | None:
+        return FileLock.holder(path)
 
     def makedirs(self, path: str) -> None:
         if os.path.exists(path) and not os.path.isdir(path):
@@ -235,13 +457,34 @@ class KvStorage(Storage):
         return bytes(r.value)
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
-        r = self._kv.read(self._key(path), byte_range=slice(offset, offset + length)).result()
+        try:
+            r = self._kv.read(self._key(path), byte_range=slice(offset, offset + length)).result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            # The object ends before `offset + length`: return what is there, as pread does.
+            return self.read_file(path)[offset : offset + length]
         if r.state != "value":
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
         return bytes(r.value)
 
+    def open_reader(self, path: str) -> Reader:
+        self._key(path)  # a path outside this store fails now, not at the first read
+        return _KvReader(self, path)
+
+    def size(self, path: str) -> int:
+        r = self._kv.read(self._key(path)).result()
+        if r.state == "value":
+            return len(r.value)
+        if self.is_folder(path):
+            raise IsADirectoryError(errno.EISDIR, "a key prefix, not an object", path)
+        raise FileNotFoundError(errno.ENOENT, "no such object", path)
+
     def exists(self, path: str) -> bool:
         return self._kv.read(self._key(path)).result().state == "value"
+
+    def is_folder(self, path: str) -> bool:
+        return bool(self.list_files(path))
 
     def list_dir(self, path: str) -> list[str]:
         prefix = self._key(path).rstrip("/")
@@ -301,8 +544,7 @@ def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
       CheckpointError: the URL scheme is one TensorStore cannot open.
     """
     loc = os.fspath(location)
-    if loc.startswith("file://"):
-        loc = loc[len("file://") :]
+    loc = loc.removeprefix("file://")
     if "://" not in loc:
         return LocalStorage(), os.path.abspath(loc)
     scheme, rest = loc.split("://", 1)
@@ -318,9 +560,3 @@ def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
     raise CheckpointError(
         f"unsupported location {loc!r}: use a local path or a file://, memory://, gs:// or s3:// URL"
     )
-
-
-def os_error_message(e: BaseException) -> str:
-    """A one-line description of an OSError (`[Errno 28] No space left on device: '/x'`)."""
-    return f"{type(e).__name__}: {e}"
-

@@ -25,15 +25,22 @@ from __future__ import annotations
 import collections
 import keyword
 import urllib.parse
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from ._errors import CorruptCheckpointError, StructureMismatchError
 
-KeyEntry = DictKey | SequenceKey | GetAttrKey | FlattenedIndexKey
+if TYPE_CHECKING:
+    # jax declares its key entry classes as `Any`, so to a type checker an entry is Any.
+    KeyEntry = Any
+else:
+    KeyEntry = DictKey | SequenceKey | GetAttrKey | FlattenedIndexKey
 JsonNode = dict
+# A pytree (nested containers of leaves); JAX types pytrees as Any too.
+PyTree = Any
 
 
 def _is_none(x: object) -> bool:
@@ -71,23 +78,22 @@ def leaf_path(key_path: Sequence[KeyEntry]) -> str:
     return "/".join(escape_key(k) for k in key_path)
 
 
-def check_leaf_path(path: str, *, where: str = "") -> str:
+def check_leaf_path(path: object, *, where: str = "") -> str:
     """Raises `CorruptCheckpointError` if `path` could leave the checkpoint folder.
 
     Args:
-      path: a leaf path as stored in a manifest.
+      path: a leaf path as stored in a manifest (any JSON value; only a str can pass).
       where: the checkpoint path, for the message.
     Returns:
       `path`, unchanged.
     """
-    bad = (
+    if (
         not isinstance(path, str)
         or "\x00" in path
         or "\\" in path
         or path.startswith("/")
         or (path != "" and any(c in ("", ".", "..") for c in path.split("/")))
-    )
-    if bad:
+    ):
         raise CorruptCheckpointError(
             f"unsafe leaf path {path!r} {where}: leaf paths must be relative, without '..', "
             "'.', empty components, backslashes or NUL. The manifest is damaged or hostile; "
@@ -230,15 +236,17 @@ def leaf_paths_of(node: JsonNode) -> list[str]:
     Raises:
       CorruptCheckpointError: a node is not an object or nests deeper than `MAX_DEPTH`.
     """
-    out, stack = [], [(node, 0)]
+    out: list[str] = []
+    stack = [(node, 0)]
     while stack:
         n, depth = stack.pop()
         if not isinstance(n, dict) or depth > MAX_DEPTH:
             raise CorruptCheckpointError("malformed or too deeply nested tree structure")
         if n.get("kind") == "leaf":
-            if not isinstance(n.get("path"), str):
-                raise CorruptCheckpointError(f"malformed tree structure: leaf path {n.get('path')!r:.100} is not a string")
-            out.append(n.get("path"))
+            path = n.get("path")
+            if not isinstance(path, str):
+                raise CorruptCheckpointError(f"malformed tree structure: leaf path {path!r:.100} is not a string")
+            out.append(path)
             continue
         children = n.get("children", [])
         if not isinstance(children, list):

@@ -5,14 +5,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
+
+import tensorstore as ts
 
 from . import _format
 from ._box import Box, cell_box, grid_cells
 from ._errors import CheckpointError
-from ._metadata import read_metadata
-from ._restore import _open_for_read
-from ._save import data_crc32c
-from ._storage import storage_for
+from ._metadata import ChunkRecord, ProcessRecord, read_metadata
+from ._storage import TS_CONTEXT, storage_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class VerifyReport:
         return "\n".join([head] + [f"  - {p}" for p in self.problems])
 
 
-def verify(path: str | os.PathLike, *, progress=None) -> VerifyReport:
+def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | None = None) -> VerifyReport:
     """Reads every chunk of the committed checkpoint at `path` and checks it.
 
     Checks: the manifest parses; every chunk of every array leaf exists and decodes
@@ -64,34 +65,37 @@ def verify(path: str | os.PathLike, *, progress=None) -> VerifyReport:
     storage, path = storage_for(path)
     meta = read_metadata(storage, path)
     problems: list[str] = []
-    recorded: dict[str, dict] = {}
+    recorded: dict[str, ChunkRecord] = {}
     for name in storage.list_dir(f"{path}/{_format.PROCESSES}"):
+        where = f"{path}/{_format.PROCESSES}/{name}"
         try:
-            record = _format.loads(storage.read_file(f"{path}/{_format.PROCESSES}/{name}"), name)
-            for c in record["chunks"]:
-                if c["key"] in recorded:
-                    problems.append(f"chunk {c['key']} is recorded by two processes")
-                recorded[c["key"]] = c
-        except (CheckpointError, KeyError, TypeError) as e:
+            record = ProcessRecord.from_json(_format.loads(storage.read_file(where), name), where)
+        except CheckpointError as e:
             problems.append(f"process record {name} is malformed: {e}")
+            continue
+        for c in record.chunks:
+            if c.key in recorded:
+                problems.append(f"chunk {c.key} is recorded by two processes")
+            recorded[c.key] = c
     work = []
     for leaf, m in meta.arrays.items():
         for cell in grid_cells(Box.whole(m.shape), m.chunk_shape):
             work.append((leaf, m, cell))
     n_bytes = 0
-    stores: dict[str, object] = {}
+    stores: dict[str, ts.TensorStore] = {}
     for i, (leaf, m, cell) in enumerate(work):
         key = _format.chunk_key(leaf, cell)
         try:
             if leaf not in stores:
-                stores[leaf] = _open_for_read(storage, path, m).result()
+                kvstore = storage.kvstore_spec(f"{path}/{_format.array_dir(leaf)}")
+                stores[leaf] = ts.open(_format.zarr_spec(kvstore, m, mode="read"), context=TS_CONTEXT, read=True).result()
             box = cell_box(cell, m.chunk_shape, m.shape)
             data = stores[leaf][box.slices()].read().result()
             n_bytes += data.nbytes
             rec = recorded.get(key)
             if rec is None:
                 problems.append(f"leaf {leaf!r}: chunk {key} is not in any process record")
-            elif rec.get("data_crc32c") != data_crc32c(data):
+            elif rec.data_crc32c != _format.data_crc32c(data):
                 problems.append(f"leaf {leaf!r}: chunk {key} decodes to bytes whose crc32c differs from the writer's record")
         except Exception as e:  # every failure is a finding, keep going
             problems.append(f"leaf {leaf!r}: chunk {key}: {str(e).splitlines()[0]}")

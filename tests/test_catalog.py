@@ -126,13 +126,18 @@ def test_an_entry_without_marker_is_ignored(run_dir):
 
 def test_a_committed_step_without_entry_is_listed_again_once_the_writer_repairs(run_dir):
     # No save of this release commits without an entry; a writer of an earlier release
-    # (or a hand-deleted entry) does. The next manager start (or `checkpointer gc`) repairs.
+    # (or a hand-deleted entry) does. The next writer (its first save or `recover()`, or
+    # `checkpointer gc`) repairs.
     with ckpt.CheckpointManager(run_dir, async_save=False) as mgr:
         mgr.save(1, _state(1))
         mgr.save(2, _state(2))
         storage, directory = mgr.storage, mgr.directory
     storage.delete_file(f"{directory}/{_catalog.CATALOG}/2")
-    assert ckpt.CheckpointManager(run_dir).all_steps() == [1, 2] == _truth(storage, directory)
+    with ckpt.CheckpointManager(run_dir, read_only=True) as reader:
+        assert reader.all_steps() == [1]  # readers never repair
+    with ckpt.CheckpointManager(run_dir) as mgr:
+        mgr.recover()
+        assert mgr.all_steps() == [1, 2] == _truth(storage, directory)
     assert _entries(storage, directory) == [1, 2]
     storage.delete_file(f"{directory}/{_catalog.CATALOG}/2")
     assert _cli.main(["gc", run_dir]) == 0
@@ -148,8 +153,10 @@ def test_a_directory_without_catalog_falls_back_to_the_full_listing(run_dir, lis
     listed.clear()
     assert _directory.committed_steps(storage, directory) == [3, 30]
     assert directory in listed  # the full listing
-    # A manager (the writer) builds the catalog from that listing at its start.
+    # The writer builds the catalog from that listing with its clean-up (first save or recover()).
     with ckpt.CheckpointManager(run_dir, async_save=False) as mgr:
+        assert _entries(storage, directory) == []  # opening a manager writes nothing
+        mgr.recover()
         assert _entries(storage, directory) == [3, 30]
         assert storage.exists(f"{directory}/{_catalog.CATALOG}/{_catalog.HEADER}")
         listed.clear()
@@ -162,7 +169,8 @@ def test_a_directory_without_catalog_falls_back_to_the_full_listing(run_dir, lis
 
 
 def test_saves_into_a_catalogued_directory_without_the_manager_are_entered(run_dir):
-    ckpt.CheckpointManager(run_dir).close()  # creates the catalog
+    with ckpt.CheckpointManager(run_dir) as mgr:
+        mgr.recover()  # the writer's clean-up creates the catalog
     ckpt.save(f"{run_dir}/8", _state(8))
     ckpt.save(f"{run_dir}/elsewhere", _state(9))  # not a step name: no entry
     storage, directory = storage_for(run_dir)

@@ -185,6 +185,35 @@ def test_plan_emulates_other_processes(run_dir, capsys):
     assert_one_line_error(*run(capsys, "plan", path, "--mesh", "4x2", "--process-index", "1"), 2, "--processes")
 
 
+def test_plan_for_a_pod_runs_in_a_one_device_process(tmp_path):
+    """`plan --mesh 64x128 --processes 1024` needs no devices: 8,192 of them in a 1-device process."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    w = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
+    ckpt.save(str(tmp_path / "1"), {"w": jax.device_put(w, NamedSharding(mesh, P("data", "model"))), "step": 1})
+    code = (
+        "import sys, jax; from checkpointer._cli import main; assert len(jax.devices()) == 1; "
+        "raise SystemExit(main(sys.argv[1:]))"
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    argv = [sys.executable, "-c", code, "plan", str(tmp_path / "1"), "--mesh", "64x128", "--processes", "1024"]
+    res = subprocess.run([*argv, "--process-index", "1023", "--json"], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    doc = json.loads(res.stdout)
+    assert doc["mesh"] == {"shape": [64, 128], "axis_names": ["data", "model"]}
+    assert (doc["process_index"], doc["process_count"]) == (1023, 1024)
+    # Each device holds a (4, 2) box; process 1023 holds the last 8 devices of mesh row 63.
+    (leaf,) = doc["leaves"]
+    assert leaf["target_spec"] == ["data", "model"] and leaf["boxes"] == 8 and leaf["bytes_needed"] == 8 * 4 * 2 * 4
+    expected = ckpt.plan_restore(
+        str(tmp_path / "1"), {"w": NamedSharding(jax.sharding.AbstractMesh((64, 128), ("data", "model")), P("data", "model"))},
+        partial=True, processes=1024, process_index=1023,
+    )
+    assert [b.box.origin for b in expected.leaves[0].boxes] == [(252, 240 + 2 * i) for i in range(8)]
+    assert doc["bytes_read"] == expected.bytes_read
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0 and "process 0 of 1024" in res.stdout and "8192 devices" in res.stdout, res.stderr[-2000:]
+
+
 def test_plan_with_too_few_devices_says_how_many(run_dir, capsys):
     code, out, err = run(capsys, "plan", f"{run_dir}/3", "--mesh", "4x4")
     assert_one_line_error(code, out, err, 2, "needs 16 devices", "8 cpu devices", "XLA_FLAGS=--xla_force_host_platform_device_count=16")
@@ -271,7 +300,8 @@ def test_gc_rolls_forward_a_committed_unrenamed_step(run_dir, capsys):
 
 
 def test_gc_refuses_while_a_manager_holds_the_directory(run_dir, capsys):
-    with ckpt.CheckpointManager(run_dir, keep=ckpt.KeepLatest(10)):  # (it also cleans up the partial)
+    with ckpt.CheckpointManager(run_dir, keep=ckpt.KeepLatest(10)) as mgr:
+        mgr.recover()  # takes the writer's lock (and cleans up the partial)
         os.makedirs(f"{run_dir}/{PARTIAL}")
         assert_one_line_error(*run(capsys, "gc", run_dir, "--keep-latest", "1"), 1, "CheckpointManager is using")
         assert os.path.isdir(f"{run_dir}/{PARTIAL}") and os.path.isdir(f"{run_dir}/1")

@@ -1,15 +1,19 @@
 """The on-disk format: inner chunking, shard file sizes, non-array values, manifest entries, names."""
 
+import datetime
 import math
 import os
+import re
 import struct
 
+import crc32c
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from checkpointer._box import Box
 from checkpointer._errors import CorruptCheckpointError
 from checkpointer._format import (
     MAX_ARRAY_BYTES,
@@ -17,16 +21,27 @@ from checkpointer._format import (
     SavedSharding,
     array_metadata_from_json,
     chunk_key,
+    data_crc32c,
+    deleting_name,
+    dtype_kind,
     dumps,
     encoded_chunk_bytes,
+    format_bytes,
+    generation_time,
     inner_chunk_shape,
+    is_numeric_dtype,
+    is_whole_byte_dtype,
     loads,
+    new_generation,
+    parse_deleting_name,
     parse_partial_name,
     partial_name,
     value_from_json,
     value_to_json,
     zarr_metadata,
+    zarr_spec,
 )
+from checkpointer._metadata import ProcessRecord, library_version, manifest_json, parse_manifest
 
 MIB = 1 << 20
 
@@ -488,3 +503,147 @@ def test_parse_partial_name(name, expected):
 def test_partial_name_roundtrip(name, generation):
     assert partial_name(name, generation) == f"{name}.partial-{generation}"
     assert parse_partial_name(partial_name(name, generation)) == (name, generation)
+
+
+@pytest.mark.parametrize("name, expected", [("3.deleting-20260101000000-0a1b2c3d", ("3", "20260101000000-0a1b2c3d")),
+                                            ("3.deleting-gc-0a1b2c3d", ("3", "gc-0a1b2c3d")), ("3.deleting-", None),
+                                            ("3.partial-abc", None), ("3", None)])
+def test_parse_deleting_name(name, expected):
+    assert parse_deleting_name(name) == expected
+    if expected:
+        assert deleting_name(*expected) == name
+
+
+# --- generations -------------------------------------------------------------------------------
+
+
+def test_new_generation_is_utc_time_then_8_hex_and_parses_as_a_partial_name():
+    now = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.timezone(datetime.timedelta(hours=2)))
+    generation = new_generation(now)
+    assert re.fullmatch(r"20260102010405-[0-9a-f]{8}", generation)  # 03:04:05 at +02:00 is 01:04:05 UTC
+    assert generation != new_generation(now)  # 32 random bits tell same-second attempts apart
+    assert generation_time(generation) == now
+    assert parse_partial_name(partial_name("5", generation)) == ("5", generation)
+    assert generation_time("abc123") is None
+
+
+# --- process records (processes/<i>.json) ---------------------------------------------------------
+
+V010 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "v0.1.0", "7")
+
+
+def test_process_record_of_0_1_0_round_trips_byte_for_byte():
+    with open(f"{V010}/processes/0.json", "rb") as f:
+        raw = f.read()
+    record = ProcessRecord.from_json(loads(raw, "0.json"), "0.json")
+    assert record.process_index == 0 and record.chunks and all(isinstance(c.box, Box) for c in record.chunks)
+    assert record.bytes_written == sum(c.file_bytes for c in record.chunks)
+    assert dumps(record.to_json()) == raw
+
+
+def test_process_record_keeps_unknown_fields_and_reads_a_minimal_one():
+    obj = {"process_index": 1, "chunks": [{"key": "arrays/w/c/0", "data_crc32c": 7, "later": [1]}], "later": {"x": 1}}
+    record = ProcessRecord.from_json(obj, "1.json")
+    assert record.extra == {"later": {"x": 1}} and record.chunks[0].extra == {"later": [1]}
+    assert record.generation is None and record.chunks[0].data_crc32c == 7
+    assert record.to_json() == obj
+
+
+@pytest.mark.parametrize(
+    "obj, match",
+    [
+        ([], "expected a JSON object"),
+        ({}, "'chunks' is missing"),
+        ({"chunks": 5}, "'chunks'"),
+        ({"chunks": [5]}, "chunk 0: expected a JSON object"),
+        ({"chunks": [{"data_crc32c": 1}]}, "'key' is missing"),
+        ({"chunks": [{"key": 1}]}, "'key'"),
+        ({"chunks": [{"key": "k", "box": [[0], [1, 2]]}]}, "'box'"),
+        ({"chunks": [{"key": "k", "bytes": -1}]}, "'bytes'"),
+        ({"chunks": [], "process_index": True}, "'process_index'"),
+        ({"chunks": [], "write_s": "1"}, "'write_s'"),
+    ],
+)
+def test_malformed_process_record_is_corrupt_and_names_the_field(obj, match):
+    with pytest.raises(CorruptCheckpointError, match=rf"/ckpt/processes/0\.json: .*{match}"):
+        ProcessRecord.from_json(obj, "/ckpt/processes/0.json")
+
+
+# --- manifest.json: the writer reproduces what the reader read ---------------------------------
+
+
+def test_manifest_writer_rewrites_the_0_1_0_manifest_it_parses():
+    with open(f"{V010}/manifest.json", "rb") as f:
+        raw = loads(f.read(), "manifest.json")
+    meta = parse_manifest(raw, V010)
+    values = {p: value_to_json(m.value) for p, m in meta.leaves.items() if not isinstance(m, ArrayMetadata)}
+    written = manifest_json(
+        step=meta.step, generation=raw["generation"], process_count=meta.process_count,
+        process_bytes_written=meta.process_bytes_written, structure=meta.structure, arrays=list(meta.arrays.values()),
+        values=values, user_metadata=meta.user_metadata, created_unix_s=meta.created_unix_s,
+    )
+    versions = ("library_version", "jax_version")
+    assert {k: v for k, v in written.items() if k not in versions} == {k: v for k, v in raw.items() if k not in versions}
+    assert list(written) == list(raw)  # same fields, same order
+    assert written["library_version"] == library_version()
+
+
+def test_library_version_is_the_installed_distributions():
+    import importlib.metadata
+
+    import checkpointer
+
+    assert library_version() == checkpointer.__version__ == importlib.metadata.version("checkpointer")
+
+
+# --- small shared helpers ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, text", [(None, "-"), (0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"),
+                                     (64 << 20, "64.0 MiB"), (3 << 30, "3.0 GiB"), (5 << 40, "5.0 TiB"),
+                                     (3 << 50, "3072.0 TiB")])
+def test_format_bytes(n, text):
+    assert format_bytes(n) == text
+
+
+@pytest.mark.parametrize(
+    "dtype, numeric, kind, whole_bytes",
+    [
+        (np.bool_, True, "b", True),
+        (np.int8, True, "i", True),
+        (np.uint64, True, "i", True),
+        (np.float16, True, "f", True),
+        (np.complex64, True, "c", True),
+        (ml_dtypes.bfloat16, True, "f", True),
+        (ml_dtypes.float8_e4m3fn, True, "f", True),
+        (ml_dtypes.int4, True, "i", False),
+        (ml_dtypes.float4_e2m1fn, True, "f", False),
+        (np.dtype("U3"), False, None, False),
+        (np.dtype("O"), False, None, False),
+        (np.dtype([("a", np.int32)]), False, None, False),
+    ],
+)
+def test_dtype_predicates(dtype, numeric, kind, whole_bytes):
+    assert is_numeric_dtype(dtype) == numeric
+    assert dtype_kind(dtype) == kind
+    assert is_whole_byte_dtype(dtype) == whole_bytes
+
+
+def test_zarr_spec_modes():
+    meta = ArrayMetadata("w", (8, 4), np.dtype(np.float32), (4, 4), (2, 4), None)
+    kv = {"driver": "memory", "path": "w/"}
+    create, write, read = (zarr_spec(kv, meta, mode=m) for m in ("create", "write", "read"))
+    for spec in (create, write, read):
+        assert spec["driver"] == "zarr3" and spec["kvstore"] == kv
+        assert spec["metadata"] == zarr_metadata((8, 4), np.float32, (4, 4), (2, 4))
+    assert create["create"] and write["assume_metadata"] and "create" not in write
+    assert create["store_data_equal_to_fill_value"] and write["store_data_equal_to_fill_value"]
+    assert read["open"] and read["fill_missing_data_reads"] is False and "create" not in read
+    with pytest.raises(ValueError, match="mode"):
+        zarr_spec(kv, meta, mode="append")
+
+
+def test_data_crc32c_is_of_the_c_order_bytes():
+    a = np.arange(12, dtype=np.int16).reshape(3, 4)
+    assert data_crc32c(a) == data_crc32c(np.asfortranarray(a)) == crc32c.crc32c(a.tobytes())
+    assert data_crc32c(np.zeros((0, 4), np.float32)) == 0

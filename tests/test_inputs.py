@@ -317,7 +317,7 @@ def test_zero_d_and_single_scalar_trees(tmp_path):
             _same_bits(on_mesh, root)
         else:
             assert back == root and type(back) is type(root)
-    assert os.listdir(tmp_path / "0" / "arrays") == ["%root"]
+    assert sorted(os.listdir(tmp_path / "0" / "arrays")) == ["%root", "zarr.json"]  # + the group node
 
 
 def test_int_array_next_to_a_size_zero_array(tmp_path):
@@ -438,9 +438,9 @@ def test_reads_larger_than_one_system_call_returns_are_completed(tmp_path, monke
         return real(fd, [memoryview(buffers[0])[:1000]], offset)
 
     monkeypatch.setattr(os, "preadv", capped)
-    before = _read.BYTES_READ.bytes
-    _same_bits(ckpt.restore(str(tmp_path / "1"))["x"], x)
-    assert _read.BYTES_READ.bytes - before >= x.nbytes
+    stats = ckpt.RestoreStats()
+    _same_bits(ckpt.restore(str(tmp_path / "1"), stats=stats)["x"], x)
+    assert stats.bytes_read == stats.plan.bytes_read >= x.nbytes
 
 
 # --- tree structure ---------------------------------------------------------------------------
@@ -464,7 +464,7 @@ def test_keys_with_slashes_tildes_dots_spaces_and_unicode(tmp_path):
     keys = ["test/test", "mlp/~/linear_0", "..", ".", "a b", "ünï cödé", "日本", "%41", "@int:3", "", "~"]
     tree = {k: {"w": np.full((5, 2), i, np.float32)} for i, k in enumerate(keys)}
     ckpt.save(str(tmp_path / "1"), tree)
-    arrays = os.listdir(tmp_path / "1" / "arrays")
+    arrays = [a for a in os.listdir(tmp_path / "1" / "arrays") if a != "zarr.json"]  # but the group node
     assert len(arrays) == len(keys) and all("/" not in a and a not in (".", "..") for a in arrays)
     back = ckpt.restore(str(tmp_path / "1"))
     assert list(back) == list(jax.tree_util.tree_map(lambda x: x, tree))
@@ -498,7 +498,7 @@ def test_the_small_trees_peers_failed_on(tmp_path):
     assert ckpt.restore(str(tmp_path / "1")) == {"a": None, "b": {}, "c": ()}
     assert ckpt.restore(str(tmp_path / "2")) == {"test/test": 42}
     np.testing.assert_array_equal(ckpt.restore(str(tmp_path / "3"))["mlp/~/linear_0"]["w"], np.arange(10, dtype=np.float32).reshape(5, 2))
-    assert os.listdir(tmp_path / "3" / "arrays") == ["mlp%2F~%2Flinear_0"]
+    assert sorted(os.listdir(tmp_path / "3" / "arrays")) == ["mlp%2F~%2Flinear_0", "zarr.json"]
 
 
 def test_12_layers_into_16_and_16_into_12(tmp_path):
@@ -660,3 +660,121 @@ def test_a_single_shard_larger_than_2gib_for_real(tmp_path):
         assert np.array_equal(np.asarray(shard.data), x[shard.index])
     del out
     assert np.array_equal(ckpt.restore(str(tmp_path / "1"))["x"], x)
+
+
+def test_scalar_and_memory_kind_targets(tmp_path):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data")))
+    ckpt.save(str(tmp_path / "1"), {"x": x, "step": jax.numpy.int32(5)})
+    target = {"x": NamedSharding(mesh, P("data"), memory_kind="pinned_host"), "step": 0}  # a fresh TrainState's step
+    out = ckpt.restore(str(tmp_path / "1"), target)
+    assert out["x"].sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x))
+    assert int(out["step"]) == 5
+    with pytest.raises(ckpt.InvalidTargetError, match="leaf 'step'"):
+        ckpt.restore(str(tmp_path / "1"), {"x": None, "step": "zero"})
+
+
+# --- abstract targets and pure device boxes -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, names, shape, spec",
+    [
+        ((2, 4), ("data", "model"), (16, 8), P("data", "model")),
+        ((2, 4), ("data", "model"), (16, 8), P("model", "data")),
+        ((2, 4), ("data", "model"), (16, 8, 3), P(("data", "model"))),
+        ((2, 4), ("data", "model"), (16, 8), P(None, ("model", "data"))),
+        ((2, 2, 2), ("a", "b", "c"), (8, 4, 2), P(("c", "a"), "b")),
+        ((2, 2, 2), ("a", "b", "c"), (8, 4), P("b")),
+        ((8,), ("d",), (16,), P()),
+        ((1, 8), ("x", "y"), (), P()),
+    ],
+)
+def test_pure_device_boxes_equal_jax_devices_indices_map(mesh_shape, names, shape, spec):
+    from checkpointer._targets import named_shard_boxes
+
+    mesh = make_mesh(mesh_shape, names)
+    jax_boxes = NamedSharding(mesh, spec).devices_indices_map(shape)
+    expected = [Box.from_index(jax_boxes[d], shape) for d in mesh.devices.flat]
+    assert named_shard_boxes(shape, mesh.shape, spec) == expected
+
+
+def _nnx_model_class():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+            self.l1 = nnx.Linear(4, 32, kernel_init=init, rngs=rngs)
+            self.l2 = nnx.Linear(32, 8, kernel_init=init, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(self.l1(x))
+
+    return nnx, Model
+
+
+def test_nnx_abstract_state_under_set_mesh_restores_onto_the_mesh_in_context(tmp_path):
+    nnx, Model = _nnx_model_class()
+    mesh24 = jax.make_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(mesh24):
+        model = Model(nnx.Rngs(0))
+    saved = nnx.state(model)
+    ckpt.save(str(tmp_path / "1"), saved)
+    mesh22 = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh22):
+        abstract = nnx.eval_shape(lambda: Model(nnx.Rngs(1)))
+        kernel = nnx.state(abstract)["l1"]["kernel"].value
+        assert isinstance(kernel.sharding.mesh, jax.sharding.AbstractMesh)
+        restored = ckpt.restore(str(tmp_path / "1"), nnx.state(abstract))
+        nnx.update(abstract, restored)
+        y = abstract(jnp.ones((2, 4)))  # it runs on the new mesh
+    assert restored["l1"]["kernel"].value.sharding == NamedSharding(mesh22, P(None, "model"))
+    for a, b in zip(jax.tree_util.tree_leaves(saved), jax.tree_util.tree_leaves(restored)):
+        _same_bits(b, np.asarray(a))
+    assert y.shape == (2, 8)
+
+
+def test_abstract_target_without_a_fitting_mesh_says_the_mesh_is_abstract(tmp_path):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    ckpt.save(str(tmp_path / "1"), {"x": _put(x, mesh, P("data"))})
+    # As many devices as jax.devices(): resolved against them, no mesh in context needed.
+    out = ckpt.restore(str(tmp_path / "1"), {"x": NamedSharding(jax.sharding.AbstractMesh((2, 4), ("data", "model")), P("data"))})
+    assert isinstance(out["x"].sharding.mesh, jax.sharding.Mesh)
+    _same_bits(out["x"], x)
+    # 4 devices of 8, nothing in context: a clear error, not the divisibility advice.
+    target = {"x": NamedSharding(jax.sharding.AbstractMesh((2, 2), ("data", "model")), P("data"))}
+    with pytest.raises(ckpt.MeshError, match=r"leaf 'x'.*abstract mesh \(data=2 x model=2.*jax.set_mesh") as info:
+        ckpt.restore(str(tmp_path / "1"), target)
+    assert isinstance(info.value, ckpt.CheckpointError) and isinstance(info.value, ValueError)
+    assert "divide" not in str(info.value)
+    # Planning for it needs no devices: processes=P.
+    plan = ckpt.plan_restore(str(tmp_path / "1"), target, processes=2, process_index=1)
+    assert [b.box for b in plan.leaves[0].boxes] == [Box((4, 0), (4, 4))]
+
+
+def test_divisibility_is_reported_alone_and_other_jax_errors_are_not_called_divisibility(tmp_path):
+    ckpt.save(str(tmp_path / "1"), {"x": np.arange(6, dtype=np.float32)})
+    with pytest.raises(ckpt.InvalidTargetError, match=r"leaf .x.*does not fit: dimension 0 of size 6 is not divisible by 4 \(d\)\. Choose") as info:
+        ckpt.restore(str(tmp_path / "1"), {"x": NamedSharding(make_mesh((4,), ("d",)), P("d"))})
+    assert ".." not in str(info.value)
+    # A spec of more entries than dimensions is no divisibility problem.
+    with pytest.raises(ckpt.InvalidTargetError, match=r"2 PartitionSpec entries for 1 dimension") as info:
+        ckpt.restore(str(tmp_path / "1"), {"x": NamedSharding(make_mesh((2, 2), ("a", "b")), P("a", "b"))})
+    assert "divisible" not in str(info.value) and ".." not in str(info.value)
+
+
+def test_plan_for_any_process_count_equals_the_plan_on_concrete_devices(tmp_path):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    ckpt.save(str(tmp_path / "1"), {"x": _put(x, mesh, P("data", "model"))})
+    concrete = make_mesh((4, 2), ("data", "model"))
+    abstract = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+    for p in range(4):
+        want = ckpt.plan_restore(str(tmp_path / "1"), {"x": NamedSharding(concrete, P("data", "model"))}, processes=4, process_index=p)
+        got = ckpt.plan_restore(str(tmp_path / "1"), {"x": NamedSharding(abstract, P("data", "model"))}, processes=4, process_index=p)
+        assert got == want and len(got.leaves[0].boxes) == 2
+    with pytest.raises(ckpt.MeshError, match="3 processes do not divide"):
+        ckpt.plan_restore(str(tmp_path / "1"), {"x": NamedSharding(abstract, P("data"))}, processes=3)

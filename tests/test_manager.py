@@ -3,6 +3,9 @@
 import errno
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import jax
@@ -13,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _save, _storage
+from checkpointer import _directory, _save, _storage
 from conftest import make_mesh
 
 
@@ -56,6 +59,23 @@ def test_save_async_background_error_surfaces_in_wait(ckpt_dir, monkeypatch):
     assert float(ckpt.restore(f"{ckpt_dir}/0")["w"][0, 0]) == 0.5
 
 
+def test_save_async_join_waits_without_raising(ckpt_dir, monkeypatch):
+    release = threading.Event()
+
+    def blocked_then_broken(snap):
+        release.wait(30)
+        raise ckpt.SaveError("boom")
+
+    monkeypatch.setattr(_save, "write_snapshot", blocked_then_broken)
+    handle = ckpt.save_async(f"{ckpt_dir}/1", _state())
+    assert handle.join(timeout=0) is False and not handle.done()
+    release.set()
+    assert handle.join() is True and handle.done()  # finished; the error is kept, not raised
+    assert isinstance(handle.error, ckpt.SaveError)
+    with pytest.raises(ckpt.SaveError, match="boom"):
+        handle.wait()
+
+
 def test_manager_lists_committed_steps_only(ckpt_dir):
     with ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepLatest(10)) as mgr:
         for step in (1, 2, 3):
@@ -67,7 +87,9 @@ def test_manager_lists_committed_steps_only(ckpt_dir):
     os.makedirs(f"{ckpt_dir}/5")
     mgr = ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepLatest(10))
     assert mgr.latest_step() == 3
-    # The crashed partial folder was cleaned up when the manager opened the directory.
+    # Opening is reading: the crashed partial folder stays until the first write or recover().
+    assert os.path.exists(f"{ckpt_dir}/4.partial-20260101000000-deadbeef")
+    assert mgr.recover() == ["4.partial-20260101000000-deadbeef"]
     assert not os.path.exists(f"{ckpt_dir}/4.partial-20260101000000-deadbeef")
     restored = mgr.restore(None, target=_state())
     assert float(restored["w"][0, 0]) == 3.0
@@ -119,7 +141,7 @@ def test_background_error_raises_from_next_save_and_status(ckpt_dir, monkeypatch
 
     monkeypatch.setattr(_save, "write_snapshot", broken)
     mgr.save(2, _state(2))
-    mgr._in_flight[-1][1]._thread.join()
+    mgr._in_flight[-1][1].join()
     status = mgr.status()
     assert "permission denied" in status.last_error and status.latest_committed_step == 1
     assert status.commit_lag_steps == 1
@@ -169,12 +191,16 @@ def test_one_save_in_flight_bounds_host_memory(ckpt_dir, monkeypatch):
     mgr.close()
 
 
-def test_second_manager_on_same_directory_fails_clearly(ckpt_dir):
+def test_second_writer_on_same_directory_fails_clearly(ckpt_dir):
     mgr = ckpt.CheckpointManager(ckpt_dir)
-    with pytest.raises(ckpt.CheckpointError, match="another CheckpointManager is using"):
-        ckpt.CheckpointManager(ckpt_dir)
+    mgr.recover()  # the first write or delete takes the writer's lock
+    other = ckpt.CheckpointManager(ckpt_dir)  # opening (reading) needs no lock
+    assert other.all_steps() == []
+    with pytest.raises(ckpt.CheckpointError, match=r"another CheckpointManager in this same process \(pid \d+\)"):
+        other.save(1, _state(1))
     mgr.close()
-    ckpt.CheckpointManager(ckpt_dir).close()  # free again once closed
+    other.save(1, _state(1))  # free again once closed
+    other.close()
 
 
 def test_status_and_logging(ckpt_dir, caplog):
@@ -211,6 +237,99 @@ def test_restore_without_committed_step_raises(ckpt_dir):
 def test_roll_forward_of_committed_but_unrenamed_partial(ckpt_dir):
     ckpt.save(f"{ckpt_dir}/3", _state(3))
     os.rename(f"{ckpt_dir}/3", f"{ckpt_dir}/3.partial-20260101000000-cafef00d")
+    partial = "3.partial-20260101000000-cafef00d"
     with ckpt.CheckpointManager(ckpt_dir) as mgr:
-        assert mgr.all_steps() == [3]
+        # The marker is the truth: readers list step 3 and read it from the partial
+        # folder, renaming nothing.
+        assert mgr.all_steps() == [3] and mgr.latest_step() == 3
         assert float(mgr.restore(target=_state())["w"][0, 0]) == 3.0
+        assert sorted(os.listdir(ckpt_dir)) == [partial]
+        assert mgr.recover() == [partial]  # the writer's recovery renames it into place
+        assert mgr.all_steps() == [3] and os.path.isdir(f"{ckpt_dir}/3")
+        assert float(mgr.restore(target=_state())["w"][0, 0]) == 3.0
+
+
+def test_resume_from_a_committed_but_unrenamed_step_needs_no_recover_call(ckpt_dir):
+    ckpt.save(f"{ckpt_dir}/3", _state(3))
+    os.rename(f"{ckpt_dir}/3", f"{ckpt_dir}/3.partial-20260101000000-cafef00d")
+    with ckpt.CheckpointManager(ckpt_dir) as mgr:
+        start = mgr.latest_step() + 1  # a resuming job, as the README writes it
+        mgr.save(start, _state(start))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 4]
+    assert sorted(n for n in os.listdir(ckpt_dir) if not n.startswith(".")) == ["3", "4"]
+
+
+def _sharded_tree(value=1.0):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    return {"w": jax.device_put(np.full((16, 8), value, np.float32), NamedSharding(mesh, P("data", "model")))}
+
+
+def test_recovery_leaves_a_plain_save_in_flight_alone(tmp_path, monkeypatch):
+    """gc (or a manager opening the directory) while ckpt.save_async writes must not
+    remove the partial folder: its process 0 holds <partial>.lock."""
+    d = tmp_path / "run"
+    release, reached = threading.Event(), threading.Event()
+    real = _storage.LocalStorage.write_file
+
+    def slow_record(self, path, data):
+        if path.endswith("processes/0.json"):
+            reached.set()
+            release.wait(30)
+        real(self, path, data)
+
+    monkeypatch.setattr(_storage.LocalStorage, "write_file", slow_record)
+    handle = ckpt.save_async(str(d / "3"), _sharded_tree(3.0))
+    assert reached.wait(30)
+    assert _directory.recover(*_storage.storage_for(str(d))) == []  # the live save is skipped
+    release.set()
+    handle.wait()
+    assert ckpt.verify(str(d / "3")).ok
+    assert sorted(os.listdir(d)) == ["3"]  # the lock file went with the save
+
+
+def test_last_async_save_commits_even_if_the_program_just_exits(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import numpy as np, checkpointer as ckpt
+        mgr = ckpt.CheckpointManager({str(tmp_path / "run")!r})
+        mgr.save(1, {{"w": np.ones((256, 256), np.float32)}})
+        mgr.save(2, {{"w": np.full((256, 256), 2, np.float32)}})
+        # no wait_until_finished(), no close()
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "run" / "2" / "COMMITTED").exists()
+
+
+def test_retention_of_a_symlinked_step_removes_the_link_only(tmp_path):
+    archive = tmp_path / "archive" / "50"
+    ckpt.save(str(archive), {"w": np.ones(3)})
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(archive, run / "50")
+    with ckpt.CheckpointManager(run, keep=ckpt.KeepLatest(1), async_save=False) as mgr:
+        mgr.save(60, {"w": np.ones(3)})
+    assert ckpt.metadata(str(archive)).step == 50  # the archived checkpoint is intact
+    with ckpt.CheckpointManager(run) as mgr:  # and the directory still opens
+        assert mgr.all_steps() == [60]
+
+
+def test_manager_accepts_numpy_steps_and_non_finite_metrics(tmp_path):
+    with ckpt.CheckpointManager(tmp_path, keep=ckpt.KeepBest("loss", n=1), async_save=False) as mgr:
+        mgr.save(np.int64(1), {"w": np.ones(2)}, metrics={"loss": np.float32(0.5)})
+        mgr.save(jax.numpy.int32(2), {"w": np.ones(2)}, metrics={"loss": float("nan")})  # diverged
+        assert mgr.all_steps() == [1, 2]  # best (1) and newest (2)
+        assert ckpt.metadata(str(tmp_path / "2")).user_metadata["metrics"] == {"loss": "NaN"}
+    with pytest.raises(TypeError, match="KeepLatest"):
+        ckpt.CheckpointManager(tmp_path / "x", keep=2)
+    with pytest.raises(ValueError, match="max_inflight_bytes"):
+        ckpt.restore(str(tmp_path / "1"), max_inflight_bytes=0)
+
+
+def test_folders_with_non_ascii_digits_are_not_steps(tmp_path):
+    (tmp_path / "²").mkdir()
+    (tmp_path / "٣").mkdir()
+    with ckpt.CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == []

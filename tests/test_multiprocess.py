@@ -59,6 +59,9 @@ def test_save_with_two_processes_commits_one_checkpoint(saved):
     # What each process holds with replica_id 0: replicated leaves only on process 0.
     assert records[1]["replica0_origins"]["emb"] == [] and records[1]["replica0_origins"]["rep"] == []
     assert len(records[0]["replica0_origins"]["w"]) == len(records[1]["replica0_origins"]["w"]) == 4
+    # Per-process state round-trips: each process gets its own record back.
+    states = [_common.loader_state(i) for i in range(2)]
+    assert [r["own_state"] for r in records] == states and all(r["all_states"] == states for r in records)
 
     parent = os.path.dirname(path)
     assert sorted(os.listdir(parent)) == ["100"]  # renamed into place, no partial folder left
@@ -119,6 +122,11 @@ def test_restore_onto_other_process_counts_is_bit_exact(saved, layout):
                 assert rec["bytes_needed"] < rec["total_bytes"], (layout, name, r.process_id, rec)
             else:
                 assert rec["bytes_needed"] == rec["total_bytes"]
+        # Per-process state saved by 2 processes, read by n: the documented rule.
+        states = r.record("per_process_state")
+        assert states["all"] == [_common.loader_state(0), _common.loader_state(1)], r.describe()
+        assert states["own_error"] == "ProcessCountMismatchError" and states["own"] is None, states
+        assert states["by_index"] == _common.loader_state(r.process_id % 2), states
 
 
 # --- 3. on-disk dedup ------------------------------------------------------------------------
@@ -279,13 +287,64 @@ def test_harness_kills_hung_processes_and_reports_their_output(tmp_path):
 
 
 
+# --- 7. processes that disagree fail fast, before anything is written ----------------------
+
+DISAGREEMENTS = ["steps", "directories", "trees", "values", "refused", "refused0"]
+
+
 @pytest.mark.multiprocess
-def test_a_save_made_by_one_process_alone_does_not_shift_later_saves(tmp_path):
-    """Save attempts are agreed per path, so process 0's lone save of another path
-    (which times out) leaves the next saves of `run/<step>` matched on every process."""
-    results = run_processes(WORKERS / "order_worker.py", 2, 2, {"directory": str(tmp_path), "commit_timeout_s": 3}, timeout_s=120)
-    assert results[0].record("extra")["type"] == "CommitTimeoutError", describe_all(results)
-    for r in results:
-        assert [e["outcome"] for e in r.records if e["event"] == "saved"] == ["ok", "ok"], describe_all(results)
-    for step in (1, 2):
-        assert ckpt.verify(str(tmp_path / "run" / str(step))).ok
+def test_processes_that_disagree_raise_within_seconds_and_write_nothing(tmp_path):
+    cases = DISAGREEMENTS + ["agreed", "absent"]
+    args = {"directory": str(tmp_path), "cases": cases, "agreement_timeout_s": 3}
+    results = run_processes(WORKERS / "agreement_worker.py", 2, 2, args, timeout_s=150)
+    info = describe_all(results)
+    got = [{rec["case"]: rec for rec in r.records if rec["event"] == "case"} for r in results]
+    assert all(sorted(g) == sorted(cases) for g in got), info
+    for case in DISAGREEMENTS:
+        for i, rec in enumerate(g[case] for g in got):
+            assert rec["elapsed_s"] < 10, (case, i, rec)
+            refuser = {"refused": 1, "refused0": 0}.get(case)
+            if i == refuser:  # its own reason, raised before the agreement
+                assert rec["type"] == "UnsupportedValueError" and "'extra'" in rec["message"], rec
+                continue
+            assert rec["type"] == "SaveAgreementError", (case, i, rec)
+            if refuser is None:
+                assert "process 0" in rec["message"] and "process 1" in rec["message"], (case, i, rec)
+            else:
+                assert f"process {refuser} (" in rec["message"] and "UnsupportedValueError" in rec["message"], (case, i, rec)
+    msgs = {case: got[0][case]["message"] for case in DISAGREEMENTS}
+    assert f"{tmp_path}/steps/1 (step 1)" in msgs["steps"] and f"{tmp_path}/steps/2 (step 2)" in msgs["steps"]
+    assert f"{tmp_path}/dir-0/1" in msgs["directories"] and f"{tmp_path}/dir-1/1" in msgs["directories"]
+    assert "leaf 'w'" in msgs["trees"] and "float32[8, 4]" in msgs["trees"] and "float32[16, 4]" in msgs["trees"]
+    assert "leaf 'epoch'" in msgs["values"] and "process 0: 1" in msgs["values"] and "process 1: 2" in msgs["values"]
+    assert got[1]["values"]["message"] == msgs["values"]  # every process gets the same verdict
+    # Nothing was written for any disagreement: no commit marker, no partial folder.
+    for case_dir in ("steps", "dir-0", "dir-1", "trees", "values", "refused", "refused0"):
+        left = [e for e in _listing(tmp_path / case_dir) if e != ".checkpointer.lock"] if (tmp_path / case_dir).exists() else []
+        assert left == [], (case_dir, left)
+    # The saves after the failures still line up, and commit.
+    assert got[0]["agreed"]["type"] is None and got[1]["agreed"]["type"] is None, info
+    assert ckpt.verify(str(tmp_path / "agreed" / "1")).ok
+    # A process that never arrives is named, after the agreement timeout.
+    absent = got[0]["absent"]
+    assert absent["type"] == "SaveAgreementError" and "processes [1] did not arrive within 3 s" in absent["message"], absent
+    assert 3 <= absent["elapsed_s"] < 10, absent
+    assert not (tmp_path / "absent").exists() or _listing(tmp_path / "absent") == []
+
+
+# --- 8. an evaluation job follows a writer --------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_evaluation_process_follows_a_writer_with_retention(tmp_path):
+    steps = 10
+    args = {"directory": str(tmp_path / "run"), "steps": steps, "pause_s": 0.5}
+    results = run_processes(WORKERS / "follow_worker.py", 2, 1, args, timeout_s=240, distributed=False)
+    info = describe_all(results)
+    assert results[0].record("written")["all_steps"] == [steps - 1, steps], info
+    seen = [rec for rec in results[1].records if rec["event"] == "seen"]
+    outcomes = {rec["step"]: rec["outcome"] for rec in seen}
+    assert [rec["step"] for rec in seen] == sorted(outcomes), info  # ascending, each once
+    assert set(outcomes.values()) <= {"exact", "not found"}, outcomes
+    assert sum(o == "exact" for o in outcomes.values()) >= 8 and outcomes[steps] == "exact", outcomes
+    results[1].record("done")

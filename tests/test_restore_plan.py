@@ -9,10 +9,12 @@ import itertools
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from checkpointer._box import Box
 from checkpointer._format import ArrayMetadata, SavedSharding
-from checkpointer._restore_plan import BoxRead, ChunkRead, RestorePlan, plan_leaf
+from checkpointer._restore_plan import ChunkRead, RestorePlan, plan_leaf
+from checkpointer._targets import named_shard_boxes
 
 F32 = np.dtype(np.float32)
 N = 4096
@@ -31,27 +33,28 @@ WHOLE_BYTES = N * N * 4  # 67_108_864
 
 
 def _target_boxes(shape, grid_shape, axis_names, spec):
-    """(device id, box) of NamedSharding(mesh of ids arange(prod).reshape(grid_shape), spec)."""
-    sizes = dict(zip(axis_names, grid_shape))
-    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-    out = []
-    for device, coords in enumerate(itertools.product(*(range(n) for n in grid_shape))):
-        pos = dict(zip(axis_names, coords))
-        origin, extent = [], []
-        for dim, entry in zip(shape, spec):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            parts, idx = 1, 0
-            for a in axes:
-                idx, parts = idx * sizes[a] + pos[a], parts * sizes[a]
-            origin.append(idx * (dim // parts))
-            extent.append(dim // parts)
-        out.append((device, Box(tuple(origin), tuple(extent))))
-    return out
+    """(device id, box) of NamedSharding(mesh of ids arange(prod).reshape(grid_shape), spec):
+    the library's pure sharding emulator (cross-checked against JAX in test_inputs.py)."""
+    return list(enumerate(named_shard_boxes(shape, dict(zip(axis_names, grid_shape)), P(*spec))))
 
 
 def _read(chunk, origin, shape, inner_chunks, bytes_read, leaf="params/w"):
-    key = f"arrays/{leaf}/c/" + "/".join(map(str, chunk))
-    return ChunkRead(chunk, key, Box(origin, shape), inner_chunks, bytes_read)
+    """The planned facts of a chunk read that these tests work out by hand."""
+    key = f"arrays/{leaf}/c/" + "/".join(map(str, chunk)) if chunk else f"arrays/{leaf}/c"
+    return (chunk, key, Box(origin, shape), inner_chunks, bytes_read)
+
+
+def _brief(read: ChunkRead):
+    return (read.chunk_index, read.chunk_key, read.box, read.inner_chunks, read.bytes_read)
+
+
+def BoxBrief(box, device_ids, reads, bytes_needed):
+    return (box, device_ids, tuple(reads), bytes_needed)
+
+
+def _boxes(plan):
+    """`plan.boxes` with each chunk read reduced to `_read`'s facts."""
+    return tuple((b.box, b.device_ids, tuple(_brief(r) for r in b.reads), b.bytes_needed) for b in plan.boxes)
 
 
 # --- exact reads -------------------------------------------------------------------------------
@@ -70,37 +73,37 @@ def test_target_boxes_helper():
 # half the rows of one chunk row and two whole chunk columns: 2 reads of a (1024, 1024)
 # region each, i.e. 2 x 2 = 4 of the 8 inner chunks.
 EXPECTED_4x2_PROCESS_0 = (
-    BoxRead(Box((0, 0), (1024, 2048)), (0,), (
+    BoxBrief(Box((0, 0), (1024, 2048)), (0,), (
         _read((0, 0), (0, 0), (1024, 1024), 4, READ_4_OF_8),
         _read((0, 1), (0, 1024), (1024, 1024), 4, READ_4_OF_8),
     ), 1024 * 2048 * 4),
-    BoxRead(Box((0, 2048), (1024, 2048)), (1,), (
+    BoxBrief(Box((0, 2048), (1024, 2048)), (1,), (
         _read((0, 2), (0, 2048), (1024, 1024), 4, READ_4_OF_8),
         _read((0, 3), (0, 3072), (1024, 1024), 4, READ_4_OF_8),
     ), 1024 * 2048 * 4),
-    BoxRead(Box((1024, 0), (1024, 2048)), (2,), (
+    BoxBrief(Box((1024, 0), (1024, 2048)), (2,), (
         _read((0, 0), (1024, 0), (1024, 1024), 4, READ_4_OF_8),
         _read((0, 1), (1024, 1024), (1024, 1024), 4, READ_4_OF_8),
     ), 1024 * 2048 * 4),
-    BoxRead(Box((1024, 2048), (1024, 2048)), (3,), (
+    BoxBrief(Box((1024, 2048), (1024, 2048)), (3,), (
         _read((0, 2), (1024, 2048), (1024, 1024), 4, READ_4_OF_8),
         _read((0, 3), (1024, 3072), (1024, 1024), 4, READ_4_OF_8),
     ), 1024 * 2048 * 4),
 )
 EXPECTED_4x2_PROCESS_1 = (
-    BoxRead(Box((2048, 0), (1024, 2048)), (4,), (
+    BoxBrief(Box((2048, 0), (1024, 2048)), (4,), (
         _read((1, 0), (2048, 0), (1024, 1024), 4, READ_4_OF_8),
         _read((1, 1), (2048, 1024), (1024, 1024), 4, READ_4_OF_8),
     ), 1024 * 2048 * 4),
-    BoxRead(Box((2048, 2048), (1024, 2048)), (5,), (
+    BoxBrief(Box((2048, 2048), (1024, 2048)), (5,), (
         _read((1, 2), (2048, 2048), (1024, 1024), 4, READ_4_OF_8),
         _read((1, 3), (2048, 3072), (1024, 1024), 4, READ_4_OF_8),
     ), 1024 * 2048 * 4),
-    BoxRead(Box((3072, 0), (1024, 2048)), (6,), (
+    BoxBrief(Box((3072, 0), (1024, 2048)), (6,), (
         _read((1, 0), (3072, 0), (1024, 1024), 4, READ_4_OF_8),
         _read((1, 1), (3072, 1024), (1024, 1024), 4, READ_4_OF_8),
     ), 1024 * 2048 * 4),
-    BoxRead(Box((3072, 2048), (1024, 2048)), (7,), (
+    BoxBrief(Box((3072, 2048), (1024, 2048)), (7,), (
         _read((1, 2), (3072, 2048), (1024, 1024), 4, READ_4_OF_8),
         _read((1, 3), (3072, 3072), (1024, 1024), 4, READ_4_OF_8),
     ), 1024 * 2048 * 4),
@@ -115,7 +118,7 @@ def test_2x4_to_4x2_exact_reads(process, expected):
     assert plan.leaf_path == "params/w"
     assert plan.shape == (N, N)
     assert plan.dtype == F32
-    assert plan.boxes == expected
+    assert _boxes(plan) == expected
     assert plan.bytes_needed == 4 * 1024 * 2048 * 4  # 32 MiB, half the array
     assert plan.bytes_read == 8 * READ_4_OF_8
 
@@ -125,7 +128,7 @@ def test_2x4_to_one_device_exact_reads():
     expected_reads = tuple(
         _read((i, j), (2048 * i, 1024 * j), (2048, 1024), 8, READ_8_OF_8) for i in range(2) for j in range(4)
     )
-    assert plan.boxes == (BoxRead(Box((0, 0), (N, N)), (0,), expected_reads, WHOLE_BYTES),)
+    assert _boxes(plan) == (BoxBrief(Box((0, 0), (N, N)), (0,), expected_reads, WHOLE_BYTES),)
     assert plan.bytes_read == 67_110_176  # 8 x 8_388_772
     assert plan.bytes_needed == 67_108_864
 
@@ -146,7 +149,7 @@ def test_zero_dimensional_leaf():
     meta = ArrayMetadata("opt/count", (), np.dtype(np.int64), (), (), None)
     plan = plan_leaf(meta, {0: Box((), ()), 1: Box((), ())})
     # One inner chunk of 8 B + crc32c, an index of one entry + crc32c: 12 + 16 + 4.
-    assert plan.boxes == (BoxRead(Box((), ()), (0, 1), (ChunkRead((), "arrays/opt/count/c", Box((), ()), 1, 32),), 8),)
+    assert _boxes(plan) == (BoxBrief(Box((), ()), (0, 1), (_read((), (), (), 1, 32, leaf="opt/count"),), 8),)
 
 
 def test_size_zero_leaf_reads_nothing():
@@ -173,7 +176,7 @@ def test_devices_holding_the_same_box_share_one_read():
     local = [(d, b) for d, b in boxes if d < 4]
     plan = plan_leaf(SAVED_2x4, local)
     expected_reads = tuple(_read((0, j), (0, 1024 * j), (2048, 1024), 8, READ_8_OF_8) for j in range(4))
-    assert plan.boxes == (BoxRead(Box((0, 0), (2048, N)), (0, 1, 2, 3), expected_reads, 2048 * N * 4),)
+    assert _boxes(plan) == (BoxBrief(Box((0, 0), (2048, N)), (0, 1, 2, 3), expected_reads, 2048 * N * 4),)
     assert plan.bytes_needed == WHOLE_BYTES // 2
 
 
@@ -219,21 +222,21 @@ SMALL = ArrayMetadata("small", (8, 8), F32, (4, 8), (2, 4), None)
 
 def test_bytes_read_small_case_by_hand():
     plan = plan_leaf(SMALL, {0: Box((1, 0), (4, 8)), 1: Box((0, 3), (8, 2)), 2: Box((5, 5), (1, 1))})
-    assert plan.boxes == (
+    assert _boxes(plan) == (
         # Columns 3-4 straddle both inner columns; rows 0-3 both inner rows: 4 + 4.
-        BoxRead(Box((0, 3), (8, 2)), (1,), (
-            ChunkRead((0, 0), "arrays/small/c/0/0", Box((0, 3), (4, 2)), 4, 4 * 36 + 68),
-            ChunkRead((1, 0), "arrays/small/c/1/0", Box((4, 3), (4, 2)), 4, 4 * 36 + 68),
+        BoxBrief(Box((0, 3), (8, 2)), (1,), (
+            ((0, 0), "arrays/small/c/0/0", Box((0, 3), (4, 2)), 4, 4 * 36 + 68),
+            ((1, 0), "arrays/small/c/1/0", Box((4, 3), (4, 2)), 4, 4 * 36 + 68),
         ), 8 * 2 * 4),
         # Rows 1-3 of chunk 0 touch inner rows 0 and 1 (x 2 columns); row 4 is inner row 0
         # of chunk 1 (x 2 columns).
-        BoxRead(Box((1, 0), (4, 8)), (0,), (
-            ChunkRead((0, 0), "arrays/small/c/0/0", Box((1, 0), (3, 8)), 4, 4 * 36 + 68),
-            ChunkRead((1, 0), "arrays/small/c/1/0", Box((4, 0), (1, 8)), 2, 2 * 36 + 68),
+        BoxBrief(Box((1, 0), (4, 8)), (0,), (
+            ((0, 0), "arrays/small/c/0/0", Box((1, 0), (3, 8)), 4, 4 * 36 + 68),
+            ((1, 0), "arrays/small/c/1/0", Box((4, 0), (1, 8)), 2, 2 * 36 + 68),
         ), 4 * 8 * 4),
         # Element (5, 5): chunk 1, local (1, 5), inner chunk (0, 1) only.
-        BoxRead(Box((5, 5), (1, 1)), (2,), (
-            ChunkRead((1, 0), "arrays/small/c/1/0", Box((5, 5), (1, 1)), 1, 36 + 68),
+        BoxBrief(Box((5, 5), (1, 1)), (2,), (
+            ((1, 0), "arrays/small/c/1/0", Box((5, 5), (1, 1)), 1, 36 + 68),
         ), 4),
     )
     assert [b.bytes_read for b in plan.boxes] == [424, 352, 104]
@@ -250,7 +253,7 @@ def test_bytes_read_with_non_square_inner_chunks_and_wide_items():
     # inner cols 0 and 1: 4 inner chunks.
     meta = ArrayMetadata("c", (6, 4), np.dtype(np.complex128), (6, 4), (3, 2), None)
     plan = plan_leaf(meta, {0: Box((2, 1), (2, 2))})
-    assert plan.boxes[0].reads == (ChunkRead((0, 0), "arrays/c/c/0/0", Box((2, 1), (2, 2)), 4, 4 * 100 + 68),)
+    assert tuple(map(_brief, plan.boxes[0].reads)) == (_read((0, 0), (2, 1), (2, 2), 4, 4 * 100 + 68, leaf="c"),)
     assert plan.bytes_needed == 4 * 16
 
 
@@ -324,3 +327,56 @@ def test_str_lists_leaves_and_totals():
     assert rows["<root>"] == ["<root>", "()", "float32", "1", "1", "4", "B", "28", "B", "7.000"]
     # Totals: 13 + 1 reads; 196 + 64 MiB + 4 needed.
     assert rows["total"] == ["total", "14", "64.0", "MiB", "64.0", "MiB", "1.000"]
+
+
+# --- what a chunk read carries for the reader -----------------------------------------------------
+
+
+def test_chunk_read_names_storage_and_destination_by_hand():
+    # SMALL, box rows 1-4 (all columns): chunk 0 gives rows 1-3, chunk-local (1, 0)-(4, 8).
+    # Inner grid (2, 2) of (2, 4): rows 1-3 touch inner rows 0 (row 1) and 1 (rows 2-3),
+    # columns 0-7 touch inner columns 0 and 1: ids 0, 1, 2, 3 in C order.
+    plan = plan_leaf(SMALL, {0: Box((1, 0), (4, 8))})
+    r0, r1 = plan.boxes[0].reads
+    assert r0.local_box == Box((1, 0), (3, 8))
+    assert (r0.file_bytes, r0.index_offset, r0.index_bytes, r0.inner_bytes_with_crc) == (4 * 36 + 68, 144, 68, 36)
+    assert r0.inner_ids == (0, 1, 2, 3)
+    # (source start in the inner chunk, destination start in the box buffer, length)
+    assert r0.spans == (((1, 0, 1), (0, 1, 2)), ((0, 0, 4), (0, 4, 4)))
+    # Chunk 1 gives row 4 (its local row 0): inner row 0 only, into box row 3.
+    assert r1.local_box == Box((0, 0), (1, 8))
+    assert r1.inner_ids == (0, 1)
+    assert r1.spans == (((0, 3, 1),), ((0, 0, 4), (0, 4, 4)))
+
+
+def test_chunk_read_spans_rebuild_the_box_exactly():
+    # Executing the spans with numpy, as the reader does, gives the box of the global array.
+    rng = np.random.default_rng(0)
+    meta = ArrayMetadata("x", (12, 10), F32, (6, 8), (3, 4), None)  # edge chunks hold 2 of 8 columns
+    whole = rng.standard_normal(meta.shape).astype(np.float32)
+    layout_grid = (2, 2)
+    for box in (Box((1, 2), (9, 7)), Box((5, 0), (2, 10)), Box((0, 9), (12, 1))):
+        out = np.full(box.shape, np.nan, np.float32)
+        for r in plan_leaf(meta, {0: box}).boxes[0].reads:
+            origin = tuple(c * s for c, s in zip(r.chunk_index, meta.chunk_shape))
+            padded = np.zeros(meta.chunk_shape, np.float32)
+            stored = whole[tuple(slice(o, o + s) for o, s in zip(origin, meta.chunk_shape))]
+            padded[: stored.shape[0], : stored.shape[1]] = stored
+            for inner_id, spans in zip(r.inner_ids, itertools.product(*r.spans)):
+                cell = np.unravel_index(inner_id, layout_grid)
+                inner = padded[tuple(slice(c * i, (c + 1) * i) for c, i in zip(cell, meta.inner_chunk_shape))]
+                out[tuple(slice(d, d + n) for _, d, n in spans)] = inner[tuple(slice(s_, s_ + n) for s_, _, n in spans)]
+        np.testing.assert_array_equal(out, whole[box.slices()])
+
+
+def test_slabs_are_planned_within_the_bound_and_cover_the_box():
+    plan = plan_leaf(SAVED_2x4, {0: Box((0, 0), (N, N))}, slab_bytes=10 << 20)
+    (box,) = plan.boxes
+    rows = (10 << 20) // (N * 4)  # 640 rows of 16 KiB
+    assert [s.box for s in box.slabs] == [Box((r, 0), (min(rows, N - r), N)) for r in range(0, N, rows)]
+    assert all(s.bytes_needed <= 10 << 20 and s.device_ids == (0,) and not s.slabs for s in box.slabs)
+    assert sum(s.bytes_needed for s in box.slabs) == box.bytes_needed
+    # A slab's reads are relative to the slab: the first read of slab 1 lands at row 0.
+    assert box.slabs[1].reads[0].spans[0][0][1] == 0
+    assert box.bytes_read == sum(s.bytes_read for s in box.slabs) > sum(r.bytes_read for r in box.reads)
+    assert plan_leaf(SAVED_2x4, {0: Box((0, 0), (N, N))}, slab_bytes=64 << 20).boxes[0].slabs == ()

@@ -67,10 +67,12 @@ def test_read_amplification_and_bytes_actually_read(big, name):
     assert plan.read_amplification <= 1.05, str(plan)
     for leaf in plan.leaves:
         assert leaf.bytes_read <= 1.05 * leaf.bytes_needed, leaf.leaf_path
-    before = _read.BYTES_READ.bytes
-    out = ckpt.restore(path, target)
-    read = _read.BYTES_READ.bytes - before
-    assert abs(read - plan.bytes_read) <= 0.05 * plan.bytes_read, (read, plan.bytes_read)
+    stats = ckpt.RestoreStats()
+    out = ckpt.restore(path, target, stats=stats)
+    # The restore executes the plan as it stands: exactly the planned bytes.
+    assert stats.plan == plan
+    assert stats.bytes_read == plan.bytes_read
+    assert stats.chunk_reads == len(plan.reads)
     for k, v in host.items():
         for shard in out[k].addressable_shards[:3]:
             np.testing.assert_array_equal(np.asarray(shard.data), v[shard.index])
@@ -141,3 +143,49 @@ def test_replicated_restore_gives_each_device_its_own_buffer(tmp_path):
     assert datas[0].is_deleted() and float(result[0, 0]) == -1.0
     for d in datas[1:]:
         np.testing.assert_array_equal(np.asarray(d), x)
+
+
+def test_box_larger_than_max_inflight_is_read_as_the_plan_slabs_it(big):
+    path, host = big
+    target = {"a": NamedSharding(make_mesh((2,), ("d",)), P())}
+    plan = ckpt.plan_restore(path, target, partial=True, max_inflight_bytes=8 << 20)
+    (box,) = plan.leaves[0].boxes
+    rows = (8 << 20) // 3 // (N * 4)  # slabs of whole rows, at most a third of the bound: 170 rows
+    assert [s.box.shape[0] for s in box.slabs] == [rows] * (N // rows) + [N % rows]
+    assert sum(s.bytes_needed for s in box.slabs) == box.bytes_needed
+    stats = ckpt.RestoreStats()
+    out = ckpt.restore(path, target, partial=True, max_inflight_bytes=8 << 20, stats=stats)
+    assert stats.plan == plan and stats.bytes_read == plan.bytes_read
+    np.testing.assert_array_equal(np.asarray(out["a"]), host["a"])
+
+
+def test_a_bug_in_the_reader_is_not_reported_as_a_damaged_checkpoint(big, monkeypatch):
+    path, _ = big
+
+    def buggy(*args, **kwargs):
+        raise TypeError("a bug in our code")
+
+    monkeypatch.setattr(_read, "read_chunk_into", buggy)
+    target = {"a": NamedSharding(make_mesh((2,), ("d",)), P("d"))}
+    with pytest.raises(TypeError, match="a bug in our code") as info:
+        ckpt.restore(path, target, partial=True)
+    assert not isinstance(info.value, ckpt.CorruptCheckpointError)
+
+
+def test_shard_file_layout_matches_the_files_tensorstore_writes(tmp_path):
+    import crc32c
+
+    from checkpointer._format import ShardFileLayout
+
+    x = np.arange(512 * 256, dtype=np.int32).astype(np.int16).reshape(512, 256)  # chunks of 64 KiB
+    ckpt.save(str(tmp_path / "1"), {"x": jax.device_put(x, NamedSharding(make_mesh((2, 2), ("a", "b")), P("a", "b")))})
+    meta = ckpt.metadata(str(tmp_path / "1")).arrays["x"]
+    layout = ShardFileLayout(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
+    assert layout.inner_chunks > 1
+    blob = (tmp_path / "1" / "arrays" / "x" / "c" / "1" / "0").read_bytes()
+    assert len(blob) == layout.file_bytes == layout.index_offset + layout.index_bytes
+    data, crc = ShardFileLayout.split_crc(blob[layout.index_offset :])
+    assert crc32c.crc32c(data) == crc
+    index = np.frombuffer(data, "<u8").reshape(-1, 2)
+    assert len(index) == layout.inner_chunks and set(index[:, 1]) == {layout.inner_bytes_with_crc}
+    assert sorted(index[:, 0]) == [k * layout.inner_bytes_with_crc for k in range(layout.inner_chunks)]

@@ -21,7 +21,7 @@ pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (dev e
 pytest.importorskip("boto3", reason="the S3 tests need boto3 (dev extra)")
 
 import checkpointer as ckpt  # noqa: E402
-from checkpointer import _cli, _directory, _read  # noqa: E402
+from checkpointer import _cli, _directory  # noqa: E402
 from checkpointer._storage import KvStorage, s3_spec, storage_for  # noqa: E402
 from conftest import make_mesh  # noqa: E402
 from s3server import running_s3_server  # noqa: E402
@@ -139,9 +139,10 @@ def test_restore_fetches_only_the_planned_byte_ranges(s3, bucket):
     target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P("data", "model")))}
     plan = ckpt.plan_restore(path, target)
     assert plan.bytes_needed == w.nbytes and plan.read_amplification <= 1.01, str(plan)
-    before = _read.BYTES_READ.bytes
-    out = ckpt.restore(path, target)
-    assert _read.BYTES_READ.bytes - before == plan.bytes_read  # byte-range GETs, nothing more
+    stats = ckpt.RestoreStats()
+    out = ckpt.restore(path, target, stats=stats)
+    assert stats.bytes_read == plan.bytes_read  # byte-range GETs, nothing more
+    assert stats.plan == plan
     np.testing.assert_array_equal(np.asarray(out["w"]), w)
 
 
@@ -300,6 +301,7 @@ def test_the_manager_notes_a_crashed_save_at_start_and_removes_it_at_a_later_sta
     _crash_a_save(s3, bucket, "run", 2)
 
     with ckpt.CheckpointManager(d, async_save=False) as mgr:
+        assert mgr.recover() == []
         assert mgr.all_steps() == [1]
     assert any(k.startswith("run/2/") for k in s3.keys(bucket))  # maybe another job's save in flight: kept
     assert f"run/{_directory.GC_JOURNAL}" in s3.keys(bucket)
@@ -307,6 +309,7 @@ def test_the_manager_notes_a_crashed_save_at_start_and_removes_it_at_a_later_sta
     monkeypatch.setattr(_directory, "OBJECT_STORE_GC_GRACE_S", 0.5)
     time.sleep(0.6)
     with ckpt.CheckpointManager(d, async_save=False) as mgr:
+        assert mgr.recover() == ["2"]
         assert mgr.all_steps() == [1]
         assert not any(k.startswith("run/2/") for k in s3.keys(bucket))
         assert f"run/{_directory.GC_JOURNAL}" not in s3.keys(bucket)

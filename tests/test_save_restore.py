@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import checkpointer as ckpt
+from checkpointer import _directory, _restore
 from conftest import make_mesh
 
 
@@ -282,7 +283,7 @@ def test_layout_on_disk_and_commit_marker(ckpt_dir):
     r = _put(np.ones((4,), np.float32), mesh, P())
     ckpt.save(f"{ckpt_dir}/5", {"x": x, "r": r}, metadata={"loss": 1.25})
     assert sorted(os.listdir(ckpt_dir)) == ["5"]  # the partial folder was renamed
-    assert sorted(os.listdir(f"{ckpt_dir}/5")) == ["COMMITTED", "arrays", "manifest.json", "processes"]
+    assert sorted(os.listdir(f"{ckpt_dir}/5")) == ["COMMITTED", "arrays", "manifest.json", "processes", "zarr.json"]
     zarr_json = _load_json(f"{ckpt_dir}/5/arrays/x/zarr.json")
     assert zarr_json["chunk_grid"]["configuration"]["chunk_shape"] == [4, 2]
     assert zarr_json["codecs"][0]["name"] == "sharding_indexed"
@@ -347,3 +348,63 @@ def test_metadata_readable_with_fewer_devices(ckpt_dir, tmp_path):
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split("\n")[:2] == ["7 (16, 8) (2, 4) 8", "128.0"]
+
+
+def _sharded_tree(value=1.0):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    return {"w": jax.device_put(np.full((16, 8), value, np.float32), NamedSharding(mesh, P("data", "model")))}
+
+
+def test_save_never_replaces_a_folder_that_is_not_a_checkpoint(tmp_path):
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "notes.txt").write_text("notes")
+    for overwrite in (False, True):
+        with pytest.raises(ckpt.CheckpointExistsError, match=r"not part of a checkpoint.*notes.txt|src"):
+            ckpt.save(str(project), _sharded_tree(), overwrite=overwrite)
+    assert (project / "notes.txt").read_text() == "notes" and (project / "src").is_dir()
+    # A manager's run directory is not a checkpoint either.
+    with ckpt.CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        mgr.save(1, _sharded_tree())
+    with pytest.raises(ckpt.CheckpointExistsError):
+        ckpt.save(str(tmp_path / "run"), _sharded_tree())
+    assert (tmp_path / "run" / "1" / "COMMITTED").exists()
+
+
+def test_save_never_clears_a_foreign_object_store_prefix():
+    ckpt.save("memory://review/exp/run1/1", {"w": np.ones(3)})
+    with pytest.raises(ckpt.CheckpointExistsError):
+        ckpt.save("memory://review/exp", {"w": np.ones(3)})
+    assert ckpt.metadata("memory://review/exp/run1/1").step == 1
+
+
+def test_restore_during_overwrite_returns_one_save_not_a_mix(tmp_path, monkeypatch):
+    path = str(tmp_path / "7")
+    ckpt.save(path, {"a": np.full(4, 1.0), "b": np.full(4, 1.0)})
+    real = _restore._restore_once
+    calls = []
+
+    def replaced_midway(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if not calls:  # the first read finishes just as another job replaces the step
+            ckpt.save(path, {"a": np.full(4, 2.0), "b": np.full(4, 2.0)}, overwrite=True)
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(_restore, "_restore_once", replaced_midway)
+    out = ckpt.restore(path)
+    assert len(calls) == 2 and float(out["a"][0]) == float(out["b"][0]) == 2.0
+
+
+def test_restore_of_a_step_deleted_while_reading_says_so(tmp_path, monkeypatch):
+    path = str(tmp_path / "5")
+    ckpt.save(path, {"a": np.ones(4)})
+    real = _restore._restore_once
+
+    def deleted_midway(storage, p, *args, **kwargs):
+        _directory.delete_step(storage, str(tmp_path), 5)
+        return real(storage, p, *args, **kwargs)
+
+    monkeypatch.setattr(_restore, "_restore_once", deleted_midway)
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="deleted"):
+        ckpt.restore(path)

@@ -1,74 +1,27 @@
 """Worker-side helpers for `tests/multiprocess.py`: join the job, build data, report.
 
+Joining and reporting are `checkpointer.testing`'s; the test tree is defined here.
+
 A worker script starts with
 
     import _common
-    args = _common.init()          # jax.distributed.initialize from MP_* variables
+    args = _common.init()          # jax.distributed.initialize, from the harness's environment
 
 and reports with `_common.emit(event="...", ...)` (one JSON line the test parses).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
-import traceback
+from checkpointer import testing
 
-_T0 = time.monotonic()
-
-
-def init() -> dict:
-    """Joins the job described by the harness's `MP_*` variables; returns the worker args.
-
-    Sets the CPU device count before JAX is imported, selects gloo CPU collectives when
-    this jax has the option, and uses short initialisation and heartbeat timeouts so a
-    dead peer is noticed in seconds.
-    """
-    n_dev = os.environ["MP_DEVICES_PER_PROCESS"]
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n_dev}"])
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-
-    try:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except Exception:  # option absent in this jax version
-        pass
-    if os.environ.get("MP_RECOVERABLE") == "1":
-        # Let the job go on after a peer died (the coordination service then does not
-        # propagate the peer's failure to every process, which would abort it).
-        jax.config.update("jax_enable_recoverability", True)
-    jax.distributed.initialize(
-        coordinator_address=os.environ["MP_COORDINATOR"],
-        num_processes=int(os.environ["MP_NUM_PROCESSES"]),
-        process_id=int(os.environ["MP_PROCESS_ID"]),
-        initialization_timeout=int(os.environ.get("MP_INIT_TIMEOUT_S", "60")),
-        heartbeat_timeout_seconds=int(os.environ.get("MP_HEARTBEAT_TIMEOUT_S", "10")),
-        shutdown_timeout_seconds=int(os.environ.get("MP_SHUTDOWN_TIMEOUT_S", "30")),
-    )
-    assert jax.process_count() == int(os.environ["MP_NUM_PROCESSES"])
-    assert len(jax.local_devices()) == int(n_dev)
-    sys.excepthook = _excepthook
-    return json.loads(os.environ.get("MP_ARGS", "{}"))
-
-
-def _excepthook(tp, value, tb):
-    emit(event="exception", type=tp.__name__, message=str(value), traceback="".join(traceback.format_exception(tp, value, tb)))
-    sys.__excepthook__(tp, value, tb)
-
-
-def process_index() -> int:
-    return int(os.environ["MP_PROCESS_ID"])
-
-
-def emit(**record) -> None:
-    """Prints one JSON record for the test (`MPRESULT {...}`), tagged with the process."""
-    record.setdefault("process", process_index())
-    record.setdefault("t", round(time.monotonic() - _T0, 3))
-    sys.stdout.write("MPRESULT " + json.dumps(record) + "\n")
-    sys.stdout.flush()
+# Join the job (jax.distributed from the harness's environment) and return the worker args.
+init = testing.initialize
+# Report one JSON record (`{"event": ..., ...}`) to the test.
+emit = testing.emit
+process_index = testing.process_id
+# The worker args of a worker that runs as an independent program (started with
+# `distributed=False`: e.g. a writer and a separate evaluation job).
+mp_args = testing.initialize
 
 
 def mesh(shape, axis_names):
@@ -106,6 +59,11 @@ SAVE_SPECS = {
 }
 
 VALUES = {"step": 1234, "name": "run-α/β"}  # non-array leaves (live in the manifest)
+
+
+def loader_state(process_index: int) -> dict:
+    """The per-process state process `process_index` saves (its data loader's position)."""
+    return {"shard": process_index, "position": 1000 + 17 * process_index, "files": [f"part-{process_index}"]}
 
 
 def global_arrays() -> dict:

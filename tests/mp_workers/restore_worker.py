@@ -4,6 +4,8 @@ args: {"path": checkpoint path,
        "targets": [{"name": str, "mesh_shape": [..], "axis_names": [..], "specs": {leaf: spec}}]}
 emits per target: {"event": "restored", "name", "ok", "checked_shards", "bytes_needed",
                    "expected_bytes", "total_bytes", "mismatches": [...]}
+       then {"event": "per_process_state", "own_error": error type or None, "own": value,
+             "all": [...], "by_index": the record of process_index % saved count}
 """
 
 import _common
@@ -73,3 +75,15 @@ for t in args["targets"]:
         total_bytes=sum(g.nbytes for g in expected.values()),
         mismatches=mismatches,
     )
+
+# Per-process state follows the documented rule: own record only when the process count
+# matches the save's; otherwise all records (or one named record) on request.
+try:
+    own, own_error = ckpt.per_process_state(args["path"]), None
+except ckpt.ProcessCountMismatchError as e:
+    own, own_error = None, type(e).__name__
+records = ckpt.per_process_state(args["path"], all_processes=True)
+_common.emit(
+    event="per_process_state", own=own, own_error=own_error, all=records,
+    by_index=ckpt.per_process_state(args["path"], process_index=jax.process_index() % len(records)),
+)
