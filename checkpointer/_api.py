@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from . import _agreement, _distributed
+from . import _agreement, _distributed, _ratelimit
 from ._async import AsyncSave
 from ._save import save_sync, take_snapshot
 
@@ -24,6 +24,7 @@ def save(
     commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
     agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
     per_process_state: object = None,
+    max_write_bytes_per_s: float | None = None,
 ) -> None:
     """Saves `tree` to `path` and returns once it is committed.
 
@@ -40,12 +41,15 @@ def save(
       per_process_state: this process's own JSON-serialisable value (a data loader's
         position, a host's RNG seed), stored in its `processes/<i>.json` record and
         read back with `ckpt.per_process_state(path)`; never compared across processes.
+      max_write_bytes_per_s: caps this process's write throughput, bytes per second
+        (a token bucket paced per chunk write, see `_ratelimit`); None: unlimited.
     Raises:
       CheckpointExistsError: `path` is committed and `overwrite` is False.
       UnsupportedValueError: a leaf or `per_process_state` cannot be stored (names it).
       SaveAgreementError: processes save different paths, steps or trees (or different
         non-array values), or one did not arrive in time; raised on every process,
         naming per process what differs; nothing was written.
+      ValueError: `max_write_bytes_per_s` is not None or a positive number.
       SaveError, CommitTimeoutError: writing or committing failed; nothing was committed.
 
     Multi-process: every process must call it with the same path and tree (the same
@@ -55,6 +59,7 @@ def save(
     save_sync(
         path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s,
         agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
+        write_limiter=_ratelimit.limiter_for(max_write_bytes_per_s),
     )
 
 
@@ -67,6 +72,7 @@ def save_async(
     commit_timeout_s: float = _distributed.DEFAULT_COMMIT_TIMEOUT_S,
     agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
     per_process_state: object = None,
+    max_write_bytes_per_s: float | None = None,
 ) -> AsyncSave:
     """Like `save`, but returns once the host snapshot is taken.
 
@@ -82,8 +88,10 @@ def save_async(
 
     Multi-process: as `save`.
     """
+    limiter = _ratelimit.limiter_for(max_write_bytes_per_s)  # raises before the snapshot
     snap = take_snapshot(
         path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s,
         agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
     )
+    snap.write_limiter = limiter
     return AsyncSave(snap)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _default_targets, _directory, _drill, _format
+from . import _catalog, _default_targets, _directory, _drill, _format
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -558,6 +558,7 @@ def _cmd_gc(args, ui: _UI) -> int:
                 raise CheckpointError(f"{e} (gc needs the directory to itself)") from e
         try:
             done = set(_directory.recover(storage, directory))
+            _catalog.repair(storage, directory)
             actions = [(n, a) for n, a in actions if n in done]
             steps = _directory.committed_steps(storage, directory)
             doomed = steps[: -args.keep_latest] if args.keep_latest else []

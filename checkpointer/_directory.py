@@ -18,7 +18,7 @@ import hashlib
 import logging
 import time
 
-from . import _format
+from . import _catalog, _format
 from ._errors import CheckpointError
 from ._storage import Storage
 
@@ -30,7 +30,7 @@ log = logging.getLogger("checkpointer")
 OBJECT_STORE_GC_GRACE_S = 3600.0
 GC_JOURNAL = ".checkpointer-gc.json"
 LOCK_NAME = ".checkpointer.lock"  # the writer's directory lock (POSIX)
-_OWN_FILES = frozenset({GC_JOURNAL, LOCK_NAME})
+_OWN_FILES = frozenset({GC_JOURNAL, LOCK_NAME, _catalog.CATALOG})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,13 @@ def committed_folders(storage: Storage, directory: str) -> dict[int, str]:
     committed `<step>.partial-<generation>/` and no committed `<step>/`: the marker is
     the truth, so that step is committed and read from the partial folder until the
     writer's recovery renames it into place (readers never rename or delete).
+
+    Stores that write in place (object stores) read the step catalog when the directory
+    has one (see `_catalog`): O(steps) requests instead of listing every object.
     """
+    steps = _catalog.committed_steps(storage, directory)
+    if steps is not None:
+        return {s: str(s) for s in steps}
     out: dict[int, str] = {}
     for e in entries(storage, directory):  # sorted: `<step>` before its partial folders
         if not e.committed:
@@ -273,7 +279,9 @@ def unpublish_step(storage: Storage, directory: str, step: int) -> str:
     On POSIX the step folder is renamed to `<step>.deleting-gc-<id>` (atomic); on object
     stores its marker is deleted (see `CommitStrategy.unpublish`).
     """
-    return storage.commit_strategy.unpublish(f"{directory}/{step}")
+    moved = storage.commit_strategy.unpublish(f"{directory}/{step}")
+    _catalog.remove_entry(storage, directory, step)  # after the marker, before the objects
+    return moved
 
 
 def delete_step(storage: Storage, directory: str, step: int) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from . import _agreement, _directory, _distributed
+from . import _agreement, _catalog, _directory, _distributed, _ratelimit
 from ._async import AsyncSave
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
 from ._host import HostBufferPool
@@ -51,6 +51,8 @@ class ManagerStatus:
       last_wait_s: seconds the last `save` waited for the previous save to finish.
       last_write_s: seconds the last finished save spent writing.
       last_commit_s: seconds from the last finished save's snapshot to its commit.
+      last_write_bytes_per_s: this process's write throughput of the last finished save
+        (bytes written / `last_write_s`), bytes per second.
     """
 
     latest_committed_step: int | None
@@ -61,6 +63,7 @@ class ManagerStatus:
     last_wait_s: float | None
     last_write_s: float | None
     last_commit_s: float | None
+    last_write_bytes_per_s: float | None = None
 
 
 def _as_step(step: object) -> int:
@@ -72,6 +75,11 @@ def _as_step(step: object) -> int:
     if value < 0 or isinstance(step, bool):
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     return value
+
+
+def _write_rate(snap: Snapshot) -> float | None:
+    """Bytes per second this process wrote in `snap` (None before it wrote anything)."""
+    return snap.bytes_written / snap.write_s if snap.write_s > 0 and snap.bytes_written else None
 
 
 class _DirectoryLock:
@@ -153,6 +161,9 @@ class CheckpointManager:
         save writes (before anything is written), seconds.
       read_only: a reader only (an evaluation job, a notebook, a drill): `save` and
         `recover` raise. Any manager reads without a lock; this makes the intent explicit.
+      max_write_bytes_per_s: caps this process's write throughput, bytes per second,
+        shared by all its saves in flight (a token bucket, see `_ratelimit`); None:
+        unlimited. `status().last_write_bytes_per_s` shows the rate achieved.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -160,6 +171,9 @@ class CheckpointManager:
     POSIX) is taken by the first operation that writes or deletes (`save`, `recover`),
     together with the clean-up of crashed saves, and released by `close()`, when the
     manager is garbage-collected, or at interpreter exit.
+
+    Raises:
+      ValueError: an interval, `max_saves_in_flight` or `max_write_bytes_per_s` out of range.
 
     Multi-process: every process constructs it and calls `save`/`restore` in the same
     order; process 0 alone cleans up, applies retention and holds the directory lock.
@@ -176,6 +190,7 @@ class CheckpointManager:
         max_saves_in_flight: int = 1,
         read_only: bool = False,
         agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
+        max_write_bytes_per_s: float | None = None,
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -186,6 +201,7 @@ class CheckpointManager:
             raise ValueError(f"max_saves_in_flight must be an int >= 1, got {max_saves_in_flight!r}")
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}")
+        self._write_limiter = _ratelimit.limiter_for(max_write_bytes_per_s)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
         self.save_interval_steps = save_interval_steps
@@ -203,7 +219,7 @@ class CheckpointManager:
         self._pending_error: BaseException | None = None
         self._last_error: str | None = None
         self._last_requested_step: int | None = None
-        self._last: dict[str, float | None] = dict.fromkeys(("snapshot_s", "wait_s", "write_s", "commit_s"))
+        self._last: dict[str, float | None] = dict.fromkeys(("snapshot_s", "wait_s", "write_s", "commit_s", "write_bytes_per_s"))
         self._snapshot_history_s: list[float] = []
         self._metrics_cache: dict[int, dict] = {}
         self._closed = False
@@ -234,6 +250,7 @@ class CheckpointManager:
                 # the finalizer holds the lock object only, never the manager.
                 self._release_lock = weakref.finalize(self, self._lock.release)
             done = _directory.recover(self.storage, self.directory)
+            _catalog.repair(self.storage, self.directory)  # object stores: the step catalog
         self._writer_ready = True
         return done
 
@@ -347,6 +364,7 @@ class CheckpointManager:
         with self._mu:
             self._last["write_s"] = snap.write_s
             self._last["commit_s"] = handle.commit_s
+            self._last["write_bytes_per_s"] = _write_rate(snap)
             if handle.error is not None:
                 self._pending_error = handle.error
                 self._last_error = f"step {step}: {type(handle.error).__name__}: {handle.error}"
@@ -429,6 +447,7 @@ class CheckpointManager:
             commit_timeout_s=self.commit_timeout_s, buffers=self._buffers,
             agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
         )
+        snap.write_limiter = self._write_limiter
         with self._mu:
             self._last["snapshot_s"], self._last["wait_s"] = snap.snapshot_s, wait_s
             self._snapshot_history_s.append(snap.snapshot_s)
@@ -453,6 +472,7 @@ class CheckpointManager:
             raise
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
+            self._last["write_bytes_per_s"] = _write_rate(snap)
 
     def _retention_after(self, step: int) -> Callable[[], object] | None:
         """The callback process 0 runs after committing `step`, before telling the others."""
@@ -616,6 +636,7 @@ class CheckpointManager:
                 last_wait_s=self._last["wait_s"],
                 last_write_s=self._last["write_s"],
                 last_commit_s=self._last["commit_s"],
+                last_write_bytes_per_s=self._last["write_bytes_per_s"],
             )
 
     def drill(self, mesh_shape: Sequence[int] | None = None, *, axis_names: Sequence[str] | None = None) -> DrillReport:

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from . import _agreement, _distributed, _format
+from . import _agreement, _catalog, _distributed, _format, _ratelimit
 from ._box import Box
 from ._directory import SAVE_LOCK_SUFFIX
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementError, SaveError, UnsupportedValueError, where
@@ -70,6 +70,7 @@ class Snapshot:
     buffers: HostBufferPool | None = None
     per_process_state: object = None  # this process's JSON value, stored in its own record
     lock: FileLock | None = None  # process 0's lock on `<partial>.lock` while writing
+    write_limiter: _ratelimit.TokenBucket | None = None  # max_write_bytes_per_s (None: unlimited)
     snapshot_s: float = 0.0
     write_s: float = 0.0
     commit_s: float = 0.0
@@ -359,6 +360,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf.meta.path, path=root, process=snap.process_index)}: cannot create the zarr array: {e}") from e
             for w, host in zip(leaf.plan.writes, leaf.host):
+                _ratelimit.acquire(snap.write_limiter, host.nbytes)  # paced per chunk write
                 futures.append((leaf.meta.path, store[w.box.slices()].write(host) if host.size else None))
                 chunks.append(
                     ChunkRecord(
@@ -433,6 +435,7 @@ def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], ob
         summaries = coord.wait_all_done()
         process_bytes = [int(s) for s in summaries] if summaries else [snap.bytes_written]
         _check_records(snap)
+        _catalog.add_entry(snap.storage, snap.path, snap.generation)  # before the marker
         _publish(snap, process_bytes)
     except BaseException as e:
         coord.announce_commit(f"{type(e).__name__}: {e}")
@@ -514,10 +517,12 @@ def abort(snap: Snapshot, coord: _distributed.Coordinator, *, timed_out: bool = 
 
 
 def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S,
-              agreement_timeout_s=_agreement.DEFAULT_AGREEMENT_TIMEOUT_S, per_process_state=None) -> Snapshot:
+              agreement_timeout_s=_agreement.DEFAULT_AGREEMENT_TIMEOUT_S, per_process_state=None,
+              write_limiter: _ratelimit.TokenBucket | None = None) -> Snapshot:
     """take_snapshot, write_snapshot and commit on the caller's thread."""
     snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=step, commit_timeout_s=commit_timeout_s,
                          agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state)
+    snap.write_limiter = write_limiter
     run_background(snap)
     return snap
 
