@@ -231,7 +231,10 @@ def test_write_failure_is_raised_everywhere_promptly(tmp_path, case):
     n, extra = FAIL_CASES[case]
     commit_timeout_s = 30
     args = {"path": str(tmp_path / "run" / "5"), "commit_timeout_s": commit_timeout_s, **extra}
-    results = run_processes(WORKERS / "fail_worker.py", n, 4, args, timeout_s=90)
+    # check=False: what is tested is what each process's wait() raised (its records);
+    # after a peer's failure, jax.distributed's shutdown barrier may abort a process on
+    # its way out (SIGABRT in the runtime's destructor), which is not the library's doing.
+    results = run_processes(WORKERS / "fail_worker.py", n, 4, args, timeout_s=90, check=False)
     failer = extra["failer"]
     for r in results:
         raised = r.record("wait_raised")
