@@ -230,6 +230,23 @@ def restore(
     ):
         raise ValueError(f"max_inflight_bytes must be a positive int (bytes) or None, got {max_inflight_bytes!r}")
     storage, path = storage_for(path)
+    return restore_from(storage, path, target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats)
+
+
+def restore_from(
+    storage: Storage,
+    path: str,
+    target: object = None,
+    *,
+    partial: bool = False,
+    max_inflight_bytes: int | None = None,
+    stats: RestoreStats | None = None,
+) -> PyTree:
+    """`restore` of `path` read through `storage` (the two tiers' view of a step, see
+    `_tiers.TieredStorage`). Arguments, result and errors as for `restore`.
+
+    Multi-process: as `restore`.
+    """
     stats = RestoreStats() if stats is None else stats
     t0 = time.perf_counter()
     # A checkpoint replaced (overwrite=True) or deleted (retention) while it is read
