@@ -82,6 +82,7 @@ class LocalTier:
         self._retention_after = retention_after
         self._on_error = on_error
         self._mu = threading.Lock()
+        self._retention_mu = threading.Lock()  # local commits and replications both apply it
         self._queue = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-replicate")
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self._attempts: dict[int, int] = {}
