@@ -323,7 +323,8 @@ class LocalTier:
             view = _tiers.TieredStorage(self.storage, f"{self.root}/{step}", self.durable, path, durable_committed=True)
             try:
                 tree = restore_from(view, path, target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats)
-                return tree, ("local" if view.durable_bytes_read == 0 else "local+durable"), view.durable_bytes_read
+                only_local = view.durable_bytes_read == 0 and not view.used_durable_kvstore
+                return tree, ("local" if only_local else "local+durable"), view.durable_bytes_read
             except CorruptCheckpointError as e:
                 log.warning("the local copy of step %d in %s is damaged (%s); reading it from %s", step, self.root, e, path)
         stats = RestoreStats() if stats is None else stats

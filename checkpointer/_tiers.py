@@ -373,7 +373,8 @@ class TieredStorage(Storage):
 
     Paths are durable paths under `durable_path`; `durable_bytes_read` counts the bytes
     fetched from the durable tier (files and byte ranges). TensorStore (`kvstore_spec`)
-    reads from the durable tier, or from the local folder when the step is not durable.
+    reads from the durable tier (`used_durable_kvstore` tells), or from the local folder
+    when the step is not durable.
     """
 
     def __init__(self, local: Storage, local_path: str, durable: Storage, durable_path: str, *, durable_committed: bool):
@@ -383,6 +384,7 @@ class TieredStorage(Storage):
         self.cheap_size = local.cheap_size and durable.cheap_size
         self.has_folders = durable.has_folders
         self.durable_bytes_read = 0
+        self.used_durable_kvstore = False
         self._mu = threading.Lock()
 
     def _count(self, n: int) -> None:
@@ -399,6 +401,10 @@ class TieredStorage(Storage):
     def kvstore_spec(self, path: str) -> dict:
         if not self.durable_committed and path.startswith(self.durable_path):
             return self.local.kvstore_spec(self.local_path + path[len(self.durable_path):])
+        # TensorStore's array reads (complex and sub-byte dtypes) go to the durable tier,
+        # uncounted: a local copy may lack chunks another process wrote, and TensorStore
+        # would read a missing chunk as fill values.
+        self.used_durable_kvstore = True
         return self.durable.kvstore_spec(path)
 
     def write_file(self, path: str, data: bytes) -> None:

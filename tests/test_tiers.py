@@ -330,3 +330,15 @@ def test_sigkill_during_replication_then_node_loss_resumes_from_previous_durable
         mngr.save(2, _state(2))
         mngr.wait_until_finished()
         assert mngr.all_steps() == [1, 2]
+
+
+def test_tensorstore_path_leaves_read_from_durable_and_say_so(dirs):
+    durable, local = dirs
+    c = (np.arange(12) + 1j * np.arange(12)).astype(np.complex64).reshape(3, 4)  # not on the byte-range path
+    with ckpt.CheckpointManager(durable, local_directory=local) as mngr:
+        mngr.save(1, dict(_state(1), c=c))
+        mngr.wait_until_finished()
+        restored = mngr.restore(None, dict(_target(), c=None))
+        _check(restored, 1)
+        np.testing.assert_array_equal(restored["c"], c)
+        assert mngr.status().last_restore_source == "local+durable"
