@@ -21,6 +21,7 @@ from ._errors import (
     InvalidTargetError,
     MeshError,
     ProcessCountMismatchError,
+    RestoreAgreementError,
     SaveAgreementError,
     SaveError,
     ShapeMismatchError,
@@ -36,7 +37,7 @@ from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, Kee
 from ._process_state import per_process_state
 from ._read import RestoreStats
 from ._restore import plan_restore, restore
-from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
+from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan
 from ._verify import VerifyReport, verify
 
 __version__ = _library_version()  # the installed distribution's, as each manifest records it
@@ -47,8 +48,9 @@ __all__ = [
     "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",
-    "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "Box",
+    "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "PeerPiece", "Box",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError", "StructureMismatchError",
     "ShapeMismatchError", "DTypeMismatchError", "InvalidTargetError", "MeshError", "UnsupportedValueError",
     "CorruptCheckpointError", "SaveError", "CommitTimeoutError", "SaveAgreementError", "ProcessCountMismatchError",
+    "RestoreAgreementError",
 ]
