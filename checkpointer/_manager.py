@@ -573,12 +573,13 @@ class CheckpointManager:
         partial: bool = False,
         max_inflight_bytes: int | None = None,
         stats: RestoreStats | None = None,
+        cooperative: bool = True,
     ) -> PyTree:
         """Restores `step` (default: the newest committed step) onto `target`.
 
         Args:
           step: the step, or None for `latest_step()`.
-          target, partial, max_inflight_bytes, stats: as for `ckpt.restore`.
+          target, partial, max_inflight_bytes, stats, cooperative: as for `ckpt.restore`.
         Raises:
           CheckpointNotFoundError: no committed step (or not that one).
 
@@ -588,7 +589,10 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed step in {self.directory}")
-        return _restore(self._read_path(step), target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats)
+        return _restore(
+            self._read_path(step), target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats,
+            cooperative=cooperative,
+        )
 
     def per_process_state(
         self, step: int | None = None, *, process_index: int | None = None, all_processes: bool = False
