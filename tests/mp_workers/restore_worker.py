@@ -59,11 +59,11 @@ for t in args["targets"]:
         boxes = leaf.target_boxes if leaf.exchange_spec is not None else [b.box for b in leaf.boxes]
         planned_boxes |= {(leaf.leaf_path, box) for box in boxes}
         if leaf.exchange_spec is not None:
-            for t in leaf.target_boxes:
-                got = sum(r.box.size for r in leaf.received if r.box.intersect(t)) + sum(
-                    x.size for b in leaf.boxes if (x := b.box.intersect(t)) is not None)
-                if got != t.size:
-                    mismatches.append(f"{leaf.leaf_path}: read + received cover {got} of {t.size} elements of {t}")
+            for tb in leaf.target_boxes:
+                got = sum(r.box.size for r in leaf.received if r.box.intersect(tb)) + sum(
+                    x.size for b in leaf.boxes if (x := b.box.intersect(tb)) is not None)
+                if got != tb.size:
+                    mismatches.append(f"{leaf.leaf_path}: read + received cover {got} of {tb.size} elements of {tb}")
     if planned_boxes != unique_boxes:
         mismatches.append(f"plan boxes {sorted(planned_boxes)} != own boxes {sorted(unique_boxes)}")
     if plan.process_index != jax.process_index():
