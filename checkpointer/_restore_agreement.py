@@ -39,6 +39,9 @@ DEFAULT_AGREEMENT_TIMEOUT_S = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S
 # Round 2 waits for the slowest process's reads.
 DEFAULT_READ_TIMEOUT_S = _distributed.DEFAULT_COMMIT_TIMEOUT_S
 _PREFIX = "checkpointer/restore"
+# Process 0's longest pause between polls: a restore waits for it twice, so it is kept
+# short (one key-value directory read per pause; the save agreement allows 0.1 s).
+_MAX_POLL_S = 0.02
 
 _counter = itertools.count(1)
 _counter_lock = threading.Lock()
@@ -171,7 +174,7 @@ def _collect(client, ticket: int, phase: str, pcount: int, compare, timeout_s: f
                 "same path and target, in the same order (or all pass cooperative=False)."
             )
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-        pause = min(pause * 2, 0.1)
+        pause = min(pause * 2, _MAX_POLL_S)
 
 
 def _compare(got: Mapping[int, dict]) -> str | None:
