@@ -8,6 +8,7 @@ call from a background thread. With one process every function is a cheap no-op.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import jax
 
@@ -19,7 +20,7 @@ PUBLISH_MARGIN_S = 60.0
 _PREFIX = "checkpointer"
 
 
-def _client():
+def _client() -> Any:  # Any: jaxlib's DistributedRuntimeClient has no stubs
     from jax._src import distributed  # the client of jax.distributed.initialize()
 
     return distributed.global_state.client

@@ -22,6 +22,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
+from typing import TypeGuard
 
 import numpy as np
 
@@ -39,6 +40,11 @@ from ._zarr_groups import write_group_nodes
 
 log = logging.getLogger("checkpointer")
 
+# Reads one region of an array leaf: `read(box)` returns a numpy array of `box.shape`
+# (and the leaf's dtype) holding the leaf's values in `box`.
+RegionReader = Callable[[Box], np.ndarray]
+ProgressCallback = Callable[[str, int], None]
+
 # Largest chunk (zarr shard file) the writer produces, bytes: bounds the encoded copy
 # TensorStore holds while writing one chunk.
 MAX_CHUNK_BYTES = 64 << 20
@@ -55,7 +61,8 @@ class ArraySource:
         whole shape for an unsharded array.
       saved_sharding: how it was sharded, for the manifest (None: a host array).
       kind: `"jax"` or `"numpy"` (what it was when saved).
-      read: returns the region `box` of the array as a numpy array of `box.shape`.
+      read: returns the region `box` of the array as a numpy array of `box.shape`
+        (a `RegionReader`).
     """
 
     shape: tuple[int, ...]
@@ -63,10 +70,10 @@ class ArraySource:
     shard_shape: tuple[int, ...]
     saved_sharding: SavedSharding | None
     kind: str
-    read: Callable[[Box], np.ndarray]
+    read: RegionReader
 
 
-def _is_source(x: object) -> bool:
+def _is_source(x: object) -> TypeGuard[ArraySource]:
     return isinstance(x, ArraySource)
 
 
@@ -84,7 +91,7 @@ def save_leaf_by_leaf(
     metadata: Mapping | None = None,
     step: int | None = None,
     overwrite: bool = False,
-    progress: Callable[[str, int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> None:
     """Saves `tree`, whose array leaves are `ArraySource`s, one chunk at a time.
 
@@ -163,7 +170,9 @@ def save_leaf_by_leaf(
             snap.lock = None
 
 
-def _write(snap: _save.Snapshot, arrays: list, progress) -> ProcessRecord:
+def _write(
+    snap: _save.Snapshot, arrays: list[tuple[_save.LeafSnapshot, ArraySource]], progress: ProgressCallback | None
+) -> ProcessRecord:
     """Writes every chunk, one at a time, and `processes/0.json`; returns the record."""
     t0 = time.perf_counter()
     root = snap.write_path
@@ -190,13 +199,15 @@ def _write(snap: _save.Snapshot, arrays: list, progress) -> ProcessRecord:
     return record
 
 
-def _write_leaf(snap: _save.Snapshot, meta: ArrayMetadata, source: ArraySource, progress) -> list[ChunkRecord]:
+def _write_leaf(
+    snap: _save.Snapshot, meta: ArrayMetadata, source: ArraySource, progress: ProgressCallback | None
+) -> list[ChunkRecord]:
     root = snap.write_path
     try:
         store = _save._open_for_write(snap, meta, create=True).result()
     except Exception as e:
         raise SaveError(f"{where(leaf=meta.path, path=root)}: cannot create the zarr array: {e}") from e
-    out = []
+    out: list[ChunkRecord] = []
     if 0 in meta.shape:
         return out
     encoded = _format.encoded_chunk_bytes(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)

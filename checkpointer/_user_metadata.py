@@ -76,15 +76,7 @@ def to_json(value: object, where: str, *, _depth: int = 0) -> object:
     if number is not None:
         return _float_json(number) if isinstance(number, float) else number
     if isinstance(value, Mapping):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise UnsupportedValueError(
-                    f"{where} has the key {k!r} of type {type(k).__name__}; metadata keys must be str "
-                    f"(JSON object keys), e.g. {str(k)!r}"
-                )
-            out[k] = to_json(v, f"{where}[{k!r}]", _depth=_depth + 1)
-        return out
+        return _mapping_json(value, where, _depth)
     if isinstance(value, (list, tuple)):
         return [to_json(v, f"{where}[{i}]", _depth=_depth + 1) for i, v in enumerate(value)]
     shape = getattr(value, "shape", None)
@@ -94,6 +86,19 @@ def to_json(value: object, where: str, *, _depth: int = 0) -> object:
     )
     raise UnsupportedValueError(f"{where} is a {type(value).__module__}.{type(value).__qualname__} {value!r:.80}, "
                                 f"which metadata cannot hold: {hint}")
+
+
+def _mapping_json(value: Mapping, where: str, depth: int) -> dict[str, object]:
+    """A dict by the rule: `str` keys, each value converted by `to_json`."""
+    out: dict[str, object] = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise UnsupportedValueError(
+                f"{where} has the key {k!r} of type {type(k).__name__}; metadata keys must be str "
+                f"(JSON object keys), e.g. {str(k)!r}"
+            )
+        out[k] = to_json(v, f"{where}[{k!r}]", _depth=depth + 1)
+    return out
 
 
 def metadata_json(metadata: object, path: str) -> dict:
@@ -106,7 +111,7 @@ def metadata_json(metadata: object, path: str) -> dict:
         return {}
     if not isinstance(metadata, Mapping):
         raise UnsupportedValueError(f"metadata for {path} must be a dict, got {type(metadata).__name__}")
-    return to_json(metadata, "metadata")
+    return _mapping_json(metadata, "metadata", 0)
 
 
 def metrics_json(metrics: Mapping[str, object] | None) -> dict:

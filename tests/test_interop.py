@@ -129,6 +129,21 @@ def test_orbax_import_errors(orbax_checkpoints, tmp_path):
     assert not (tmp_path / "out2").exists()
 
 
+@pytest.mark.parametrize("file, content", [
+    ("_sharding", [1]),  # Orbax writes an object: {base64(param name): sharding JSON}
+    ("_strings.json", "w"),
+    ("_METADATA", {"tree_metadata": {"('w',)": {"key_metadata": [{"key": "w", "key_type": 2}], "value_metadata": [1]}}}),
+])
+def test_orbax_import_names_a_metadata_file_that_is_not_an_object(tmp_path, file, content):
+    src = tmp_path / "item"
+    src.mkdir()
+    (src / "_METADATA").write_text(json.dumps({"tree_metadata": {}}))
+    (src / file).write_text(json.dumps(content))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=f"{src}/{file}.*(expected an object|not an object)"):
+        ckpt.import_orbax(str(src), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_cli_import_orbax(orbax_checkpoints, tmp_path, capsys):
     _, paths = orbax_checkpoints
     assert _cli.main(["import-orbax", paths["ocdbt"], str(tmp_path / "7")]) == 0
