@@ -300,11 +300,6 @@ def zarr_metadata(shape: Sequence[int], dtype: np.dtype, chunk_shape: Sequence[i
     }
 
 
-def encoded_chunk_bytes(chunk_shape: Sequence[int], inner_shape: Sequence[int], itemsize: int) -> int:
-    """Size of one zarr shard file, bytes (`ShardFileLayout.file_bytes`)."""
-    return ShardFileLayout(tuple(chunk_shape), tuple(inner_shape), itemsize).file_bytes
-
-
 ZarrSpecMode = Literal["create", "write", "read"]
 
 
@@ -433,6 +428,11 @@ class ArrayMetadata:
     def nbytes(self) -> int:
         """Bytes of the array's data (shape × itemsize)."""
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def layout(self) -> ShardFileLayout:
+        """The byte layout of each of its zarr shard files (every chunk has the same)."""
+        return ShardFileLayout(self.chunk_shape, self.inner_chunk_shape, self.dtype.itemsize)
 
     def to_json(self) -> dict:
         return {

@@ -117,7 +117,7 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
     """
     if not storage.cheap_size:
         return
-    expected = ShardFileLayout(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize).file_bytes
+    expected = meta.layout.file_bytes
     seen: set[str] = set()
     for key in keys:  # may be a generator: stops at the first bad file, holding only what it checked
         if key in seen:

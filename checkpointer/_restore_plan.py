@@ -25,7 +25,7 @@ import numpy as np
 
 from . import _format
 from ._box import Box, cell_box, grid_cells
-from ._format import ArrayMetadata, ShardFileLayout
+from ._format import ArrayMetadata
 from ._targets import ResolvedTarget
 
 
@@ -191,7 +191,7 @@ def plan_chunk_read(meta: ArrayMetadata, chunk: tuple[int, ...], region: Box, de
       region: the global region to read, inside the chunk.
       dest: the box whose buffer receives it (default: `region` itself).
     """
-    layout = ShardFileLayout(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
+    layout = meta.layout
     dest = region if dest is None else dest
     chunk_origin = tuple(c * s for c, s in zip(chunk, meta.chunk_shape))
     local = Box(tuple(o - c for o, c in zip(region.origin, chunk_origin)), region.shape)

@@ -367,7 +367,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
                         leaf=leaf.meta.path,
                         key=_format.chunk_key(leaf.meta.path, w.chunk_index),
                         box=w.box,
-                        file_bytes=_format.encoded_chunk_bytes(leaf.meta.chunk_shape, leaf.meta.inner_chunk_shape, leaf.meta.dtype.itemsize),
+                        file_bytes=leaf.meta.layout.file_bytes,
                         data_bytes=host.nbytes,
                         data_crc32c=_format.data_crc32c(host),
                     )

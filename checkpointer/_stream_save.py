@@ -210,7 +210,7 @@ def _write_leaf(
     out: list[ChunkRecord] = []
     if 0 in meta.shape:
         return out
-    encoded = _format.encoded_chunk_bytes(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
+    encoded = meta.layout.file_bytes
     for cell in grid_cells(Box.whole(meta.shape), meta.chunk_shape):
         box = cell_box(cell, meta.chunk_shape, meta.shape)
         data = np.asarray(source.read(box))
