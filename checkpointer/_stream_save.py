@@ -28,8 +28,7 @@ import numpy as np
 
 from . import _distributed, _format, _save
 from ._box import Box, cell_box, grid_cells
-from ._directory import SAVE_LOCK_SUFFIX
-from ._errors import CheckpointExistsError, SaveError, UnsupportedValueError, where
+from ._errors import SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
 from ._metadata import ChunkRecord, ProcessRecord
 from ._save_plan import LeafWritePlan, chunk_shape_for
@@ -116,11 +115,7 @@ def save_leaf_by_leaf(
         raise SaveError(f"saving {path} leaf by leaf runs in one process; this job has "
                         f"{_distributed.process_count()} processes. Run the conversion as a single-process program")
     storage, path = storage_for(path)
-    if storage.supports_rename and os.path.lexists(path) and not os.path.isdir(path):
-        raise SaveError(f"cannot save to {path}: it exists and is not a folder; remove it or choose another path")
-    _save._check_target_folder(storage, path, 0, overwrite)
-    if _save._committed(storage, path) and not overwrite:
-        raise CheckpointExistsError(f"{path} is already a committed checkpoint; pass overwrite=True to replace it")
+    _save.check_target(storage, path, 0, overwrite)
     user_metadata = metadata_json(metadata, path)
     arrays: list[tuple[_save.LeafSnapshot, ArraySource]] = []
     values: dict[str, dict] = {}
@@ -152,22 +147,8 @@ def save_leaf_by_leaf(
         structure=describe(tree, _is_source), arrays=[leaf for leaf, _ in arrays], values=values,
         user_metadata=user_metadata, step=step, overwrite=overwrite, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S,
     )
-    coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
-    try:
-        try:
-            record = _write(snap, arrays, progress)
-        except BaseException:
-            _save.abort(snap, coord)
-            raise
-        try:
-            _save.commit(snap, record)
-        except BaseException:
-            _save.abort(snap, coord)
-            raise
-    finally:
-        if snap.lock is not None:
-            snap.lock.release(remove=True)
-            snap.lock = None
+    # The save's own protocol (commit, abort and clean-up), with this writer.
+    _save.run_background(snap, write=lambda s: _write(s, arrays, progress))
 
 
 def _write(
@@ -177,26 +158,17 @@ def _write(
     t0 = time.perf_counter()
     root = snap.write_path
     try:
-        if snap.storage.supports_locks:
-            snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
-            snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
-        snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
+        _save.begin_write(snap)
         write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf, _ in arrays])
-        chunks = []
+        chunks: list[ChunkRecord] = []
         for leaf, source in arrays:
             chunks += _write_leaf(snap, leaf.meta, source, progress)
+        snap.write_s = time.perf_counter() - t0
+        return _save.write_record(snap, chunks)
     except (SaveError, UnsupportedValueError):
         raise
     except Exception as e:
         raise SaveError(f"writing {root} failed: {type(e).__name__}: {e}") from e
-    snap.write_s = time.perf_counter() - t0
-    record = ProcessRecord(
-        process_index=0, generation=snap.generation, chunks=tuple(chunks),
-        bytes_written=sum(c.file_bytes or 0 for c in chunks), snapshot_s=0.0, write_s=round(snap.write_s, 6),
-    )
-    snap.bytes_written = record.bytes_written or 0
-    snap.storage.write_file(f"{root}/{_format.process_record_name(0)}", _format.dumps(record.to_json()))
-    return record
 
 
 def _write_leaf(
@@ -225,8 +197,7 @@ def _write_leaf(
             store[box.slices()].write(data, can_reference_source_data_indefinitely=True).result()
         except Exception as e:
             raise SaveError(f"{where(leaf=meta.path, path=root)}: writing chunk {cell} failed: {e}") from e
-        out.append(ChunkRecord(leaf=meta.path, key=_format.chunk_key(meta.path, cell), box=box, file_bytes=encoded,
-                               data_bytes=data.nbytes, data_crc32c=_format.data_crc32c(data)))
+        out.append(_save.chunk_record(meta, cell, box, data))
         del data
         if progress is not None:
             progress(meta.path, encoded)
