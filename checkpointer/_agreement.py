@@ -150,38 +150,22 @@ def agree(
 def _decide(
     client: Any, ticket: int, mine: Proposal, pcount: int, timeout_s: float, before_verdict: Callable[[], None] | None
 ) -> str:
-    deadline = time.monotonic() + timeout_s
-    prefix = _key(ticket, "p") + "/"
-    pause = 0.005
-    while True:
-        try:
-            entries = client.key_value_dir_get(prefix)
-        except Exception:
-            entries = []
-        got: dict[int, dict] = {}
-        for key, value in entries:
-            try:
-                proposal = json.loads(value)
-                if isinstance(proposal, dict):
-                    got[int(key.rsplit("/", 1)[1])] = proposal
-            except (ValueError, TypeError):
-                continue
-        # Fail fast: a refusal or another path/step is known without waiting for all.
-        problem = _path_problem(ticket, got)
-        if problem is not None:
-            _fail(client, ticket, problem)
-        missing = [i for i in range(pcount) if i not in got]
-        if not missing:
-            break
-        if time.monotonic() >= deadline:
-            _fail(
-                client, ticket,
-                f"save #{ticket} of {mine.path}: processes {missing} did not arrive within {timeout_s:g} s "
-                f"(agreement_timeout_s); processes {sorted(got)} did. Every process must call save (or the manager's "
-                "save) the same number of times, in the same order, with the same path and tree.",
-            )
-        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-        pause = min(pause * 2, 0.1)
+    # Fail fast: a refusal or another path/step is known without waiting for all.
+    got = _proposals(_distributed.poll_reports(
+        client, _key(ticket, "p") + "/", time.monotonic() + timeout_s,
+        lambda r: _settled(ticket, _proposals(r), pcount),
+    ))
+    problem = _path_problem(ticket, got)
+    if problem is not None:
+        _fail(client, ticket, problem)
+    missing = [i for i in range(pcount) if i not in got]
+    if missing:
+        _fail(
+            client, ticket,
+            f"save #{ticket} of {mine.path}: processes {missing} did not arrive within {timeout_s:g} s "
+            f"(agreement_timeout_s); processes {sorted(got)} did. Every process must call save (or the manager's "
+            "save) the same number of times, in the same order, with the same path and tree.",
+        )
     digests = {i: got[i].get("digest") for i in range(pcount)}
     if len(set(digests.values())) > 1:
         others: dict[str | None, int] = {}
@@ -210,6 +194,25 @@ def _decide(
     generation = _format.new_generation()
     client.key_value_set(_key(ticket, "verdict"), "ok:" + generation)
     return generation
+
+
+def _settled(ticket: int, got: Mapping[int, dict], pcount: int) -> bool:
+    """Whether process 0 can decide: every process proposed, or the difference of paths
+    or a refusal is known already."""
+    return all(i in got for i in range(pcount)) or _path_problem(ticket, got) is not None
+
+
+def _proposals(reports: Mapping[int, str]) -> dict[int, dict]:
+    """The proposals among the reports `p/<i>` (JSON objects; anything else is skipped)."""
+    out: dict[int, dict] = {}
+    for i, value in reports.items():
+        try:
+            proposal = json.loads(value)
+        except (ValueError, TypeError):
+            continue
+        if isinstance(proposal, dict):
+            out[i] = proposal
+    return out
 
 
 def _publish_error(client: Any, ticket: int, message: str) -> None:
