@@ -19,7 +19,7 @@ import jax
 
 from . import _format
 from ._errors import CorruptCheckpointError, ProcessCountMismatchError
-from ._metadata import ProcessRecord, read_metadata
+from ._metadata import read_metadata, read_process_record
 from ._storage import Storage, storage_for
 
 
@@ -66,10 +66,9 @@ def per_process_state(path: str | os.PathLike, process_index: int | None = None,
 def _read_state(storage: Storage, path: str, i: int):
     name = _format.process_record_name(i)
     try:
-        record = _format.loads(storage.read_file(f"{path}/{name}", max_bytes=_format.MAX_MANIFEST_BYTES), f"{path}/{name}")
+        parsed = read_process_record(storage, f"{path}/{name}")
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"{path} is committed but has no {name}, the record of process {i}") from e
-    parsed = ProcessRecord.from_json(record, f"{path}/{name}")
     if parsed.process_index != i:
         raise CorruptCheckpointError(f"{path}/{name} is not the record of process {i}")
     return parsed.per_process_state

@@ -12,7 +12,7 @@ import tensorstore as ts
 from . import _format
 from ._box import Box, cell_box, grid_cells
 from ._errors import CheckpointError
-from ._metadata import ChunkRecord, ProcessRecord, read_metadata
+from ._metadata import ChunkRecord, read_metadata, read_process_record
 from ._storage import TS_CONTEXT, storage_for
 
 
@@ -69,7 +69,7 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
     for name in storage.list_dir(f"{path}/{_format.PROCESSES}"):
         where = f"{path}/{_format.PROCESSES}/{name}"
         try:
-            record = ProcessRecord.from_json(_format.loads(storage.read_file(where), name), where)
+            record = read_process_record(storage, where)
         except CheckpointError as e:
             problems.append(f"process record {name} is malformed: {e}")
             continue
