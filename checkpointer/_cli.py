@@ -301,12 +301,13 @@ def _cmd_ls(args, ui: _UI) -> int:
     from ._metadata import read_metadata
 
     storage, directory = _open_dir(args.directory)
-    found = _directory.entries(storage, directory)
+    names = storage.list_dir(directory)  # one listing for the steps and the foreign entries
+    found = _directory.entries(storage, directory, names)
     if not found and storage.exists(f"{directory}/{_format.COMMITTED}"):
         raise UsageError(f"{directory} is one checkpoint, not a directory of steps: use `{PROG} inspect {directory}`")
     # Steps committed in their own `<step>/` (a committed partial of another step is
-    # "committed, not renamed"; see `_directory.committed_folders`).
-    committed = {s for s, name in _directory.committed_folders(storage, directory).items() if name == str(s)}
+    # "committed, not renamed"; see `_directory.committed_folders`), by the markers just read.
+    committed = {e.step for e in found if e.committed and e.generation is None}
     now = time.time()
     rows = []
     for e in found:
@@ -334,7 +335,7 @@ def _cmd_ls(args, ui: _UI) -> int:
             row["age_s"] = max(0.0, now - row["created_unix_s"])
         rows.append(row)
     holder = _lock_holder(storage, directory)
-    foreign = _directory.foreign_entries(storage, directory)
+    foreign = _directory.foreign_entries(storage, directory, names)
     if ui.json_mode:
         ui.json({"directory": directory, "manager": holder, "steps": rows, "foreign": foreign})
         return 0

@@ -95,6 +95,13 @@ def generation_time(generation: str) -> datetime.datetime | None:
     return t.replace(tzinfo=datetime.timezone.utc)
 
 
+def is_step_name(name: str) -> bool:
+    """Whether `name` is the canonical decimal of a step: ASCII digits, no sign, no
+    leading zero ('0' itself is canonical). '0900000', '+5', '²' or '٣' are not steps:
+    such folders are foreign, ignored by readers and never deleted."""
+    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
+
+
 def partial_name(name: str, generation: str) -> str:
     """The folder name of save attempt `generation` of checkpoint `name`."""
     return f"{name}{PARTIAL_INFIX}{generation}"
