@@ -27,7 +27,7 @@ import math
 import os
 import struct
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import IO
 
 import ml_dtypes
@@ -38,7 +38,6 @@ from ._box import Box
 from ._errors import CheckpointExistsError, UnsupportedValueError
 from ._format import ArrayMetadata
 from ._metadata import CheckpointMetadata, read_metadata
-from ._restore_plan import plan_leaf
 from ._storage import Storage, storage_for
 
 DEFAULT_MAX_SHARD_BYTES = 5 << 30  # Hugging Face's default max_shard_size ("5GB")
@@ -186,19 +185,9 @@ def _slabs(meta: ArrayMetadata) -> list[Box]:
             for s in range(0, meta.shape[0], rows)]
 
 
-def _reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:
-    if _read.fast_path_supported(meta.dtype):
-        stats = _read.RestoreStats()
-        return lambda box: _read.read_box(storage, path, meta, plan_leaf(meta, [(-1, box)]).boxes[0], None, stats)
-    from ._restore import _open_for_read  # sub-byte dtypes: TensorStore decodes them
-
-    store = _open_for_read(storage, path, meta).result()
-    return lambda box: store[box.slices()].read().result()
-
-
 def _write_leaf(f: IO[bytes], storage: Storage, path: str, meta: ArrayMetadata, out_dtype: np.dtype) -> int:
     """Writes the leaf's C-order little-endian bytes to `f`, slab by slab; returns bytes."""
-    read, n = _reader(storage, path, meta), 0
+    read, n = _read.region_reader(storage, path, meta), 0
     little = out_dtype.newbyteorder("<") if out_dtype.itemsize > 1 else out_dtype
     for box in _slabs(meta):
         slab = np.ascontiguousarray(read(box).astype(little, copy=False))

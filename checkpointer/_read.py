@@ -22,15 +22,19 @@ import dataclasses
 import itertools
 import sys
 import threading
+from collections.abc import Callable
 
 import crc32c
 import numpy as np
+import tensorstore as ts
 
+from . import _format
+from ._box import Box
 from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, ShardFileLayout, is_whole_byte_dtype
 from ._host import aligned_empty
-from ._restore_plan import BoxRead, ChunkRead, RestorePlan
-from ._storage import Storage
+from ._restore_plan import BoxRead, ChunkRead, RestorePlan, plan_leaf
+from ._storage import TS_CONTEXT, Storage
 
 _MAX_RUN_BYTES = 16 << 20  # one read covers at most this many bytes of adjacent inner chunks
 
@@ -196,6 +200,42 @@ def read_chunk_into(
         raise CorruptCheckpointError(f"{what} cannot be read: {e}. Run `checkpointer verify {path}`.") from e
     finally:
         f.close()
+
+
+def open_zarr_array(storage: Storage, path: str, meta: ArrayMetadata) -> ts.Future:
+    """Opens a leaf's zarr array through TensorStore's array layer, for the reads the
+    byte-range reader does not handle (see `fast_path_supported`) and for `verify`.
+    The spec refuses a `zarr.json` that disagrees with the manifest (`_format.zarr_spec`)."""
+    kvstore = storage.kvstore_spec(f"{path}/{_format.array_dir(meta.path)}")
+    return ts.open(_format.zarr_spec(kvstore, meta, mode="read"), context=TS_CONTEXT, read=True)
+
+
+def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:
+    """Reads any region of a leaf, unplanned: `read(box)` returns the leaf's values in
+    `box` (each a fresh array), for readers that walk a leaf region by region (export).
+
+    Raises (from `read`):
+      CorruptCheckpointError: stored bytes are missing, truncated or fail a checksum;
+        names the leaf and the checkpoint path.
+    """
+    if fast_path_supported(meta.dtype):
+        stats = RestoreStats()
+        return lambda box: read_box(storage, path, meta, plan_leaf(meta, [(-1, box)]).boxes[0], None, stats)
+    try:
+        store = open_zarr_array(storage, path, meta).result()
+    except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
+        raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path)}: cannot open the zarr array: {e}") from e
+
+    def read(box: Box) -> np.ndarray:
+        try:
+            return store[box.slices()].read().result()
+        except ValueError as e:  # TensorStore reports missing, truncated and damaged data as ValueError
+            raise CorruptCheckpointError(
+                f"{where(leaf=meta.path, path=path)}: reading box {box} failed: {e}. "
+                f"Run `checkpointer verify {path}` for a full report."
+            ) from e
+
+    return read
 
 
 def read_box(storage: Storage, path: str, meta: ArrayMetadata, box_read: BoxRead, pool, stats: RestoreStats) -> np.ndarray:

@@ -35,7 +35,7 @@ from ._format import ArrayMetadata, ValueMetadata
 from ._metadata import read_metadata
 from ._read import RestoreStats
 from ._restore_plan import BoxRead, LeafRestorePlan, RestorePlan, build_plan, chunk_keys
-from ._storage import TS_CONTEXT, Storage, storage_for
+from ._storage import Storage, storage_for
 from ._targets import LeafTarget, ResolvedTarget, resolve_tree
 from ._tree import PyTree, rebuild
 
@@ -43,11 +43,6 @@ log = logging.getLogger("checkpointer")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
 _COPIES_IN_FLIGHT = 3
-
-
-def _open_for_read(storage: Storage, path: str, meta: ArrayMetadata) -> ts.Future:
-    kvstore = storage.kvstore_spec(f"{path}/{_format.array_dir(meta.path)}")
-    return ts.open(_format.zarr_spec(kvstore, meta, mode="read"), context=TS_CONTEXT, read=True)
 
 
 def _check_stored(store: ts.TensorStore, meta: ArrayMetadata, path: str) -> None:
@@ -115,7 +110,7 @@ def _read_leaf(
     store = None
     if not _read.fast_path_supported(meta.dtype):
         try:
-            store = _open_for_read(storage, path, meta).result()
+            store = _read.open_zarr_array(storage, path, meta).result()
         except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
             raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path, process=pidx)}: cannot open the zarr array: {e}") from e
         _check_stored(store, meta, path)

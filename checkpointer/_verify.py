@@ -13,7 +13,8 @@ from . import _format
 from ._box import Box, cell_box, grid_cells
 from ._errors import CheckpointError
 from ._metadata import ChunkRecord, read_metadata, read_process_record
-from ._storage import TS_CONTEXT, storage_for
+from ._read import open_zarr_array
+from ._storage import storage_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +88,7 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
         key = _format.chunk_key(leaf, cell)
         try:
             if leaf not in stores:
-                kvstore = storage.kvstore_spec(f"{path}/{_format.array_dir(leaf)}")
-                stores[leaf] = ts.open(_format.zarr_spec(kvstore, m, mode="read"), context=TS_CONTEXT, read=True).result()
+                stores[leaf] = open_zarr_array(storage, path, m).result()
             box = cell_box(cell, m.chunk_shape, m.shape)
             data = stores[leaf][box.slices()].read().result()
             n_bytes += data.nbytes

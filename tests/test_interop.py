@@ -217,6 +217,16 @@ def test_safetensors_export_holds_bfloat16_and_refuses_int4_unless_upcast(tmp_pa
     assert codes.dtype == np.int8 and codes.tolist() == list(range(-8, 8))
 
 
+@pytest.mark.parametrize("leaf, dtype", [("w", np.float32), ("q", ml_dtypes.int4)])  # byte-range reader / TensorStore
+def test_export_of_a_damaged_leaf_is_corrupt_naming_the_leaf_and_path(tmp_path, leaf, dtype):
+    path = str(tmp_path / "1")
+    ckpt.save(path, {leaf: np.arange(-8, 8).astype(dtype)})
+    with open(f"{path}/arrays/{leaf}/c/0", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=f"leaf '{leaf}'.*{path}"):
+        ckpt.export(path, str(tmp_path / "st"), upcast=True)
+
+
 def test_npz_export_is_bit_exact_and_names_what_npz_cannot_hold(tmp_path):
     mesh = make_mesh((2, 4), ("data", "model"))
     tree = _native_tree(mesh)
