@@ -445,7 +445,7 @@ class CheckpointManager:
                 f"metadata['metrics'] for step {step} of {self.directory}: the key 'metrics' holds the manager's "
                 "metrics= (KeepBest reads it); pass metrics=... or rename the metadata key"
             )
-        metrics = metrics_json(metrics)
+        metrics = metrics_json(metrics, self.step_path(step))
         if metrics:
             user_metadata["metrics"] = metrics
         t0 = time.perf_counter()

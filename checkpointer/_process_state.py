@@ -23,7 +23,7 @@ from ._metadata import read_metadata, read_process_record
 from ._storage import Storage, storage_for
 
 
-def per_process_state(path: str | os.PathLike, process_index: int | None = None, *, all_processes: bool = False):
+def per_process_state(path: str | os.PathLike, process_index: int | None = None, *, all_processes: bool = False) -> object:
     """Returns the per-process state saved with the checkpoint at `path`.
 
     Args:
@@ -63,12 +63,18 @@ def per_process_state(path: str | os.PathLike, process_index: int | None = None,
     return _read_state(storage, path, process_index)
 
 
-def _read_state(storage: Storage, path: str, i: int):
+def _read_state(storage: Storage, path: str, i: int) -> object:
     name = _format.process_record_name(i)
     try:
         parsed = read_process_record(storage, f"{path}/{name}")
     except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{path} is committed but has no {name}, the record of process {i}") from e
+        raise CorruptCheckpointError(
+            f"{path} is committed but has no {name}, the record of process {i}: the checkpoint is damaged. "
+            f"Run `checkpointer verify {path}`."
+        ) from e
     if parsed.process_index != i:
-        raise CorruptCheckpointError(f"{path}/{name} is not the record of process {i}")
+        raise CorruptCheckpointError(
+            f"{path}/{name} is the record of process {parsed.process_index}, expected process {i}: the checkpoint "
+            f"is damaged. Run `checkpointer verify {path}`."
+        )
     return parsed.per_process_state

@@ -140,10 +140,14 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
             )
 
 
-def _check_crc(blob: memoryview, what: str) -> memoryview:
+def _check_crc(blob: memoryview, what: str, path: str) -> memoryview:
     data, stored = ShardFileLayout.split_crc(blob)
-    if crc32c.crc32c(data) != stored:
-        raise CorruptCheckpointError(f"{what}: crc32c mismatch (stored {stored:#010x})")
+    computed = crc32c.crc32c(data)
+    if computed != stored:
+        raise CorruptCheckpointError(
+            f"{what}: crc32c mismatch (stored {stored:#010x}, the bytes read give {computed:#010x}): the data is "
+            f"damaged. Run `checkpointer verify {path}` for a full report."
+        )
     return data
 
 
@@ -167,14 +171,19 @@ def read_chunk_into(
     try:
         size = f.size()
         if size is not None and size != read.file_bytes:
-            raise CorruptCheckpointError(f"{what} has {size} bytes, expected {read.file_bytes} (truncated or damaged)")
-        index = np.frombuffer(_check_crc(f.read(read.index_offset, read.index_bytes), f"{what} index"), "<u8").reshape(-1, 2)
+            raise CorruptCheckpointError(
+                f"{what} has {size} bytes, expected {read.file_bytes} (truncated or damaged). Run `checkpointer verify {path}`."
+            )
+        index = np.frombuffer(_check_crc(f.read(read.index_offset, read.index_bytes), f"{what} index", path), "<u8").reshape(-1, 2)
         step = read.inner_bytes_with_crc
         wanted = []
         for inner_id, spans in zip(read.inner_ids, itertools.product(*read.spans)):
             offset, nbytes = int(index[inner_id, 0]), int(index[inner_id, 1])
             if offset == ShardFileLayout.MISSING or nbytes != step or offset + nbytes > read.index_offset:
-                raise CorruptCheckpointError(f"{what}: index entry {inner_id} is missing or out of range")
+                raise CorruptCheckpointError(
+                    f"{what}: index entry {inner_id} is missing or out of range (offset {offset}, {nbytes} bytes; "
+                    f"expected {step} bytes ending by byte {read.index_offset}). Run `checkpointer verify {path}`."
+                )
             wanted.append((offset, inner_id, spans))
         wanted.sort()
         # Coalesce inner chunks that are adjacent in the file into one read.
@@ -191,7 +200,7 @@ def read_chunk_into(
             blob = f.read(start, len(run) * step)
             for offset, inner_id, spans in run:
                 rel = offset - start
-                data = _check_crc(blob[rel : rel + step], f"{what} inner chunk {inner_id}")
+                data = _check_crc(blob[rel : rel + step], f"{what} inner chunk {inner_id}", path)
                 inner = np.frombuffer(data, dtype=dtype).reshape(meta.inner_chunk_shape)
                 src = tuple(slice(s, s + n) for s, _, n in spans)
                 dst = tuple(slice(d, d + n) for _, d, n in spans)

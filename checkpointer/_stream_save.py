@@ -138,7 +138,8 @@ def save_leaf_by_leaf(
         value = _format.value_to_json(leaf)
         if value is None:
             raise UnsupportedValueError(
-                f"{where(leaf=leaf_path, path=path)}: a leaf of type {type(leaf).__qualname__} cannot be stored"
+                f"{where(leaf=leaf_path, path=path)}: a leaf of type {type(leaf).__qualname__} cannot be stored; "
+                "leaves must be ArraySource, None, bool, int, float, complex, str or numpy scalars (nothing is pickled)"
             )
         values[leaf_path] = value
     storage.commit_strategy.prepare_overwrite(path)

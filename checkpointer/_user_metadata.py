@@ -105,26 +105,40 @@ def metadata_json(metadata: object, path: str) -> dict:
     """`save(metadata=)` as the JSON dict stored in the manifest's `user_metadata`.
 
     Raises:
-      UnsupportedValueError: `metadata` is not a dict, or holds a value the rule refuses.
+      UnsupportedValueError: `metadata` is not a dict, or holds a value the rule refuses
+        (names its key path and the checkpoint path).
     """
     if metadata is None:
         return {}
     if not isinstance(metadata, Mapping):
         raise UnsupportedValueError(f"metadata for {path} must be a dict, got {type(metadata).__name__}")
-    return _mapping_json(metadata, "metadata", 0)
+    try:
+        return _mapping_json(metadata, "metadata", 0)
+    except UnsupportedValueError as e:
+        raise UnsupportedValueError(f"saving {path}: {e}") from None
 
 
-def metrics_json(metrics: Mapping[str, object] | None) -> dict:
+def metrics_json(metrics: Mapping[str, object] | None, path: str) -> dict:
     """The manager's `metrics=` as JSON: by the same rule, each value a number (stored as
     a float), a non-finite number (stored as "NaN" / "Infinity" / "-Infinity"), a str,
     a bool or None.
 
+    Args:
+      metrics: the metrics of one save.
+      path: the checkpoint path of that save, for messages.
     Raises:
       UnsupportedValueError: a metric of another kind (a list, dict, array, object),
-        naming it, e.g. `metrics['loss']`.
+        naming it, e.g. `metrics['loss']`, and the checkpoint path.
     """
     if metrics is None:
         return {}
+    try:
+        return _metrics_json(metrics)
+    except UnsupportedValueError as e:
+        raise UnsupportedValueError(f"saving {path}: {e}") from None
+
+
+def _metrics_json(metrics: object) -> dict:
     if not isinstance(metrics, Mapping):
         raise UnsupportedValueError(f"metrics must be a dict of numbers, got {type(metrics).__name__}")
     out = {}

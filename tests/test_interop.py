@@ -144,6 +144,15 @@ def test_orbax_import_names_a_metadata_file_that_is_not_an_object(tmp_path, file
     assert not (tmp_path / "out").exists()
 
 
+def test_leaf_by_leaf_save_names_a_leaf_it_cannot_store_and_what_it_takes(tmp_path):
+    from checkpointer._stream_save import save_leaf_by_leaf
+
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf 'x' in .*/1: a leaf of type object cannot be stored; "
+                       r"leaves must be ArraySource"):
+        save_leaf_by_leaf(str(tmp_path / "1"), {"x": object()})
+    assert not (tmp_path / "1").exists()
+
+
 def test_cli_import_orbax(orbax_checkpoints, tmp_path, capsys):
     _, paths = orbax_checkpoints
     assert _cli.main(["import-orbax", paths["ocdbt"], str(tmp_path / "7")]) == 0
