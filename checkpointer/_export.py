@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _read
-from ._box import Box
+from ._box import Box, row_slabs
 from ._errors import CheckpointExistsError, UnsupportedValueError
 from ._format import ArrayMetadata
 from ._metadata import CheckpointMetadata, read_metadata
@@ -175,21 +175,11 @@ def _out_dtype(meta: ArrayMetadata, name: str, fmt: str, upcast: bool, path: str
 # --- reading --------------------------------------------------------------------------------
 
 
-def _slabs(meta: ArrayMetadata) -> list[Box]:
-    """The leaf cut along its first dimension into boxes of at most `SLAB_BYTES`."""
-    if not meta.shape or 0 in meta.shape:
-        return [Box.whole(meta.shape)] if not meta.shape else []
-    row_bytes = math.prod(meta.shape[1:]) * meta.dtype.itemsize
-    rows = max(1, SLAB_BYTES // max(1, row_bytes))
-    return [Box((s,) + (0,) * (len(meta.shape) - 1), (min(rows, meta.shape[0] - s),) + meta.shape[1:])
-            for s in range(0, meta.shape[0], rows)]
-
-
 def _write_leaf(f: IO[bytes], storage: Storage, path: str, meta: ArrayMetadata, out_dtype: np.dtype) -> int:
     """Writes the leaf's C-order little-endian bytes to `f`, slab by slab; returns bytes."""
     read, n = _read.region_reader(storage, path, meta), 0
     little = out_dtype.newbyteorder("<") if out_dtype.itemsize > 1 else out_dtype
-    for box in _slabs(meta):
+    for box in row_slabs(Box.whole(meta.shape), meta.dtype.itemsize, SLAB_BYTES):  # one slab in memory at a time
         slab = np.ascontiguousarray(read(box).astype(little, copy=False))
         f.write(slab.reshape(-1).view(np.uint8).data)
         n += slab.nbytes
