@@ -199,9 +199,7 @@ def _open_dir(location: str) -> tuple[Storage, str]:
 def _lock_holder(storage: Storage, directory: str) -> str | None:
     """Who holds the directory lock of a running CheckpointManager, or None (always
     None on storage without locks)."""
-    from ._manager import LOCK_NAME
-
-    return storage.lock_holder(f"{directory}/{LOCK_NAME}")
+    return storage.lock_holder(f"{directory}/{_directory.LOCK_NAME}")
 
 
 def _metadata(location: str):

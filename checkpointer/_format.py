@@ -79,7 +79,7 @@ def new_generation(now: datetime.datetime | None = None) -> str:
       second), and the 32 random bits tell apart attempts started in the same second.
 
     Multi-process: every process may call it; a save uses process 0's (agreed on through
-    `_distributed.agree_on`).
+    `_agreement.agree`).
     """
     now = datetime.datetime.now(datetime.timezone.utc) if now is None else now.astimezone(datetime.timezone.utc)
     return f"{now:{GENERATION_TIME_FORMAT}}-{uuid.uuid4().hex[:8]}"

@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("checkpointer")
 
-LOCK_NAME = _directory.LOCK_NAME
-
 
 @dataclasses.dataclass(frozen=True)
 class ManagerStatus:
@@ -93,7 +91,7 @@ class _DirectoryLock:
 
     def __init__(self, storage: Storage, directory: str) -> None:
         try:
-            self._lock = storage.lock(f"{directory}/{LOCK_NAME}", wait=False, holder=_holder_text())
+            self._lock = storage.lock(f"{directory}/{_directory.LOCK_NAME}", wait=False, holder=_holder_text())
         except LockHeldError as e:
             holder = (e.holder or "").strip()
             same = holder == _holder_text()
