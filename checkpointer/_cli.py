@@ -64,9 +64,6 @@ class _Parser(argparse.ArgumentParser):
 # --- formatting -------------------------------------------------------------------------------
 
 
-_human_bytes = _format.format_bytes
-
-
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -202,9 +199,7 @@ def _open_dir(location: str) -> tuple[Storage, str]:
 def _lock_holder(storage: Storage, directory: str) -> str | None:
     """Who holds the directory lock of a running CheckpointManager, or None (always
     None on storage without locks)."""
-    from ._manager import LOCK_NAME
-
-    return storage.lock_holder(f"{directory}/{LOCK_NAME}")
+    return storage.lock_holder(f"{directory}/{_directory.LOCK_NAME}")
 
 
 def _metadata(location: str):
@@ -304,12 +299,13 @@ def _cmd_ls(args, ui: _UI) -> int:
     from ._metadata import read_metadata
 
     storage, directory = _open_dir(args.directory)
-    found = _directory.entries(storage, directory)
+    names = storage.list_dir(directory)  # one listing for the steps and the foreign entries
+    found = _directory.entries(storage, directory, names)
     if not found and storage.exists(f"{directory}/{_format.COMMITTED}"):
         raise UsageError(f"{directory} is one checkpoint, not a directory of steps: use `{PROG} inspect {directory}`")
     # Steps committed in their own `<step>/` (a committed partial of another step is
-    # "committed, not renamed"; see `_directory.committed_folders`).
-    committed = {s for s, name in _directory.committed_folders(storage, directory).items() if name == str(s)}
+    # "committed, not renamed"; see `_directory.committed_folders`), by the markers just read.
+    committed = {e.step for e in found if e.committed and e.generation is None}
     now = time.time()
     rows = []
     for e in found:
@@ -337,7 +333,7 @@ def _cmd_ls(args, ui: _UI) -> int:
             row["age_s"] = max(0.0, now - row["created_unix_s"])
         rows.append(row)
     holder = _lock_holder(storage, directory)
-    foreign = _directory.foreign_entries(storage, directory)
+    foreign = _directory.foreign_entries(storage, directory, names)
     if ui.json_mode:
         ui.json({"directory": directory, "manager": holder, "steps": rows, "foreign": foreign})
         return 0
@@ -346,7 +342,7 @@ def _cmd_ls(args, ui: _UI) -> int:
         return 0
     ui.table(
         ["step", "state", "size", "age", "metrics", "folder"],
-        [(r["step"], r["state"] + (f" ({r['note']})" if r["note"] else ""), _human_bytes(r["size_bytes"]), _age(r["age_s"]),
+        [(r["step"], r["state"] + (f" ({r['note']})" if r["note"] else ""), _format.format_bytes(r["size_bytes"]), _age(r["age_s"]),
           _metrics_str(r["metrics"]) or "-", r["folder"]) for r in rows]
         + [("-", "foreign", "-", "-", "-", name) for name in foreign],
         right=["step", "size", "age"], title=f"{directory}",
@@ -413,7 +409,7 @@ def _cmd_inspect(args, ui: _UI) -> int:
         ("processes", meta.process_count),
         ("versions", f"format {meta.format_version}, checkpointer {meta.library_version or '?'}, jax {meta.jax_version or '?'}"),
         ("leaves", f"{n_arrays} array{'s' * (n_arrays != 1)}, {len(leaves) - n_arrays} value{'s' * (len(leaves) - n_arrays != 1)}"),
-        ("total bytes", f"{meta.total_bytes} ({_human_bytes(meta.total_bytes)})"),
+        ("total bytes", f"{meta.total_bytes} ({_format.format_bytes(meta.total_bytes)})"),
         ("user metadata", json.dumps(meta.user_metadata, sort_keys=True) if meta.user_metadata else "-"),
     ])
     rows = []
@@ -493,11 +489,11 @@ def _cmd_plan(args, ui: _UI) -> int:
     ui.line(f"target mesh {_mesh_str(mesh)} ({n_devices} devices), process {pidx} of {processes}")
     ui.table(
         ["leaf", "target", "boxes", "chunks", "needed", "read", "amplification"],
-        [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _human_bytes(r["bytes_needed"]),
-          _human_bytes(r["bytes_read"]), f"{r['read_amplification']:.3f}") for r in leaves],
+        [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _format.format_bytes(r["bytes_needed"]),
+          _format.format_bytes(r["bytes_read"]), f"{r['read_amplification']:.3f}") for r in leaves],
         right=["boxes", "chunks", "needed", "read", "amplification"],
-        footer=["total", "", sum(r["boxes"] for r in leaves), len(plan.reads), _human_bytes(plan.bytes_needed),
-                _human_bytes(plan.bytes_read), f"{plan.read_amplification:.3f}"],
+        footer=["total", "", sum(r["boxes"] for r in leaves), len(plan.reads), _format.format_bytes(plan.bytes_needed),
+                _format.format_bytes(plan.bytes_read), f"{plan.read_amplification:.3f}"],
     )
     ui.line(f"{plan.bytes_read} bytes read for {plan.bytes_needed} bytes needed: read amplification {plan.read_amplification:.3f}")
     if processes > 1:
@@ -526,7 +522,7 @@ def _cmd_verify(args, ui: _UI) -> int:
     else:
         verdict = "OK" if report.ok else f"{len(report.problems)} problem(s)"
         ui.line(f"{report.path}: {verdict}", style="bold green" if report.ok else "bold red")
-        ui.line(f"{report.chunks_checked} chunks, {report.bytes_checked} bytes ({_human_bytes(report.bytes_checked)}) "
+        ui.line(f"{report.chunks_checked} chunks, {report.bytes_checked} bytes ({_format.format_bytes(report.bytes_checked)}) "
                 f"read and checksummed in {report.elapsed_s:.2f} s")
         for p in report.problems:
             ui.line(f"  - {p}")
@@ -612,8 +608,8 @@ def _cmd_drill(args, ui: _UI) -> int:
     ui.fields([
         ("scratch mesh", f"{mesh} ({math.prod(report.mesh_shape)} device{'s' * (math.prod(report.mesh_shape) != 1)})"),
         ("time to restored state", f"{report.restore_s:.3f} s" if report.restore_s is not None else "restore FAILED"),
-        ("bytes needed", f"{report.bytes_needed} ({_human_bytes(report.bytes_needed)})"),
-        ("bytes read", f"{report.bytes_read} ({_human_bytes(report.bytes_read)})"),
+        ("bytes needed", f"{report.bytes_needed} ({_format.format_bytes(report.bytes_needed)})"),
+        ("bytes read", f"{report.bytes_read} ({_format.format_bytes(report.bytes_read)})"),
         ("read amplification", f"{report.read_amplification:.3f}"),
         ("verify", f"{'OK' if not report.problems else f'{len(report.problems)} problem(s)'} in {report.verify_s:.3f} s"),
     ])
@@ -641,7 +637,7 @@ def _cmd_import_orbax(args, ui: _UI) -> int:
         return 0
     ui.line(f"imported {meta.user_metadata.get('imported_from', {}).get('path', args.src)} into {meta.path}: "
             f"{len(meta.arrays)} arrays, {len(meta.leaves) - len(meta.arrays)} values, "
-            f"{_human_bytes(meta.total_bytes)} in {elapsed_s:.2f} s")
+            f"{_format.format_bytes(meta.total_bytes)} in {elapsed_s:.2f} s")
     ui.line(f"`{PROG} inspect {meta.path}` shows the tree; ckpt.restore restores it onto any mesh.")
     return 0
 
@@ -674,7 +670,7 @@ def _cmd_export(args, ui: _UI) -> int:
         ui.json({"files": list(report.files), "tensors": report.tensors, "skipped": list(report.skipped),
                  "total_bytes": report.total_bytes})
         return 0
-    ui.line(f"exported {len(report.tensors)} tensors ({_human_bytes(report.total_bytes)}) as {args.format}:")
+    ui.line(f"exported {len(report.tensors)} tensors ({_format.format_bytes(report.total_bytes)}) as {args.format}:")
     for f in report.files:
         ui.line(f"  {f}")
     if report.skipped:

@@ -202,6 +202,23 @@ class ProcessRecord:
         return _record_from_json(ProcessRecord, obj, where)
 
 
+def read_process_record(storage: Storage, location: str) -> ProcessRecord:
+    """Reads and parses the process record at `location` (`<path>/processes/<i>.json`).
+
+    Raises:
+      FileNotFoundError: no file at `location`.
+      CorruptCheckpointError: larger than `_format.MAX_MANIFEST_BYTES`, not JSON, or
+        not a valid record; names `location`.
+    """
+    try:
+        data = storage.read_file(location, max_bytes=_format.MAX_MANIFEST_BYTES)
+    except OSError as e:
+        if e.errno != errno.EFBIG:
+            raise
+        raise CorruptCheckpointError(f"{location} is larger than {_format.MAX_MANIFEST_BYTES} bytes") from e
+    return ProcessRecord.from_json(_format.loads(data, location), location)
+
+
 # --- manifest.json ---------------------------------------------------------------------------
 
 

@@ -15,7 +15,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ from ._format import ArrayMetadata, ValueMetadata
 from ._metadata import read_metadata
 from ._read import RestoreStats
 from ._restore_plan import BoxRead, LeafRestorePlan, RestorePlan, build_plan, chunk_keys
-from ._storage import TS_CONTEXT, Storage, storage_for
+from ._storage import Storage, storage_for
 from ._targets import LeafTarget, ResolvedTarget, resolve_tree
 from ._tree import PyTree, rebuild
 
@@ -44,12 +45,7 @@ DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
 _COPIES_IN_FLIGHT = 3
 
 
-def _open_for_read(storage: Storage, path: str, meta: ArrayMetadata):
-    kvstore = storage.kvstore_spec(f"{path}/{_format.array_dir(meta.path)}")
-    return ts.open(_format.zarr_spec(kvstore, meta, mode="read"), context=TS_CONTEXT, read=True)
-
-
-def _check_stored(store, meta: ArrayMetadata, path: str) -> None:
+def _check_stored(store: ts.TensorStore, meta: ArrayMetadata, path: str) -> None:
     if tuple(store.shape) != meta.shape or np.dtype(store.dtype.numpy_dtype) != meta.dtype:
         raise CorruptCheckpointError(
             f"{where(leaf=meta.path, path=path)}: zarr.json says {tuple(store.shape)} {store.dtype.numpy_dtype}, "
@@ -75,11 +71,14 @@ class _Budget:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _update(buf, piece, offsets):
+def _update(buf: jax.Array, piece: jax.Array, offsets: tuple[int, ...]) -> jax.Array:
     return jax.lax.dynamic_update_slice(buf, piece, offsets)
 
 
-def _read_host(storage, path, meta: ArrayMetadata, b: BoxRead, store, pool, stats: RestoreStats, pidx: int) -> np.ndarray:
+def _read_host(
+    storage: Storage, path: str, meta: ArrayMetadata, b: BoxRead, store: ts.TensorStore | None,
+    pool: concurrent.futures.Executor | None, stats: RestoreStats, pidx: int,
+) -> np.ndarray:
     if b.box.size == 0:
         return np.zeros(b.box.shape, meta.dtype)
     if store is None:
@@ -94,9 +93,9 @@ def _read_host(storage, path, meta: ArrayMetadata, b: BoxRead, store, pool, stat
 
 
 def _read_leaf(
-    storage, path, meta: ArrayMetadata, lt: LeafTarget, lp: LeafRestorePlan, budget: _Budget, pidx: int, pool,
-    stats: RestoreStats,
-):
+    storage: Storage, path: str, meta: ArrayMetadata, lt: LeafTarget, lp: LeafRestorePlan, budget: _Budget, pidx: int,
+    pool: concurrent.futures.Executor | None, stats: RestoreStats,
+) -> dict[int, object]:
     """Reads every unique box of one leaf as planned and puts it on the devices that hold it.
 
     Returns {device id: single-device jax.Array}, or {-1: numpy array} for a host target.
@@ -111,7 +110,7 @@ def _read_leaf(
     store = None
     if not _read.fast_path_supported(meta.dtype):
         try:
-            store = _open_for_read(storage, path, meta).result()
+            store = _read.open_zarr_array(storage, path, meta).result()
         except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
             raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path, process=pidx)}: cannot open the zarr array: {e}") from e
         _check_stored(store, meta, path)
@@ -161,7 +160,7 @@ def _read_leaf(
     return out
 
 
-def _assemble(meta: ArrayMetadata, lt: LeafTarget, placed: dict):
+def _assemble(meta: ArrayMetadata, lt: LeafTarget, placed: dict[int, Any]) -> object:
     if lt.sharding is None:
         out = placed[-1]
     else:
@@ -171,7 +170,10 @@ def _assemble(meta: ArrayMetadata, lt: LeafTarget, placed: dict):
     return jax.random.wrap_key_data(out, impl=meta.key_impl) if meta.key_impl is not None else out
 
 
-def _with_x64(x64: bool, fn, *args):
+_T = TypeVar("_T")
+
+
+def _with_x64(x64: bool, fn: Callable[..., _T], *args: object) -> _T:
     with jax.enable_x64(x64):
         return fn(*args)
 
@@ -274,7 +276,9 @@ def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
             _read.check_chunk_files(storage, path, leaf.meta, keys)
 
 
-def _restore_once(storage: Storage, path: str, target, partial: bool, max_inflight_bytes, stats: RestoreStats):
+def _restore_once(
+    storage: Storage, path: str, target: object, partial: bool, max_inflight_bytes: int | None, stats: RestoreStats
+) -> PyTree:
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
     resolved = resolve_tree(meta, target, partial=partial, process_index=pidx)

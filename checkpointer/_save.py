@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeGuard
 
 import jax
@@ -103,12 +103,6 @@ def _saved_sharding(arr: jax.Array) -> SavedSharding:
     return SavedSharding("other", (), (), (), shard_shape, n)
 
 
-def _check_json_metadata(metadata: object, path: str) -> dict:
-    """`metadata=` as stored: the rule of `_user_metadata` (numpy/JAX scalars become
-    Python numbers, NaN/inf the strings "NaN"/"Infinity"/"-Infinity"); errors name the key."""
-    return metadata_json(metadata, path)
-
-
 # Longest name of one folder on common file systems (ext4, xfs, tmpfs, APFS), bytes.
 _MAX_NAME_BYTES = 255
 
@@ -177,7 +171,33 @@ def _committed(storage: Storage, path: str) -> bool:
 _FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED, ZARR_JSON})
 
 
-def _check_target_folder(storage: Storage, path: str, pidx: int, overwrite: bool) -> None:
+def check_target(storage: Storage, path: str, pidx: int, overwrite: bool) -> None:
+    """Refuses a save to `path` before anything is planned: something that is no
+    folder blocks it, a folder holds foreign files, or it is committed without
+    `overwrite`.
+
+    Raises:
+      SaveError: a file (not a folder) is at `path`.
+      TypeError: `overwrite` is not a bool.
+      CheckpointExistsError: `path` holds foreign files, or is committed and
+        `overwrite` is False.
+    """
+    if storage.commit_strategy.target_blocked(path):
+        raise SaveError(
+            f"cannot save to {path} (process {pidx}): it exists and is not a folder; a checkpoint path is a "
+            "folder. Remove or rename that file, or save to another path"
+        )
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+    _check_target_folder(storage, path, pidx)
+    if _committed(storage, path) and not overwrite:
+        raise CheckpointExistsError(
+            f"{path} is already a committed checkpoint (process {pidx}); pass overwrite=True "
+            "(CheckpointManager: force=True) to replace it atomically, or save to a new path"
+        )
+
+
+def _check_target_folder(storage: Storage, path: str, pidx: int) -> None:
     """Refuses to save into a folder that holds anything but a checkpoint's own files.
 
     A save replaces what is at its path only when that is a checkpoint (committed, with
@@ -268,20 +288,8 @@ def _take_snapshot(
     t0 = time.perf_counter()
     storage, path = storage_for(path)
     pidx, pcount = _distributed.process_index(), _distributed.process_count()
-    if storage.commit_strategy.target_blocked(path):
-        raise SaveError(
-            f"cannot save to {path} (process {pidx}): it exists and is not a folder; a checkpoint path is a "
-            "folder. Remove or rename that file, or save to another path"
-        )
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
-    _check_target_folder(storage, path, pidx, overwrite)
-    if _committed(storage, path) and not overwrite:
-        raise CheckpointExistsError(
-            f"{path} is already a committed checkpoint (process {pidx}); pass overwrite=True "
-            "(CheckpointManager: force=True) to replace it atomically, or save to a new path"
-        )
-    user_metadata = _check_json_metadata(metadata, path)
+    check_target(storage, path, pidx, overwrite)
+    user_metadata = metadata_json(metadata, path)
     if per_process_state is not None:
         per_process_state = _check_per_process_state(per_process_state, path, pidx)
     leaves = flatten(tree)
@@ -331,6 +339,45 @@ def _open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool):
     return ts.open(_format.zarr_spec(kvstore, meta, mode="create" if create else "write"), context=TS_CONTEXT)
 
 
+def begin_write(snap: Snapshot) -> None:
+    """Before the first chunk: process 0 takes the save lock on `<partial>.lock` (held
+    until commit or abort: recovery and gc leave a locked partial alone); every process
+    creates the `processes/` folder of the write path."""
+    if snap.process_index == 0 and snap.storage.supports_locks:
+        snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
+        snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
+    snap.storage.makedirs(f"{snap.write_path}/{_format.PROCESSES}")
+
+
+def chunk_record(meta: ArrayMetadata, chunk_index: Sequence[int], box: Box, data: np.ndarray) -> ChunkRecord:
+    """The record of one chunk written from `data` (the host bytes of `box`)."""
+    return ChunkRecord(
+        leaf=meta.path,
+        key=_format.chunk_key(meta.path, chunk_index),
+        box=box,
+        file_bytes=meta.layout.file_bytes,
+        data_bytes=data.nbytes,
+        data_crc32c=_format.data_crc32c(data),
+    )
+
+
+def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord]) -> ProcessRecord:
+    """Once this process's chunks are durable: writes its `processes/<i>.json` (with
+    `snap.write_s` as measured) and returns the record."""
+    snap.bytes_written = sum(c.file_bytes for c in chunks if c.file_bytes is not None)
+    record = ProcessRecord(
+        process_index=snap.process_index,
+        generation=snap.generation,
+        chunks=tuple(chunks),
+        bytes_written=snap.bytes_written,
+        snapshot_s=round(snap.snapshot_s, 6),
+        write_s=round(snap.write_s, 6),
+        per_process_state=snap.per_process_state,  # additive: absent when the save gave none
+    )
+    snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
+    return record
+
+
 def write_snapshot(snap: Snapshot) -> ProcessRecord:
     """Writes this process's chunks and its `processes/<i>.json` record, durably.
 
@@ -345,11 +392,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
     futures: list = []
     opened: list = []
     try:
-        if snap.process_index == 0 and snap.storage.supports_locks:
-            # Held until commit or abort: recovery and gc leave a locked partial alone.
-            snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
-            snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
-        snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
+        begin_write(snap)
         opened = [(leaf, _open_for_write(snap, leaf.meta, create=snap.process_index == 0)) for leaf in snap.arrays]
         if snap.process_index == 0:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays])
@@ -362,16 +405,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             for w, host in zip(leaf.plan.writes, leaf.host):
                 _ratelimit.acquire(snap.write_limiter, host.nbytes)  # paced per chunk write
                 futures.append((leaf.meta.path, store[w.box.slices()].write(host) if host.size else None))
-                chunks.append(
-                    ChunkRecord(
-                        leaf=leaf.meta.path,
-                        key=_format.chunk_key(leaf.meta.path, w.chunk_index),
-                        box=w.box,
-                        file_bytes=_format.encoded_chunk_bytes(leaf.meta.chunk_shape, leaf.meta.inner_chunk_shape, leaf.meta.dtype.itemsize),
-                        data_bytes=host.nbytes,
-                        data_crc32c=_format.data_crc32c(host),
-                    )
-                )
+                chunks.append(chunk_record(leaf.meta, w.chunk_index, w.box, host))
         for leaf_path, f in futures:
             if f is None:
                 continue
@@ -380,18 +414,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
         snap.write_s = time.perf_counter() - t0
-        snap.bytes_written = sum(c.file_bytes for c in chunks if c.file_bytes is not None)
-        record = ProcessRecord(
-            process_index=snap.process_index,
-            generation=snap.generation,
-            chunks=tuple(chunks),
-            bytes_written=snap.bytes_written,
-            snapshot_s=round(snap.snapshot_s, 6),
-            write_s=round(snap.write_s, 6),
-            per_process_state=snap.per_process_state,  # additive: absent when the save gave none
-        )
-        snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
-        return record
+        return write_record(snap, chunks)
     except BaseException as e:
         # Let array creations and writes already issued finish before anyone removes
         # the partial folder (a creation still running would re-create files in it).
@@ -534,12 +557,18 @@ def _release_host(snap: Snapshot) -> None:
         leaf.host = []
 
 
-def run_background(snap: Snapshot, after_publish: Callable[[], object] | None = None) -> None:
-    """write_snapshot then commit; on failure tells the others, cleans up, re-raises."""
+def run_background(
+    snap: Snapshot,
+    after_publish: Callable[[], object] | None = None,
+    *,
+    write: Callable[[Snapshot], ProcessRecord] | None = None,
+) -> None:
+    """`write` (default `write_snapshot`) then commit; on failure tells the others,
+    cleans up, re-raises."""
     coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
     try:
         try:
-            record = write_snapshot(snap)
+            record = (write or write_snapshot)(snap)
         except BaseException as e:
             coord.report_error(f"{type(e).__name__}: {e}")
             abort(snap, coord)

@@ -23,13 +23,17 @@ written before them restore as ever. A level one of whose members escapes to the
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from . import _format
+
+if TYPE_CHECKING:
+    from ._storage import Storage
 
 ZARR_JSON = "zarr.json"
 
 
-def _key_str(parent_kind: str, key: object) -> str:
+def _key_str(parent_kind: str | None, key: object) -> str:
     """One key as `jax.tree_util.keystr` prints it, from its JSON form."""
     if isinstance(key, dict) and "int" in key:
         return f"[{key['int']}]"
@@ -87,7 +91,7 @@ def group_nodes(structure: dict, array_paths: Iterable[str]) -> dict[str, dict]:
     return out
 
 
-def write_group_nodes(storage, root: str, structure: dict, array_paths: Iterable[str]) -> None:
+def write_group_nodes(storage: Storage, root: str, structure: dict, array_paths: Iterable[str]) -> None:
     """Writes every group node of `group_nodes` under `root`, concurrently.
 
     Raises:

@@ -396,7 +396,7 @@ def test_a_3gib_shard_is_stored_in_small_inner_chunks():
     assert n_inner == 3 * 2**30 // inner_bytes <= _format.MAX_INNER_CHUNKS_PER_CHUNK
     # The file: inner chunks, each with its crc32c, then 16 bytes of index per inner chunk
     # and the index's crc32c. Offsets are u64: no 2/4 GiB limit in the format itself.
-    assert _format.encoded_chunk_bytes(shard, inner, 4) == 3 * 2**30 + n_inner * (4 + 16) + 4
+    assert _format.ShardFileLayout(shard, inner, 4).file_bytes == 3 * 2**30 + n_inner * (4 + 16) + 4
     # Restoring it split 8 ways reads whole inner chunks only: the data, their crc32c and
     # each file's index, nothing else; every piece fetched is one inner chunk (<= 1 MiB)
     # or a run of adjacent ones of at most _read._MAX_RUN_BYTES.

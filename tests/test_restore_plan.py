@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from checkpointer._box import Box
+from checkpointer._box import Box, row_slabs
 from checkpointer._format import ArrayMetadata, SavedSharding
 from checkpointer._restore_plan import ChunkRead, RestorePlan, plan_leaf
 from checkpointer._targets import named_shard_boxes
@@ -380,3 +380,16 @@ def test_slabs_are_planned_within_the_bound_and_cover_the_box():
     assert box.slabs[1].reads[0].spans[0][0][1] == 0
     assert box.bytes_read == sum(s.bytes_read for s in box.slabs) > sum(r.bytes_read for r in box.reads)
     assert plan_leaf(SAVED_2x4, {0: Box((0, 0), (N, N))}, slab_bytes=64 << 20).boxes[0].slabs == ()
+
+
+@pytest.mark.parametrize("box, itemsize, max_bytes, rows", [
+    (Box((3, 1), (10, 4)), 4, 48, [3, 3, 3, 1]),  # 16-byte rows: 3 per slab
+    (Box((0, 0), (4, 100)), 8, 10, [1, 1, 1, 1]),  # a row above the bound: one row each
+    (Box((0,), (5,)), 2, 1 << 20, [5]),
+])
+def test_row_slabs_tile_the_box_in_order_within_the_bound(box, itemsize, max_bytes, rows):
+    slabs = row_slabs(box, itemsize, max_bytes)
+    assert [s.shape[0] for s in slabs] == rows
+    assert all(s.shape[1:] == box.shape[1:] and s.origin[1:] == box.origin[1:] for s in slabs)
+    assert [s.origin[0] for s in slabs] == [box.origin[0] + sum(rows[:i]) for i in range(len(rows))]
+    assert row_slabs(Box((), ()), 4, 1) == [Box((), ())] and row_slabs(Box((2, 0), (0, 3)), 4, 1) == []

@@ -408,3 +408,16 @@ def test_restore_of_a_step_deleted_while_reading_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(_restore, "_restore_once", deleted_midway)
     with pytest.raises(ckpt.CheckpointNotFoundError, match="deleted"):
         ckpt.restore(path)
+
+
+def test_a_save_that_lost_the_race_for_its_path_names_the_process_and_the_fix(tmp_path):
+    from checkpointer import _save
+
+    path = str(tmp_path / "1")
+    late = _save.take_snapshot(path, {"x": np.ones(3)})  # planned while the path was free
+    ckpt.save(path, {"x": np.zeros(3)})
+    with pytest.raises(ckpt.CheckpointExistsError, match=r"committed by another save while this one was writing "
+                       r"\(process 0\): this save committed nothing\. Pass overwrite=True"):
+        _save.run_background(late)
+    np.testing.assert_array_equal(ckpt.restore(path)["x"], np.zeros(3))
+    assert sorted(os.listdir(tmp_path)) == ["1"]  # the late save's partial folder is gone
