@@ -43,11 +43,14 @@ mesh axis it names exists in the new mesh and the product of those axes' sizes d
 that dimension; otherwise that dimension is replicated (None). Leaves saved without a
 named sharding (one device, a host numpy array) are replicated.
 
---spec GLOB=SPEC overrides the default for every leaf whose path matches GLOB (fnmatch
-on leaf paths as `inspect` prints them; the last matching --spec wins). SPEC is one
-entry per dimension, comma-separated: a mesh axis name, several joined with '+' for one
-dimension, or 'none' / empty for None. Examples: 'params/*=data,model',
-'opt_state/*=data+model,none', 'step=' (replicated)."""
+--spec GLOB=SPEC overrides the default for every leaf whose name matches GLOB; the
+last matching --spec wins. Names are key paths as `inspect` prints them, like
+jax.tree_util.keystr: ['params']['dense']['kernel'], .opt_state[0].mu['w']. In GLOB, '*'
+matches any characters and '?' one; brackets and dots are literal. The escaped storage
+path (params/dense/kernel) is matched too. SPEC is one entry per dimension,
+comma-separated: a mesh axis name, several joined with '+' for one dimension, or
+'none' / empty for None. Examples: "['params']*=data,model",
+'*opt_state*=data+model,none', '.step=' (replicated)."""
 
 
 class UsageError(Exception):
@@ -243,7 +246,7 @@ def _parse_spec(text: str, mesh) -> tuple[str, PartitionSpec]:
 
     glob, eq, spec = text.partition("=")
     if not eq or not glob:
-        raise UsageError(f"--spec {text!r}: expected LEAF_GLOB=SPEC, e.g. 'params/*=data,model'")
+        raise UsageError(f"--spec {text!r}: expected LEAF_GLOB=SPEC, e.g. \"['params']*=data,model\"")
     entries: list = []
     used: list[str] = []
     for raw in spec.split(",") if spec.strip() else []:
@@ -384,14 +387,15 @@ def _cmd_inspect(args, ui: _UI) -> int:
     for p, m in meta.leaves.items():
         if isinstance(m, ArrayMetadata):
             leaves.append({
-                "path": p, "type": "array", "shape": list(m.shape), "dtype": str(m.dtype), "key_impl": m.key_impl,
+                "path": p, "keystr": meta.keystr(p), "type": "array", "shape": list(m.shape), "dtype": str(m.dtype), "key_impl": m.key_impl,
                 "kind": m.kind,
                 "saved_sharding": m.saved_sharding.describe() if m.saved_sharding else None,
                 "saved_spec": _spec_json(m.saved_sharding.spec) if m.saved_sharding and m.saved_sharding.kind == "named" else None,
                 "chunk_shape": list(m.chunk_shape), "inner_chunk_shape": list(m.inner_chunk_shape), "bytes": m.nbytes,
             })
         else:
-            leaves.append({"path": p, "type": "value", "value_type": type(m.value).__name__, "value": _json_value(m.value)})
+            leaves.append({"path": p, "keystr": meta.keystr(p), "type": "value", "value_type": type(m.value).__name__,
+                           "value": _json_value(m.value)})
     info = {
         "path": meta.path, "step": meta.step, "format_version": meta.format_version, "process_count": meta.process_count,
         "created_unix_s": meta.created_unix_s, "library_version": meta.library_version, "jax_version": meta.jax_version,
@@ -414,7 +418,7 @@ def _cmd_inspect(args, ui: _UI) -> int:
     ])
     rows = []
     for leaf in leaves:
-        name = leaf["path"] or "<root>"
+        name = leaf["keystr"] or "<root>"
         if leaf["type"] == "array":
             dtype = leaf["dtype"] + (f" (key<{leaf['key_impl']}>)" if leaf["key_impl"] else "")
             sharding = leaf["saved_sharding"] or "host numpy array"
@@ -470,7 +474,8 @@ def _cmd_plan(args, ui: _UI) -> int:
     leaves: list[dict[str, Any]] = []
     for leaf in plan.leaves:
         leaves.append({
-            "leaf": leaf.leaf_path, "shape": list(leaf.shape), "dtype": str(leaf.dtype),
+            "leaf": leaf.leaf_path, "keystr": meta.keystr(leaf.leaf_path), "shape": list(leaf.shape),
+            "dtype": str(leaf.dtype),
             "target_spec": _spec_json(specs[leaf.leaf_path]),
             "boxes": len(leaf.boxes), "chunks": sum(len(b.reads) for b in leaf.boxes),
             "inner_chunks": sum(r.inner_chunks for b in leaf.boxes for r in b.reads),
@@ -489,7 +494,7 @@ def _cmd_plan(args, ui: _UI) -> int:
     ui.line(f"target mesh {_mesh_str(mesh)} ({n_devices} devices), process {pidx} of {processes}")
     ui.table(
         ["leaf", "target", "boxes", "chunks", "needed", "read", "amplification"],
-        [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _format.format_bytes(r["bytes_needed"]),
+        [(r["keystr"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _format.format_bytes(r["bytes_needed"]),
           _format.format_bytes(r["bytes_read"]), f"{r['read_amplification']:.3f}") for r in leaves],
         right=["boxes", "chunks", "needed", "read", "amplification"],
         footer=["total", "", sum(r["boxes"] for r in leaves), len(plan.reads), _format.format_bytes(plan.bytes_needed),
@@ -725,7 +730,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--axes", metavar="NAMES", help="mesh axis names, e.g. data,model (default: those of the saved "
                    "mesh with as many axes, else axis0,axis1,...)")
     p.add_argument("--spec", action="append", default=[], metavar="LEAF_GLOB=SPEC",
-                   help="target PartitionSpec for the matching leaves (repeatable), e.g. 'params/*=data,model'")
+                   help="target PartitionSpec for the leaves whose key path matches (repeatable), "
+                   "e.g. \"['params']*=data,model\" or '*kernel=none,model'")
     p.add_argument("--process-index", type=int, metavar="I", help="plan for process I (default: this process)")
     p.add_argument("--processes", type=int, metavar="P", help="plan as if the mesh's devices were spread over P "
                    "processes, in mesh order, each holding a consecutive block; needs no devices")

@@ -420,6 +420,9 @@ class ArrayMetadata:
       key_impl: the PRNG impl name (e.g. `"threefry2x32"`) when the leaf is a typed PRNG
         key array; `shape` then includes the key data's trailing dimensions.
       kind: `"jax"` (restored as jax.Array) or `"numpy"` (a host numpy array when saved).
+      keystr: the leaf's key path as `jax.tree_util.keystr` prints it (`['params']['w']`),
+        the name to show users; set when read from a manifest (None before the save
+        writes one). Not stored in the leaf's entry and not compared.
     """
 
     path: str
@@ -430,6 +433,7 @@ class ArrayMetadata:
     saved_sharding: SavedSharding | None
     key_impl: str | None = None
     kind: str = "jax"
+    keystr: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -456,10 +460,17 @@ class ArrayMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class ValueMetadata:
-    """A non-array leaf stored in the manifest (None, bool, int, float, complex, str, numpy scalar)."""
+    """A non-array leaf stored in the manifest (None, bool, int, float, complex, str, numpy scalar).
+
+    Attributes:
+      path: the leaf path.
+      value: the value.
+      keystr: as `ArrayMetadata.keystr`.
+    """
 
     path: str
     value: object
+    keystr: str | None = dataclasses.field(default=None, compare=False)
 
 
 def _shape(v: object, what: str, where: str) -> tuple[int, ...]:

@@ -580,6 +580,7 @@ class CheckpointManager:
         target: object = None,
         *,
         partial: bool = False,
+        missing: str = "error",
         max_inflight_bytes: int | None = None,
         stats: RestoreStats | None = None,
     ) -> PyTree:
@@ -587,13 +588,18 @@ class CheckpointManager:
 
         Args:
           step: the step, or None for `latest_step()`.
-          target, partial, max_inflight_bytes, stats: as for `ckpt.restore`.
+          target, partial, missing, max_inflight_bytes, stats: as for `ckpt.restore`
+            (`missing="keep_target"` keeps the target's values for leaves the
+            checkpoint lacks).
         Raises:
           CheckpointNotFoundError: no committed step (or not that one).
 
         Multi-process: every process calls it.
         """
-        return _restore(self._read_path(step), target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats)
+        return _restore(
+            self._read_path(step), target, partial=partial, missing=missing, max_inflight_bytes=max_inflight_bytes,
+            stats=stats,
+        )
 
     def per_process_state(
         self, step: int | None = None, *, process_index: int | None = None, all_processes: bool = False

@@ -51,6 +51,9 @@ class RestoreStats:
       attempts: 1, or 2 when the checkpoint was replaced while it was read.
       elapsed_s: seconds `restore` took, when it returned.
       plan: the `RestorePlan` executed (of the last attempt).
+      kept_from_target: key strings (as `jax.tree_util.keystr` prints them) of the
+        target leaves returned as they were, not read (`restore(..., missing="keep_target")`
+        for leaves the checkpoint lacks, `partial=True` for None over a saved subtree).
     """
 
     bytes_read: int = 0
@@ -58,6 +61,7 @@ class RestoreStats:
     attempts: int = 0
     elapsed_s: float | None = None
     plan: RestorePlan | None = None
+    kept_from_target: tuple[str, ...] = ()
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def _add(self, bytes_read: int, chunk_reads: int = 0) -> None:

@@ -182,7 +182,7 @@ def _check_device_dtype(meta: ArrayMetadata, dtype: np.dtype, path: str) -> None
     """Raises DTypeMismatchError if JAX would silently narrow `dtype` on a device (x64 off)."""
     if jax.dtypes.canonicalize_dtype(dtype) != np.dtype(dtype):
         raise DTypeMismatchError(
-            f"{where(leaf=meta.path, path=path)}: the result dtype {np.dtype(dtype)} cannot live on a device while "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: the result dtype {np.dtype(dtype)} cannot live on a device while "
             f"jax_enable_x64 is off (JAX would make it {jax.dtypes.canonicalize_dtype(dtype)}). Enable x64 "
             "(jax.config.update('jax_enable_x64', True) or `with jax.enable_x64(True):`), restore it to the host "
             f"(target leaf None), or ask for the cast explicitly with a target dtype of "
@@ -195,6 +195,7 @@ def restore(
     target: object = None,
     *,
     partial: bool = False,
+    missing: str = "error",
     max_inflight_bytes: int | None = None,
     stats: RestoreStats | None = None,
 ) -> PyTree:
@@ -208,7 +209,14 @@ def restore(
         checkpoint) or None (a host numpy array). `target=None` restores the whole
         tree as host numpy arrays, rebuilding containers from the manifest. A target
         dtype that differs from the stored one is a cast within one kind, on the host.
-      partial: if True, saved leaves absent from the target are not read.
+      partial: if True, saved leaves absent from the target are not read, and a None
+        target leaf where the checkpoint holds a subtree is skipped (returned as None).
+      missing: what to do with target leaves the checkpoint lacks (fine-tuning a new
+        head). `"error"` (default): StructureMismatchError. `"keep_target"`: return the
+        target's own leaf there, as it is (a `jax.Array`, numpy array, scalar or None;
+        an abstract leaf raises InvalidTargetError, since a value is needed); their key
+        strings are logged at INFO on the `checkpointer` logger and listed in
+        `stats.kept_from_target`.
       max_inflight_bytes: bound on bytes of reads in flight, bytes (default 1 GiB);
         a larger box is still read, alone.
       stats: a `RestoreStats` to fill in (bytes and chunks read, the plan executed,
@@ -220,7 +228,10 @@ def restore(
       CheckpointNotFoundError: no committed checkpoint at `path`.
       StructureMismatchError, ShapeMismatchError, DTypeMismatchError, InvalidTargetError:
         the target does not fit (DTypeMismatchError also for a 64-bit result dtype on a
-        device while jax_enable_x64 is off); the message names the leaf paths and the fix.
+        device while jax_enable_x64 is off); the message names the leaves (as
+        `jax.tree_util.keystr` prints them) and the fix. StructureMismatchError also for a
+        None target leaf over a saved subtree without `partial=True`.
+      ValueError: `missing` is not `"error"` or `"keep_target"`.
       CorruptCheckpointError: stored bytes or metadata are missing, malformed or fail a
         checksum; names the leaf and chunk.
 
@@ -241,7 +252,7 @@ def restore(
         before = _marker(storage, path)
         try:
             stats.attempts += 1
-            result, ok = _restore_once(storage, path, target, partial, max_inflight_bytes, stats), True
+            result, ok = _restore_once(storage, path, target, partial, missing, max_inflight_bytes, stats), True
         except (CorruptCheckpointError, OSError):
             # Files that vanish under the reader (the folder renamed away by retention,
             # then removed) surface as either; only the marker tells damage from deletion.
@@ -277,11 +288,23 @@ def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
 
 
 def _restore_once(
-    storage: Storage, path: str, target: object, partial: bool, max_inflight_bytes: int | None, stats: RestoreStats
+    storage: Storage,
+    path: str,
+    target: object,
+    partial: bool,
+    missing: str,
+    max_inflight_bytes: int | None,
+    stats: RestoreStats,
 ) -> PyTree:
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
-    resolved = resolve_tree(meta, target, partial=partial, process_index=pidx)
+    resolved = resolve_tree(meta, target, partial=partial, process_index=pidx, missing=missing)
+    stats.kept_from_target = resolved.kept_keystrs
+    if resolved.kept_keystrs:
+        log.info(
+            "restore of %s: %d target leaves were not read and keep the target's values: %s",
+            path, len(resolved.kept_keystrs), ", ".join(k or "<root>" for k in resolved.kept_keystrs),
+        )
     for leaf in resolved.leaves:
         lt, m = leaf.target, leaf.meta
         if lt is not None and lt.sharding is not None and isinstance(m, ArrayMetadata) and m.key_impl is None:
@@ -312,7 +335,8 @@ def _restore_once(
             results[leaf_path] = _assemble(m, lt, future.result())
     if resolved.treedef is None:
         return rebuild(meta.structure, lambda p: results[p], where=path)
-    return jax.tree_util.tree_unflatten(resolved.treedef, [results[leaf.path] for leaf in resolved.leaves])
+    results.update(resolved.kept)
+    return jax.tree_util.tree_unflatten(resolved.treedef, [results[p] for p in resolved.order])
 
 
 def plan_restore(
@@ -323,6 +347,7 @@ def plan_restore(
     partial: bool = False,
     processes: int | None = None,
     max_inflight_bytes: int | None = None,
+    missing: str = "error",
 ) -> RestorePlan:
     """Plans a restore without touching devices or chunk data.
 
@@ -337,6 +362,7 @@ def plan_restore(
         devices (targets over a `jax.sharding.AbstractMesh` of any size work).
       max_inflight_bytes: as for `restore`; boxes larger than a third of it are
         planned as slabs, as `restore` reads them.
+      missing: as for `restore` (kept target leaves are not in the plan).
     Returns:
       A `RestorePlan`: per leaf and unique target box, the chunks, inner chunks and
       bytes to read; `.bytes_needed`, `.bytes_read`, `.read_amplification`; `print()` it
@@ -350,5 +376,5 @@ def plan_restore(
     storage, path = storage_for(path)
     meta = read_metadata(storage, path)
     pidx = jax.process_index() if process_index is None else process_index
-    resolved = resolve_tree(meta, target, partial=partial, process_index=pidx, processes=processes)
+    resolved = resolve_tree(meta, target, partial=partial, process_index=pidx, processes=processes, missing=missing)
     return build_plan(resolved, path, slab_bytes=(max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES) // _COPIES_IN_FLIGHT)

@@ -26,24 +26,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from . import _format
+from ._tree import key_entry_str
 
 if TYPE_CHECKING:
     from ._storage import Storage
 
 ZARR_JSON = "zarr.json"
-
-
-def _key_str(parent_kind: str | None, key: object) -> str:
-    """One key as `jax.tree_util.keystr` prints it, from its JSON form."""
-    if isinstance(key, dict) and "int" in key:
-        return f"[{key['int']}]"
-    if isinstance(key, dict) and "repr" in key:
-        return f"[{key['repr']}]"
-    if parent_kind == "dict":
-        return f"[{key!r}]"
-    if parent_kind in ("namedtuple", "custom") and isinstance(key, str):
-        return f".{key}"
-    return f"[{key}]"
 
 
 def _group(attributes: dict) -> dict:
@@ -69,8 +57,10 @@ def group_nodes(structure: dict, array_paths: Iterable[str]) -> dict[str, dict]:
         if node.get("kind") == "leaf":
             return [node["path"]] if node.get("path") in arrays else []
         below, children = [], {}
-        for k, child in zip(node.get("keys", []), node.get("children", [])):
-            child_below = visit(child, depth + 1, k, key_path + _key_str(node.get("kind"), k))
+        keys = node.get("keys", [])
+        kinds = node.get("key_kinds") or [None] * len(keys)
+        for k, kk, child in zip(keys, kinds, node.get("children", [])):
+            child_below = visit(child, depth + 1, k, key_path + key_entry_str(node.get("kind"), k, kk))
             if child_below:
                 children[child_below[0].split("/")[depth]] = k
                 below += child_below
