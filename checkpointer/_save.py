@@ -14,6 +14,7 @@ background thread (see `_async.py`):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -36,7 +37,7 @@ from ._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementErr
 from ._format import ArrayMetadata, SavedSharding
 from ._host import HostBufferPool, copy_to_host
 from ._metadata import ChunkRecord, ProcessRecord, manifest_json
-from ._save_plan import ChunkWrite, LeafShards, LeafWritePlan, ShardInfo, plan_writes
+from ._save_plan import ChunkWrite, LeafAssignment, LeafShards, LeafWritePlan, ShardInfo, plan_writes
 from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
 from ._tree import describe, flatten
 from ._user_metadata import metadata_json
@@ -166,6 +167,31 @@ class _ArrayLeaf:
     key_impl: str | None
     kind: str
     by_device: dict  # device id -> the shard's data (jax.Array or numpy)
+    plan_key: tuple  # (leaf path, sharding or None, shape, itemsize): what the plan depends on
+
+
+# The last few trees' plans: a training loop saves the same tree with the same shardings
+# every time, and planning a large tree on many devices takes seconds (docs/SCALE.md).
+_PLAN_CACHE: collections.OrderedDict[tuple, tuple[LeafAssignment, ...]] = collections.OrderedDict()
+_PLAN_CACHE_SIZE = 4
+_PLAN_CACHE_LOCK = threading.Lock()
+
+
+def _plan_tree(described: list[_ArrayLeaf]) -> tuple[LeafAssignment, ...]:
+    """`plan_writes` of the tree, reused while the leaf paths, shardings, shapes and
+    dtypes stay the same (the plan depends on nothing else)."""
+    key = tuple(d.plan_key for d in described)
+    with _PLAN_CACHE_LOCK:
+        hit = _PLAN_CACHE.get(key)
+        if hit is not None:
+            _PLAN_CACHE.move_to_end(key)
+            return hit
+    plan = plan_writes([d.shards for d in described])
+    with _PLAN_CACHE_LOCK:
+        _PLAN_CACHE[key] = plan
+        while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
+    return plan
 
 
 def _describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: str, cache: dict) -> _ArrayLeaf:
@@ -177,7 +203,7 @@ def _describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path
         shape = arr.shape
         # A host array is process 0's (processes may hold different values).
         spec = LeafShards(leaf_path, shape, arr.dtype.itemsize, shape, (ShardInfo(Box.whole(shape), -1, 0, 0),))
-        return _ArrayLeaf(spec, arr.dtype, None, None, "numpy", {-1: arr})
+        return _ArrayLeaf(spec, arr.dtype, None, None, "numpy", {-1: arr}, (leaf_path, None, shape, arr.dtype.itemsize))
     if arr.is_deleted():
         raise UnsupportedValueError(
             f"{where(leaf=leaf_path, path=path, process=pidx)}: the array was deleted (donated to a jitted "
@@ -195,7 +221,8 @@ def _describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path
     if key not in cache:
         cache[key] = _global_shards(arr.sharding, shape)
     spec = LeafShards(leaf_path, shape, dtype.itemsize, tuple(arr.sharding.shard_shape(shape)), cache[key])
-    return _ArrayLeaf(spec, dtype, saved, key_impl, "jax", {s.device.id: s.data for s in arr.addressable_shards})
+    by_device = {s.device.id: s.data for s in arr.addressable_shards}
+    return _ArrayLeaf(spec, dtype, saved, key_impl, "jax", by_device, (leaf_path, arr.sharding, shape, dtype.itemsize))
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
@@ -354,7 +381,7 @@ def _take_snapshot(
         values[leaf_path] = value
         entries[leaf_path] = {"type": "value", "value": value}
     # Every process plans every process's writes from the same global shard maps.
-    assignments = plan_writes([d.shards for d in described])
+    assignments = _plan_tree(described)
     arrays: list[LeafSnapshot] = []
     device_data = []
     for d, assignment in zip(described, assignments):

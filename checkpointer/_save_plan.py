@@ -268,6 +268,7 @@ def plan_writes(
     # Chunks with several holders: (-bytes, leaf, box ordinal, chunk index, chunk box, shard box, holders).
     pending: list[tuple[int, int, int, tuple[int, ...], Box, Box, dict[int, ShardInfo]]] = []
     grouped: dict[tuple, dict[Box, dict[int, ShardInfo]]] = {}  # leaves sharing one shard tuple are grouped once
+    layouts: dict[tuple, list[tuple[int, tuple[int, ...], Box, int, Box, dict[int, ShardInfo]]]] = {}
     for li, spec in enumerate(leaves):
         shard_chunk = chunk_shape_for(spec.shape, spec.shard_shape)
         gkey = (id(spec.shards), spec.shape, shard_chunk)
@@ -281,19 +282,29 @@ def plan_writes(
             chunk = chunk[:split_dim] + (chunk[split_dim] // k,) + chunk[split_dim + 1 :]
         leaf = _Leaf(spec, chunk, split_dim, k, replicas, [])
         planned.append(leaf)
-        for b, box in enumerate(sorted(groups)):
-            holders = groups[box]
-            for cell in grid_cells(box, chunk):
-                part = Box(
-                    tuple(c * n for c, n in zip(cell, chunk)),
-                    tuple(min(n, e - c * n) for c, n, e in zip(cell, chunk, box.stop)),
-                )
-                if len(holders) > 1:
-                    pending.append((-part.size * spec.itemsize, li, b, cell, part, box, holders))
+        lkey = (*gkey, chunk)
+        layout = layouts.get(lkey)
+        if layout is None:  # (box ordinal, chunk index, chunk box, its elements, shard box, holders)
+            layout = layouts[lkey] = []
+            for b, box in enumerate(sorted(groups)):
+                if chunk == shard_chunk:  # no split: the chunk is the shard
+                    cell = tuple(o // c for o, c in zip(box.origin, chunk))
+                    layout.append((b, cell, box, box.size, box, groups[box]))
                     continue
-                ((p, s),) = holders.items()
-                leaf.writes.append((p, ChunkWrite(cell, part, s.device_id, None if part == box else box)))
-                loads[p] = loads.get(p, 0) + part.size * spec.itemsize
+                for cell in grid_cells(box, chunk):
+                    part = Box(
+                        tuple(c * n for c, n in zip(cell, chunk)),
+                        tuple(min(n, e - c * n) for c, n, e in zip(cell, chunk, box.stop)),
+                    )
+                    layout.append((b, cell, part, part.size, box, groups[box]))
+        itemsize = spec.itemsize
+        for b, cell, part, size, box, holders in layout:
+            if len(holders) > 1:
+                pending.append((-size * itemsize, li, b, cell, part, box, holders))
+                continue
+            ((p, s),) = holders.items()
+            leaf.writes.append((p, ChunkWrite(cell, part, s.device_id, None if part is box or part == box else box)))
+            loads[p] = loads.get(p, 0) + size * itemsize
     # One lazy min-heap of (load, process) per holder set: loads only grow, so an entry
     # whose load is stale is pushed back with the current load until the top is exact
     # (the same choice as min over the holders, in O(log R) instead of O(R)).
@@ -314,7 +325,7 @@ def plan_writes(
             heapq.heappush(heap, (loads.get(p, 0), p))
         loads[p] = load - neg_bytes
         heapq.heappush(heap, (loads[p], p))
-        planned[li].writes.append((p, ChunkWrite(cell, part, holders[p].device_id, None if part == box else box)))
+        planned[li].writes.append((p, ChunkWrite(cell, part, holders[p].device_id, None if part is box or part == box else box)))
     out = []
     for leaf in planned:
         spec = leaf.spec

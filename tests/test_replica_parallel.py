@@ -1,16 +1,22 @@
 """Replica-parallel writes with real processes (issue 12 item 1): 4 processes x 2 CPU
 devices save a fully replicated state and a data-parallel x model-parallel state; each
 process writes about a quarter of the bytes, every chunk once, as `plan_save` predicted;
-both restore bit-exactly onto 1x8, 4x2 and 1x1.
+both restore bit-exactly onto 1x8, 4x2 and 1x1. One single-process test checks that a
+save reuses the tree's plan only while the shardings stay the same.
 """
 
 import json
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 from multiprocess import WORKERS, run_processes
 
 import checkpointer as ckpt
+from checkpointer import _save
 
 STATES = ("replicated", "dpmp")
 
@@ -72,3 +78,19 @@ def test_replica_parallel_checkpoints_restore_bit_exactly(saved, layout):
         assert sorted(got) == sorted(STATES), r.describe()
         for state, rec in got.items():
             assert rec["ok"] and rec["checked_shards"] > 0, (layout, state, r.process_id, rec["mismatches"])
+
+
+def test_plan_is_reused_only_for_the_same_shardings(tmp_path):
+    """Saves reuse the tree's plan across steps, and never a plan of other shardings."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    rows = {"x": jax.device_put(x, NamedSharding(mesh, P("data", "model")))}
+    cols = {"x": jax.device_put(x, NamedSharding(mesh, P("model", "data")))}
+    ckpt.save(str(tmp_path / "1"), rows)
+    plan = next(reversed(_save._PLAN_CACHE.values()))
+    ckpt.save(str(tmp_path / "2"), rows)
+    assert next(reversed(_save._PLAN_CACHE.values())) is plan  # reused
+    ckpt.save(str(tmp_path / "3"), cols)
+    assert [ckpt.metadata(str(tmp_path / s)).arrays["x"].chunk_shape for s in "123"] == [(32, 8), (32, 8), (16, 16)]
+    for s in "123":
+        assert np.array_equal(np.asarray(ckpt.restore(str(tmp_path / s))["x"]), x)
