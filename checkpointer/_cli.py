@@ -506,6 +506,58 @@ def _cmd_plan(args, ui: _UI) -> int:
     return 0
 
 
+def _cmd_plan_save(args, ui: _UI) -> int:
+    import jax
+    from jax.sharding import NamedSharding
+
+    from ._save_preview import plan_save
+
+    meta = _metadata(args.path)
+    mesh = _build_mesh(args, meta, abstract=True)
+    n_devices = math.prod(mesh.shape.values())
+    processes = args.processes
+    if processes < 1 or n_devices % processes:
+        raise UsageError(f"--processes {processes} must divide the mesh's {n_devices} devices")
+    overrides = [_parse_spec(s, mesh) for s in args.spec]
+    try:
+        specs = _default_targets.target_specs(meta, mesh, overrides)
+    except ValueError as e:
+        raise UsageError(f"--spec: {e}") from e
+    state = _default_targets.target_tree(meta, {
+        p: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=NamedSharding(mesh, specs[p])) for p, m in meta.arrays.items()
+    })
+    plan = plan_save(state, processes=processes)
+    leaves: list[dict[str, Any]] = [{
+        "leaf": a.leaf_path, "shape": list(a.shape), "spec": _spec_json(specs[a.leaf_path]),
+        "chunk_shape": list(a.chunk_shape), "replicas": a.replicas, "split_dim": a.split_dim,
+        "split_factor": a.split_factor, "writers": len({p for p, _ in a.writes}), "chunks": len(a.writes),
+    } for a in plan.leaves]
+    rows = [{"process_index": p.process_index, "bytes_written": p.bytes_written, "data_bytes": p.data_bytes, "files": p.files}
+            for p in plan.processes]
+    if ui.json_mode:
+        ui.json({
+            "path": meta.path, "mesh": {"shape": list(mesh.shape.values()), "axis_names": list(mesh.axis_names)},
+            "process_count": processes, "leaves": leaves, "processes": rows, "bytes_written": plan.bytes_written,
+            "files": plan.files, "imbalance": plan.imbalance,
+        })
+        return 0
+    ui.line(f"save plan of {meta.path}'s state from mesh {_mesh_str(mesh)} ({n_devices} devices) on {processes} processes")
+    ui.table(
+        ["leaf", "saved by", "chunk", "replicas", "split", "writers"],
+        [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), _shape(r["chunk_shape"]), r["replicas"],
+          f"{r['split_factor']} along dim {r['split_dim']}" if r["split_dim"] is not None else "-", r["writers"]) for r in leaves],
+        right=["replicas", "writers"],
+    )
+    ui.table(
+        ["process", "bytes written", "files"],
+        [(r["process_index"], _format.format_bytes(r["bytes_written"]), r["files"]) for r in rows],
+        right=["process", "bytes written", "files"],
+        footer=["total", _format.format_bytes(plan.bytes_written), plan.files],
+    )
+    ui.line(f"largest process writes {plan.imbalance:.3f}x the mean ({_format.format_bytes(plan.bytes_written // max(1, processes))})")
+    return 0
+
+
 # --- verify -----------------------------------------------------------------------------------
 
 
@@ -736,6 +788,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, metavar="P", help="plan as if the mesh's devices were spread over P "
                    "processes, in mesh order, each holding a consecutive block; needs no devices")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("plan-save", parents=[common], help="which process writes which bytes when a state is saved",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Plan a save of the state stored at PATH (its shapes and dtypes) from a mesh spread "
+                       "over P processes: per leaf the chunk grid, the processes holding each box (replicas) and the "
+                       "replica-parallel split; per process the bytes and files it writes. Pure: reads only the "
+                       "manifest, needs no devices.\n\n" + _SPEC_RULE)
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--mesh", required=True, metavar="SHAPE", help="mesh axis sizes of the saving job, e.g. 4x2")
+    p.add_argument("--axes", metavar="NAMES", help="mesh axis names, e.g. data,model (default: those of the saved "
+                   "mesh with as many axes, else axis0,axis1,...)")
+    p.add_argument("--spec", action="append", default=[], metavar="LEAF_GLOB=SPEC",
+                   help="PartitionSpec of the matching leaves in the saving job (repeatable), e.g. 'params/*=data,model'")
+    p.add_argument("--processes", type=int, required=True, metavar="P", help="the saving job's process count; the "
+                   "mesh's devices are spread over them in mesh order, consecutive blocks")
+    p.set_defaults(func=_cmd_plan_save)
 
     p = sub.add_parser("verify", parents=[common], help="read every byte, check every checksum",
                        description="Read every chunk of the checkpoint at PATH and check every checksum (the codec's "

@@ -414,7 +414,8 @@ class ArrayMetadata:
       path: the leaf path.
       shape: the global shape.
       dtype: the stored numpy dtype (for PRNG keys, the key data's dtype).
-      chunk_shape: the zarr chunk (= saved shard) shape.
+      chunk_shape: the zarr chunk shape: the saved shard shape, or a regular subdivision
+        of it (replica-parallel writes, the leaf-by-leaf writer).
       inner_chunk_shape: the inner chunk shape inside each zarr shard file.
       saved_sharding: how it was sharded when saved, or None for a host numpy array.
       key_impl: the PRNG impl name (e.g. `"threefry2x32"`) when the leaf is a typed PRNG

@@ -11,12 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
 from checkpointer import _cli, _drill
-from conftest import make_mesh
 
 PARTIAL = "4.partial-20260101000000-deadbeef"
 W_BYTES, B_BYTES = 16 * 8 * 4, 8 * 4
@@ -432,3 +431,17 @@ def test_drill_restores_host_numpy_leaves_as_numpy(tmp_path):
     report = drill(str(d))
     assert report.ok, report.problems
     assert report.step == 3
+
+
+def test_plan_save_shows_each_process_writing_its_share(tmp_path, capsys):
+    # A 4 MiB leaf replicated over the 4 processes of a 4x2 mesh: a quarter each.
+    mesh = make_mesh((2, 4), ("data", "model"))
+    w = np.zeros((1024, 1024), np.float32)
+    ckpt.save(str(tmp_path / "1"), {"w": jax.device_put(w, NamedSharding(mesh, P())), "step": 1})
+    doc = run_json(capsys, "plan-save", tmp_path / "1", "--mesh", "4x2", "--processes", "4")
+    assert [p["data_bytes"] for p in doc["processes"]] == [1 << 20] * 4
+    assert doc["leaves"][0]["chunk_shape"] == [256, 1024] and doc["leaves"][0]["writers"] == 4
+    code, out, err = run(capsys, "plan-save", tmp_path / "1", "--mesh", "4x2", "--processes", "4")
+    assert code == 0 and err == "" and "1.000x the mean" in out
+    code, out, err = run(capsys, "plan-save", tmp_path / "1", "--mesh", "4x2", "--processes", "3")
+    assert_one_line_error(code, out, err, 2, "--processes 3 must divide the mesh's 8 devices")
