@@ -15,7 +15,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +33,10 @@ from ._errors import (
     where,
 )
 from ._format import ArrayMetadata, ValueMetadata
-from ._metadata import read_metadata
+from ._metadata import CheckpointMetadata, read_metadata
 from ._read import RestoreStats
 from ._restore_plan import BoxRead, LeafRestorePlan, RestorePlan, build_plan, chunk_keys
-from ._storage import TS_CONTEXT, Storage, storage_for
+from ._storage import Storage, storage_for
 from ._targets import LeafTarget, ResolvedTarget, resolve_tree
 from ._tree import PyTree, rebuild
 
@@ -45,12 +46,7 @@ DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
 _COPIES_IN_FLIGHT = 3
 
 
-def _open_for_read(storage: Storage, path: str, meta: ArrayMetadata):
-    kvstore = storage.kvstore_spec(f"{path}/{_format.array_dir(meta.path)}")
-    return ts.open(_format.zarr_spec(kvstore, meta, mode="read"), context=TS_CONTEXT, read=True)
-
-
-def _check_stored(store, meta: ArrayMetadata, path: str) -> None:
+def _check_stored(store: ts.TensorStore, meta: ArrayMetadata, path: str) -> None:
     if tuple(store.shape) != meta.shape or np.dtype(store.dtype.numpy_dtype) != meta.dtype:
         raise CorruptCheckpointError(
             f"{where(leaf=meta.path, path=path)}: zarr.json says {tuple(store.shape)} {store.dtype.numpy_dtype}, "
@@ -76,11 +72,14 @@ class _Budget:
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _update(buf, piece, offsets):
+def _update(buf: jax.Array, piece: jax.Array, offsets: tuple[int, ...]) -> jax.Array:
     return jax.lax.dynamic_update_slice(buf, piece, offsets)
 
 
-def _read_host(storage, path, meta: ArrayMetadata, b: BoxRead, store, pool, stats: RestoreStats, pidx: int) -> np.ndarray:
+def _read_host(
+    storage: Storage, path: str, meta: ArrayMetadata, b: BoxRead, store: ts.TensorStore | None,
+    pool: concurrent.futures.Executor | None, stats: RestoreStats, pidx: int,
+) -> np.ndarray:
     if b.box.size == 0:
         return np.zeros(b.box.shape, meta.dtype)
     if store is None:
@@ -95,9 +94,9 @@ def _read_host(storage, path, meta: ArrayMetadata, b: BoxRead, store, pool, stat
 
 
 def _read_leaf(
-    storage, path, meta: ArrayMetadata, lt: LeafTarget, lp: LeafRestorePlan, budget: _Budget, pidx: int, pool,
-    stats: RestoreStats,
-):
+    storage: Storage, path: str, meta: ArrayMetadata, lt: LeafTarget, lp: LeafRestorePlan, budget: _Budget, pidx: int,
+    pool: concurrent.futures.Executor | None, stats: RestoreStats,
+) -> dict[int, object]:
     """Reads every unique box of one leaf as planned and puts it on the devices that hold it.
 
     Returns {device id: single-device jax.Array}, or {-1: numpy array} for a host target.
@@ -112,7 +111,7 @@ def _read_leaf(
     store = None
     if not _read.fast_path_supported(meta.dtype):
         try:
-            store = _open_for_read(storage, path, meta).result()
+            store = _read.open_zarr_array(storage, path, meta).result()
         except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
             raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path, process=pidx)}: cannot open the zarr array: {e}") from e
         _check_stored(store, meta, path)
@@ -162,7 +161,9 @@ def _read_leaf(
     return out
 
 
-def _assemble(meta: ArrayMetadata, lt: LeafTarget, placed: dict, exchange_spec: PartitionSpec | None = None):
+def _assemble(
+    meta: ArrayMetadata, lt: LeafTarget, placed: dict[int, Any], exchange_spec: PartitionSpec | None = None
+) -> object:
     """The leaf's global array from its single-device pieces: on the target sharding,
     or (`exchange_spec` given) the raw stored array in the exchange layout over the
     target's mesh, for `_exchange`."""
@@ -181,7 +182,10 @@ def _assemble(meta: ArrayMetadata, lt: LeafTarget, placed: dict, exchange_spec: 
     return jax.random.wrap_key_data(out, impl=meta.key_impl) if meta.key_impl is not None else out
 
 
-def _with_x64(x64: bool, fn, *args):
+_T = TypeVar("_T")
+
+
+def _with_x64(x64: bool, fn: Callable[..., _T], *args: object) -> _T:
     with jax.enable_x64(x64):
         return fn(*args)
 
@@ -190,7 +194,7 @@ def _check_device_dtype(meta: ArrayMetadata, dtype: np.dtype, path: str) -> None
     """Raises DTypeMismatchError if JAX would silently narrow `dtype` on a device (x64 off)."""
     if jax.dtypes.canonicalize_dtype(dtype) != np.dtype(dtype):
         raise DTypeMismatchError(
-            f"{where(leaf=meta.path, path=path)}: the result dtype {np.dtype(dtype)} cannot live on a device while "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: the result dtype {np.dtype(dtype)} cannot live on a device while "
             f"jax_enable_x64 is off (JAX would make it {jax.dtypes.canonicalize_dtype(dtype)}). Enable x64 "
             "(jax.config.update('jax_enable_x64', True) or `with jax.enable_x64(True):`), restore it to the host "
             f"(target leaf None), or ask for the cast explicitly with a target dtype of "
@@ -203,6 +207,7 @@ def restore(
     target: object = None,
     *,
     partial: bool = False,
+    missing: str = "error",
     max_inflight_bytes: int | None = None,
     stats: RestoreStats | None = None,
     cooperative: bool = True,
@@ -217,7 +222,14 @@ def restore(
         checkpoint) or None (a host numpy array). `target=None` restores the whole
         tree as host numpy arrays, rebuilding containers from the manifest. A target
         dtype that differs from the stored one is a cast within one kind, on the host.
-      partial: if True, saved leaves absent from the target are not read.
+      partial: if True, saved leaves absent from the target are not read, and a None
+        target leaf where the checkpoint holds a subtree is skipped (returned as None).
+      missing: what to do with target leaves the checkpoint lacks (fine-tuning a new
+        head). `"error"` (default): StructureMismatchError. `"keep_target"`: return the
+        target's own leaf there, as it is (a `jax.Array`, numpy array, scalar or None;
+        an abstract leaf raises InvalidTargetError, since a value is needed); their key
+        strings are logged at INFO on the `checkpointer` logger and listed in
+        `stats.kept_from_target`.
       max_inflight_bytes: bound on bytes of reads in flight, bytes (default 1 GiB);
         a larger box is still read, alone.
       stats: a `RestoreStats` to fill in (bytes and chunks read, the plan executed,
@@ -237,13 +249,16 @@ def restore(
       CheckpointNotFoundError: no committed checkpoint at `path`.
       StructureMismatchError, ShapeMismatchError, DTypeMismatchError, InvalidTargetError:
         the target does not fit (DTypeMismatchError also for a 64-bit result dtype on a
-        device while jax_enable_x64 is off); the message names the leaf paths and the fix.
+        device while jax_enable_x64 is off); the message names the leaves (as
+        `jax.tree_util.keystr` prints them) and the fix. StructureMismatchError also for a
+        None target leaf over a saved subtree without `partial=True`.
       CorruptCheckpointError: stored bytes or metadata are missing, malformed or fail a
         checksum; names the leaf and chunk.
       RestoreAgreementError: (cooperative restore) another process restores another
         path, save or target, could not restore or read its share (its error is
         named), or did not arrive in time; raised on every process before the exchange.
-      ValueError: `max_inflight_bytes` or `cooperative` is malformed.
+      ValueError: `missing` is not `"error"` or `"keep_target"`, or `max_inflight_bytes`
+        or `cooperative` is malformed.
 
     Multi-process: every process calls it with targets of the same global shardings.
     Without a shared box (or with `cooperative=False`) each reads what its own devices
@@ -262,7 +277,7 @@ def restore(
     stats = RestoreStats() if stats is None else stats
     t0 = time.perf_counter()
     if cooperative and jax.process_count() > 1:
-        result = _restore_cooperative(storage, path, target, partial, max_inflight_bytes, stats)
+        result = _restore_cooperative(storage, path, target, partial, missing, max_inflight_bytes, stats)
         if result is not _NOT_SHARED:
             stats.elapsed_s = time.perf_counter() - t0
             return result
@@ -273,7 +288,7 @@ def restore(
         before = _marker(storage, path)
         try:
             stats.attempts += 1
-            result, ok = _restore_once(storage, path, target, partial, max_inflight_bytes, stats), True
+            result, ok = _restore_once(storage, path, target, partial, missing, max_inflight_bytes, stats), True
         except (CorruptCheckpointError, OSError):
             # Files that vanish under the reader (the folder renamed away by retention,
             # then removed) surface as either; only the marker tells damage from deletion.
@@ -293,10 +308,13 @@ def restore(
 _NOT_SHARED = object()  # `_restore_cooperative`: no box is shared, restore plainly
 
 
-def _target_description(resolved: ResolvedTarget, partial: bool) -> list:
-    """What every process of a cooperative restore must have equal: per leaf the result
-    shape, dtype and global sharding (mesh devices, axes, spec, memory kind)."""
-    out: list = [{"partial": partial, "cooperative": True}]
+def _target_description(resolved: ResolvedTarget, partial: bool, missing: str) -> list[object]:
+    """What every process of a cooperative restore must have equal: the options, the
+    target leaves kept rather than read, and per leaf the result shape, dtype and global
+    sharding (mesh devices, axes, spec, memory kind)."""
+    out: list[object] = [
+        {"partial": partial, "missing": missing, "cooperative": True, "kept": list(resolved.kept_keystrs)}
+    ]
     for leaf in resolved.leaves:
         lt = leaf.target
         if lt is None:
@@ -315,7 +333,15 @@ def _target_description(resolved: ResolvedTarget, partial: bool) -> list:
     return out
 
 
-def _restore_cooperative(storage: Storage, path: str, target, partial: bool, max_inflight_bytes, stats: RestoreStats):
+def _restore_cooperative(
+    storage: Storage,
+    path: str,
+    target: object,
+    partial: bool,
+    missing: str,
+    max_inflight_bytes: int | None,
+    stats: RestoreStats,
+) -> PyTree:
     """The collective restore (see `restore`); `_NOT_SHARED` when no box is shared.
 
     Round 1 (agree on path, commit marker and target) before any chunk is read; round
@@ -329,7 +355,9 @@ def _restore_cooperative(storage: Storage, path: str, target, partial: bool, max
     try:
         if before is None:
             raise CheckpointNotFoundError(f"no committed checkpoint at {path} (process {pidx}): its commit marker is absent")
-        meta, resolved, plan, budget = _prepare(storage, path, target, partial, max_inflight_bytes, cooperative=True)
+        meta, resolved, plan, budget = _prepare(
+            storage, path, target, partial, missing, max_inflight_bytes, stats, cooperative=True
+        )
     except BaseException as e:
         # The others may be about to cooperate on this restore: let them fail at once.
         _restore_agreement.refuse(_restore_agreement.next_ticket(), path, e)
@@ -337,7 +365,7 @@ def _restore_cooperative(storage: Storage, path: str, target, partial: bool, max
     if not plan.cooperative:
         return _NOT_SHARED
     ticket = _restore_agreement.next_ticket()
-    digest = _restore_agreement.digest(_target_description(resolved, partial))
+    digest = _restore_agreement.digest(_target_description(resolved, partial, missing))
     _restore_agreement.agree(ticket, path, before.decode("utf-8", "replace"), digest)
     stats.attempts += 1
     stats.plan = plan
@@ -382,11 +410,27 @@ def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
             _read.check_chunk_files(storage, path, leaf.meta, keys)
 
 
-def _prepare(storage: Storage, path: str, target, partial: bool, max_inflight_bytes, *, cooperative: bool = False):
+def _prepare(
+    storage: Storage,
+    path: str,
+    target: object,
+    partial: bool,
+    missing: str,
+    max_inflight_bytes: int | None,
+    stats: RestoreStats,
+    *,
+    cooperative: bool = False,
+) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
     """Reads the manifest, resolves the target and plans this process's reads (no chunk I/O)."""
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
-    resolved = resolve_tree(meta, target, partial=partial, process_index=pidx, cooperative=cooperative)
+    resolved = resolve_tree(meta, target, partial=partial, process_index=pidx, missing=missing, cooperative=cooperative)
+    stats.kept_from_target = resolved.kept_keystrs
+    if resolved.kept_keystrs:
+        log.info(
+            "restore of %s: %d target leaves were not read and keep the target's values: %s",
+            path, len(resolved.kept_keystrs), ", ".join(k or "<root>" for k in resolved.kept_keystrs),
+        )
     for leaf in resolved.leaves:
         lt, m = leaf.target, leaf.meta
         if lt is not None and lt.sharding is not None and isinstance(m, ArrayMetadata) and m.key_impl is None:
@@ -397,20 +441,33 @@ def _prepare(storage: Storage, path: str, target, partial: bool, max_inflight_by
     return meta, resolved, plan, budget
 
 
-def _restore_once(storage: Storage, path: str, target, partial: bool, max_inflight_bytes, stats: RestoreStats):
-    meta, resolved, plan, budget = _prepare(storage, path, target, partial, max_inflight_bytes)
+def _restore_once(
+    storage: Storage,
+    path: str,
+    target: object,
+    partial: bool,
+    missing: str,
+    max_inflight_bytes: int | None,
+    stats: RestoreStats,
+) -> PyTree:
+    meta, resolved, plan, budget = _prepare(storage, path, target, partial, missing, max_inflight_bytes, stats)
     stats.plan = plan
     results = _read_all(storage, path, resolved, plan, budget, stats)
     return _finish(meta, resolved, path, results)
 
 
-def _finish(meta, resolved: ResolvedTarget, path: str, results: dict[str, object]) -> PyTree:
+def _finish(meta: CheckpointMetadata, resolved: ResolvedTarget, path: str, results: dict[str, object]) -> PyTree:
+    """The restored tree: the target's structure (its kept leaves as they were), or the
+    manifest's for `target=None`."""
     if resolved.treedef is None:
         return rebuild(meta.structure, lambda p: results[p], where=path)
-    return jax.tree_util.tree_unflatten(resolved.treedef, [results[leaf.path] for leaf in resolved.leaves])
+    results.update(resolved.kept)
+    return jax.tree_util.tree_unflatten(resolved.treedef, [results[p] for p in resolved.order])
 
 
-def _read_all(storage: Storage, path: str, resolved: ResolvedTarget, plan: RestorePlan, budget: _Budget, stats: RestoreStats) -> dict[str, object]:
+def _read_all(
+    storage: Storage, path: str, resolved: ResolvedTarget, plan: RestorePlan, budget: _Budget, stats: RestoreStats
+) -> dict[str, object]:
     """Runs the plan: every leaf path -> its value, a `jax.Array` on the target's sharding,
     a numpy array, or, for a leaf with an exchange, the global array of its exchange layout
     (`_exchange` reshards those)."""
@@ -461,7 +518,7 @@ def _exchange(resolved: ResolvedTarget, plan: RestorePlan, results: dict[str, ob
         results[name] = jax.random.wrap_key_data(arr, impl=meta.key_impl) if meta.key_impl is not None else arr
 
 
-def _identity(xs):
+def _identity(xs: _T) -> _T:
     return xs
 
 
@@ -473,6 +530,7 @@ def plan_restore(
     partial: bool = False,
     processes: int | None = None,
     max_inflight_bytes: int | None = None,
+    missing: str = "error",
     cooperative: bool = True,
 ) -> RestorePlan:
     """Plans a restore without touching devices or chunk data.
@@ -488,6 +546,7 @@ def plan_restore(
         devices (targets over a `jax.sharding.AbstractMesh` of any size work).
       max_inflight_bytes: as for `restore`; boxes larger than a third of it are
         planned as slabs, as `restore` reads them.
+      missing: as for `restore` (kept target leaves are not in the plan).
       cooperative: as for `restore`: with more than one process (`processes`, or the
         job's), boxes that several processes need are split among them
         (`LeafRestorePlan.exchange_spec`, `BoxRead.receivers`, `.received`).
@@ -505,6 +564,8 @@ def plan_restore(
     meta = read_metadata(storage, path)
     pidx = jax.process_index() if process_index is None else process_index
     coop = cooperative and (jax.process_count() if processes is None else processes) > 1
-    resolved = resolve_tree(meta, target, partial=partial, process_index=pidx, processes=processes, cooperative=coop)
+    resolved = resolve_tree(
+        meta, target, partial=partial, process_index=pidx, processes=processes, missing=missing, cooperative=coop
+    )
     slab_bytes = (max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES) // _COPIES_IN_FLIGHT
     return build_plan(resolved, path, slab_bytes=slab_bytes, cooperative=coop)

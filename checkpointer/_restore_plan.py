@@ -43,8 +43,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _format
-from ._box import Box, cell_box, grid_cells
-from ._format import ArrayMetadata, ShardFileLayout
+from ._box import Box, cell_box, grid_cells, row_slabs
+from ._format import ArrayMetadata
 from ._targets import ResolvedLeaf, ResolvedTarget, named_shard_boxes, spec_axes
 
 
@@ -261,7 +261,7 @@ def plan_chunk_read(meta: ArrayMetadata, chunk: tuple[int, ...], region: Box, de
       region: the global region to read, inside the chunk.
       dest: the box whose buffer receives it (default: `region` itself).
     """
-    layout = ShardFileLayout(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
+    layout = meta.layout
     dest = region if dest is None else dest
     chunk_origin = tuple(c * s for c, s in zip(chunk, meta.chunk_shape))
     local = Box(tuple(o - c for o, c in zip(region.origin, chunk_origin)), region.shape)
@@ -297,14 +297,9 @@ def _slabs(meta: ArrayMetadata, box: Box, device_ids: tuple[int, ...], slab_byte
     itemsize = meta.dtype.itemsize
     if box.size * itemsize <= slab_bytes or not box.shape or box.shape[0] <= 1:
         return ()
-    row_bytes = box.size * itemsize // box.shape[0]
-    rows = max(1, slab_bytes // max(1, row_bytes))
-    out = []
-    for start in range(0, box.shape[0], rows):
-        n = min(rows, box.shape[0] - start)
-        slab = Box((box.origin[0] + start,) + box.origin[1:], (n,) + box.shape[1:])
-        out.append(BoxRead(slab, device_ids, _plan_box(meta, slab), slab.size * itemsize))
-    return tuple(out)
+    return tuple(
+        BoxRead(slab, device_ids, _plan_box(meta, slab), slab.size * itemsize) for slab in row_slabs(box, itemsize, slab_bytes)
+    )
 
 
 def plan_leaf(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
-from checkpointer._box import Box
+from checkpointer._box import Box, row_slabs
 from checkpointer._format import ArrayMetadata, SavedSharding
 from checkpointer._restore_plan import ChunkRead, PeerPiece, RestorePlan, build_plan, exchange_spec, plan_leaf
 from checkpointer._targets import LeafTarget, ResolvedLeaf, ResolvedTarget, named_shard_boxes
@@ -478,3 +478,16 @@ def test_cooperative_pieces_tile_every_target_box_exactly_once():
                     cover[g.relative_to(t)] += 1
                 assert (cover == 1).all(), (mesh, spec, p, t)
         assert sum(b.size for b in read_by) == 96 * 40, (mesh, spec)
+
+
+@pytest.mark.parametrize("box, itemsize, max_bytes, rows", [
+    (Box((3, 1), (10, 4)), 4, 48, [3, 3, 3, 1]),  # 16-byte rows: 3 per slab
+    (Box((0, 0), (4, 100)), 8, 10, [1, 1, 1, 1]),  # a row above the bound: one row each
+    (Box((0,), (5,)), 2, 1 << 20, [5]),
+])
+def test_row_slabs_tile_the_box_in_order_within_the_bound(box, itemsize, max_bytes, rows):
+    slabs = row_slabs(box, itemsize, max_bytes)
+    assert [s.shape[0] for s in slabs] == rows
+    assert all(s.shape[1:] == box.shape[1:] and s.origin[1:] == box.origin[1:] for s in slabs)
+    assert [s.origin[0] for s in slabs] == [box.origin[0] + sum(rows[:i]) for i in range(len(rows))]
+    assert row_slabs(Box((), ()), 4, 1) == [Box((), ())] and row_slabs(Box((2, 0), (0, 3)), 4, 1) == []

@@ -25,16 +25,13 @@ mp_args = testing.initialize
 
 
 def mesh(shape, axis_names):
-    """A Mesh of the first prod(shape) devices of `jax.devices()` (all processes), row-major."""
-    import math
-
+    """A Mesh of the first prod(shape) devices of `jax.devices()` (all processes), row-major:
+    the library's own `scratch_mesh` (MeshError when the job has too few devices)."""
     import jax
-    import numpy as np
 
-    n = math.prod(shape)
-    devices = jax.devices()
-    assert n <= len(devices), f"mesh {shape} needs {n} devices, the job has {len(devices)}"
-    return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), tuple(axis_names))
+    from checkpointer._default_targets import scratch_mesh
+
+    return scratch_mesh(shape, axis_names, jax.devices())
 
 
 def spec(entries):
