@@ -469,7 +469,7 @@ def _cmd_plan(args, ui: _UI) -> int:
         if not 0 <= pidx < processes:
             raise UsageError(f"--process-index {pidx} must be in [0, {processes})")
     target = _default_targets.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
-    plan = plan_restore(meta.path, target, process_index=pidx, processes=args.processes)
+    plan = plan_restore(meta.path, target, process_index=pidx, processes=args.processes, cooperative=args.cooperative)
 
     leaves: list[dict[str, Any]] = []
     for leaf in plan.leaves:
@@ -479,7 +479,8 @@ def _cmd_plan(args, ui: _UI) -> int:
             "target_spec": _spec_json(specs[leaf.leaf_path]),
             "boxes": len(leaf.boxes), "chunks": sum(len(b.reads) for b in leaf.boxes),
             "inner_chunks": sum(r.inner_chunks for b in leaf.boxes for r in b.reads),
-            "bytes_needed": leaf.bytes_needed, "bytes_read": leaf.bytes_read,
+            "bytes_needed": leaf.bytes_needed, "bytes_read": leaf.bytes_read, "bytes_received": leaf.bytes_received,
+            "exchange_spec": None if leaf.exchange_spec is None else _spec_json(leaf.exchange_spec),
             "read_amplification": leaf.bytes_read / leaf.bytes_needed if leaf.bytes_needed else 1.0,
         })
     if ui.json_mode:
@@ -487,20 +488,26 @@ def _cmd_plan(args, ui: _UI) -> int:
             "path": meta.path, "mesh": {"shape": list(mesh.shape.values()), "axis_names": list(mesh.axis_names)},
             "process_index": pidx, "process_count": processes, "leaves": leaves,
             "chunks": len(plan.reads), "bytes_needed": plan.bytes_needed, "bytes_read": plan.bytes_read,
+            "bytes_received": plan.bytes_received, "cooperative": plan.cooperative,
             "read_amplification": plan.read_amplification,
         })
         return 0
     ui.line(f"restore plan for {meta.path}")
     ui.line(f"target mesh {_mesh_str(mesh)} ({n_devices} devices), process {pidx} of {processes}")
     ui.table(
-        ["leaf", "target", "boxes", "chunks", "needed", "read", "amplification"],
+        ["leaf", "target", "boxes", "chunks", "needed", "read", "received", "amplification"],
         [(r["keystr"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _format.format_bytes(r["bytes_needed"]),
-          _format.format_bytes(r["bytes_read"]), f"{r['read_amplification']:.3f}") for r in leaves],
-        right=["boxes", "chunks", "needed", "read", "amplification"],
+          _format.format_bytes(r["bytes_read"]), _format.format_bytes(r["bytes_received"]), f"{r['read_amplification']:.3f}")
+         for r in leaves],
+        right=["boxes", "chunks", "needed", "read", "received", "amplification"],
         footer=["total", "", sum(r["boxes"] for r in leaves), len(plan.reads), _format.format_bytes(plan.bytes_needed),
-                _format.format_bytes(plan.bytes_read), f"{plan.read_amplification:.3f}"],
+                _format.format_bytes(plan.bytes_read), _format.format_bytes(plan.bytes_received),
+                f"{plan.read_amplification:.3f}"],
     )
     ui.line(f"{plan.bytes_read} bytes read for {plan.bytes_needed} bytes needed: read amplification {plan.read_amplification:.3f}")
+    if plan.cooperative:
+        ui.line(f"cooperative: {plan.bytes_received} bytes come from peers over the device interconnect instead of "
+                "storage (--no-cooperative: every process reads all it needs)")
     if processes > 1:
         ui.line(f"These figures are process {pidx}'s of {processes}; --process-index I shows process I (0 <= I < {processes}).")
     return 0
@@ -787,6 +794,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--process-index", type=int, metavar="I", help="plan for process I (default: this process)")
     p.add_argument("--processes", type=int, metavar="P", help="plan as if the mesh's devices were spread over P "
                    "processes, in mesh order, each holding a consecutive block; needs no devices")
+    p.add_argument("--no-cooperative", dest="cooperative", action="store_false", help="plan restore(..., "
+                   "cooperative=False): every process reads all its boxes itself (default: boxes several processes "
+                   "need are split among them and exchanged; 'received' shows the bytes from peers)")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("plan-save", parents=[common], help="which process writes which bytes when a state is saved",

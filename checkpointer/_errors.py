@@ -68,6 +68,13 @@ class SaveAgreementError(SaveError):
     arrive within the agreement timeout. Raised on every process; nothing was written."""
 
 
+class RestoreAgreementError(CheckpointError, RuntimeError):
+    """A cooperative restore (collective) could not go ahead: the processes restore
+    another path, save or target, one could not restore (its error is named), failed
+    to read its share, or did not arrive in time. Raised on every process, before the
+    exchange; the process that failed raises its own error instead."""
+
+
 def where(
     *, leaf: str | None = None, path: str | None = None, process: int | None = None, keystr: str | None = None
 ) -> str:

@@ -583,14 +583,15 @@ class CheckpointManager:
         missing: str = "error",
         max_inflight_bytes: int | None = None,
         stats: RestoreStats | None = None,
+        cooperative: bool = True,
     ) -> PyTree:
         """Restores `step` (default: the newest committed step) onto `target`.
 
         Args:
           step: the step, or None for `latest_step()`.
-          target, partial, missing, max_inflight_bytes, stats: as for `ckpt.restore`
-            (`missing="keep_target"` keeps the target's values for leaves the
-            checkpoint lacks).
+          target, partial, missing, max_inflight_bytes, stats, cooperative: as for
+            `ckpt.restore` (`missing="keep_target"` keeps the target's values for
+            leaves the checkpoint lacks).
         Raises:
           CheckpointNotFoundError: no committed step (or not that one).
 
@@ -598,7 +599,7 @@ class CheckpointManager:
         """
         return _restore(
             self._read_path(step), target, partial=partial, missing=missing, max_inflight_bytes=max_inflight_bytes,
-            stats=stats,
+            stats=stats, cooperative=cooperative,
         )
 
     def per_process_state(

@@ -51,6 +51,10 @@ class RestoreStats:
       attempts: 1, or 2 when the checkpoint was replaced while it was read.
       elapsed_s: seconds `restore` took, when it returned.
       plan: the `RestorePlan` executed (of the last attempt).
+      bytes_received: a cooperative restore: bytes of this process's target boxes
+        that peers read and the exchange delivered (as planned); else 0.
+      exchange_s: a cooperative restore: seconds of the exchange (JAX resharding
+        over the device interconnect); else None.
       kept_from_target: key strings (as `jax.tree_util.keystr` prints them) of the
         target leaves returned as they were, not read (`restore(..., missing="keep_target")`
         for leaves the checkpoint lacks, `partial=True` for None over a saved subtree).
@@ -61,6 +65,8 @@ class RestoreStats:
     attempts: int = 0
     elapsed_s: float | None = None
     plan: RestorePlan | None = None
+    bytes_received: int = 0
+    exchange_s: float | None = None
     kept_from_target: tuple[str, ...] = ()
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 

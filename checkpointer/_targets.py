@@ -364,6 +364,45 @@ def device_boxes(
     return tuple((d, Box(b.origin + (0,) * len(key_tail), b.shape + key_tail)) for d, b in pairs)
 
 
+def all_device_boxes(
+    lt: LeafTarget, meta: ArrayMetadata, *, processes: int | None = None, path: str = ""
+) -> tuple[tuple[int, int, Box], ...]:
+    """`(device id, process, box)` of every device of a `NamedSharding` target, in
+    row-major mesh order (the order `named_shard_boxes` and `mesh.devices.flat` use).
+
+    Args:
+      lt: the resolved target; its sharding must be a `NamedSharding`.
+      meta: the stored leaf (a PRNG key's trailing key-data dimensions are whole).
+      processes: as for `device_boxes` (None: each device's own `process_index`).
+      path: the checkpoint path, for messages.
+    Raises:
+      As `device_boxes`.
+
+    Multi-process: pure; the same on every process.
+    """
+    s = lt.sharding
+    assert isinstance(s, NamedSharding), "all_device_boxes is for NamedSharding targets"
+    _check_fits(lt, meta, path)
+    key_tail = meta.shape[len(lt.shape) :]
+    n_devices = math.prod(s.mesh.axis_sizes)
+    if processes is not None:
+        if processes < 1 or n_devices % processes:
+            raise MeshError(f"{processes} processes do not divide the target's {n_devices} devices; choose a divisor")
+        per = n_devices // processes
+        triples = [(i, i // per, b) for i, b in enumerate(named_shard_boxes(lt.shape, s.mesh.shape, s.spec))]
+        if not _is_abstract(s):
+            ids = [d.id for d in s.mesh.devices.flat]
+            triples = [(ids[i], p, b) for i, p, b in triples]
+    elif _is_abstract(s):
+        raise MeshError(
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: the target sharding is over an abstract mesh; give the process "
+            "count to plan for (processes=P) or a concrete mesh"
+        )
+    else:
+        triples = _concrete_device_boxes(lt, meta, path)
+    return tuple((d, p, Box(b.origin + (0,) * len(key_tail), b.shape + key_tail)) for d, p, b in triples)
+
+
 def _is_abstract(s: jax.sharding.Sharding) -> TypeGuard[NamedSharding]:
     return isinstance(s, NamedSharding) and isinstance(s.mesh, jax.sharding.AbstractMesh)
 
@@ -380,12 +419,16 @@ class ResolvedLeaf:
       meta: the stored leaf.
       target: its resolved target; None for a non-array (value) leaf.
       device_boxes: `(device id, box)` of this process's devices (empty for a value leaf).
+      all_boxes: `(device id, process, box)` of every device of the target, in mesh
+        order; only when resolved with `cooperative=True` and the target is a
+        `NamedSharding` on devices, else empty.
     """
 
     path: str
     meta: ArrayMetadata | ValueMetadata
     target: LeafTarget | None
     device_boxes: tuple[tuple[int, Box], ...]
+    all_boxes: tuple[tuple[int, int, Box], ...] = ()
 
 
 MISSING_CHOICES = ("error", "keep_target")
@@ -566,6 +609,7 @@ def resolve_tree(
     process_index: int,
     processes: int | None = None,
     missing: str = "error",
+    cooperative: bool = False,
 ) -> ResolvedTarget:
     """Matches `target` to the checkpoint and resolves every leaf for one process.
 
@@ -578,6 +622,9 @@ def resolve_tree(
       processes: see `device_boxes`. With it, shardings over an `AbstractMesh` stay
         abstract (planning needs no devices); without, they are made concrete
         (`concrete_sharding`).
+      cooperative: also list every device's box and process (`ResolvedLeaf.all_boxes`)
+        for `NamedSharding` targets, so the planner can split boxes that several
+        processes need.
     Returns:
       A `ResolvedTarget`.
     Raises:
@@ -592,7 +639,11 @@ def resolve_tree(
             leaves.append(ResolvedLeaf(p, m, None, ()))
             continue
         lt = resolve_target(m, t, meta.path, concrete=processes is None)
-        leaves.append(ResolvedLeaf(p, m, lt, device_boxes(lt, m, process_index, processes=processes, path=meta.path)))
+        mine = device_boxes(lt, m, process_index, processes=processes, path=meta.path)
+        every: tuple[tuple[int, int, Box], ...] = ()
+        if cooperative and isinstance(lt.sharding, NamedSharding):
+            every = all_device_boxes(lt, m, processes=processes, path=meta.path)
+        leaves.append(ResolvedLeaf(p, m, lt, mine, every))
     return ResolvedTarget(
         matched.treedef, tuple(leaves), process_index, kept=matched.kept, order=matched.order,
         kept_keystrs=matched.kept_keystrs,

@@ -214,6 +214,25 @@ def test_plan_for_a_pod_runs_in_a_one_device_process(tmp_path):
     assert res.returncode == 0 and "process 0 of 1024" in res.stdout and "8192 devices" in res.stdout, res.stderr[-2000:]
 
 
+def test_plan_shows_per_process_bytes_read_and_received_for_a_replicated_target(tmp_path, capsys):
+    """A replicated target on 4 processes: each reads a quarter and receives the rest
+    (cooperative); --no-cooperative: each reads it all."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    w = np.arange(1024 * 256, dtype=np.float32).reshape(1024, 256)
+    ckpt.save(str(tmp_path / "1"), {"w": jax.device_put(w, NamedSharding(mesh, P()))})
+    path, model = str(tmp_path / "1"), w.nbytes
+    docs = [run_json(capsys, "plan", path, "--mesh", "4x2", "--spec", "w=", "--processes", "4", "--process-index", p) for p in range(4)]
+    for doc in docs:
+        (leaf,) = doc["leaves"]
+        assert doc["cooperative"] and leaf["exchange_spec"] == ["data", None], doc
+        assert doc["bytes_needed"] == model and doc["bytes_received"] == model * 3 // 4, doc
+        assert model // 4 <= doc["bytes_read"] <= 1.01 * model / 4, doc
+    plain = run_json(capsys, "plan", path, "--mesh", "4x2", "--spec", "w=", "--processes", "4", "--no-cooperative")
+    assert not plain["cooperative"] and plain["bytes_received"] == 0 and plain["bytes_read"] >= model
+    code, out, _ = run(capsys, "plan", path, "--mesh", "4x2", "--spec", "w=", "--processes", "4")
+    assert code == 0 and "received" in out and f"cooperative: {model * 3 // 4} bytes come from peers" in out
+
+
 def test_plan_with_too_few_devices_says_how_many(run_dir, capsys):
     code, out, err = run(capsys, "plan", f"{run_dir}/3", "--mesh", "4x4")
     assert_one_line_error(code, out, err, 2, "needs 16 devices", "8 cpu devices", "XLA_FLAGS=--xla_force_host_platform_device_count=16")

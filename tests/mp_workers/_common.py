@@ -104,3 +104,21 @@ def same_bits(a, b) -> bool:
 
     a, b = np.asarray(a), np.asarray(b)
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(bits(a), bits(b))
+
+
+# --- a replicated state (cooperative restore) ----------------------------------------------
+
+
+def replicated_values() -> dict:
+    """The global numpy value of each array leaf of the cooperative-restore tests; "key"
+    is the key data (uint32, trailing dimension 2) of a threefry PRNG key array."""
+    import ml_dtypes
+    import numpy as np
+
+    rng = np.random.default_rng(20261130)
+    return {
+        "w": rng.standard_normal((1024, 1024)).astype(np.float32),
+        "emb": rng.standard_normal((512, 1024)).astype(ml_dtypes.bfloat16),
+        "b": rng.standard_normal(4096).astype(np.float32),
+        "key": rng.integers(0, 2**32, (8, 2), dtype=np.uint32),
+    }
