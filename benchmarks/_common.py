@@ -47,7 +47,10 @@ def parse_args(doc: str) -> argparse.Namespace:
 
 
 def mesh(shape=(2, 4), axes=("data", "model")) -> Mesh:
-    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), axes)
+    """The first prod(shape) devices as a mesh: the library's own `scratch_mesh`."""
+    from checkpointer._default_targets import scratch_mesh
+
+    return scratch_mesh(shape, axes, jax.devices())
 
 
 def shapes(scale: int = 1) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -29,10 +29,10 @@ import time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import _common as C  # benchmarks/ is the script's folder, first on sys.path
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import checkpointer as ckpt
@@ -41,8 +41,7 @@ MiB = 2**20
 
 
 def make_state(total_mib: int, leaves: int) -> dict:
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-    sharding = NamedSharding(mesh, P("data", "model"))
+    sharding = NamedSharding(C.mesh((2, 4), ("data", "model")), P("data", "model"))
     elements = total_mib * MiB // 4 // leaves
     cols = 2048
     rows = elements // cols

@@ -21,6 +21,7 @@ from ._errors import (
     InvalidTargetError,
     MeshError,
     ProcessCountMismatchError,
+    RestoreAgreementError,
     SaveAgreementError,
     SaveError,
     ShapeMismatchError,
@@ -36,19 +37,23 @@ from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, Kee
 from ._process_state import per_process_state
 from ._read import RestoreStats
 from ._restore import plan_restore, restore
-from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, RestorePlan
+from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan
+from ._save_plan import LeafAssignment, ProcessWrites, SavePlan
+from ._save_preview import plan_save
 from ._verify import VerifyReport, verify
 
 __version__ = _library_version()  # the installed distribution's, as each manifest records it
 
 __all__ = [
-    "save", "save_async", "restore", "metadata", "per_process_state", "plan_restore", "RestoreStats", "verify",
+    "save", "save_async", "restore", "metadata", "per_process_state", "plan_restore", "plan_save", "RestoreStats", "verify",
     "VerifyReport", "import_orbax", "export", "ExportReport",
     "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",
-    "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "Box",
+    "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "PeerPiece", "Box",
+    "SavePlan", "ProcessWrites", "LeafAssignment",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError", "StructureMismatchError",
     "ShapeMismatchError", "DTypeMismatchError", "InvalidTargetError", "MeshError", "UnsupportedValueError",
     "CorruptCheckpointError", "SaveError", "CommitTimeoutError", "SaveAgreementError", "ProcessCountMismatchError",
+    "RestoreAgreementError",
 ]

@@ -31,6 +31,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any, NoReturn, TypeVar
 
 from . import _distributed, _format
 from ._errors import SaveAgreementError
@@ -85,7 +86,7 @@ def _canonical(obj: object) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-def _client():
+def _client() -> Any:  # Any: jaxlib's DistributedRuntimeClient has no stubs
     return _distributed._client()
 
 
@@ -103,7 +104,7 @@ def refuse(ticket: int, path: str, error: BaseException) -> None:
     try:
         _client().key_value_set(_key(ticket, "p", pidx), json.dumps({"path": path, "refused": text}))
         if pidx == 0:  # process 0 gives the verdict itself: there is nothing to compare
-            _fail(_client(), ticket, _path_problem(ticket, {0: {"path": path, "refused": text}}), raise_=False)
+            _publish_error(_client(), ticket, _refusal_problem(ticket, {0: {"path": path, "refused": text}}))
     except Exception:  # the service may be gone; the others then time out, naming us
         pass
 
@@ -146,46 +147,34 @@ def agree(
 # --- process 0 ---------------------------------------------------------------------------------
 
 
-def _decide(client, ticket: int, mine: Proposal, pcount: int, timeout_s: float, before_verdict) -> str:
-    deadline = time.monotonic() + timeout_s
-    prefix = _key(ticket, "p") + "/"
-    pause = 0.005
-    while True:
-        try:
-            entries = client.key_value_dir_get(prefix)
-        except Exception:
-            entries = []
-        got = {}
-        for key, value in entries:
-            try:
-                got[int(key.rsplit("/", 1)[1])] = json.loads(value)
-            except (ValueError, TypeError):
-                continue
-        # Fail fast: a refusal or another path/step is known without waiting for all.
-        problem = _path_problem(ticket, got)
-        if problem is not None:
-            return _fail(client, ticket, problem)
-        missing = [i for i in range(pcount) if i not in got]
-        if not missing:
-            break
-        if time.monotonic() >= deadline:
-            return _fail(
-                client, ticket,
-                f"save #{ticket} of {mine.path}: processes {missing} did not arrive within {timeout_s:g} s "
-                f"(agreement_timeout_s); processes {sorted(got)} did. Every process must call save (or the manager's "
-                "save) the same number of times, in the same order, with the same path and tree.",
-            )
-        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-        pause = min(pause * 2, 0.1)
+def _decide(
+    client: Any, ticket: int, mine: Proposal, pcount: int, timeout_s: float, before_verdict: Callable[[], None] | None
+) -> str:
+    # Fail fast: a refusal or another path/step is known without waiting for all.
+    got = _proposals(_distributed.poll_reports(
+        client, _key(ticket, "p") + "/", time.monotonic() + timeout_s,
+        lambda r: _settled(ticket, _proposals(r), pcount),
+    ))
+    problem = _path_problem(ticket, got)
+    if problem is not None:
+        _fail(client, ticket, problem)
+    missing = [i for i in range(pcount) if i not in got]
+    if missing:
+        _fail(
+            client, ticket,
+            f"save #{ticket} of {mine.path}: processes {missing} did not arrive within {timeout_s:g} s "
+            f"(agreement_timeout_s); processes {sorted(got)} did. Every process must call save (or the manager's "
+            "save) the same number of times, in the same order, with the same path and tree.",
+        )
     digests = {i: got[i].get("digest") for i in range(pcount)}
     if len(set(digests.values())) > 1:
-        others = {}
+        others: dict[str | None, int] = {}
         for i, d in sorted(digests.items()):
             if d != digests[0]:
                 others.setdefault(d, i)
         reps = sorted(others.values())
         client.key_value_set(_key(ticket, "verdict"), "details:" + json.dumps(reps))
-        trees = {0: dict(mine.tree)}
+        trees: dict[int, dict[str, str] | None] = {0: dict(mine.tree)}
         wait_until = time.monotonic() + timeout_s
         for i in reps:
             try:
@@ -200,25 +189,52 @@ def _decide(client, ticket: int, mine: Proposal, pcount: int, timeout_s: float, 
         if before_verdict is not None:
             before_verdict()
     except BaseException as e:
-        _fail(client, ticket, f"save #{ticket} of {mine.path}: process 0 could not prepare it: {type(e).__name__}: {e}", raise_=False)
+        _publish_error(client, ticket, f"save #{ticket} of {mine.path}: process 0 could not prepare it: {type(e).__name__}: {e}")
         raise
     generation = _format.new_generation()
     client.key_value_set(_key(ticket, "verdict"), "ok:" + generation)
     return generation
 
 
-def _fail(client, ticket: int, message: str, *, raise_: bool = True):
+def _settled(ticket: int, got: Mapping[int, dict], pcount: int) -> bool:
+    """Whether process 0 can decide: every process proposed, or the difference of paths
+    or a refusal is known already."""
+    return all(i in got for i in range(pcount)) or _path_problem(ticket, got) is not None
+
+
+def _proposals(reports: Mapping[int, str]) -> dict[int, dict]:
+    """The proposals among the reports `p/<i>` (JSON objects; anything else is skipped)."""
+    out: dict[int, dict] = {}
+    for i, value in reports.items():
+        try:
+            proposal = json.loads(value)
+        except (ValueError, TypeError):
+            continue
+        if isinstance(proposal, dict):
+            out[i] = proposal
+    return out
+
+
+def _publish_error(client: Any, ticket: int, message: str) -> None:
+    """Process 0: publishes the verdict "error:<message>" (best effort)."""
     try:
         client.key_value_set(_key(ticket, "verdict"), "error:" + message)
     except Exception:
         pass
-    if raise_:
-        raise SaveAgreementError(message)
 
 
-def _groups(values: Mapping[int, object]) -> list[tuple[list[int], object]]:
+def _fail(client: Any, ticket: int, message: str) -> NoReturn:
+    """Process 0: publishes the error verdict and raises it here too."""
+    _publish_error(client, ticket, message)
+    raise SaveAgreementError(message)
+
+
+_V = TypeVar("_V")
+
+
+def _groups(values: Mapping[int, _V]) -> list[tuple[list[int], _V]]:
     """Processes grouped by equal value, in process order of first appearance."""
-    out: list[tuple[list[int], object]] = []
+    out: list[tuple[list[int], _V]] = []
     for i in sorted(values):
         for procs, v in out:
             if v == values[i]:
@@ -236,12 +252,17 @@ def _procs(procs: list[int]) -> str:
     return f"processes {shown}"
 
 
-def _path_problem(ticket: int, got: Mapping[int, dict]) -> str | None:
+def _refusal_problem(ticket: int, got: Mapping[int, dict]) -> str:
+    """The message naming the processes of `got` that refused save `ticket`."""
     refused = {i: p["refused"] for i, p in got.items() if "refused" in p}
-    if refused:
-        lines = [f"save #{ticket} was refused before anything was written:"]
-        lines += [f"  process {i} ({got[i].get('path')}): {text}" for i, text in sorted(refused.items())][:_MAX_SHOWN]
-        return "\n".join(lines)
+    lines = [f"save #{ticket} was refused before anything was written:"]
+    lines += [f"  process {i} ({got[i].get('path')}): {text}" for i, text in sorted(refused.items())][:_MAX_SHOWN]
+    return "\n".join(lines)
+
+
+def _path_problem(ticket: int, got: Mapping[int, dict]) -> str | None:
+    if any("refused" in p for p in got.values()):
+        return _refusal_problem(ticket, got)
     targets = {i: (p.get("path"), p.get("step")) for i, p in got.items()}
     if len(set(targets.values())) <= 1:
         return None
@@ -255,8 +276,8 @@ def _path_problem(ticket: int, got: Mapping[int, dict]) -> str | None:
     return "\n".join(lines)
 
 
-def _tree_problem(ticket: int, path: str, digests: Mapping[int, str], trees: Mapping[int, dict | None]) -> str:
-    by_digest = {}
+def _tree_problem(ticket: int, path: str, digests: Mapping[int, str | None], trees: Mapping[int, dict | None]) -> str:
+    by_digest: dict[str | None, list[int]] = {}
     for i, d in sorted(digests.items()):
         by_digest.setdefault(d, []).append(i)
     groups = [(procs, trees.get(procs[0])) for procs in by_digest.values()]
@@ -316,7 +337,7 @@ def _human(desc: str | None) -> str:
 # --- other processes ---------------------------------------------------------------------------
 
 
-def _follow(client, ticket: int, mine: Proposal, pidx: int, timeout_s: float) -> str:
+def _follow(client: Any, ticket: int, mine: Proposal, pidx: int, timeout_s: float) -> str:
     verdict = _wait_verdict(client, ticket, mine, timeout_s)
     kind, _, body = verdict.partition(":")
     if kind == "ok":
@@ -335,7 +356,7 @@ def _follow(client, ticket: int, mine: Proposal, pidx: int, timeout_s: float) ->
     raise SaveAgreementError(body)
 
 
-def _wait_verdict(client, ticket: int, mine: Proposal, timeout_s: float) -> str:
+def _wait_verdict(client: Any, ticket: int, mine: Proposal, timeout_s: float) -> str:
     """Waits for process 0's verdict: `timeout_s`, and as long again if process 0 is
     there (it then publishes within its own timeout)."""
     key = _key(ticket, "verdict")

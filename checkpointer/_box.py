@@ -86,6 +86,25 @@ def grid_cells(box: Box, cell_shape: Sequence[int]) -> Iterator[tuple[int, ...]]
     return itertools.product(*ranges)
 
 
+def row_slabs(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
+    """`box` cut along its first dimension into consecutive slabs of at most `max_bytes`
+    each (`itemsize` bytes per element), or of one row where a row is larger.
+
+    Returns:
+      The slabs in order; `[box]` for a 0-d box, `[]` for an empty one.
+    """
+    if not box.shape:
+        return [box]
+    if box.size == 0:
+        return []
+    row_bytes = box.size * itemsize // box.shape[0]
+    rows = max(1, max_bytes // max(1, row_bytes))
+    return [
+        Box((box.origin[0] + start,) + box.origin[1:], (min(rows, box.shape[0] - start),) + box.shape[1:])
+        for start in range(0, box.shape[0], rows)
+    ]
+
+
 def cell_box(cell: Sequence[int], cell_shape: Sequence[int], global_shape: Sequence[int]) -> Box:
     """The box of grid cell `cell`, clipped to the array."""
     origin = tuple(c * s for c, s in zip(cell, cell_shape))

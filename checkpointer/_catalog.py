@@ -60,16 +60,12 @@ def uses_catalog(storage: Storage) -> bool:
     return storage.commit_strategy.writes_in_place
 
 
-def _is_step_name(name: str) -> bool:
-    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
-
-
 def _split_step_path(path: str) -> tuple[str, int] | None:
     """(directory, step) of a checkpoint path `DIR/<step>`, or None if its name is no step."""
     if "/" not in path.rstrip("/"):
         return None
     directory, name = path.rstrip("/").rsplit("/", 1)
-    return (directory, int(name)) if _is_step_name(name) else None
+    return (directory, int(name)) if _format.is_step_name(name) else None
 
 
 def catalog_steps(storage: Storage, directory: str, *, complete_only: bool = True) -> list[int] | None:
@@ -81,7 +77,7 @@ def catalog_steps(storage: Storage, directory: str, *, complete_only: bool = Tru
     names = storage.list_dir(f"{directory}/{CATALOG}")
     if complete_only and HEADER not in names:
         return None
-    return sorted(int(n) for n in names if _is_step_name(n))
+    return sorted(int(n) for n in names if _format.is_step_name(n))
 
 
 def committed_steps(storage: Storage, directory: str) -> list[int] | None:

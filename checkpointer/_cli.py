@@ -43,11 +43,14 @@ mesh axis it names exists in the new mesh and the product of those axes' sizes d
 that dimension; otherwise that dimension is replicated (None). Leaves saved without a
 named sharding (one device, a host numpy array) are replicated.
 
---spec GLOB=SPEC overrides the default for every leaf whose path matches GLOB (fnmatch
-on leaf paths as `inspect` prints them; the last matching --spec wins). SPEC is one
-entry per dimension, comma-separated: a mesh axis name, several joined with '+' for one
-dimension, or 'none' / empty for None. Examples: 'params/*=data,model',
-'opt_state/*=data+model,none', 'step=' (replicated)."""
+--spec GLOB=SPEC overrides the default for every leaf whose name matches GLOB; the
+last matching --spec wins. Names are key paths as `inspect` prints them, like
+jax.tree_util.keystr: ['params']['dense']['kernel'], .opt_state[0].mu['w']. In GLOB, '*'
+matches any characters and '?' one; brackets and dots are literal. The escaped storage
+path (params/dense/kernel) is matched too. SPEC is one entry per dimension,
+comma-separated: a mesh axis name, several joined with '+' for one dimension, or
+'none' / empty for None. Examples: "['params']*=data,model",
+'*opt_state*=data+model,none', '.step=' (replicated)."""
 
 
 class UsageError(Exception):
@@ -62,9 +65,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 # --- formatting -------------------------------------------------------------------------------
-
-
-_human_bytes = _format.format_bytes
 
 
 def _age(seconds: float | None) -> str:
@@ -202,9 +202,7 @@ def _open_dir(location: str) -> tuple[Storage, str]:
 def _lock_holder(storage: Storage, directory: str) -> str | None:
     """Who holds the directory lock of a running CheckpointManager, or None (always
     None on storage without locks)."""
-    from ._manager import LOCK_NAME
-
-    return storage.lock_holder(f"{directory}/{LOCK_NAME}")
+    return storage.lock_holder(f"{directory}/{_directory.LOCK_NAME}")
 
 
 def _metadata(location: str):
@@ -248,7 +246,7 @@ def _parse_spec(text: str, mesh) -> tuple[str, PartitionSpec]:
 
     glob, eq, spec = text.partition("=")
     if not eq or not glob:
-        raise UsageError(f"--spec {text!r}: expected LEAF_GLOB=SPEC, e.g. 'params/*=data,model'")
+        raise UsageError(f"--spec {text!r}: expected LEAF_GLOB=SPEC, e.g. \"['params']*=data,model\"")
     entries: list = []
     used: list[str] = []
     for raw in spec.split(",") if spec.strip() else []:
@@ -304,12 +302,13 @@ def _cmd_ls(args, ui: _UI) -> int:
     from ._metadata import read_metadata
 
     storage, directory = _open_dir(args.directory)
-    found = _directory.entries(storage, directory)
+    names = storage.list_dir(directory)  # one listing for the steps and the foreign entries
+    found = _directory.entries(storage, directory, names)
     if not found and storage.exists(f"{directory}/{_format.COMMITTED}"):
         raise UsageError(f"{directory} is one checkpoint, not a directory of steps: use `{PROG} inspect {directory}`")
     # Steps committed in their own `<step>/` (a committed partial of another step is
-    # "committed, not renamed"; see `_directory.committed_folders`).
-    committed = {s for s, name in _directory.committed_folders(storage, directory).items() if name == str(s)}
+    # "committed, not renamed"; see `_directory.committed_folders`), by the markers just read.
+    committed = {e.step for e in found if e.committed and e.generation is None}
     now = time.time()
     rows = []
     for e in found:
@@ -337,7 +336,7 @@ def _cmd_ls(args, ui: _UI) -> int:
             row["age_s"] = max(0.0, now - row["created_unix_s"])
         rows.append(row)
     holder = _lock_holder(storage, directory)
-    foreign = _directory.foreign_entries(storage, directory)
+    foreign = _directory.foreign_entries(storage, directory, names)
     local_rows = _tiers.local_listing(args.local, storage, directory) if args.local else None
     if ui.json_mode:
         doc: dict[str, Any] = {"directory": directory, "manager": holder, "steps": rows, "foreign": foreign}
@@ -348,7 +347,7 @@ def _cmd_ls(args, ui: _UI) -> int:
     if local_rows is not None:  # two tiers: what each process holds on its node-local tier
         ui.table(
             ["process", "step", "state", "size", "folder"],
-            [(r["process"], r["step"], r["state"], _human_bytes(r["size_bytes"]), r["folder"]) for r in local_rows],
+            [(r["process"], r["step"], r["state"], _format.format_bytes(r["size_bytes"]), r["folder"]) for r in local_rows],
             right=["process", "step", "size"], title=f"local tier {args.local}",
         )
         if any(r["state"] == "not durable" for r in local_rows):
@@ -359,7 +358,7 @@ def _cmd_ls(args, ui: _UI) -> int:
         return 0
     ui.table(
         ["step", "state", "size", "age", "metrics", "folder"],
-        [(r["step"], r["state"] + (f" ({r['note']})" if r["note"] else ""), _human_bytes(r["size_bytes"]), _age(r["age_s"]),
+        [(r["step"], r["state"] + (f" ({r['note']})" if r["note"] else ""), _format.format_bytes(r["size_bytes"]), _age(r["age_s"]),
           _metrics_str(r["metrics"]) or "-", r["folder"]) for r in rows]
         + [("-", "foreign", "-", "-", "-", name) for name in foreign],
         right=["step", "size", "age"], title=f"{directory}",
@@ -401,14 +400,15 @@ def _cmd_inspect(args, ui: _UI) -> int:
     for p, m in meta.leaves.items():
         if isinstance(m, ArrayMetadata):
             leaves.append({
-                "path": p, "type": "array", "shape": list(m.shape), "dtype": str(m.dtype), "key_impl": m.key_impl,
+                "path": p, "keystr": meta.keystr(p), "type": "array", "shape": list(m.shape), "dtype": str(m.dtype), "key_impl": m.key_impl,
                 "kind": m.kind,
                 "saved_sharding": m.saved_sharding.describe() if m.saved_sharding else None,
                 "saved_spec": _spec_json(m.saved_sharding.spec) if m.saved_sharding and m.saved_sharding.kind == "named" else None,
                 "chunk_shape": list(m.chunk_shape), "inner_chunk_shape": list(m.inner_chunk_shape), "bytes": m.nbytes,
             })
         else:
-            leaves.append({"path": p, "type": "value", "value_type": type(m.value).__name__, "value": _json_value(m.value)})
+            leaves.append({"path": p, "keystr": meta.keystr(p), "type": "value", "value_type": type(m.value).__name__,
+                           "value": _json_value(m.value)})
     info = {
         "path": meta.path, "step": meta.step, "format_version": meta.format_version, "process_count": meta.process_count,
         "created_unix_s": meta.created_unix_s, "library_version": meta.library_version, "jax_version": meta.jax_version,
@@ -426,12 +426,12 @@ def _cmd_inspect(args, ui: _UI) -> int:
         ("processes", meta.process_count),
         ("versions", f"format {meta.format_version}, checkpointer {meta.library_version or '?'}, jax {meta.jax_version or '?'}"),
         ("leaves", f"{n_arrays} array{'s' * (n_arrays != 1)}, {len(leaves) - n_arrays} value{'s' * (len(leaves) - n_arrays != 1)}"),
-        ("total bytes", f"{meta.total_bytes} ({_human_bytes(meta.total_bytes)})"),
+        ("total bytes", f"{meta.total_bytes} ({_format.format_bytes(meta.total_bytes)})"),
         ("user metadata", json.dumps(meta.user_metadata, sort_keys=True) if meta.user_metadata else "-"),
     ])
     rows = []
     for leaf in leaves:
-        name = leaf["path"] or "<root>"
+        name = leaf["keystr"] or "<root>"
         if leaf["type"] == "array":
             dtype = leaf["dtype"] + (f" (key<{leaf['key_impl']}>)" if leaf["key_impl"] else "")
             sharding = leaf["saved_sharding"] or "host numpy array"
@@ -482,16 +482,18 @@ def _cmd_plan(args, ui: _UI) -> int:
         if not 0 <= pidx < processes:
             raise UsageError(f"--process-index {pidx} must be in [0, {processes})")
     target = _default_targets.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
-    plan = plan_restore(meta.path, target, process_index=pidx, processes=args.processes)
+    plan = plan_restore(meta.path, target, process_index=pidx, processes=args.processes, cooperative=args.cooperative)
 
     leaves: list[dict[str, Any]] = []
     for leaf in plan.leaves:
         leaves.append({
-            "leaf": leaf.leaf_path, "shape": list(leaf.shape), "dtype": str(leaf.dtype),
+            "leaf": leaf.leaf_path, "keystr": meta.keystr(leaf.leaf_path), "shape": list(leaf.shape),
+            "dtype": str(leaf.dtype),
             "target_spec": _spec_json(specs[leaf.leaf_path]),
             "boxes": len(leaf.boxes), "chunks": sum(len(b.reads) for b in leaf.boxes),
             "inner_chunks": sum(r.inner_chunks for b in leaf.boxes for r in b.reads),
-            "bytes_needed": leaf.bytes_needed, "bytes_read": leaf.bytes_read,
+            "bytes_needed": leaf.bytes_needed, "bytes_read": leaf.bytes_read, "bytes_received": leaf.bytes_received,
+            "exchange_spec": None if leaf.exchange_spec is None else _spec_json(leaf.exchange_spec),
             "read_amplification": leaf.bytes_read / leaf.bytes_needed if leaf.bytes_needed else 1.0,
         })
     if ui.json_mode:
@@ -499,22 +501,80 @@ def _cmd_plan(args, ui: _UI) -> int:
             "path": meta.path, "mesh": {"shape": list(mesh.shape.values()), "axis_names": list(mesh.axis_names)},
             "process_index": pidx, "process_count": processes, "leaves": leaves,
             "chunks": len(plan.reads), "bytes_needed": plan.bytes_needed, "bytes_read": plan.bytes_read,
+            "bytes_received": plan.bytes_received, "cooperative": plan.cooperative,
             "read_amplification": plan.read_amplification,
         })
         return 0
     ui.line(f"restore plan for {meta.path}")
     ui.line(f"target mesh {_mesh_str(mesh)} ({n_devices} devices), process {pidx} of {processes}")
     ui.table(
-        ["leaf", "target", "boxes", "chunks", "needed", "read", "amplification"],
-        [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _human_bytes(r["bytes_needed"]),
-          _human_bytes(r["bytes_read"]), f"{r['read_amplification']:.3f}") for r in leaves],
-        right=["boxes", "chunks", "needed", "read", "amplification"],
-        footer=["total", "", sum(r["boxes"] for r in leaves), len(plan.reads), _human_bytes(plan.bytes_needed),
-                _human_bytes(plan.bytes_read), f"{plan.read_amplification:.3f}"],
+        ["leaf", "target", "boxes", "chunks", "needed", "read", "received", "amplification"],
+        [(r["keystr"] or "<root>", _spec_str(specs[r["leaf"]]), r["boxes"], r["chunks"], _format.format_bytes(r["bytes_needed"]),
+          _format.format_bytes(r["bytes_read"]), _format.format_bytes(r["bytes_received"]), f"{r['read_amplification']:.3f}")
+         for r in leaves],
+        right=["boxes", "chunks", "needed", "read", "received", "amplification"],
+        footer=["total", "", sum(r["boxes"] for r in leaves), len(plan.reads), _format.format_bytes(plan.bytes_needed),
+                _format.format_bytes(plan.bytes_read), _format.format_bytes(plan.bytes_received),
+                f"{plan.read_amplification:.3f}"],
     )
     ui.line(f"{plan.bytes_read} bytes read for {plan.bytes_needed} bytes needed: read amplification {plan.read_amplification:.3f}")
+    if plan.cooperative:
+        ui.line(f"cooperative: {plan.bytes_received} bytes come from peers over the device interconnect instead of "
+                "storage (--no-cooperative: every process reads all it needs)")
     if processes > 1:
         ui.line(f"These figures are process {pidx}'s of {processes}; --process-index I shows process I (0 <= I < {processes}).")
+    return 0
+
+
+def _cmd_plan_save(args, ui: _UI) -> int:
+    import jax
+    from jax.sharding import NamedSharding
+
+    from ._save_preview import plan_save
+
+    meta = _metadata(args.path)
+    mesh = _build_mesh(args, meta, abstract=True)
+    n_devices = math.prod(mesh.shape.values())
+    processes = args.processes
+    if processes < 1 or n_devices % processes:
+        raise UsageError(f"--processes {processes} must divide the mesh's {n_devices} devices")
+    overrides = [_parse_spec(s, mesh) for s in args.spec]
+    try:
+        specs = _default_targets.target_specs(meta, mesh, overrides)
+    except ValueError as e:
+        raise UsageError(f"--spec: {e}") from e
+    state = _default_targets.target_tree(meta, {
+        p: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=NamedSharding(mesh, specs[p])) for p, m in meta.arrays.items()
+    })
+    plan = plan_save(state, processes=processes)
+    leaves: list[dict[str, Any]] = [{
+        "leaf": a.leaf_path, "shape": list(a.shape), "spec": _spec_json(specs[a.leaf_path]),
+        "chunk_shape": list(a.chunk_shape), "replicas": a.replicas, "split_dim": a.split_dim,
+        "split_factor": a.split_factor, "writers": len({p for p, _ in a.writes}), "chunks": len(a.writes),
+    } for a in plan.leaves]
+    rows = [{"process_index": p.process_index, "bytes_written": p.bytes_written, "data_bytes": p.data_bytes, "files": p.files}
+            for p in plan.processes]
+    if ui.json_mode:
+        ui.json({
+            "path": meta.path, "mesh": {"shape": list(mesh.shape.values()), "axis_names": list(mesh.axis_names)},
+            "process_count": processes, "leaves": leaves, "processes": rows, "bytes_written": plan.bytes_written,
+            "files": plan.files, "imbalance": plan.imbalance,
+        })
+        return 0
+    ui.line(f"save plan of {meta.path}'s state from mesh {_mesh_str(mesh)} ({n_devices} devices) on {processes} processes")
+    ui.table(
+        ["leaf", "saved by", "chunk", "replicas", "split", "writers"],
+        [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), _shape(r["chunk_shape"]), r["replicas"],
+          f"{r['split_factor']} along dim {r['split_dim']}" if r["split_dim"] is not None else "-", r["writers"]) for r in leaves],
+        right=["replicas", "writers"],
+    )
+    ui.table(
+        ["process", "bytes written", "files"],
+        [(r["process_index"], _format.format_bytes(r["bytes_written"]), r["files"]) for r in rows],
+        right=["process", "bytes written", "files"],
+        footer=["total", _format.format_bytes(plan.bytes_written), plan.files],
+    )
+    ui.line(f"largest process writes {plan.imbalance:.3f}x the mean ({_format.format_bytes(plan.bytes_written // max(1, processes))})")
     return 0
 
 
@@ -539,7 +599,7 @@ def _cmd_verify(args, ui: _UI) -> int:
     else:
         verdict = "OK" if report.ok else f"{len(report.problems)} problem(s)"
         ui.line(f"{report.path}: {verdict}", style="bold green" if report.ok else "bold red")
-        ui.line(f"{report.chunks_checked} chunks, {report.bytes_checked} bytes ({_human_bytes(report.bytes_checked)}) "
+        ui.line(f"{report.chunks_checked} chunks, {report.bytes_checked} bytes ({_format.format_bytes(report.bytes_checked)}) "
                 f"read and checksummed in {report.elapsed_s:.2f} s")
         for p in report.problems:
             ui.line(f"  - {p}")
@@ -625,8 +685,8 @@ def _cmd_drill(args, ui: _UI) -> int:
     ui.fields([
         ("scratch mesh", f"{mesh} ({math.prod(report.mesh_shape)} device{'s' * (math.prod(report.mesh_shape) != 1)})"),
         ("time to restored state", f"{report.restore_s:.3f} s" if report.restore_s is not None else "restore FAILED"),
-        ("bytes needed", f"{report.bytes_needed} ({_human_bytes(report.bytes_needed)})"),
-        ("bytes read", f"{report.bytes_read} ({_human_bytes(report.bytes_read)})"),
+        ("bytes needed", f"{report.bytes_needed} ({_format.format_bytes(report.bytes_needed)})"),
+        ("bytes read", f"{report.bytes_read} ({_format.format_bytes(report.bytes_read)})"),
         ("read amplification", f"{report.read_amplification:.3f}"),
         ("verify", f"{'OK' if not report.problems else f'{len(report.problems)} problem(s)'} in {report.verify_s:.3f} s"),
     ])
@@ -654,7 +714,7 @@ def _cmd_import_orbax(args, ui: _UI) -> int:
         return 0
     ui.line(f"imported {meta.user_metadata.get('imported_from', {}).get('path', args.src)} into {meta.path}: "
             f"{len(meta.arrays)} arrays, {len(meta.leaves) - len(meta.arrays)} values, "
-            f"{_human_bytes(meta.total_bytes)} in {elapsed_s:.2f} s")
+            f"{_format.format_bytes(meta.total_bytes)} in {elapsed_s:.2f} s")
     ui.line(f"`{PROG} inspect {meta.path}` shows the tree; ckpt.restore restores it onto any mesh.")
     return 0
 
@@ -687,7 +747,7 @@ def _cmd_export(args, ui: _UI) -> int:
         ui.json({"files": list(report.files), "tensors": report.tensors, "skipped": list(report.skipped),
                  "total_bytes": report.total_bytes})
         return 0
-    ui.line(f"exported {len(report.tensors)} tensors ({_human_bytes(report.total_bytes)}) as {args.format}:")
+    ui.line(f"exported {len(report.tensors)} tensors ({_format.format_bytes(report.total_bytes)}) as {args.format}:")
     for f in report.files:
         ui.line(f"  {f}")
     if report.skipped:
@@ -744,11 +804,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--axes", metavar="NAMES", help="mesh axis names, e.g. data,model (default: those of the saved "
                    "mesh with as many axes, else axis0,axis1,...)")
     p.add_argument("--spec", action="append", default=[], metavar="LEAF_GLOB=SPEC",
-                   help="target PartitionSpec for the matching leaves (repeatable), e.g. 'params/*=data,model'")
+                   help="target PartitionSpec for the leaves whose key path matches (repeatable), "
+                   "e.g. \"['params']*=data,model\" or '*kernel=none,model'")
     p.add_argument("--process-index", type=int, metavar="I", help="plan for process I (default: this process)")
     p.add_argument("--processes", type=int, metavar="P", help="plan as if the mesh's devices were spread over P "
                    "processes, in mesh order, each holding a consecutive block; needs no devices")
+    p.add_argument("--no-cooperative", dest="cooperative", action="store_false", help="plan restore(..., "
+                   "cooperative=False): every process reads all its boxes itself (default: boxes several processes "
+                   "need are split among them and exchanged; 'received' shows the bytes from peers)")
     p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("plan-save", parents=[common], help="which process writes which bytes when a state is saved",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Plan a save of the state stored at PATH (its shapes and dtypes) from a mesh spread "
+                       "over P processes: per leaf the chunk grid, the processes holding each box (replicas) and the "
+                       "replica-parallel split; per process the bytes and files it writes. Pure: reads only the "
+                       "manifest, needs no devices.\n\n" + _SPEC_RULE)
+    p.add_argument("path", metavar="PATH")
+    p.add_argument("--mesh", required=True, metavar="SHAPE", help="mesh axis sizes of the saving job, e.g. 4x2")
+    p.add_argument("--axes", metavar="NAMES", help="mesh axis names, e.g. data,model (default: those of the saved "
+                   "mesh with as many axes, else axis0,axis1,...)")
+    p.add_argument("--spec", action="append", default=[], metavar="LEAF_GLOB=SPEC",
+                   help="PartitionSpec of the matching leaves in the saving job (repeatable), e.g. 'params/*=data,model'")
+    p.add_argument("--processes", type=int, required=True, metavar="P", help="the saving job's process count; the "
+                   "mesh's devices are spread over them in mesh order, consecutive blocks")
+    p.set_defaults(func=_cmd_plan_save)
 
     p = sub.add_parser("verify", parents=[common], help="read every byte, check every checksum",
                        description="Read every chunk of the checkpoint at PATH and check every checksum (the codec's "

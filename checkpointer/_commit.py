@@ -102,7 +102,10 @@ class RenameCommit(CommitStrategy):
             storage.rename(write_path, path)
             return None
         if committed and not overwrite:
-            raise CheckpointExistsError(f"{path} was committed by another save while this one was writing")
+            raise CheckpointExistsError(
+                f"{path} was committed by another save while this one was writing (process 0): this save committed "
+                "nothing. Pass overwrite=True (CheckpointManager: force=True) to replace it, or save to another path"
+            )
         # Replace: move the old one aside, publish the new one, then delete the old. A
         # crash between the two renames leaves a committed partial folder that
         # recovery rolls forward.

@@ -17,8 +17,8 @@ saved without a named sharding (a single device, a host numpy array) is replicat
 from __future__ import annotations
 
 import collections
-import fnmatch
 import math
+import re
 import urllib.parse
 from collections.abc import Mapping, Sequence
 
@@ -184,8 +184,10 @@ def target_specs(
     Args:
       meta: the checkpoint's metadata.
       mesh: the target mesh (concrete or abstract).
-      overrides: `(glob, spec)` pairs; a leaf whose path matches `glob`
-        (`fnmatch.fnmatchcase`) gets `spec`; the last matching pair wins.
+      overrides: `(glob, spec)` pairs; a leaf whose key string (as
+        `jax.tree_util.keystr` prints it: `['params']['dense']['kernel']`) or escaped
+        leaf path (`params/dense/kernel`) matches `glob` (`glob_matches`) gets `spec`;
+        the last matching pair wins.
     Returns:
       Leaf path → PartitionSpec, for the array leaves, in tree order.
     Raises:
@@ -198,16 +200,16 @@ def target_specs(
     specs = {p: default_spec(m, mesh) for p, m in meta.arrays.items()}
     chosen: dict[str, str] = {}
     for glob, spec in overrides:
-        hits = [p for p in specs if fnmatch.fnmatchcase(p, glob)]
+        hits = [p for p in specs if glob_matches(glob, meta.keystr(p)) or glob_matches(glob, p)]
         if not hits:
-            shown = ", ".join(repr(p) for p in list(specs)[:8]) + (", ..." if len(specs) > 8 else "")
+            shown = ", ".join(meta.keystr(p) or "<root>" for p in list(specs)[:8]) + (", ..." if len(specs) > 8 else "")
             raise ValueError(f"the leaf glob {glob!r} matches no array leaf (leaves: {shown})")
         for p in hits:
             specs[p], chosen[p] = spec, glob
     sizes = dict(mesh.shape)
     for p, glob in chosen.items():
         shape, spec = target_shape(meta.arrays[p]), specs[p]
-        what = f"{spec} (from {glob!r}) for leaf {p!r} of shape {shape}"
+        what = f"{spec} (from {glob!r}) for leaf {meta.keystr(p) or '<root>'} of shape {shape}"
         if len(spec) > len(shape):
             raise ValueError(f"{what}: {len(spec)} entries for {len(shape)} dimension(s); narrow the glob or add a later spec for that leaf")
         used: list[str] = []
@@ -223,6 +225,17 @@ def target_specs(
                     f"({'*'.join(names)}); JAX needs even shards"
                 )
     return specs
+
+
+def glob_matches(glob: str, name: str) -> bool:
+    """Whether `name` matches `glob`: `*` matches any run of characters (`/`, `[`, `.`
+    included), `?` one character; every other character is literal, so the brackets
+    and quotes of a key string (`['params']['w']`) need no escaping.
+
+    Multi-process: pure.
+    """
+    pattern = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in glob)
+    return re.fullmatch(pattern, name, flags=re.DOTALL) is not None
 
 
 class _PathNode:

@@ -17,9 +17,11 @@ import dataclasses
 import hashlib
 import logging
 import time
+from collections.abc import Sequence
 
 from . import _catalog, _format
 from ._errors import CheckpointError
+from ._format import is_step_name
 from ._storage import Storage
 
 log = logging.getLogger("checkpointer")
@@ -55,42 +57,43 @@ class StepEntry:
 SAVE_LOCK_SUFFIX = ".lock"
 
 
-def is_step_name(name: str) -> bool:
-    """Whether `name` is the canonical decimal of a step: ASCII digits, no sign, no
-    leading zero ('0' itself is canonical). '0900000', '+5', '²' or '٣' are not steps:
-    such folders are foreign, ignored by readers and never deleted."""
-    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
+def _step_folder(name: str) -> tuple[int, str | None, bool] | None:
+    """(step, generation, being deleted) of a step folder's name: `<step>`,
+    `<step>.partial-<generation>` or `<step>.deleting-<generation>`; None for any other name."""
+    if is_step_name(name):
+        return int(name), None, False
+    partial = _format.parse_partial_name(name)
+    if partial and is_step_name(partial[0]):
+        return int(partial[0]), partial[1], False
+    deleting = _format.parse_deleting_name(name)
+    if deleting and is_step_name(deleting[0]):
+        return int(deleting[0]), deleting[1], True
+    return None
 
 
+def entries(storage: Storage, directory: str, names: Sequence[str] | None = None) -> list[StepEntry]:
+    """Every step folder (committed, partial, being deleted), sorted by step then name.
 
-def entries(storage: Storage, directory: str) -> list[StepEntry]:
-    """Every step folder (committed, partial, being deleted), sorted by step then name."""
+    Reads the commit marker of each step and partial folder; `names` is the listing of
+    `directory` when the caller has it already (else it is listed here).
+    """
     out = []
-    for name in storage.list_dir(directory):
-        partial = _format.parse_partial_name(name)
-        if is_step_name(name):
-            out.append(StepEntry(name, int(name), storage.exists(f"{directory}/{name}/{_format.COMMITTED}"), None))
-        elif partial and is_step_name(partial[0]):
-            committed = storage.exists(f"{directory}/{name}/{_format.COMMITTED}")
-            out.append(StepEntry(name, int(partial[0]), committed, partial[1]))
-        elif (deleting := _format.parse_deleting_name(name)) and is_step_name(deleting[0]):
-            out.append(StepEntry(name, int(deleting[0]), False, deleting[1]))
+    for name in storage.list_dir(directory) if names is None else names:
+        folder = _step_folder(name)
+        if folder is None:
+            continue
+        step, generation, deleting = folder
+        committed = not deleting and storage.exists(f"{directory}/{name}/{_format.COMMITTED}")
+        out.append(StepEntry(name, step, committed, generation))
     return sorted(out, key=lambda e: (e.step, e.name))
 
 
-def foreign_entries(storage: Storage, directory: str) -> list[str]:
+def foreign_entries(storage: Storage, directory: str, names: Sequence[str] | None = None) -> list[str]:
     """Names in `directory` that are neither step folders (canonical names, their
     partial and deleting folders) nor the library's own files: readers ignore them and
-    nothing deletes them."""
-    own = {e.name for e in entries(storage, directory)}
-    out = []
-    for name in storage.list_dir(directory):
-        if name in own or name in _OWN_FILES:
-            continue
-        if _is_save_lock_name(name):
-            continue
-        out.append(name)
-    return out
+    nothing deletes them. By name alone (no marker is read); `names` as for `entries`."""
+    names = storage.list_dir(directory) if names is None else names
+    return [n for n in names if _step_folder(n) is None and n not in _OWN_FILES and not _is_save_lock_name(n)]
 
 
 def _is_save_lock_name(name: str) -> bool:
@@ -130,12 +133,6 @@ def committed_folders(storage: Storage, directory: str) -> dict[int, str]:
 def committed_steps(storage: Storage, directory: str) -> list[int]:
     """The committed steps, ascending. Never a step whose folder lacks the marker."""
     return list(committed_folders(storage, directory))
-
-
-def committed_path(storage: Storage, directory: str, step: int) -> str:
-    """The path to read committed `step` from (see `committed_folders`); `<step>/` when
-    the step is not committed (reading it then raises CheckpointNotFoundError)."""
-    return f"{directory}/{committed_folders(storage, directory).get(step, str(step))}"
 
 
 def plan_recovery(

@@ -8,6 +8,8 @@ call from a background thread. With one process every function is a cheap no-op.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -19,7 +21,7 @@ PUBLISH_MARGIN_S = 60.0
 _PREFIX = "checkpointer"
 
 
-def _client():
+def _client() -> Any:  # Any: jaxlib's DistributedRuntimeClient has no stubs
     from jax._src import distributed  # the client of jax.distributed.initialize()
 
     return distributed.global_state.client
@@ -31,6 +33,39 @@ def process_index() -> int:
 
 def process_count() -> int:
     return jax.process_count()
+
+
+def poll_reports(client: Any, prefix: str, deadline: float, done: Callable[[dict[int, str]], bool]) -> dict[int, str]:
+    """Polls the per-process keys `<prefix><i>` until `done(reports)` or the deadline.
+
+    Args:
+      client: the coordination service's client (`_client()`).
+      prefix: the key prefix, ending in "/".
+      deadline: when to give up, `time.monotonic()` seconds.
+      done: called with the reports of each poll; True ends the wait.
+    Returns:
+      The last poll's reports: process index -> value. Keys whose last part is no
+      index are skipped; an unreachable service reads as no reports.
+
+    One `key_value_dir_get` per poll, 5 ms apart at first, doubling up to 100 ms, so
+    a report is seen soon after it lands, whichever processes are still silent.
+    """
+    pause = 0.005
+    while True:
+        try:
+            entries = client.key_value_dir_get(prefix)
+        except Exception:  # the service is unreachable: the reports count as missing
+            entries = []
+        reports: dict[int, str] = {}
+        for key, value in entries:
+            try:
+                reports[int(key.rsplit("/", 1)[1])] = value
+            except ValueError:
+                continue
+        if done(reports) or time.monotonic() >= deadline:
+            return reports
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 2, 0.1)
 
 
 class Coordinator:
@@ -77,27 +112,16 @@ class Coordinator:
         """
         if self._client is None:
             return []
-        deadline = time.monotonic() + self.timeout_s
-        prefix = self._key("done") + "/"
-        reports: dict[int, str] = {}
-        pause = 0.005
-        while True:
-            try:
-                entries = self._client.key_value_dir_get(prefix)
-            except Exception:  # the service is unreachable: the reports count as missing
-                entries = []
-            for key, value in entries:
-                i = int(key.rsplit("/", 1)[1])
-                if value.startswith("error:"):
-                    raise SaveError(f"process {i} failed to write its shards: {value[6:]}")
-                reports[i] = value[3:]
-            missing = [i for i in range(self.process_count) if i not in reports]
-            if not missing:
-                return [reports[i] for i in range(self.process_count)]
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, 0.1)
+        reports = poll_reports(
+            self._client, self._key("done") + "/", time.monotonic() + self.timeout_s,
+            lambda r: any(v.startswith("error:") for v in r.values()) or not self._silent(r),
+        )
+        for i, value in sorted(reports.items()):
+            if value.startswith("error:"):
+                raise SaveError(f"process {i} failed to write its shards: {value[6:]}")
+        missing = self._silent(reports)
+        if not missing:
+            return [reports[i][3:] for i in range(self.process_count)]
         raise CommitTimeoutError(
             f"processes {missing} did not report their shards durable within {self.timeout_s:.0f} s "
             f"(generation {self.generation}); nothing was committed. Check that every process called "
@@ -110,17 +134,12 @@ class Coordinator:
         processes still silent at the deadline."""
         if self._client is None:
             return []
-        deadline = time.monotonic() + timeout_s
-        prefix = self._key("done") + "/"
-        while True:
-            try:
-                done = {int(k.rsplit("/", 1)[1]) for k, _ in self._client.key_value_dir_get(prefix)}
-            except Exception:
-                done = set()
-            silent = [i for i in range(self.process_count) if i not in done]
-            if not silent or time.monotonic() >= deadline:
-                return silent
-            time.sleep(0.05)
+        reports = poll_reports(self._client, self._key("done") + "/", time.monotonic() + timeout_s, lambda r: not self._silent(r))
+        return self._silent(reports)
+
+    def _silent(self, reports: dict[int, str]) -> list[int]:
+        """The processes without a report in `reports`."""
+        return [i for i in range(self.process_count) if i not in reports]
 
     def announce_commit(self, outcome: str) -> None:
         """Process 0: tells the others the outcome (`"ok"` or an error message)."""

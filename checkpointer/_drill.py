@@ -107,13 +107,13 @@ def drill(directory: str | os.PathLike, mesh_shape: Sequence[int] | None = None,
     needs, then every chunk for `verify`.
     """
     storage, directory = storage_for(directory)
-    steps = _directory.committed_steps(storage, directory)
-    if not steps:
+    folders = _directory.committed_folders(storage, directory)
+    if not folders:
         raise CheckpointNotFoundError(
             f"no committed step in {directory}, nothing to drill; `checkpointer ls {directory}` lists its step folders"
         )
-    step = steps[-1]
-    path = _directory.committed_path(storage, directory, step)
+    step = max(folders)
+    path = f"{directory}/{folders[step]}"
     meta = read_metadata(storage, path)
     devices = jax.local_devices()
     shape = tuple(mesh_shape) if mesh_shape is not None else default_mesh_shape(meta, len(devices))

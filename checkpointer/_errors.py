@@ -68,10 +68,29 @@ class SaveAgreementError(SaveError):
     arrive within the agreement timeout. Raised on every process; nothing was written."""
 
 
-def where(*, leaf: str | None = None, path: str | None = None, process: int | None = None) -> str:
-    """Formats the location part of an error message: `leaf 'a/b' in /ckpt/100 (process 0)`."""
+class RestoreAgreementError(CheckpointError, RuntimeError):
+    """A cooperative restore (collective) could not go ahead: the processes restore
+    another path, save or target, one could not restore (its error is named), failed
+    to read its share, or did not arrive in time. Raised on every process, before the
+    exchange; the process that failed raises its own error instead."""
+
+
+def where(
+    *, leaf: str | None = None, path: str | None = None, process: int | None = None, keystr: str | None = None
+) -> str:
+    """Formats the location part of an error message: `leaf ['a']['b'] in /ckpt/100 (process 0)`.
+
+    Args:
+      leaf: the leaf path (escaped storage name), shown quoted when `keystr` is None.
+      path: the checkpoint path.
+      process: the process index.
+      keystr: the leaf's key string (as `jax.tree_util.keystr` prints it), shown
+        instead of the leaf path when known (`<root>` for a root leaf).
+    """
     parts = []
-    if leaf is not None:
+    if keystr is not None:
+        parts.append(f"leaf {keystr or '<root>'}")
+    elif leaf is not None:
         parts.append(f"leaf {leaf!r}")
     if path is not None:
         parts.append(f"in {path}")

@@ -27,18 +27,18 @@ import math
 import os
 import struct
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import IO
 
 import ml_dtypes
 import numpy as np
 
 from . import _read
-from ._box import Box
+from ._box import Box, row_slabs
 from ._errors import CheckpointExistsError, UnsupportedValueError
 from ._format import ArrayMetadata
 from ._metadata import CheckpointMetadata, read_metadata
-from ._restore_plan import plan_leaf
-from ._storage import storage_for
+from ._storage import Storage, storage_for
 
 DEFAULT_MAX_SHARD_BYTES = 5 << 30  # Hugging Face's default max_shard_size ("5GB")
 SLAB_BYTES = 64 << 20
@@ -77,11 +77,13 @@ def _key_text(key: object) -> str:
 def key_paths(structure: dict) -> dict[str, tuple]:
     """Leaf path -> the user's keys (JSON form, as in the manifest's `structure`)."""
     out: dict[str, tuple] = {}
-    stack = [(structure, ())]
+    stack: list[tuple[dict, tuple]] = [(structure, ())]
     while stack:
         node, keys = stack.pop()
         if node.get("kind") == "leaf":
-            out[node.get("path")] = keys
+            path = node.get("path")
+            if isinstance(path, str):
+                out[path] = keys
             continue
         for k, child in zip(node.get("keys", []), node.get("children", [])):
             stack.append((child, keys + (k,)))
@@ -173,33 +175,13 @@ def _out_dtype(meta: ArrayMetadata, name: str, fmt: str, upcast: bool, path: str
 # --- reading --------------------------------------------------------------------------------
 
 
-def _slabs(meta: ArrayMetadata) -> list[Box]:
-    """The leaf cut along its first dimension into boxes of at most `SLAB_BYTES`."""
-    if not meta.shape or 0 in meta.shape:
-        return [Box.whole(meta.shape)] if not meta.shape else []
-    row_bytes = math.prod(meta.shape[1:]) * meta.dtype.itemsize
-    rows = max(1, SLAB_BYTES // max(1, row_bytes))
-    return [Box((s,) + (0,) * (len(meta.shape) - 1), (min(rows, meta.shape[0] - s),) + meta.shape[1:])
-            for s in range(0, meta.shape[0], rows)]
-
-
-def _reader(storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:
-    if _read.fast_path_supported(meta.dtype):
-        stats = _read.RestoreStats()
-        return lambda box: _read.read_box(storage, path, meta, plan_leaf(meta, [(-1, box)]).boxes[0], None, stats)
-    from ._restore import _open_for_read  # sub-byte dtypes: TensorStore decodes them
-
-    store = _open_for_read(storage, path, meta).result()
-    return lambda box: store[box.slices()].read().result()
-
-
-def _write_leaf(f, storage, path: str, meta: ArrayMetadata, out_dtype: np.dtype) -> int:
+def _write_leaf(f: IO[bytes], storage: Storage, path: str, meta: ArrayMetadata, out_dtype: np.dtype) -> int:
     """Writes the leaf's C-order little-endian bytes to `f`, slab by slab; returns bytes."""
-    read, n = _reader(storage, path, meta), 0
+    read, n = _read.region_reader(storage, path, meta), 0
     little = out_dtype.newbyteorder("<") if out_dtype.itemsize > 1 else out_dtype
-    for box in _slabs(meta):
+    for box in row_slabs(Box.whole(meta.shape), meta.dtype.itemsize, SLAB_BYTES):  # one slab in memory at a time
         slab = np.ascontiguousarray(read(box).astype(little, copy=False))
-        f.write(memoryview(slab.reshape(-1).view(np.uint8)))
+        f.write(slab.reshape(-1).view(np.uint8).data)
         n += slab.nbytes
         del slab
     return n
@@ -232,7 +214,13 @@ def _check_new(paths: Sequence[str], overwrite: bool) -> None:
         raise CheckpointExistsError(f"{existing[0]} exists; pass --overwrite (overwrite=True) to replace it")
 
 
-def _write_safetensors(storage, path, meta, items, out_dir, max_shard_bytes, overwrite) -> tuple[list[str], dict]:
+# (tensor name, the leaf's metadata, the dtype it is exported as), in tree order.
+_Item = tuple[str, ArrayMetadata, np.dtype]
+
+
+def _write_safetensors(
+    storage: Storage, path: str, items: Sequence[_Item], out_dir: str, max_shard_bytes: int, overwrite: bool
+) -> tuple[list[str], dict[str, str]]:
     import safetensors
 
     groups = plan_files([(name, math.prod(m.shape) * d.itemsize) for name, m, d in items], max_shard_bytes)
@@ -242,9 +230,10 @@ def _write_safetensors(storage, path, meta, items, out_dir, max_shard_bytes, ove
     _check_new(files + ([os.path.join(out_dir, SAFETENSORS_INDEX)] if n > 1 else []), overwrite)
     os.makedirs(out_dir, exist_ok=True)
     by_name = {name: (m, d) for name, m, d in items}
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for group, file in zip(groups or [[]], files):
-        header, offset = {}, 0
+        header: dict[str, dict] = {}
+        offset = 0
         for name in group:
             m, d = by_name[name]
             nbytes = math.prod(m.shape) * d.itemsize
@@ -267,13 +256,15 @@ def _write_safetensors(storage, path, meta, items, out_dir, max_shard_bytes, ove
         total = sum(math.prod(m.shape) * d.itemsize for _, m, d in items)
         index = {"metadata": {"total_size": total},
                  "weight_map": {name: os.path.basename(f) for name, f in sorted(weight_map.items())}}
-        with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
-            json.dump(index, f, indent=2)
+        with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as index_file:
+            json.dump(index, index_file, indent=2)
         files.append(os.path.join(out_dir, SAFETENSORS_INDEX))
     return files, weight_map
 
 
-def _write_npz(storage, path, meta, items, out_file, overwrite) -> tuple[list[str], dict]:
+def _write_npz(
+    storage: Storage, path: str, items: Sequence[_Item], out_file: str, overwrite: bool
+) -> tuple[list[str], dict[str, str]]:
     _check_new([out_file], overwrite)
     os.makedirs(os.path.dirname(out_file) or ".", exist_ok=True)
     tmp = f"{out_file}.tmp-{os.getpid()}"
@@ -334,15 +325,15 @@ def export(
     meta = read_metadata(storage, path)
     names = tensor_names(meta, separator)
     keys = key_paths(meta.structure)
-    items = []
+    items: list[_Item] = []
     for leaf_path, m in meta.arrays.items():
         items.append((names[leaf_path], m, _out_dtype(m, names[leaf_path], format, upcast, path)))
     skipped = tuple(separator.join(_key_text(k) for k in keys.get(p, ())) for p in meta.leaves if p not in meta.arrays)
     out = os.fspath(out)
     if format == "safetensors":
-        files, where = _write_safetensors(storage, path, meta, items, out, max_shard_bytes, overwrite)
+        files, where = _write_safetensors(storage, path, items, out, max_shard_bytes, overwrite)
     else:
-        files, where = _write_npz(storage, path, meta, items, out, overwrite)
+        files, where = _write_npz(storage, path, items, out, overwrite)
     total = sum(math.prod(m.shape) * d.itemsize for _, m, d in items)
     return ExportReport(tuple(os.path.abspath(f) for f in files), {k: os.path.abspath(f) for k, f in where.items()},
                         skipped, total)

@@ -79,7 +79,7 @@ def new_generation(now: datetime.datetime | None = None) -> str:
       second), and the 32 random bits tell apart attempts started in the same second.
 
     Multi-process: every process may call it; a save uses process 0's (agreed on through
-    `_distributed.agree_on`).
+    `_agreement.agree`).
     """
     now = datetime.datetime.now(datetime.timezone.utc) if now is None else now.astimezone(datetime.timezone.utc)
     return f"{now:{GENERATION_TIME_FORMAT}}-{uuid.uuid4().hex[:8]}"
@@ -93,6 +93,13 @@ def generation_time(generation: str) -> datetime.datetime | None:
     except ValueError:
         return None
     return t.replace(tzinfo=datetime.timezone.utc)
+
+
+def is_step_name(name: str) -> bool:
+    """Whether `name` is the canonical decimal of a step: ASCII digits, no sign, no
+    leading zero ('0' itself is canonical). '0900000', '+5', '²' or '٣' are not steps:
+    such folders are foreign, ignored by readers and never deleted."""
+    return name.isascii() and name.isdigit() and (name == "0" or not name.startswith("0"))
 
 
 def partial_name(name: str, generation: str) -> str:
@@ -300,11 +307,6 @@ def zarr_metadata(shape: Sequence[int], dtype: np.dtype, chunk_shape: Sequence[i
     }
 
 
-def encoded_chunk_bytes(chunk_shape: Sequence[int], inner_shape: Sequence[int], itemsize: int) -> int:
-    """Size of one zarr shard file, bytes (`ShardFileLayout.file_bytes`)."""
-    return ShardFileLayout(tuple(chunk_shape), tuple(inner_shape), itemsize).file_bytes
-
-
 ZarrSpecMode = Literal["create", "write", "read"]
 
 
@@ -412,12 +414,16 @@ class ArrayMetadata:
       path: the leaf path.
       shape: the global shape.
       dtype: the stored numpy dtype (for PRNG keys, the key data's dtype).
-      chunk_shape: the zarr chunk (= saved shard) shape.
+      chunk_shape: the zarr chunk shape: the saved shard shape, or a regular subdivision
+        of it (replica-parallel writes, the leaf-by-leaf writer).
       inner_chunk_shape: the inner chunk shape inside each zarr shard file.
       saved_sharding: how it was sharded when saved, or None for a host numpy array.
       key_impl: the PRNG impl name (e.g. `"threefry2x32"`) when the leaf is a typed PRNG
         key array; `shape` then includes the key data's trailing dimensions.
       kind: `"jax"` (restored as jax.Array) or `"numpy"` (a host numpy array when saved).
+      keystr: the leaf's key path as `jax.tree_util.keystr` prints it (`['params']['w']`),
+        the name to show users; set when read from a manifest (None before the save
+        writes one). Not stored in the leaf's entry and not compared.
     """
 
     path: str
@@ -428,11 +434,17 @@ class ArrayMetadata:
     saved_sharding: SavedSharding | None
     key_impl: str | None = None
     kind: str = "jax"
+    keystr: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the array's data (shape × itemsize)."""
         return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def layout(self) -> ShardFileLayout:
+        """The byte layout of each of its zarr shard files (every chunk has the same)."""
+        return ShardFileLayout(self.chunk_shape, self.inner_chunk_shape, self.dtype.itemsize)
 
     def to_json(self) -> dict:
         return {
@@ -449,10 +461,17 @@ class ArrayMetadata:
 
 @dataclasses.dataclass(frozen=True)
 class ValueMetadata:
-    """A non-array leaf stored in the manifest (None, bool, int, float, complex, str, numpy scalar)."""
+    """A non-array leaf stored in the manifest (None, bool, int, float, complex, str, numpy scalar).
+
+    Attributes:
+      path: the leaf path.
+      value: the value.
+      keystr: as `ArrayMetadata.keystr`.
+    """
 
     path: str
     value: object
+    keystr: str | None = dataclasses.field(default=None, compare=False)
 
 
 def _shape(v: object, what: str, where: str) -> tuple[int, ...]:

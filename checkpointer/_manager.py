@@ -34,8 +34,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("checkpointer")
 
-LOCK_NAME = _directory.LOCK_NAME
-
 
 @dataclasses.dataclass(frozen=True)
 class ManagerStatus:
@@ -112,7 +110,7 @@ class _DirectoryLock:
 
     def __init__(self, storage: Storage, directory: str) -> None:
         try:
-            self._lock = storage.lock(f"{directory}/{LOCK_NAME}", wait=False, holder=_holder_text())
+            self._lock = storage.lock(f"{directory}/{_directory.LOCK_NAME}", wait=False, holder=_holder_text())
         except LockHeldError as e:
             holder = (e.holder or "").strip()
             same = holder == _holder_text()
@@ -387,11 +385,21 @@ class CheckpointManager:
         """The checkpoint path of `step`."""
         return f"{self.directory}/{int(step)}"
 
-    def _read_path(self, step: int) -> str:
-        """Where committed `step` is read from: `step_path(step)`, or the committed
-        partial folder of a save that crashed before its rename (until the writer's
-        recovery renames it into place)."""
-        return _directory.committed_path(self.storage, self.directory, int(step))
+    def _read_path(self, step: int | None, folders: Mapping[int, str] | None = None) -> str:
+        """Where committed `step` (None: the newest) is read from: `step_path(step)`, or
+        the committed partial folder of a save that crashed before its rename (until the
+        writer's recovery renames it into place). One listing, or none when `folders`
+        (`_directory.committed_folders`) is given.
+
+        Raises:
+          CheckpointNotFoundError: `step` is None and no step is committed.
+        """
+        folders = _directory.committed_folders(self.storage, self.directory) if folders is None else folders
+        if step is None:
+            if not folders:
+                raise CheckpointNotFoundError(f"no committed step in {self.directory}")
+            step = max(folders)
+        return f"{self.directory}/{folders.get(int(step), str(int(step)))}"
 
     # --- errors -------------------------------------------------------------------------
 
@@ -482,7 +490,7 @@ class CheckpointManager:
                 f"metadata['metrics'] for step {step} of {self.directory}: the key 'metrics' holds the manager's "
                 "metrics= (KeepBest reads it); pass metrics=... or rename the metadata key"
             )
-        metrics = metrics_json(metrics)
+        metrics = metrics_json(metrics, self.step_path(step))
         if metrics:
             user_metadata["metrics"] = metrics
         t0 = time.perf_counter()
@@ -610,20 +618,21 @@ class CheckpointManager:
 
     # --- retention ----------------------------------------------------------------------
 
-    def _metrics(self, step: int) -> dict:
+    def _metrics(self, step: int, folders: Mapping[int, str]) -> dict:
         if step not in self._metrics_cache:
             try:
-                meta = read_metadata(self.storage, self._read_path(step))
+                meta = read_metadata(self.storage, self._read_path(step, folders))
                 self._metrics_cache[step] = dict(meta.user_metadata.get("metrics", {}))
             except CheckpointError:
                 self._metrics_cache[step] = {}
         return self._metrics_cache[step]
 
     def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
-        steps = self.all_steps()
+        folders = _directory.committed_folders(self.storage, self.directory)  # one listing for steps and metrics
+        steps = list(folders)
         if not steps:
             return []
-        metrics = {s: self._metrics(s) for s in steps}
+        metrics = {s: self._metrics(s, folders) for s in steps}
         kept = set(self.keep.keep(steps, metrics)) | {steps[-1]} | set(protect)
         with self._mu:
             kept |= {s for s, h in self._in_flight if not h.done()}
@@ -651,14 +660,18 @@ class CheckpointManager:
         target: object = None,
         *,
         partial: bool = False,
+        missing: str = "error",
         max_inflight_bytes: int | None = None,
         stats: RestoreStats | None = None,
+        cooperative: bool = True,
     ) -> PyTree:
         """Restores `step` (default: the newest committed step) onto `target`.
 
         Args:
           step: the step, or None for `latest_step()`.
-          target, partial, max_inflight_bytes, stats: as for `ckpt.restore`.
+          target, partial, missing, max_inflight_bytes, stats, cooperative: as for
+            `ckpt.restore` (`missing="keep_target"` keeps the target's values for
+            leaves the checkpoint lacks), whichever tier the step is read from.
         Two tiers: `step=None` restores a step newer than the newest durable one only
         when it is committed on the local tier of every process, with the same process
         count and devices, and holds every chunk each process needs (the processes agree
@@ -677,17 +690,16 @@ class CheckpointManager:
             resume = None if self.read_only else self._resume_replication
             tree, source, durable_bytes = self._tiers.restore(
                 None if step is None else _as_step(step), target, latest_durable=self.latest_step(),
-                durable_path=self._read_path, resume=resume, partial=partial,
-                max_inflight_bytes=max_inflight_bytes, stats=stats,
+                durable_path=self._read_path, resume=resume, partial=partial, missing=missing,
+                max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative,
             )
             with self._mu:
                 self._last_restore = (source, durable_bytes)
             return tree
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise CheckpointNotFoundError(f"no committed step in {self.directory}")
-        return _restore(self._read_path(step), target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats)
+        return _restore(
+            self._read_path(step), target, partial=partial, missing=missing, max_inflight_bytes=max_inflight_bytes,
+            stats=stats, cooperative=cooperative,
+        )
 
     def _resume_replication(self, step: int, generation: str, overwrite: bool) -> None:
         """After resuming from a local-only step: replicate it (the writer's lock first)."""
@@ -712,10 +724,6 @@ class CheckpointManager:
         """
         from ._process_state import per_process_state
 
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise CheckpointNotFoundError(f"no committed step in {self.directory}")
         return per_process_state(self._read_path(step), process_index, all_processes=all_processes)
 
     # --- operations ---------------------------------------------------------------------

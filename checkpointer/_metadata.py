@@ -27,7 +27,7 @@ from ._box import Box
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError
 from ._format import ArrayMetadata, ValueMetadata
 from ._storage import Storage, storage_for
-from ._tree import check_leaf_path, leaf_paths_of, rebuild
+from ._tree import check_leaf_path, keystrs, leaf_paths_of, rebuild
 
 DISTRIBUTION = "checkpointer"
 
@@ -202,6 +202,23 @@ class ProcessRecord:
         return _record_from_json(ProcessRecord, obj, where)
 
 
+def read_process_record(storage: Storage, location: str) -> ProcessRecord:
+    """Reads and parses the process record at `location` (`<path>/processes/<i>.json`).
+
+    Raises:
+      FileNotFoundError: no file at `location`.
+      CorruptCheckpointError: larger than `_format.MAX_MANIFEST_BYTES`, not JSON, or
+        not a valid record; names `location`.
+    """
+    try:
+        data = storage.read_file(location, max_bytes=_format.MAX_MANIFEST_BYTES)
+    except OSError as e:
+        if e.errno != errno.EFBIG:
+            raise
+        raise CorruptCheckpointError(f"{location} is larger than {_format.MAX_MANIFEST_BYTES} bytes") from e
+    return ProcessRecord.from_json(_format.loads(data, location), location)
+
+
 # --- manifest.json ---------------------------------------------------------------------------
 
 
@@ -259,7 +276,9 @@ class CheckpointMetadata:
       format_version: the on-disk format version (1).
       tree: the saved tree with each leaf replaced by its `ArrayMetadata` or
         `ValueMetadata` (containers rebuilt as in a target-less restore).
-      leaves: leaf path → `ArrayMetadata` | `ValueMetadata`, in tree order.
+      leaves: leaf path → `ArrayMetadata` | `ValueMetadata`, in tree order. The leaf
+        path is the escaped storage name (`mlp%2F~%2Flinear_0/w`); show users each
+        entry's `.keystr` (`['mlp/~/linear_0']['w']`), or `keystr(leaf_path)`.
       user_metadata: the `metadata=` / `metrics=` dict given at save time.
       process_count: how many processes saved it.
       process_bytes_written: bytes of chunk files each process wrote.
@@ -291,6 +310,20 @@ class CheckpointMetadata:
     def arrays(self) -> dict[str, ArrayMetadata]:
         """The array leaves only."""
         return {p: m for p, m in self.leaves.items() if isinstance(m, ArrayMetadata)}
+
+    def keystr(self, leaf_path: str) -> str:
+        """The user's name of a leaf: its key path as `jax.tree_util.keystr` prints it.
+
+        Args:
+          leaf_path: a key of `leaves` (the escaped storage name).
+        Returns:
+          E.g. `"['mlp/~/linear_0']['w']"` for the leaf path `"mlp%2F~%2Flinear_0/w"`,
+          `".params['dense']['kernel']"` under a flax `TrainState`; `""` for a root leaf.
+        Raises:
+          KeyError: no such leaf path.
+        """
+        name = self.leaves[leaf_path].keystr
+        return name if name is not None else leaf_path
 
 
 def _is_int(x: object) -> bool:
@@ -349,7 +382,8 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
             raise CorruptCheckpointError(f"leaf {path!r} in {where} has unknown type {entry.get('type')!r}")
     ordered = leaf_paths_of(structure)
     _require(sorted(ordered) == sorted(leaves), "the tree structure and the leaves disagree", where)
-    leaves = {p: leaves[p] for p in ordered}
+    names = keystrs(structure)
+    leaves = {p: dataclasses.replace(leaves[p], keystr=names[p]) for p in ordered}
     tree = rebuild(structure, lambda p: leaves[p], where=where)
     return CheckpointMetadata(
         path=where, step=step, format_version=version, tree=tree, leaves=leaves, user_metadata=user_metadata,

@@ -39,19 +39,19 @@ from collections.abc import Callable
 import numpy as np
 import tensorstore as ts
 
-from ._box import Box
 from ._errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 from ._format import SavedSharding
 from ._storage import Storage, storage_for
-from ._stream_save import ArraySource, save_leaf_by_leaf
+from ._stream_save import ArraySource, RegionReader, save_leaf_by_leaf
 
 log = logging.getLogger("checkpointer")
 
 METADATA_FILE = "_METADATA"
 SHARDING_FILE = "_sharding"
 STRINGS_FILE = "_strings.json"
-_EMPTY = {"None": lambda: None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": tuple}
-_ARRAY_TYPES = {"jax.Array": "jax", "np.ndarray": "numpy", "scalar": None}
+_EMPTY: dict[str, Callable[[], object]] = {"None": lambda: None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": tuple}
+_ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
+_ARRAY_KINDS = {"jax.Array": "jax", "np.ndarray": "numpy"}  # `ArraySource.kind` of a sharded array
 
 # Data chunks are never cached (each is read once); OCDBT's b-tree nodes are, a little.
 _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 8 << 20}})
@@ -79,15 +79,19 @@ def find_item(storage: Storage, src: str) -> str:
     )
 
 
-def _read_json(storage: Storage, path: str, *, required: bool) -> object:
+def _read_json_object(storage: Storage, path: str, *, required: bool) -> dict:
+    """The JSON object in the file at `path`; {} when it is absent and not `required`."""
     if not storage.exists(path):
         if required:
             raise CheckpointNotFoundError(f"{path} is missing")
-        return None
+        return {}
     try:
-        return json.loads(storage.read_file(path))
+        obj = json.loads(storage.read_file(path))
     except ValueError as e:
         raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{path} holds a JSON {type(obj).__name__}, expected an object")
+    return obj
 
 
 def _keys(entry: dict, where: str) -> tuple:
@@ -131,7 +135,7 @@ def _array_spec(storage: Storage, item: str, name: str, use_ocdbt: bool, use_zar
             "recheck_cached_data": False}
 
 
-def _reader(store) -> Callable[[Box], np.ndarray]:
+def _reader(store: ts.TensorStore) -> RegionReader:
     return lambda box: store[box.slices()].read().result()
 
 
@@ -150,8 +154,8 @@ def orbax_tree(src: str | os.PathLike) -> tuple[str, object]:
     """
     storage, src = storage_for(src)
     item = find_item(storage, src)
-    meta = _read_json(storage, f"{item}/{METADATA_FILE}", required=True)
-    if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):
+    meta = _read_json_object(storage, f"{item}/{METADATA_FILE}", required=True)
+    if not isinstance(meta.get("tree_metadata"), dict):
         raise CorruptCheckpointError(f"{item}/{METADATA_FILE} has no tree_metadata object")
     use_ocdbt, use_zarr3 = bool(meta.get("use_ocdbt", False)), bool(meta.get("use_zarr3", False))
     if use_ocdbt and not storage.exists(f"{item}/manifest.ocdbt"):
@@ -159,12 +163,14 @@ def orbax_tree(src: str | os.PathLike) -> tuple[str, object]:
             f"{item} says use_ocdbt but has no manifest.ocdbt (an unfinished save, or per-process OCDBT databases "
             "that were never merged); restore it with Orbax and save it with ckpt.save"
         )
-    shardings = _read_json(storage, f"{item}/{SHARDING_FILE}", required=False) or {}
-    strings = _read_json(storage, f"{item}/{STRINGS_FILE}", required=False) or {}
+    shardings = _read_json_object(storage, f"{item}/{SHARDING_FILE}", required=False)
+    strings = _read_json_object(storage, f"{item}/{STRINGS_FILE}", required=False)
     entries = []
     for entry in meta["tree_metadata"].values():
         keys = _keys(entry, f"{item}/{METADATA_FILE}")
         value_meta = entry.get("value_metadata") or {}
+        if not isinstance(value_meta, dict):
+            raise CorruptCheckpointError(f"{item}/{METADATA_FILE}: the value_metadata of {keys} is not an object")
         entries.append((keys, value_meta.get("value_type"), value_meta))
     # As Orbax's as_nested_tree: drop empty-node placeholders that prefix other entries.
     entries.sort(key=lambda e: tuple((type(k) is int, str(k)) for k in e[0]))
@@ -194,7 +200,7 @@ def orbax_tree(src: str | os.PathLike) -> tuple[str, object]:
                 continue
             b64 = base64.b64encode(name.encode()).decode()
             saved, shard = _saved_sharding(shardings.get(b64), shape)
-            kind = _ARRAY_TYPES[value_type] if saved is not None else "numpy"
+            kind = _ARRAY_KINDS[value_type] if saved is not None else "numpy"
             flat.append((keys, ArraySource(shape, dtype, shard, saved, kind, _reader(store))))
         else:
             raise UnsupportedValueError(

@@ -19,11 +19,11 @@ import jax
 
 from . import _format
 from ._errors import CorruptCheckpointError, ProcessCountMismatchError
-from ._metadata import ProcessRecord, read_metadata
+from ._metadata import read_metadata, read_process_record
 from ._storage import Storage, storage_for
 
 
-def per_process_state(path: str | os.PathLike, process_index: int | None = None, *, all_processes: bool = False):
+def per_process_state(path: str | os.PathLike, process_index: int | None = None, *, all_processes: bool = False) -> object:
     """Returns the per-process state saved with the checkpoint at `path`.
 
     Args:
@@ -63,13 +63,18 @@ def per_process_state(path: str | os.PathLike, process_index: int | None = None,
     return _read_state(storage, path, process_index)
 
 
-def _read_state(storage: Storage, path: str, i: int):
+def _read_state(storage: Storage, path: str, i: int) -> object:
     name = _format.process_record_name(i)
     try:
-        record = _format.loads(storage.read_file(f"{path}/{name}", max_bytes=_format.MAX_MANIFEST_BYTES), f"{path}/{name}")
+        parsed = read_process_record(storage, f"{path}/{name}")
     except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{path} is committed but has no {name}, the record of process {i}") from e
-    parsed = ProcessRecord.from_json(record, f"{path}/{name}")
+        raise CorruptCheckpointError(
+            f"{path} is committed but has no {name}, the record of process {i}: the checkpoint is damaged. "
+            f"Run `checkpointer verify {path}`."
+        ) from e
     if parsed.process_index != i:
-        raise CorruptCheckpointError(f"{path}/{name} is not the record of process {i}")
+        raise CorruptCheckpointError(
+            f"{path}/{name} is the record of process {parsed.process_index}, expected process {i}: the checkpoint "
+            f"is damaged. Run `checkpointer verify {path}`."
+        )
     return parsed.per_process_state

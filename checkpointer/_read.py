@@ -22,15 +22,19 @@ import dataclasses
 import itertools
 import sys
 import threading
+from collections.abc import Callable
 
 import crc32c
 import numpy as np
+import tensorstore as ts
 
+from . import _format
+from ._box import Box
 from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, ShardFileLayout, is_whole_byte_dtype
 from ._host import aligned_empty
-from ._restore_plan import BoxRead, ChunkRead, RestorePlan
-from ._storage import Storage
+from ._restore_plan import BoxRead, ChunkRead, RestorePlan, plan_leaf
+from ._storage import TS_CONTEXT, Storage
 
 _MAX_RUN_BYTES = 16 << 20  # one read covers at most this many bytes of adjacent inner chunks
 
@@ -47,6 +51,13 @@ class RestoreStats:
       attempts: 1, or 2 when the checkpoint was replaced while it was read.
       elapsed_s: seconds `restore` took, when it returned.
       plan: the `RestorePlan` executed (of the last attempt).
+      bytes_received: a cooperative restore: bytes of this process's target boxes
+        that peers read and the exchange delivered (as planned); else 0.
+      exchange_s: a cooperative restore: seconds of the exchange (JAX resharding
+        over the device interconnect); else None.
+      kept_from_target: key strings (as `jax.tree_util.keystr` prints them) of the
+        target leaves returned as they were, not read (`restore(..., missing="keep_target")`
+        for leaves the checkpoint lacks, `partial=True` for None over a saved subtree).
     """
 
     bytes_read: int = 0
@@ -54,6 +65,9 @@ class RestoreStats:
     attempts: int = 0
     elapsed_s: float | None = None
     plan: RestorePlan | None = None
+    bytes_received: int = 0
+    exchange_s: float | None = None
+    kept_from_target: tuple[str, ...] = ()
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def _add(self, bytes_read: int, chunk_reads: int = 0) -> None:
@@ -117,7 +131,7 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
     """
     if not storage.cheap_size:
         return
-    expected = ShardFileLayout(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize).file_bytes
+    expected = meta.layout.file_bytes
     seen: set[str] = set()
     for key in keys:  # may be a generator: stops at the first bad file, holding only what it checked
         if key in seen:
@@ -136,10 +150,14 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
             )
 
 
-def _check_crc(blob: memoryview, what: str) -> memoryview:
+def _check_crc(blob: memoryview, what: str, path: str) -> memoryview:
     data, stored = ShardFileLayout.split_crc(blob)
-    if crc32c.crc32c(data) != stored:
-        raise CorruptCheckpointError(f"{what}: crc32c mismatch (stored {stored:#010x})")
+    computed = crc32c.crc32c(data)
+    if computed != stored:
+        raise CorruptCheckpointError(
+            f"{what}: crc32c mismatch (stored {stored:#010x}, the bytes read give {computed:#010x}): the data is "
+            f"damaged. Run `checkpointer verify {path}` for a full report."
+        )
     return data
 
 
@@ -163,14 +181,19 @@ def read_chunk_into(
     try:
         size = f.size()
         if size is not None and size != read.file_bytes:
-            raise CorruptCheckpointError(f"{what} has {size} bytes, expected {read.file_bytes} (truncated or damaged)")
-        index = np.frombuffer(_check_crc(f.read(read.index_offset, read.index_bytes), f"{what} index"), "<u8").reshape(-1, 2)
+            raise CorruptCheckpointError(
+                f"{what} has {size} bytes, expected {read.file_bytes} (truncated or damaged). Run `checkpointer verify {path}`."
+            )
+        index = np.frombuffer(_check_crc(f.read(read.index_offset, read.index_bytes), f"{what} index", path), "<u8").reshape(-1, 2)
         step = read.inner_bytes_with_crc
         wanted = []
         for inner_id, spans in zip(read.inner_ids, itertools.product(*read.spans)):
             offset, nbytes = int(index[inner_id, 0]), int(index[inner_id, 1])
             if offset == ShardFileLayout.MISSING or nbytes != step or offset + nbytes > read.index_offset:
-                raise CorruptCheckpointError(f"{what}: index entry {inner_id} is missing or out of range")
+                raise CorruptCheckpointError(
+                    f"{what}: index entry {inner_id} is missing or out of range (offset {offset}, {nbytes} bytes; "
+                    f"expected {step} bytes ending by byte {read.index_offset}). Run `checkpointer verify {path}`."
+                )
             wanted.append((offset, inner_id, spans))
         wanted.sort()
         # Coalesce inner chunks that are adjacent in the file into one read.
@@ -187,7 +210,7 @@ def read_chunk_into(
             blob = f.read(start, len(run) * step)
             for offset, inner_id, spans in run:
                 rel = offset - start
-                data = _check_crc(blob[rel : rel + step], f"{what} inner chunk {inner_id}")
+                data = _check_crc(blob[rel : rel + step], f"{what} inner chunk {inner_id}", path)
                 inner = np.frombuffer(data, dtype=dtype).reshape(meta.inner_chunk_shape)
                 src = tuple(slice(s, s + n) for s, _, n in spans)
                 dst = tuple(slice(d, d + n) for _, d, n in spans)
@@ -196,6 +219,42 @@ def read_chunk_into(
         raise CorruptCheckpointError(f"{what} cannot be read: {e}. Run `checkpointer verify {path}`.") from e
     finally:
         f.close()
+
+
+def open_zarr_array(storage: Storage, path: str, meta: ArrayMetadata) -> ts.Future:
+    """Opens a leaf's zarr array through TensorStore's array layer, for the reads the
+    byte-range reader does not handle (see `fast_path_supported`) and for `verify`.
+    The spec refuses a `zarr.json` that disagrees with the manifest (`_format.zarr_spec`)."""
+    kvstore = storage.kvstore_spec(f"{path}/{_format.array_dir(meta.path)}")
+    return ts.open(_format.zarr_spec(kvstore, meta, mode="read"), context=TS_CONTEXT, read=True)
+
+
+def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:
+    """Reads any region of a leaf, unplanned: `read(box)` returns the leaf's values in
+    `box` (each a fresh array), for readers that walk a leaf region by region (export).
+
+    Raises (from `read`):
+      CorruptCheckpointError: stored bytes are missing, truncated or fail a checksum;
+        names the leaf and the checkpoint path.
+    """
+    if fast_path_supported(meta.dtype):
+        stats = RestoreStats()
+        return lambda box: read_box(storage, path, meta, plan_leaf(meta, [(-1, box)]).boxes[0], None, stats)
+    try:
+        store = open_zarr_array(storage, path, meta).result()
+    except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
+        raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path)}: cannot open the zarr array: {e}") from e
+
+    def read(box: Box) -> np.ndarray:
+        try:
+            return store[box.slices()].read().result()
+        except ValueError as e:  # TensorStore reports missing, truncated and damaged data as ValueError
+            raise CorruptCheckpointError(
+                f"{where(leaf=meta.path, path=path)}: reading box {box} failed: {e}. "
+                f"Run `checkpointer verify {path}` for a full report."
+            ) from e
+
+    return read
 
 
 def read_box(storage: Storage, path: str, meta: ArrayMetadata, box_read: BoxRead, pool, stats: RestoreStats) -> np.ndarray:

@@ -14,6 +14,24 @@ The inner chunks' own offsets in the file are not in the plan: zarr lets a write
 them anywhere, so the reader takes them from the index it reads (one range per chunk),
 checks each entry against the plan's expected length and file bounds, and coalesces
 inner chunks adjacent in the file into one read. No device work and no I/O here.
+
+Cooperative restore (`build_plan(..., cooperative=True)`): a leaf whose target puts
+the same box on devices of several processes (a replicated target, e.g. parameters
+under pure data parallelism) is not read whole by each of them. The planner refines
+the target's `NamedSharding` into an *exchange layout* (`exchange_spec`): the target's
+PartitionSpec with the unused mesh axes that span processes added to a dimension they
+divide, so every device's exchange box lies inside its target box and the processes
+that shared a box now hold disjoint pieces of it. Each process reads only its
+devices' exchange boxes (`LeafRestorePlan.boxes`, each `BoxRead.receivers` naming the
+processes that need those bytes too); the executor assembles them into a global array
+of the exchange layout and reshards it onto the target with JAX, so the pieces a
+process needs but did not read (`LeafRestorePlan.received`, each with its reader) come
+from its peers over the device interconnect. Rules: only axes of size > 1 along which
+the owning process changes are added (an axis inside one process saves no storage
+read), each to the dimension with the largest per-device extent it divides (ties:
+the first); a leaf where no such axis divides a dimension, a host target, a target
+that is not a `NamedSharding` or lives in host memory keeps the plain plan. PRNG key
+data is split along the key array's own dimensions only.
 """
 
 from __future__ import annotations
@@ -22,11 +40,12 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _format
-from ._box import Box, cell_box, grid_cells
-from ._format import ArrayMetadata, ShardFileLayout
-from ._targets import ResolvedTarget
+from ._box import Box, cell_box, grid_cells, row_slabs
+from ._format import ArrayMetadata
+from ._targets import ResolvedLeaf, ResolvedTarget, named_shard_boxes, spec_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +97,8 @@ class BoxRead:
       slabs: when the box is larger than the host-memory bound it was planned with,
         the slabs it is read in (consecutive along the first dimension, each with its
         own reads, destinations relative to the slab); empty: read the box whole.
+      receivers: in a cooperative plan, the other processes that need (part of) this
+        box and get it from this process through the exchange; () otherwise.
     """
 
     box: Box
@@ -85,6 +106,7 @@ class BoxRead:
     reads: tuple[ChunkRead, ...]
     bytes_needed: int
     slabs: tuple[BoxRead, ...] = ()
+    receivers: tuple[int, ...] = ()
 
     @property
     def bytes_read(self) -> int:
@@ -95,28 +117,60 @@ class BoxRead:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeerPiece:
+    """A region this process needs and another process reads from storage (cooperative plan).
+
+    Attributes:
+      box: the region of the global array (inside one of this process's target boxes).
+      reader: the process that reads it from storage (the lowest, if several do).
+    """
+
+    box: Box
+    reader: int
+
+
+@dataclasses.dataclass(frozen=True)
 class LeafRestorePlan:
     """The reads of one array leaf.
 
     Attributes:
       leaf_path: the leaf path.
-      shape: the global shape.
+      shape: the global shape (of the stored array; PRNG key data included).
       dtype: the stored dtype.
-      boxes: one entry per unique target box of this process.
+      boxes: what this process reads from storage: one entry per unique target box
+        of its devices, or, in a cooperative plan, per unique exchange box.
+      exchange_spec: None: no exchange, `boxes` are the target boxes. Else the
+        PartitionSpec (over the target's mesh, for `shape`) of the exchange layout
+        the read boxes form; the executor reshards it onto the target.
+      target_boxes: in a cooperative plan, this process's unique target boxes.
+      received: in a cooperative plan, the regions of `target_boxes` other processes
+        read and this process receives from them.
     """
 
     leaf_path: str
     shape: tuple[int, ...]
     dtype: np.dtype
     boxes: tuple[BoxRead, ...]
+    exchange_spec: PartitionSpec | None = None
+    target_boxes: tuple[Box, ...] = ()
+    received: tuple[PeerPiece, ...] = ()
 
     @property
     def bytes_needed(self) -> int:
+        """Bytes of this process's unique target boxes."""
+        if self.exchange_spec is not None:
+            return sum(b.size for b in self.target_boxes) * self.dtype.itemsize
         return sum(b.bytes_needed for b in self.boxes)
 
     @property
     def bytes_read(self) -> int:
+        """Bytes this process fetches from storage for the leaf."""
         return sum(b.bytes_read for b in self.boxes)
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of the leaf this process receives from peers (0 without an exchange)."""
+        return sum(p.box.size for p in self.received) * self.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,19 +203,35 @@ class RestorePlan:
         return sum(leaf.bytes_read for leaf in self.leaves)
 
     @property
+    def bytes_received(self) -> int:
+        """Bytes this process receives from peers instead of reading them (cooperative plan)."""
+        return sum(leaf.bytes_received for leaf in self.leaves)
+
+    @property
+    def cooperative(self) -> bool:
+        """Whether some leaf is read cooperatively (its restore is collective)."""
+        return any(leaf.exchange_spec is not None for leaf in self.leaves)
+
+    @property
     def read_amplification(self) -> float:
-        """`bytes_read / bytes_needed` (1.0 when nothing is needed)."""
+        """`bytes_read / bytes_needed` (1.0 when nothing is needed); below 1 when peers
+        supply part of it (`bytes_received`)."""
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
     def __str__(self) -> str:
-        rows = [("leaf", "shape", "dtype", "boxes", "chunks", "needed", "read", "ampl.")]
+        # The "received" column (bytes from peers) only for a cooperative plan.
+        coop = self.cooperative
+        rows = [("leaf", "shape", "dtype", "boxes", "chunks", "needed", "read") + (("received",) if coop else ()) + ("ampl.",)]
         for leaf in self.leaves:
             chunks = sum(len(b.reads) for b in leaf.boxes)
             amp = leaf.bytes_read / leaf.bytes_needed if leaf.bytes_needed else 1.0
+            received = (_format.format_bytes(leaf.bytes_received),) if coop else ()
             rows.append((leaf.leaf_path or "<root>", "x".join(map(str, leaf.shape)) or "()", str(leaf.dtype), str(len(leaf.boxes)),
-                         str(chunks), _format.format_bytes(leaf.bytes_needed), _format.format_bytes(leaf.bytes_read), f"{amp:.3f}"))
-        rows.append(("total", "", "", "", str(len(self.reads)), _format.format_bytes(self.bytes_needed), _format.format_bytes(self.bytes_read),
-                     f"{self.read_amplification:.3f}"))
+                         str(chunks), _format.format_bytes(leaf.bytes_needed), _format.format_bytes(leaf.bytes_read))
+                        + received + (f"{amp:.3f}",))
+        received = (_format.format_bytes(self.bytes_received),) if coop else ()
+        rows.append(("total", "", "", "", str(len(self.reads)), _format.format_bytes(self.bytes_needed), _format.format_bytes(self.bytes_read))
+                    + received + (f"{self.read_amplification:.3f}",))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"RestorePlan for {self.path} (process {self.process_index})"]
         for k, r in enumerate(rows):
@@ -191,7 +261,7 @@ def plan_chunk_read(meta: ArrayMetadata, chunk: tuple[int, ...], region: Box, de
       region: the global region to read, inside the chunk.
       dest: the box whose buffer receives it (default: `region` itself).
     """
-    layout = ShardFileLayout(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
+    layout = meta.layout
     dest = region if dest is None else dest
     chunk_origin = tuple(c * s for c, s in zip(chunk, meta.chunk_shape))
     local = Box(tuple(o - c for o, c in zip(region.origin, chunk_origin)), region.shape)
@@ -227,14 +297,9 @@ def _slabs(meta: ArrayMetadata, box: Box, device_ids: tuple[int, ...], slab_byte
     itemsize = meta.dtype.itemsize
     if box.size * itemsize <= slab_bytes or not box.shape or box.shape[0] <= 1:
         return ()
-    row_bytes = box.size * itemsize // box.shape[0]
-    rows = max(1, slab_bytes // max(1, row_bytes))
-    out = []
-    for start in range(0, box.shape[0], rows):
-        n = min(rows, box.shape[0] - start)
-        slab = Box((box.origin[0] + start,) + box.origin[1:], (n,) + box.shape[1:])
-        out.append(BoxRead(slab, device_ids, _plan_box(meta, slab), slab.size * itemsize))
-    return tuple(out)
+    return tuple(
+        BoxRead(slab, device_ids, _plan_box(meta, slab), slab.size * itemsize) for slab in row_slabs(box, itemsize, slab_bytes)
+    )
 
 
 def plan_leaf(
@@ -271,14 +336,95 @@ def chunk_keys(meta: ArrayMetadata, boxes: Sequence[Box]) -> Iterator[str]:
             yield _format.chunk_key(meta.path, chunk)
 
 
-def build_plan(resolved: ResolvedTarget, path: str, *, slab_bytes: int | None = None) -> RestorePlan:
+def exchange_spec(
+    shape: Sequence[int], mesh_shape: Mapping[str, int], spec: PartitionSpec, owners: Sequence[int]
+) -> PartitionSpec | None:
+    """The exchange layout of a target that several processes share (module docstring).
+
+    Args:
+      shape: the dimensions that may be split (the key array's for PRNG keys).
+      mesh_shape: the target mesh's axis name → size, in axis order.
+      spec: the target's PartitionSpec.
+      owners: the process of every mesh device, in row-major mesh order.
+    Returns:
+      `spec` with the unused, process-spanning mesh axes added (each as the minor axis
+      of the dimension with the largest per-device extent it divides), or None when no
+      such axis divides any dimension (no box is shared, or it cannot be split).
+
+    Multi-process: pure.
+    """
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    grid = np.asarray(owners).reshape(sizes)
+    entries = [list(spec_axes(spec[d])) if d < len(spec) else [] for d in range(len(shape))]
+    used = {a for e in entries for a in e}
+    added = False
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        if name in used or size == 1 or not (grid != np.take(grid, [0], axis=i)).any():
+            continue  # used by the target, trivial, or inside one process
+        best = None
+        for d, n in enumerate(shape):
+            extent = n // int(np.prod([mesh_shape[a] for a in entries[d]], dtype=np.int64))
+            if extent % size == 0 and extent >= size and (best is None or extent > best[1]):
+                best = (d, extent)
+        if best is not None:
+            entries[best[0]].append(name)
+            added = True
+    if not added:
+        return None
+    return PartitionSpec(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
+
+
+def _cooperative_leaf(leaf: ResolvedLeaf, process_index: int, slab_bytes: int | None) -> LeafRestorePlan | None:
+    """The cooperative plan of one leaf for `process_index`, or None (read it plainly)."""
+    meta, lt = leaf.meta, leaf.target
+    assert isinstance(meta, ArrayMetadata) and lt is not None
+    s = lt.sharding
+    if not leaf.all_boxes or not isinstance(s, NamedSharding) or s.memory_kind not in (None, "device"):
+        return None
+    owners = [p for _, p, _ in leaf.all_boxes]
+    if len(set(owners)) < 2:
+        return None
+    spec = exchange_spec(lt.shape, s.mesh.shape, s.spec, owners)
+    if spec is None:
+        return None
+    key_tail = meta.shape[len(lt.shape) :]
+    pieces = [Box(b.origin + (0,) * len(key_tail), b.shape + key_tail) for b in named_shard_boxes(lt.shape, s.mesh.shape, spec)]
+    holders: dict[Box, set[int]] = {}
+    needs: dict[Box, set[int]] = {}  # unique target box -> processes that hold it
+    for (_, p, target), piece in zip(leaf.all_boxes, pieces):
+        holders.setdefault(piece, set()).add(p)
+        needs.setdefault(target, set()).add(p)
+    mine = [(d, piece) for (d, p, _), piece in zip(leaf.all_boxes, pieces) if p == process_index]
+    plain = plan_leaf(meta, mine, slab_bytes=slab_bytes)
+    boxes = []
+    for b in plain.boxes:
+        receivers = sorted({q for t, procs in needs.items() if b.box.intersect(t) is not None for q in procs} - {process_index})
+        boxes.append(dataclasses.replace(b, receivers=tuple(receivers)))
+    targets = tuple(sorted({b for _, b in leaf.device_boxes}))
+    received = []
+    for piece, procs in sorted(holders.items()):
+        if process_index in procs:
+            continue
+        for t in targets:
+            inter = piece.intersect(t)
+            if inter is not None:
+                received.append(PeerPiece(inter, min(procs)))
+    return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes), spec, targets, tuple(received))
+
+
+def build_plan(
+    resolved: ResolvedTarget, path: str, *, slab_bytes: int | None = None, cooperative: bool = False
+) -> RestorePlan:
     """Plans every array leaf of a resolved target.
 
     Args:
-      resolved: the target matched and resolved for one process (`_targets.resolve_tree`).
+      resolved: the target matched and resolved for one process (`_targets.resolve_tree`,
+        with `cooperative=True` for a cooperative plan).
       path: the checkpoint path.
       slab_bytes: as for `plan_leaf`; applied to leaves placed on devices only (a host
         target is read whole).
+      cooperative: split boxes that several processes need among them (module
+        docstring); leaves that cannot be split keep the plain plan.
     Returns:
       The `RestorePlan`, its leaves in target order.
 
@@ -289,5 +435,8 @@ def build_plan(resolved: ResolvedTarget, path: str, *, slab_bytes: int | None = 
         if leaf.target is None or not isinstance(leaf.meta, ArrayMetadata):
             continue  # a value leaf: nothing to read
         on_devices = leaf.target.sharding is not None
-        leaves.append(plan_leaf(leaf.meta, leaf.device_boxes, slab_bytes=slab_bytes if on_devices else None))
+        planned = _cooperative_leaf(leaf, resolved.process_index, slab_bytes) if cooperative and on_devices else None
+        if planned is None:
+            planned = plan_leaf(leaf.meta, leaf.device_boxes, slab_bytes=slab_bytes if on_devices else None)
+        leaves.append(planned)
     return RestorePlan(path, resolved.process_index, tuple(leaves))

@@ -3,8 +3,10 @@
 The three phases are separate so that `save_async` can run the last two on a
 background thread (see `_async.py`):
 
-1. `take_snapshot` (caller's thread, blocking): plans every leaf, then copies the
-   `replica_id == 0` shards of this process's devices to fresh host buffers.
+1. `take_snapshot` (caller's thread, blocking): plans the whole tree (`_save_plan`:
+   every process computes every process's chunks from the shardings' global device
+   maps), then copies the chunks this process writes (whole shards, or the slices of a
+   replica-parallel split) to fresh host buffers.
 2. `write_snapshot` (any thread): writes the chunks into `<path>.partial-<generation>/`,
    durably (TensorStore's file driver fsyncs), then `processes/<i>.json`.
 3. `commit` (any thread): the commit protocol of DESIGN.md, through `Coordinator`.
@@ -12,14 +14,16 @@ background thread (see `_async.py`):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import TypeGuard
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeGuard
 
 import jax
 import ml_dtypes
@@ -33,7 +37,7 @@ from ._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementErr
 from ._format import ArrayMetadata, SavedSharding
 from ._host import HostBufferPool, copy_to_host
 from ._metadata import ChunkRecord, ProcessRecord, manifest_json
-from ._save_plan import LeafWritePlan, ShardInfo, plan_leaf_write
+from ._save_plan import ChunkWrite, LeafAssignment, LeafShards, LeafWritePlan, ShardInfo, plan_writes
 from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
 from ._tree import describe, flatten
 from ._user_metadata import metadata_json
@@ -106,12 +110,6 @@ def _saved_sharding(arr: jax.Array) -> SavedSharding:
     return SavedSharding("other", (), (), (), shard_shape, n)
 
 
-def _check_json_metadata(metadata: object, path: str) -> dict:
-    """`metadata=` as stored: the rule of `_user_metadata` (numpy/JAX scalars become
-    Python numbers, NaN/inf the strings "NaN"/"Infinity"/"-Infinity"); errors name the key."""
-    return metadata_json(metadata, path)
-
-
 # Longest name of one folder on common file systems (ext4, xfs, tmpfs, APFS), bytes.
 _MAX_NAME_BYTES = 255
 
@@ -141,17 +139,68 @@ def _check_storable(leaf_path: str, dtype: np.dtype, path: str) -> None:
             )
 
 
-def _plan_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: str):
-    """Returns (ArrayMetadata, LeafWritePlan, {device_id: shard array}) for one array leaf."""
+def _global_shards(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[ShardInfo, ...]:
+    """Every device's shard on every process, from the sharding's full device→index map
+    (the same on every process); replica ids numbered in device order, as JAX does."""
+    seen: dict[Box, int] = {}
+    out = []
+    device: Any  # no Device stubs
+    for device, index in sharding.devices_indices_map(shape).items():
+        box = Box.from_index(index, shape)
+        rid = seen.get(box, 0)
+        seen[box] = rid + 1
+        out.append(ShardInfo(box, device.id, device.process_index, rid))
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class _ArrayLeaf:
+    """One array leaf between the planning passes: the planner's input and what the
+    metadata and the copies need."""
+
+    shards: LeafShards
+    dtype: np.dtype
+    saved: SavedSharding | None
+    key_impl: str | None
+    kind: str
+    by_device: dict  # device id -> the shard's data (jax.Array or numpy)
+    plan_key: tuple  # (leaf path, sharding or None, shape, itemsize): what the plan depends on
+
+
+# The last few trees' plans: a training loop saves the same tree with the same shardings
+# every time, and planning a large tree on many devices takes seconds (docs/SCALE.md).
+_PLAN_CACHE: collections.OrderedDict[tuple, tuple[LeafAssignment, ...]] = collections.OrderedDict()
+_PLAN_CACHE_SIZE = 4
+_PLAN_CACHE_LOCK = threading.Lock()
+
+
+def _plan_tree(described: list[_ArrayLeaf]) -> tuple[LeafAssignment, ...]:
+    """`plan_writes` of the tree, reused while the leaf paths, shardings, shapes and
+    dtypes stay the same (the plan depends on nothing else)."""
+    key = tuple(d.plan_key for d in described)
+    with _PLAN_CACHE_LOCK:
+        hit = _PLAN_CACHE.get(key)
+        if hit is not None:
+            _PLAN_CACHE.move_to_end(key)
+            return hit
+    plan = plan_writes([d.shards for d in described])
+    with _PLAN_CACHE_LOCK:
+        _PLAN_CACHE[key] = plan
+        while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+            _PLAN_CACHE.popitem(last=False)
+    return plan
+
+
+def _describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: str, cache: dict) -> _ArrayLeaf:
+    """The planner's input for one array leaf; `cache` holds global shards by (sharding, shape)."""
     if isinstance(arr, np.ndarray):
         _check_storable(leaf_path, arr.dtype, path)
         if not arr.dtype.isnative:  # e.g. '>f4': store (and checksum) the native-order bytes
             arr = arr.astype(arr.dtype.newbyteorder("="))
         shape = arr.shape
-        shards = [ShardInfo(Box.whole(shape), -1, 0, 0)]
-        plan = plan_leaf_write(leaf_path, shape, arr.dtype.itemsize, shape, shards, pidx)
-        meta = ArrayMetadata(leaf_path, shape, arr.dtype, plan.chunk_shape, plan.inner_chunk_shape, None, None, "numpy")
-        return meta, plan, {-1: arr}
+        # A host array is process 0's (processes may hold different values).
+        spec = LeafShards(leaf_path, shape, arr.dtype.itemsize, shape, (ShardInfo(Box.whole(shape), -1, 0, 0),))
+        return _ArrayLeaf(spec, arr.dtype, None, None, "numpy", {-1: arr}, (leaf_path, None, shape, arr.dtype.itemsize))
     if arr.is_deleted():
         raise UnsupportedValueError(
             f"{where(leaf=leaf_path, path=path, process=pidx)}: the array was deleted (donated to a jitted "
@@ -164,12 +213,34 @@ def _plan_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: st
         arr = jax.random.key_data(arr)
     dtype = np.dtype(arr.dtype)
     _check_storable(leaf_path, dtype, path)
-    shard_shape = arr.sharding.shard_shape(arr.shape)
-    shards = [ShardInfo(Box.from_index(s.index, arr.shape), s.device.id, pidx, s.replica_id) for s in arr.addressable_shards]
-    plan = plan_leaf_write(leaf_path, arr.shape, dtype.itemsize, shard_shape, shards, pidx)
-    meta = ArrayMetadata(leaf_path, tuple(arr.shape), dtype, plan.chunk_shape, plan.inner_chunk_shape, saved, key_impl, "jax")
+    shape = tuple(arr.shape)
+    key = (arr.sharding, shape)
+    if key not in cache:
+        cache[key] = _global_shards(arr.sharding, shape)
+    spec = LeafShards(leaf_path, shape, dtype.itemsize, tuple(arr.sharding.shard_shape(shape)), cache[key])
     by_device = {s.device.id: s.data for s in arr.addressable_shards}
-    return meta, plan, by_device
+    return _ArrayLeaf(spec, dtype, saved, key_impl, "jax", by_device, (leaf_path, arr.sharding, shape, dtype.itemsize))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _slice_in_dim(x: jax.Array, start, size: int, axis: int) -> jax.Array:
+    # `start` is traced: one compilation per (shard shape, dtype, chunk length, axis),
+    # not one per chunk offset.
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _chunk_data(leaf: _ArrayLeaf, w: ChunkWrite):
+    """The data of one planned chunk: the device's shard, or the slice of it the plan
+    names (cut on the device, so only the chunk's bytes are copied to host)."""
+    data = leaf.by_device[w.device_id]
+    if w.shard_box is None:
+        return data
+    rel = w.box.relative_to(w.shard_box)
+    cut = [d for d, (sl, n) in enumerate(zip(rel, data.shape)) if (sl.start, sl.stop) != (0, n)]
+    if not isinstance(data, jax.Array) or len(cut) != 1:
+        return data[rel]
+    d = cut[0]
+    return _slice_in_dim(data, rel[d].start, rel[d].stop - rel[d].start, d)
 
 
 def _committed(storage: Storage, path: str) -> bool:
@@ -180,7 +251,33 @@ def _committed(storage: Storage, path: str) -> bool:
 _FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED, ZARR_JSON})
 
 
-def _check_target_folder(storage: Storage, path: str, pidx: int, overwrite: bool) -> None:
+def check_target(storage: Storage, path: str, pidx: int, overwrite: bool) -> None:
+    """Refuses a save to `path` before anything is planned: something that is no
+    folder blocks it, a folder holds foreign files, or it is committed without
+    `overwrite`.
+
+    Raises:
+      SaveError: a file (not a folder) is at `path`.
+      TypeError: `overwrite` is not a bool.
+      CheckpointExistsError: `path` holds foreign files, or is committed and
+        `overwrite` is False.
+    """
+    if storage.commit_strategy.target_blocked(path):
+        raise SaveError(
+            f"cannot save to {path} (process {pidx}): it exists and is not a folder; a checkpoint path is a "
+            "folder. Remove or rename that file, or save to another path"
+        )
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+    _check_target_folder(storage, path, pidx)
+    if _committed(storage, path) and not overwrite:
+        raise CheckpointExistsError(
+            f"{path} is already a committed checkpoint (process {pidx}); pass overwrite=True "
+            "(CheckpointManager: force=True) to replace it atomically, or save to a new path"
+        )
+
+
+def _check_target_folder(storage: Storage, path: str, pidx: int) -> None:
     """Refuses to save into a folder that holds anything but a checkpoint's own files.
 
     A save replaces what is at its path only when that is a checkpoint (committed, with
@@ -271,33 +368,19 @@ def _take_snapshot(
     t0 = time.perf_counter()
     storage, path = storage_for(path)
     pidx, pcount = _distributed.process_index(), _distributed.process_count()
-    if storage.commit_strategy.target_blocked(path):
-        raise SaveError(
-            f"cannot save to {path} (process {pidx}): it exists and is not a folder; a checkpoint path is a "
-            "folder. Remove or rename that file, or save to another path"
-        )
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
-    _check_target_folder(storage, path, pidx, overwrite)
-    if _committed(storage, path) and not overwrite:
-        raise CheckpointExistsError(
-            f"{path} is already a committed checkpoint (process {pidx}); pass overwrite=True "
-            "(CheckpointManager: force=True) to replace it atomically, or save to a new path"
-        )
-    user_metadata = _check_json_metadata(metadata, path)
+    check_target(storage, path, pidx, overwrite)
+    user_metadata = metadata_json(metadata, path)
     if per_process_state is not None:
         per_process_state = _check_per_process_state(per_process_state, path, pidx)
     leaves = flatten(tree)
     entries: dict[str, dict] = {}  # leaf path -> manifest entry, in tree order (the agreement's digest)
-    arrays: list[LeafSnapshot] = []
+    described: list[_ArrayLeaf] = []
     values: dict[str, dict] = {}
-    device_data = []
+    cache: dict = {}
     for leaf_path, leaf in leaves:
         if _is_array(leaf):
-            meta, plan, by_device = _plan_array(leaf_path, leaf, pidx, path)
-            arrays.append(LeafSnapshot(meta, plan, []))
-            device_data.append([by_device[w.device_id] for w in plan.writes])
-            entries[leaf_path] = meta.to_json()
+            described.append(_describe_array(leaf_path, leaf, pidx, path, cache))
+            entries[leaf_path] = {}  # filled in below, keeping tree order
             continue
         value = _format.value_to_json(leaf)
         if value is None:
@@ -308,6 +391,19 @@ def _take_snapshot(
             )
         values[leaf_path] = value
         entries[leaf_path] = {"type": "value", "value": value}
+    # Every process plans every process's writes from the same global shard maps.
+    assignments = _plan_tree(described)
+    arrays: list[LeafSnapshot] = []
+    device_data = []
+    for d, assignment in zip(described, assignments):
+        plan = assignment.for_process(pidx)
+        meta = ArrayMetadata(
+            d.shards.leaf_path, d.shards.shape, d.dtype, plan.chunk_shape, plan.inner_chunk_shape, d.saved, d.key_impl,
+            d.kind,
+        )
+        arrays.append(LeafSnapshot(meta, plan, []))
+        device_data.append([_chunk_data(d, w) for w in plan.writes])
+        entries[meta.path] = meta.to_json()
     structure = describe(tree, _is_array)
     # Step 0: every process agrees on path, step and tree before anything is written.
     # Process 0 clears an object store's old step content only once all agreed.
@@ -334,6 +430,45 @@ def _open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool):
     return ts.open(_format.zarr_spec(kvstore, meta, mode="create" if create else "write"), context=TS_CONTEXT)
 
 
+def begin_write(snap: Snapshot) -> None:
+    """Before the first chunk: process 0 takes the save lock on `<partial>.lock` (held
+    until commit or abort: recovery and gc leave a locked partial alone); every process
+    creates the `processes/` folder of the write path."""
+    if snap.process_index == 0 and snap.storage.supports_locks:
+        snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
+        snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
+    snap.storage.makedirs(f"{snap.write_path}/{_format.PROCESSES}")
+
+
+def chunk_record(meta: ArrayMetadata, chunk_index: Sequence[int], box: Box, data: np.ndarray) -> ChunkRecord:
+    """The record of one chunk written from `data` (the host bytes of `box`)."""
+    return ChunkRecord(
+        leaf=meta.path,
+        key=_format.chunk_key(meta.path, chunk_index),
+        box=box,
+        file_bytes=meta.layout.file_bytes,
+        data_bytes=data.nbytes,
+        data_crc32c=_format.data_crc32c(data),
+    )
+
+
+def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord]) -> ProcessRecord:
+    """Once this process's chunks are durable: writes its `processes/<i>.json` (with
+    `snap.write_s` as measured) and returns the record."""
+    snap.bytes_written = sum(c.file_bytes for c in chunks if c.file_bytes is not None)
+    record = ProcessRecord(
+        process_index=snap.process_index,
+        generation=snap.generation,
+        chunks=tuple(chunks),
+        bytes_written=snap.bytes_written,
+        snapshot_s=round(snap.snapshot_s, 6),
+        write_s=round(snap.write_s, 6),
+        per_process_state=snap.per_process_state,  # additive: absent when the save gave none
+    )
+    snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
+    return record
+
+
 def write_snapshot(snap: Snapshot) -> ProcessRecord:
     """Writes this process's chunks and its `processes/<i>.json` record, durably.
 
@@ -348,11 +483,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
     futures: list = []
     opened: list = []
     try:
-        if snap.process_index == 0 and snap.storage.supports_locks:
-            # Held until commit or abort: recovery and gc leave a locked partial alone.
-            snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
-            snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
-        snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
+        begin_write(snap)
         meta_writer = snap.process_index == 0 if snap.writes_array_metadata is None else snap.writes_array_metadata
         opened = [(leaf, _open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in snap.arrays]
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
@@ -366,16 +497,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             for w, host in zip(leaf.plan.writes, leaf.host):
                 _ratelimit.acquire(snap.write_limiter, host.nbytes)  # paced per chunk write
                 futures.append((leaf.meta.path, store[w.box.slices()].write(host) if host.size else None))
-                chunks.append(
-                    ChunkRecord(
-                        leaf=leaf.meta.path,
-                        key=_format.chunk_key(leaf.meta.path, w.chunk_index),
-                        box=w.box,
-                        file_bytes=_format.encoded_chunk_bytes(leaf.meta.chunk_shape, leaf.meta.inner_chunk_shape, leaf.meta.dtype.itemsize),
-                        data_bytes=host.nbytes,
-                        data_crc32c=_format.data_crc32c(host),
-                    )
-                )
+                chunks.append(chunk_record(leaf.meta, w.chunk_index, w.box, host))
         for leaf_path, f in futures:
             if f is None:
                 continue
@@ -384,18 +506,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
         snap.write_s = time.perf_counter() - t0
-        snap.bytes_written = sum(c.file_bytes for c in chunks if c.file_bytes is not None)
-        record = ProcessRecord(
-            process_index=snap.process_index,
-            generation=snap.generation,
-            chunks=tuple(chunks),
-            bytes_written=snap.bytes_written,
-            snapshot_s=round(snap.snapshot_s, 6),
-            write_s=round(snap.write_s, 6),
-            per_process_state=snap.per_process_state,  # additive: absent when the save gave none
-        )
-        snap.storage.write_file(f"{root}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
-        return record
+        return write_record(snap, chunks)
     except BaseException as e:
         # Let array creations and writes already issued finish before anyone removes
         # the partial folder (a creation still running would re-create files in it).
@@ -538,12 +649,18 @@ def _release_host(snap: Snapshot) -> None:
         leaf.host = []
 
 
-def run_background(snap: Snapshot, after_publish: Callable[[], object] | None = None) -> None:
-    """write_snapshot then commit; on failure tells the others, cleans up, re-raises."""
+def run_background(
+    snap: Snapshot,
+    after_publish: Callable[[], object] | None = None,
+    *,
+    write: Callable[[Snapshot], ProcessRecord] | None = None,
+) -> None:
+    """`write` (default `write_snapshot`) then commit; on failure tells the others,
+    cleans up, re-raises."""
     coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
     try:
         try:
-            record = write_snapshot(snap)
+            record = (write or write_snapshot)(snap)
         except BaseException as e:
             coord.report_error(f"{type(e).__name__}: {e}")
             abort(snap, coord)

@@ -22,13 +22,13 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
+from typing import TypeGuard
 
 import numpy as np
 
 from . import _distributed, _format, _save
 from ._box import Box, cell_box, grid_cells
-from ._directory import SAVE_LOCK_SUFFIX
-from ._errors import CheckpointExistsError, SaveError, UnsupportedValueError, where
+from ._errors import SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
 from ._metadata import ChunkRecord, ProcessRecord
 from ._save_plan import LeafWritePlan, chunk_shape_for
@@ -38,6 +38,11 @@ from ._user_metadata import metadata_json
 from ._zarr_groups import write_group_nodes
 
 log = logging.getLogger("checkpointer")
+
+# Reads one region of an array leaf: `read(box)` returns a numpy array of `box.shape`
+# (and the leaf's dtype) holding the leaf's values in `box`.
+RegionReader = Callable[[Box], np.ndarray]
+ProgressCallback = Callable[[str, int], None]
 
 # Largest chunk (zarr shard file) the writer produces, bytes: bounds the encoded copy
 # TensorStore holds while writing one chunk.
@@ -55,7 +60,8 @@ class ArraySource:
         whole shape for an unsharded array.
       saved_sharding: how it was sharded, for the manifest (None: a host array).
       kind: `"jax"` or `"numpy"` (what it was when saved).
-      read: returns the region `box` of the array as a numpy array of `box.shape`.
+      read: returns the region `box` of the array as a numpy array of `box.shape`
+        (a `RegionReader`).
     """
 
     shape: tuple[int, ...]
@@ -63,10 +69,10 @@ class ArraySource:
     shard_shape: tuple[int, ...]
     saved_sharding: SavedSharding | None
     kind: str
-    read: Callable[[Box], np.ndarray]
+    read: RegionReader
 
 
-def _is_source(x: object) -> bool:
+def _is_source(x: object) -> TypeGuard[ArraySource]:
     return isinstance(x, ArraySource)
 
 
@@ -84,7 +90,7 @@ def save_leaf_by_leaf(
     metadata: Mapping | None = None,
     step: int | None = None,
     overwrite: bool = False,
-    progress: Callable[[str, int], None] | None = None,
+    progress: ProgressCallback | None = None,
 ) -> None:
     """Saves `tree`, whose array leaves are `ArraySource`s, one chunk at a time.
 
@@ -109,11 +115,7 @@ def save_leaf_by_leaf(
         raise SaveError(f"saving {path} leaf by leaf runs in one process; this job has "
                         f"{_distributed.process_count()} processes. Run the conversion as a single-process program")
     storage, path = storage_for(path)
-    if storage.supports_rename and os.path.lexists(path) and not os.path.isdir(path):
-        raise SaveError(f"cannot save to {path}: it exists and is not a folder; remove it or choose another path")
-    _save._check_target_folder(storage, path, 0, overwrite)
-    if _save._committed(storage, path) and not overwrite:
-        raise CheckpointExistsError(f"{path} is already a committed checkpoint; pass overwrite=True to replace it")
+    _save.check_target(storage, path, 0, overwrite)
     user_metadata = metadata_json(metadata, path)
     arrays: list[tuple[_save.LeafSnapshot, ArraySource]] = []
     values: dict[str, dict] = {}
@@ -136,7 +138,8 @@ def save_leaf_by_leaf(
         value = _format.value_to_json(leaf)
         if value is None:
             raise UnsupportedValueError(
-                f"{where(leaf=leaf_path, path=path)}: a leaf of type {type(leaf).__qualname__} cannot be stored"
+                f"{where(leaf=leaf_path, path=path)}: a leaf of type {type(leaf).__qualname__} cannot be stored; "
+                "leaves must be ArraySource, None, bool, int, float, complex, str or numpy scalars (nothing is pickled)"
             )
         values[leaf_path] = value
     storage.commit_strategy.prepare_overwrite(path)
@@ -145,61 +148,42 @@ def save_leaf_by_leaf(
         structure=describe(tree, _is_source), arrays=[leaf for leaf, _ in arrays], values=values,
         user_metadata=user_metadata, step=step, overwrite=overwrite, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S,
     )
-    coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
-    try:
-        try:
-            record = _write(snap, arrays, progress)
-        except BaseException:
-            _save.abort(snap, coord)
-            raise
-        try:
-            _save.commit(snap, record)
-        except BaseException:
-            _save.abort(snap, coord)
-            raise
-    finally:
-        if snap.lock is not None:
-            snap.lock.release(remove=True)
-            snap.lock = None
+    # The save's own protocol (commit, abort and clean-up), with this writer.
+    _save.run_background(snap, write=lambda s: _write(s, arrays, progress))
 
 
-def _write(snap: _save.Snapshot, arrays: list, progress) -> ProcessRecord:
+def _write(
+    snap: _save.Snapshot, arrays: list[tuple[_save.LeafSnapshot, ArraySource]], progress: ProgressCallback | None
+) -> ProcessRecord:
     """Writes every chunk, one at a time, and `processes/0.json`; returns the record."""
     t0 = time.perf_counter()
     root = snap.write_path
     try:
-        if snap.storage.supports_locks:
-            snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
-            snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
-        snap.storage.makedirs(f"{root}/{_format.PROCESSES}")
+        _save.begin_write(snap)
         write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf, _ in arrays])
-        chunks = []
+        chunks: list[ChunkRecord] = []
         for leaf, source in arrays:
             chunks += _write_leaf(snap, leaf.meta, source, progress)
+        snap.write_s = time.perf_counter() - t0
+        return _save.write_record(snap, chunks)
     except (SaveError, UnsupportedValueError):
         raise
     except Exception as e:
         raise SaveError(f"writing {root} failed: {type(e).__name__}: {e}") from e
-    snap.write_s = time.perf_counter() - t0
-    record = ProcessRecord(
-        process_index=0, generation=snap.generation, chunks=tuple(chunks),
-        bytes_written=sum(c.file_bytes or 0 for c in chunks), snapshot_s=0.0, write_s=round(snap.write_s, 6),
-    )
-    snap.bytes_written = record.bytes_written or 0
-    snap.storage.write_file(f"{root}/{_format.process_record_name(0)}", _format.dumps(record.to_json()))
-    return record
 
 
-def _write_leaf(snap: _save.Snapshot, meta: ArrayMetadata, source: ArraySource, progress) -> list[ChunkRecord]:
+def _write_leaf(
+    snap: _save.Snapshot, meta: ArrayMetadata, source: ArraySource, progress: ProgressCallback | None
+) -> list[ChunkRecord]:
     root = snap.write_path
     try:
         store = _save._open_for_write(snap, meta, create=True).result()
     except Exception as e:
         raise SaveError(f"{where(leaf=meta.path, path=root)}: cannot create the zarr array: {e}") from e
-    out = []
+    out: list[ChunkRecord] = []
     if 0 in meta.shape:
         return out
-    encoded = _format.encoded_chunk_bytes(meta.chunk_shape, meta.inner_chunk_shape, meta.dtype.itemsize)
+    encoded = meta.layout.file_bytes
     for cell in grid_cells(Box.whole(meta.shape), meta.chunk_shape):
         box = cell_box(cell, meta.chunk_shape, meta.shape)
         data = np.asarray(source.read(box))
@@ -214,8 +198,7 @@ def _write_leaf(snap: _save.Snapshot, meta: ArrayMetadata, source: ArraySource, 
             store[box.slices()].write(data, can_reference_source_data_indefinitely=True).result()
         except Exception as e:
             raise SaveError(f"{where(leaf=meta.path, path=root)}: writing chunk {cell} failed: {e}") from e
-        out.append(ChunkRecord(leaf=meta.path, key=_format.chunk_key(meta.path, cell), box=box, file_bytes=encoded,
-                               data_bytes=data.nbytes, data_crc32c=_format.data_crc32c(data)))
+        out.append(_save.chunk_record(meta, cell, box, data))
         del data
         if progress is not None:
             progress(meta.path, encoded)

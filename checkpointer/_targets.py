@@ -8,6 +8,13 @@ and the drill plan for any process count with the same code). The default target
 `checkpointer plan` and the drill live in `_default_targets`. No I/O; devices are only
 read from the target's shardings.
 
+Matching rule (`match`): a target leaf whose leaf path is stored is read; a None target
+leaf over a stored subtree is skipped with `partial=True` and an error naming both
+otherwise; a target leaf the checkpoint lacks is kept as it is with
+`missing="keep_target"` (a concrete value only) and an error otherwise; a stored leaf
+the target lacks is an error unless `partial=True`. Messages name leaves by key string
+(`jax.tree_util.keystr`).
+
 Device→process rule (`device_boxes`): by default each device belongs to its own
 `process_index`; with `processes=P` the target mesh's devices are spread over P
 processes in mesh order, each holding a consecutive block of `n_devices // P`.
@@ -71,14 +78,14 @@ def _check_cast(meta: ArrayMetadata, dtype, path: str) -> np.dtype | None:
     if stored_key or target_key:
         if stored_key != target_key:
             raise DTypeMismatchError(
-                f"{where(leaf=meta.path, path=path)}: stored {'a PRNG key array' if stored_key else meta.dtype} "
+                f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: stored {'a PRNG key array' if stored_key else meta.dtype} "
                 f"but the target asks for {dtype}; a key and its raw data are not interchangeable. "
                 "Use jax.random.key_data / wrap_key_data on your side."
             )
         stored = jax.eval_shape(lambda: jax.random.key(0, impl=meta.key_impl)).dtype
         if stored != dtype:
             raise DTypeMismatchError(
-                f"{where(leaf=meta.path, path=path)}: stored a {meta.key_impl} PRNG key array ({stored}) but the "
+                f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: stored a {meta.key_impl} PRNG key array ({stored}) but the "
                 f"target asks for {dtype}; keys of one impl cannot be made into another. Fix the target's impl."
             )
         return None
@@ -87,7 +94,7 @@ def _check_cast(meta: ArrayMetadata, dtype, path: str) -> np.dtype | None:
         return None
     if _format.dtype_kind(meta.dtype) != _format.dtype_kind(dtype) or _format.dtype_kind(dtype) is None:
         raise DTypeMismatchError(
-            f"{where(leaf=meta.path, path=path)}: stored dtype {meta.dtype}, target dtype {dtype}. A target "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: stored dtype {meta.dtype}, target dtype {dtype}. A target "
             "dtype is applied as a cast only within one kind (float to float, int to int, complex to complex); "
             f"restore as {meta.dtype} and convert it yourself, or fix the target."
         )
@@ -131,7 +138,7 @@ def concrete_sharding(sharding: jax.sharding.Sharding, meta: ArrayMetadata, path
     shown = " x ".join(f"{n}={s}" for n, s in wanted)
     found = f"the mesh in context is {' x '.join(f'{n}={s}' for n, s in ctx.shape.items())}" if ctx is not None else "no mesh is in context"
     raise MeshError(
-        f"{where(leaf=meta.path, path=path)}: the target sharding is over an abstract mesh ({shown}, "
+        f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: the target sharding is over an abstract mesh ({shown}, "
         f"{math.prod(am.axis_sizes)} devices) with no concrete devices: {found} and jax.devices() has "
         f"{len(devices)} {devices[0].platform if devices else ''} device(s). Restore under `with jax.set_mesh(mesh):` "
         "of a concrete mesh with these axis names and sizes, or build the target with NamedSharding(mesh, spec) "
@@ -174,7 +181,7 @@ def resolve_target(meta: ArrayMetadata, target: object, path: str, *, concrete: 
         return LeafTarget(None, stored_shape, None)
     if not isinstance(target, (jax.sharding.Sharding, np.ndarray, jax.ShapeDtypeStruct, jax.Array)):
         raise InvalidTargetError(
-            f"{where(leaf=meta.path, path=path)}: target leaf of type {type(target).__name__} is not one of "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: target leaf of type {type(target).__name__} is not one of "
             "jax.ShapeDtypeStruct (with a sharding), jax.Array, jax.sharding.Sharding, None or a scalar"
         )
     if isinstance(target, jax.sharding.Sharding):
@@ -186,12 +193,12 @@ def resolve_target(meta: ArrayMetadata, target: object, path: str, *, concrete: 
         sharding = getattr(target, "sharding", None)
         if sharding is None:
             raise InvalidTargetError(
-                f"{where(leaf=meta.path, path=path)}: target ShapeDtypeStruct has no sharding; give it one "
+                f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: target ShapeDtypeStruct has no sharding; give it one "
                 "(jax.ShapeDtypeStruct(shape, dtype, sharding=...)) or use None for a host numpy array"
             )
     if tuple(shape) != stored_shape:
         raise ShapeMismatchError(
-            f"{where(leaf=meta.path, path=path)}: stored shape {stored_shape}, target shape {tuple(shape)}. "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: stored shape {stored_shape}, target shape {tuple(shape)}. "
             "Restore needs the same global shape; fix the target (jax.eval_shape of your init gives it) or "
             "restore with a Sharding / None leaf to take the stored shape."
         )
@@ -266,7 +273,7 @@ def _check_fits(lt: LeafTarget, meta: ArrayMetadata, path: str) -> None:
     s = lt.sharding
     if not isinstance(s, NamedSharding):
         return
-    what = f"{where(leaf=meta.path, path=path)}: the target sharding {s.spec} on shape {lt.shape}"
+    what = f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: the target sharding {s.spec} on shape {lt.shape}"
     if len(s.spec) > len(lt.shape):
         raise InvalidTargetError(
             f"{what} has {len(s.spec)} PartitionSpec entries for {len(lt.shape)} dimension(s). Give at most one entry "
@@ -297,7 +304,7 @@ def _concrete_device_boxes(lt: LeafTarget, meta: ArrayMetadata, path: str) -> li
         indices = s.devices_indices_map(lt.shape)
     except ValueError as e:
         raise InvalidTargetError(
-            f"{where(leaf=meta.path, path=path)}: JAX cannot lay out the target sharding {s} on shape {lt.shape}: "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: JAX cannot lay out the target sharding {s} on shape {lt.shape}: "
             f"{str(e).rstrip('.')}. Fix the target's sharding."
         ) from e
     order: list[Any] = list(s.mesh.devices.flat) if isinstance(s, NamedSharding) else list(indices)  # Any: no Device stubs
@@ -342,7 +349,7 @@ def device_boxes(
         mine = range(process_index * per, (process_index + 1) * per) if 0 <= process_index < processes else range(0)
     elif _is_abstract(s):
         raise MeshError(
-            f"{where(leaf=meta.path, path=path)}: the target sharding is over an abstract mesh; give the process "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: the target sharding is over an abstract mesh; give the process "
             "count to plan for (processes=P) or a concrete mesh"
         )
     if _is_abstract(s):
@@ -355,6 +362,45 @@ def device_boxes(
         else:
             pairs = [(d, b) for d, owner, b in every if owner == process_index]
     return tuple((d, Box(b.origin + (0,) * len(key_tail), b.shape + key_tail)) for d, b in pairs)
+
+
+def all_device_boxes(
+    lt: LeafTarget, meta: ArrayMetadata, *, processes: int | None = None, path: str = ""
+) -> tuple[tuple[int, int, Box], ...]:
+    """`(device id, process, box)` of every device of a `NamedSharding` target, in
+    row-major mesh order (the order `named_shard_boxes` and `mesh.devices.flat` use).
+
+    Args:
+      lt: the resolved target; its sharding must be a `NamedSharding`.
+      meta: the stored leaf (a PRNG key's trailing key-data dimensions are whole).
+      processes: as for `device_boxes` (None: each device's own `process_index`).
+      path: the checkpoint path, for messages.
+    Raises:
+      As `device_boxes`.
+
+    Multi-process: pure; the same on every process.
+    """
+    s = lt.sharding
+    assert isinstance(s, NamedSharding), "all_device_boxes is for NamedSharding targets"
+    _check_fits(lt, meta, path)
+    key_tail = meta.shape[len(lt.shape) :]
+    n_devices = math.prod(s.mesh.axis_sizes)
+    if processes is not None:
+        if processes < 1 or n_devices % processes:
+            raise MeshError(f"{processes} processes do not divide the target's {n_devices} devices; choose a divisor")
+        per = n_devices // processes
+        triples = [(i, i // per, b) for i, b in enumerate(named_shard_boxes(lt.shape, s.mesh.shape, s.spec))]
+        if not _is_abstract(s):
+            ids = [d.id for d in s.mesh.devices.flat]
+            triples = [(ids[i], p, b) for i, p, b in triples]
+    elif _is_abstract(s):
+        raise MeshError(
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: the target sharding is over an abstract mesh; give the process "
+            "count to plan for (processes=P) or a concrete mesh"
+        )
+    else:
+        triples = _concrete_device_boxes(lt, meta, path)
+    return tuple((d, p, Box(b.origin + (0,) * len(key_tail), b.shape + key_tail)) for d, p, b in triples)
 
 
 def _is_abstract(s: jax.sharding.Sharding) -> TypeGuard[NamedSharding]:
@@ -373,12 +419,19 @@ class ResolvedLeaf:
       meta: the stored leaf.
       target: its resolved target; None for a non-array (value) leaf.
       device_boxes: `(device id, box)` of this process's devices (empty for a value leaf).
+      all_boxes: `(device id, process, box)` of every device of the target, in mesh
+        order; only when resolved with `cooperative=True` and the target is a
+        `NamedSharding` on devices, else empty.
     """
 
     path: str
     meta: ArrayMetadata | ValueMetadata
     target: LeafTarget | None
     device_boxes: tuple[tuple[int, Box], ...]
+    all_boxes: tuple[tuple[int, int, Box], ...] = ()
+
+
+MISSING_CHOICES = ("error", "keep_target")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,40 +442,153 @@ class ResolvedTarget:
       treedef: the target's tree structure, or None to rebuild it from the manifest.
       leaves: one entry per leaf to restore, in target order.
       process_index: the process the device boxes are for.
+      kept: leaf path → the target's own leaf, for target leaves that are not read
+        (`missing="keep_target"` leaves absent from the checkpoint, and None leaves
+        over a saved subtree with `partial=True`); returned as they are.
+      order: every target leaf path in target order (read and kept); empty when
+        `treedef` is None.
+      kept_keystrs: the kept leaves' key strings (as `jax.tree_util.keystr`), for the log.
     """
 
     treedef: object | None
     leaves: tuple[ResolvedLeaf, ...]
     process_index: int
+    kept: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    order: tuple[str, ...] = ()
+    kept_keystrs: tuple[str, ...] = ()
 
 
-def match(meta: CheckpointMetadata, target: object, *, partial: bool, path: str):
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """A target tree paired with a checkpoint's leaves (`match`).
+
+    Attributes:
+      treedef: the target's tree structure, or None ("rebuild from the manifest").
+      pairs: `(leaf path, stored metadata, target leaf)` of the leaves to read, in target order.
+      kept: leaf path → target leaf returned as it is (see `ResolvedTarget.kept`).
+      order: every target leaf path, in target order.
+      kept_keystrs: the kept leaves' key strings.
+    """
+
+    treedef: object | None
+    pairs: list[tuple[str, ArrayMetadata | ValueMetadata, object]]
+    kept: dict[str, object]
+    order: tuple[str, ...]
+    kept_keystrs: tuple[str, ...]
+
+
+def _is_concrete_value(x: object) -> bool:
+    """A target leaf that can stand for itself in the restored tree."""
+    return x is None or isinstance(x, (jax.Array, np.ndarray, bool, int, float, complex, str, np.generic))
+
+
+def _under(prefix: str, paths: Sequence[str]) -> list[str]:
+    """The leaf paths strictly below `prefix` (every path is below the root `""`)."""
+    return [p for p in paths if p != prefix and (prefix == "" or p.startswith(prefix + "/"))]
+
+
+def match(meta: CheckpointMetadata, target: object, *, partial: bool, path: str, missing: str = "error") -> Match:
     """Pairs target leaves with stored leaves.
 
-    Returns:
-      (treedef or None, [(leaf path, stored metadata, target leaf)]) in target order;
-      treedef None means "rebuild from the manifest".
+    Rules, per target leaf path: in the checkpoint → read. None where the checkpoint
+    holds a subtree → kept as None with `partial=True`, else an error that says so.
+    Absent from the checkpoint → kept as it is with `missing="keep_target"` (it must
+    be a concrete value: a `jax.Array`, numpy array, scalar or None), else an error.
+    Saved leaves absent from the target → an error unless `partial=True`.
+
     Raises:
-      StructureMismatchError: leaf paths differ (names missing and extra paths).
+      StructureMismatchError: leaf paths differ (names, as `jax.tree_util.keystr`
+        prints them, the missing and extra leaves and the fix); a None target leaf over
+        a saved subtree without `partial=True` (names both).
+      InvalidTargetError: with `missing="keep_target"`, a target-only leaf that is
+        abstract (a ShapeDtypeStruct or a Sharding): a value is needed.
+      ValueError: `missing` is not one of `MISSING_CHOICES`.
     """
+    if missing not in MISSING_CHOICES:
+        raise ValueError(f"missing={missing!r}: expected one of {', '.join(repr(c) for c in MISSING_CHOICES)}")
     if target is None:
-        return None, [(p, m, None) for p, m in meta.leaves.items()]
+        return Match(None, [(p, m, None) for p, m in meta.leaves.items()], {}, (), ())
     flat = flatten_target(target)
-    paths = [p for p, _ in flat]
-    missing = [p for p in paths if p not in meta.leaves]
-    extra = [p for p in meta.leaves if p not in set(paths)] if not partial else []
-    if missing or extra:
-        msg = [f"the target tree does not match the checkpoint {path}:"]
-        if missing:
-            msg.append(f"  in the target but not in the checkpoint ({len(missing)}): {_show(missing)}")
-        if extra:
-            msg.append(f"  in the checkpoint but not in the target ({len(extra)}): {_show(extra)}")
-        msg.append(
-            "Fix the target's structure (ckpt.metadata(path).tree shows the saved one)"
-            + (", or pass partial=True to restore a subset." if extra and not missing else ".")
+    names = {p: jax.tree_util.keystr(kp) for (p, _), (kp, _) in zip(
+        flat, jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0])}
+    saved = list(meta.leaves)
+    inner = {q.rsplit("/", i)[0] for q in saved for i in range(1, q.count("/") + 1)}  # the saved subtrees' paths
+    pairs: list[tuple[str, ArrayMetadata | ValueMetadata, object]] = []
+    kept: dict[str, object] = {}
+    covered: set[str] = set()
+    missing_paths: list[str] = []
+    none_over_subtree: list[tuple[str, list[str]]] = []
+    abstract_kept: list[str] = []
+    for p, leaf in flat:
+        if p in meta.leaves:
+            pairs.append((p, meta.leaves[p], leaf))
+            covered.add(p)
+            continue
+        below = _under(p, saved) if leaf is None and (p == "" or p in inner) else []
+        if below:
+            covered.update(below)
+            if partial:
+                kept[p] = None
+            else:
+                none_over_subtree.append((p, below))
+        elif missing == "keep_target":
+            if _is_concrete_value(leaf):
+                kept[p] = leaf
+            else:
+                abstract_kept.append(p)
+        else:
+            missing_paths.append(p)
+    if none_over_subtree:
+        lines = [f"the target does not match the checkpoint {path}:"]
+        for p, below in none_over_subtree:
+            shown = _show([meta.keystr(b) for b in below], 3)
+            lines.append(
+                f"  the target has None at {_name(names[p])} where the checkpoint holds a subtree of {len(below)} "
+                f"leaves ({shown})"
+            )
+        lines.append(
+            "A None target leaf stands for one array or value, not a subtree. Pass the abstract subtree there "
+            "(e.g. jax.eval_shape(tx.init, params) for an optimizer state), or pass partial=True to skip it "
+            "(it comes back as None)."
         )
+        raise StructureMismatchError("\n".join(lines))
+    if abstract_kept:
+        raise InvalidTargetError(
+            f"missing='keep_target': the target leaves {_show([_name(names[p]) for p in abstract_kept])} are not in "
+            f"the checkpoint {path} and are abstract (a ShapeDtypeStruct or Sharding), so there is no value to keep. "
+            "Give those leaves a value (initialise them, e.g. the new head's jax.Array), or remove them from the target."
+        )
+    extra = [p for p in saved if p not in covered] if not partial else []
+    if missing_paths or extra:
+        msg = [f"the target tree does not match the checkpoint {path}:"]
+        if missing_paths:
+            msg.append(
+                f"  in the target but not in the checkpoint ({len(missing_paths)}): "
+                f"{_show([_name(names[p]) for p in missing_paths])}"
+            )
+            holders = dict.fromkeys(q for p in missing_paths[:10] for q in saved if q == "" or p.startswith(q + "/"))
+            for holder in list(holders)[:3]:
+                m = meta.leaves[holder]
+                what = f"the value {m.value!r:.40}" if isinstance(m, ValueMetadata) else f"an array {m.shape}"
+                msg.append(f"  the checkpoint holds one leaf, {what}, at {_name(meta.keystr(holder))}, where the target has a subtree")
+        if extra:
+            msg.append(f"  in the checkpoint but not in the target ({len(extra)}): {_show([_name(meta.keystr(p)) for p in extra])}")
+        fixes = ["Fix the target's structure (ckpt.metadata(path).tree shows the saved one)"]
+        if extra and not missing_paths:
+            fixes.append("or pass partial=True to restore a subset")
+        if missing_paths and not extra:
+            fixes.append("or, to keep the target's own values for leaves the checkpoint lacks (fine-tuning a new "
+                         "head), pass missing='keep_target'")
+        msg.append(", ".join(fixes) + ".")
         raise StructureMismatchError("\n".join(msg))
-    return jax.tree_util.tree_structure(target, is_leaf=_is_target_leaf), [(p, meta.leaves[p], leaf) for p, leaf in flat]
+    treedef = jax.tree_util.tree_structure(target, is_leaf=_is_target_leaf)
+    kept_names = tuple(names[p] for p in kept)
+    return Match(treedef, pairs, kept, tuple(p for p, _ in flat), kept_names)
+
+
+def _name(keystr: str) -> str:
+    """A key string for messages; the root leaf's empty one is shown as `<root>`."""
+    return keystr or "<root>"
 
 
 def flatten_target(target: object) -> list[tuple[str, object]]:
@@ -431,12 +597,19 @@ def flatten_target(target: object) -> list[tuple[str, object]]:
 
 
 def _show(paths: list[str], n: int = 10) -> str:
-    shown = ", ".join(repr(p) for p in paths[:n])
+    shown = ", ".join(paths[:n])
     return shown + (f", ... ({len(paths) - n} more)" if len(paths) > n else "")
 
 
 def resolve_tree(
-    meta: CheckpointMetadata, target: object, *, partial: bool, process_index: int, processes: int | None = None
+    meta: CheckpointMetadata,
+    target: object,
+    *,
+    partial: bool,
+    process_index: int,
+    processes: int | None = None,
+    missing: str = "error",
+    cooperative: bool = False,
 ) -> ResolvedTarget:
     """Matches `target` to the checkpoint and resolves every leaf for one process.
 
@@ -445,9 +618,13 @@ def resolve_tree(
       target: as for `restore`.
       partial: as for `restore`.
       process_index: the process whose devices' boxes are listed.
+      missing: as for `restore` (see `match`).
       processes: see `device_boxes`. With it, shardings over an `AbstractMesh` stay
         abstract (planning needs no devices); without, they are made concrete
         (`concrete_sharding`).
+      cooperative: also list every device's box and process (`ResolvedLeaf.all_boxes`)
+        for `NamedSharding` targets, so the planner can split boxes that several
+        processes need.
     Returns:
       A `ResolvedTarget`.
     Raises:
@@ -455,12 +632,19 @@ def resolve_tree(
 
     Multi-process: pure; any process may resolve for any other.
     """
-    treedef, pairs = match(meta, target, partial=partial, path=meta.path)
+    matched = match(meta, target, partial=partial, path=meta.path, missing=missing)
     leaves = []
-    for p, m, t in pairs:
+    for p, m, t in matched.pairs:
         if isinstance(m, ValueMetadata):
             leaves.append(ResolvedLeaf(p, m, None, ()))
             continue
         lt = resolve_target(m, t, meta.path, concrete=processes is None)
-        leaves.append(ResolvedLeaf(p, m, lt, device_boxes(lt, m, process_index, processes=processes, path=meta.path)))
-    return ResolvedTarget(treedef, tuple(leaves), process_index)
+        mine = device_boxes(lt, m, process_index, processes=processes, path=meta.path)
+        every: tuple[tuple[int, int, Box], ...] = ()
+        if cooperative and isinstance(lt.sharding, NamedSharding):
+            every = all_device_boxes(lt, m, processes=processes, path=meta.path)
+        leaves.append(ResolvedLeaf(p, m, lt, mine, every))
+    return ResolvedTarget(
+        matched.treedef, tuple(leaves), process_index, kept=matched.kept, order=matched.order,
+        kept_keystrs=matched.kept_keystrs,
+    )

@@ -219,7 +219,8 @@ class LocalTier:
         if not steps:
             return []
         kept = self.keep_local.keep(steps, {s: {} for s in steps}) | {steps[-1]} | self.pending_steps()
-        durable_steps = _directory.committed_steps(self.durable, self.directory)
+        durable_folders = _directory.committed_folders(self.durable, self.directory)
+        durable_steps = sorted(durable_folders)
         latest_durable = durable_steps[-1] if durable_steps else None
         removed = []
         for s in steps:
@@ -227,7 +228,7 @@ class LocalTier:
                 continue
             marker = _tiers.read_marker(self.storage, f"{self.root}/{s}")
             durable = s in durable_steps and marker is not None and (
-                _tiers.durable_generation(self.durable, self.directory, s) == marker.generation
+                _tiers.durable_generation(self.durable, self.directory, s, durable_folders) == marker.generation
             )
             if not durable and not (latest_durable is not None and s < latest_durable):
                 continue  # only here (its replication failed): kept
@@ -257,11 +258,16 @@ class LocalTier:
 
     # --- restore ------------------------------------------------------------------------
 
-    def _needed_keys(self, target: object, partial: bool) -> Callable[[str], list[str] | None]:
+    def _needed_keys(self, target: object, partial: bool, missing: str) -> Callable[[str], list[str] | None]:
+        """The chunk files this process's devices need of a local step: every file of
+        every box they hold, whether or not a cooperative restore would read it (after a
+        replica-parallel save a process holds only the chunks it wrote of a replicated
+        box, so such a step is not whole here and the durable tier is read)."""
+
         def needed(path: str) -> list[str] | None:
             try:
                 meta = read_metadata(self.storage, path)
-                resolved = resolve_tree(meta, target, partial=partial, process_index=self.process_index)
+                resolved = resolve_tree(meta, target, partial=partial, process_index=self.process_index, missing=missing)
             except CheckpointError:
                 return None
             keys: list[str] = []
@@ -281,8 +287,10 @@ class LocalTier:
         durable_path: Callable[[int], str],
         resume: Callable[[int, str, bool], None] | None,
         partial: bool,
+        missing: str,
         max_inflight_bytes: int | None,
         stats: RestoreStats | None,
+        cooperative: bool,
     ) -> tuple[PyTree, str, int]:
         """Restores from the local tier where it can (see `CheckpointManager.restore`).
 
@@ -291,7 +299,7 @@ class LocalTier:
           process's local tier), "local+durable" or "durable".
         """
         if step is None:
-            proposal = _tiers.local_restore_proposal(self.storage, self.root, latest_durable, self._needed_keys(target, partial))
+            proposal = _tiers.local_restore_proposal(self.storage, self.root, latest_durable, self._needed_keys(target, partial, missing))
             votes = _tiers.agree(self.directory, proposal, self.commit_timeout_s)
             if votes[0] != "-" and all(v == votes[0] for v in votes):
                 local_step, generation = votes[0].split()
@@ -303,8 +311,8 @@ class LocalTier:
                 view = _tiers.TieredStorage(
                     self.storage, f"{self.root}/{step}", self.durable, f"{self.directory}/{step}", durable_committed=False,
                 )
-                tree = restore_from(view, f"{self.directory}/{step}", target, partial=partial,
-                                    max_inflight_bytes=max_inflight_bytes, stats=stats)
+                tree = restore_from(view, f"{self.directory}/{step}", target, partial=partial, missing=missing,
+                                    max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative)
                 if resume is not None:
                     marker = _tiers.read_marker(self.storage, f"{self.root}/{step}")
                     resume(step, generation, bool(marker and marker.overwrite))
@@ -322,12 +330,14 @@ class LocalTier:
         if marker is not None and marker.generation == _tiers.durable_generation(self.durable, self.directory, step):
             view = _tiers.TieredStorage(self.storage, f"{self.root}/{step}", self.durable, path, durable_committed=True)
             try:
-                tree = restore_from(view, path, target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats)
+                tree = restore_from(view, path, target, partial=partial, missing=missing,
+                                    max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative)
                 only_local = view.durable_bytes_read == 0 and not view.used_durable_kvstore
                 return tree, ("local" if only_local else "local+durable"), view.durable_bytes_read
             except CorruptCheckpointError as e:
                 log.warning("the local copy of step %d in %s is damaged (%s); reading it from %s", step, self.root, e, path)
         stats = RestoreStats() if stats is None else stats
         before = stats.bytes_read
-        tree = restore_from(self.durable, path, target, partial=partial, max_inflight_bytes=max_inflight_bytes, stats=stats)
+        tree = restore_from(self.durable, path, target, partial=partial, missing=missing,
+                            max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative)
         return tree, "durable", stats.bytes_read - before

@@ -35,7 +35,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import crc32c
 
@@ -122,9 +122,16 @@ def local_steps(storage: Storage, root: str) -> dict[int, str]:
     return _directory.committed_folders(storage, root)
 
 
-def durable_generation(storage: Storage, directory: str, step: int) -> str | None:
-    """The generation of committed durable `step` (from its marker), or None."""
-    path = _directory.committed_path(storage, directory, step)
+def durable_generation(
+    storage: Storage, directory: str, step: int, folders: Mapping[int, str] | None = None
+) -> str | None:
+    """The generation of committed durable `step` (from its marker), or None. One
+    listing of `directory`, or none when `folders` (`_directory.committed_folders`) is
+    given."""
+    folders = _directory.committed_folders(storage, directory) if folders is None else folders
+    if step not in folders:
+        return None
+    path = f"{directory}/{folders[step]}"
     try:
         marker = _format.loads(storage.read_file(f"{path}/{_format.COMMITTED}"), path)
     except (FileNotFoundError, NotADirectoryError, CheckpointError):
@@ -393,6 +400,10 @@ class TieredStorage(Storage):
 
     def _where(self, path: str) -> tuple[Storage, str, bool]:
         if path == self.durable_path or path.startswith(self.durable_path + "/"):
+            if self.durable_committed and path == f"{self.durable_path}/{_format.COMMITTED}":
+                # The durable marker, the same on every process (a cooperative restore
+                # compares it); the local one names this process. Not counted: no data.
+                return self.durable, path, True
             local_path = self.local_path + path[len(self.durable_path):]
             if self.local.exists(local_path):
                 return self.local, local_path, True
@@ -411,6 +422,14 @@ class TieredStorage(Storage):
         raise PermissionError(f"{path}: a tiered view is read-only")
 
     def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        if not self.durable_committed and path == f"{self.durable_path}/{_format.COMMITTED}":
+            # A local-only step: its local markers differ per process (index, devices,
+            # time); a cooperative restore compares markers, so every process sees the
+            # same one, naming the save by its generation (None if absent).
+            marker = read_marker(self.local, self.local_path)
+            if marker is None:
+                raise FileNotFoundError(path)
+            return _format.dumps({"generation": marker.generation, "tier": "local"})
         storage, p, local = self._where(path)
         data = storage.read_file(p, max_bytes)
         if not local:
@@ -483,7 +502,7 @@ def local_listing(local_directory: str | os.PathLike, durable: Storage, director
     committed locally only; "partial": a local save in flight or crashed), `generation`
     and `size_bytes`. Reads only; takes no lock."""
     storage, root = storage_for(local_directory)
-    durable_steps = set(_directory.committed_steps(durable, directory))
+    durable_folders = _directory.committed_folders(durable, directory)
     rows = []
     for name in sorted(storage.list_dir(root)):
         if not name.startswith(PROCESS_DIR_PREFIX) or not name[len(PROCESS_DIR_PREFIX):].isdigit():
@@ -493,7 +512,7 @@ def local_listing(local_directory: str | os.PathLike, durable: Storage, director
             marker = read_marker(storage, f"{proc}/{e.name}") if e.committed else None
             if marker is None:
                 state = "partial"
-            elif e.step in durable_steps and durable_generation(durable, directory, e.step) == marker.generation:
+            elif durable_generation(durable, directory, e.step, durable_folders) == marker.generation:
                 state = "durable"
             else:
                 state = "not durable"

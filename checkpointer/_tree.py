@@ -15,6 +15,14 @@ never contains NUL; `check_leaf_path` enforces that on read and write.
 
 The tree structure is stored as a JSON *node*: containers (`dict`, `list`, `tuple`,
 `namedtuple`, `custom`, `none`) with typed keys, and `{"kind": "leaf", "path": ...}`.
+A `custom` node also records `key_kinds`, one per key (`"dict"`, `"attr"`, `"index"`,
+`"flat"`: the `jax.tree_util` key entry type), since a custom node's `str` key may be a
+`DictKey` (`nnx.State`, `FrozenDict`) or a `GetAttrKey` (a flax `TrainState`).
+
+The user-facing name of a leaf is its *key string*, as `jax.tree_util.keystr` prints
+the key path (`['params']['dense'].kernel[0]`); `keystrs` rebuilds it from the stored
+structure alone. Manifests written before `key_kinds` existed print a custom node's
+`str` key as `.name` when it is an identifier, else `['name']`.
 With no target, a restore rebuilds dicts, lists, tuples and namedtuples as such and any
 other registered node (a flax dataclass, a `TrainState`) as a dict of its attributes;
 nothing is imported by name from a checkpoint.
@@ -143,6 +151,16 @@ def _key_json(entry: KeyEntry) -> object:
     return entry.key
 
 
+def _key_kind(entry: KeyEntry) -> str:
+    if isinstance(entry, DictKey):
+        return "dict"
+    if isinstance(entry, GetAttrKey):
+        return "attr"
+    if isinstance(entry, SequenceKey):
+        return "index"
+    return "flat"
+
+
 def describe(tree: object, is_array_leaf: Callable[[object], bool]) -> JsonNode:
     """Returns the JSON node describing `tree`'s structure (see module docstring)."""
 
@@ -171,6 +189,7 @@ def describe(tree: object, is_array_leaf: Callable[[object], bool]) -> JsonNode:
         else:
             out["kind"] = "custom"
             out["type"] = f"{type(node).__module__}.{type(node).__qualname__}"
+            out["key_kinds"] = [_key_kind(k) for k in keys]
         return out
 
     return go(tree, ())
@@ -253,3 +272,80 @@ def leaf_paths_of(node: JsonNode) -> list[str]:
             raise CorruptCheckpointError("malformed tree structure: 'children' is not a list")
         stack.extend((c, depth + 1) for c in reversed(children))
     return out
+
+
+# --- key strings -----------------------------------------------------------------------------
+
+_KIND_OF_NODE = {"dict": "dict", "list": "index", "tuple": "index", "namedtuple": "attr"}
+
+
+def key_entry_str(node_kind: object, key: object, key_kind: object = None) -> str:
+    """One key of a stored node as `jax.tree_util.keystr` prints its key entry.
+
+    Args:
+      node_kind: the parent node's `kind` (`dict`, `list`, `tuple`, `namedtuple`, `custom`).
+      key: the key in its JSON form (a str, an int, `{"int": n}`, `{"repr": text}`).
+      key_kind: the parent's `key_kinds` entry for this key, if recorded (custom nodes).
+    Returns:
+      `['k']` (DictKey of a str), `[3]` (DictKey of an int, SequenceKey), `[<repr>]`
+      (other DictKeys), `.name` (GetAttrKey), `[<flat index 3>]` (FlattenedIndexKey).
+    """
+    if isinstance(key, dict):
+        if "int" in key:
+            return f"[{key['int']}]"
+        if "repr" in key:
+            return f"[{key['repr']}]"
+    kind = key_kind if key_kind in ("dict", "attr", "index", "flat") else _KIND_OF_NODE.get(str(node_kind))
+    if kind is None:  # a custom node stored before key_kinds: guess from the key
+        kind = "attr" if isinstance(key, str) and key.isidentifier() else "dict"
+    if kind == "attr":
+        return f".{key}"
+    if kind == "flat":
+        return f"[<flat index {key}>]"
+    if kind == "dict" and isinstance(key, str):
+        return f"[{key!r}]"
+    return f"[{key}]"
+
+
+def keystrs(structure: JsonNode) -> dict[str, str]:
+    """Leaf path -> key string (as `jax.tree_util.keystr` prints the leaf's key path),
+    rebuilt from a stored structure alone (iterative: no recursion limit).
+
+    Args:
+      structure: the manifest's `structure` (see `describe`).
+    Returns:
+      One entry per leaf, in tree order; a root leaf's key string is `""`.
+    Raises:
+      CorruptCheckpointError: a node is not an object, has malformed keys, or nests
+        deeper than `MAX_DEPTH`.
+    """
+    out: dict[str, str] = {}
+    stack: list[tuple[object, str, int]] = [(structure, "", 0)]
+    while stack:
+        n, prefix, depth = stack.pop()
+        if not isinstance(n, dict) or depth > MAX_DEPTH:
+            raise CorruptCheckpointError("malformed or too deeply nested tree structure")
+        if n.get("kind") == "leaf":
+            path = n.get("path")
+            if not isinstance(path, str):
+                raise CorruptCheckpointError(f"malformed tree structure: leaf path {path!r:.100} is not a string")
+            out[path] = prefix
+            continue
+        keys, children = n.get("keys", []), n.get("children", [])
+        kinds = n.get("key_kinds")
+        if not isinstance(keys, list) or not isinstance(children, list) or len(keys) != len(children):
+            raise CorruptCheckpointError("malformed tree structure: 'keys' and 'children' do not pair up")
+        if not isinstance(kinds, list) or len(kinds) != len(keys):
+            kinds = [None] * len(keys)
+        for k, kk, c in reversed(list(zip(keys, kinds, children))):
+            stack.append((c, prefix + key_entry_str(n.get("kind"), k, kk), depth + 1))
+    return out
+
+
+def keystr(structure: JsonNode, path: str) -> str:
+    """The key string of one leaf path (see `keystrs`).
+
+    Raises:
+      KeyError: `path` is not a leaf of `structure`.
+    """
+    return keystrs(structure)[path]

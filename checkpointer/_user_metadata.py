@@ -76,15 +76,7 @@ def to_json(value: object, where: str, *, _depth: int = 0) -> object:
     if number is not None:
         return _float_json(number) if isinstance(number, float) else number
     if isinstance(value, Mapping):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise UnsupportedValueError(
-                    f"{where} has the key {k!r} of type {type(k).__name__}; metadata keys must be str "
-                    f"(JSON object keys), e.g. {str(k)!r}"
-                )
-            out[k] = to_json(v, f"{where}[{k!r}]", _depth=_depth + 1)
-        return out
+        return _mapping_json(value, where, _depth)
     if isinstance(value, (list, tuple)):
         return [to_json(v, f"{where}[{i}]", _depth=_depth + 1) for i, v in enumerate(value)]
     shape = getattr(value, "shape", None)
@@ -96,30 +88,57 @@ def to_json(value: object, where: str, *, _depth: int = 0) -> object:
                                 f"which metadata cannot hold: {hint}")
 
 
+def _mapping_json(value: Mapping, where: str, depth: int) -> dict[str, object]:
+    """A dict by the rule: `str` keys, each value converted by `to_json`."""
+    out: dict[str, object] = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise UnsupportedValueError(
+                f"{where} has the key {k!r} of type {type(k).__name__}; metadata keys must be str "
+                f"(JSON object keys), e.g. {str(k)!r}"
+            )
+        out[k] = to_json(v, f"{where}[{k!r}]", _depth=depth + 1)
+    return out
+
+
 def metadata_json(metadata: object, path: str) -> dict:
     """`save(metadata=)` as the JSON dict stored in the manifest's `user_metadata`.
 
     Raises:
-      UnsupportedValueError: `metadata` is not a dict, or holds a value the rule refuses.
+      UnsupportedValueError: `metadata` is not a dict, or holds a value the rule refuses
+        (names its key path and the checkpoint path).
     """
     if metadata is None:
         return {}
     if not isinstance(metadata, Mapping):
         raise UnsupportedValueError(f"metadata for {path} must be a dict, got {type(metadata).__name__}")
-    return to_json(metadata, "metadata")
+    try:
+        return _mapping_json(metadata, "metadata", 0)
+    except UnsupportedValueError as e:
+        raise UnsupportedValueError(f"saving {path}: {e}") from None
 
 
-def metrics_json(metrics: Mapping[str, object] | None) -> dict:
+def metrics_json(metrics: Mapping[str, object] | None, path: str) -> dict:
     """The manager's `metrics=` as JSON: by the same rule, each value a number (stored as
     a float), a non-finite number (stored as "NaN" / "Infinity" / "-Infinity"), a str,
     a bool or None.
 
+    Args:
+      metrics: the metrics of one save.
+      path: the checkpoint path of that save, for messages.
     Raises:
       UnsupportedValueError: a metric of another kind (a list, dict, array, object),
-        naming it, e.g. `metrics['loss']`.
+        naming it, e.g. `metrics['loss']`, and the checkpoint path.
     """
     if metrics is None:
         return {}
+    try:
+        return _metrics_json(metrics)
+    except UnsupportedValueError as e:
+        raise UnsupportedValueError(f"saving {path}: {e}") from None
+
+
+def _metrics_json(metrics: object) -> dict:
     if not isinstance(metrics, Mapping):
         raise UnsupportedValueError(f"metrics must be a dict of numbers, got {type(metrics).__name__}")
     out = {}

@@ -12,8 +12,9 @@ import tensorstore as ts
 from . import _format
 from ._box import Box, cell_box, grid_cells
 from ._errors import CheckpointError
-from ._metadata import ChunkRecord, ProcessRecord, read_metadata
-from ._storage import TS_CONTEXT, storage_for
+from ._metadata import ChunkRecord, read_metadata, read_process_record
+from ._read import open_zarr_array
+from ._storage import storage_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +70,7 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
     for name in storage.list_dir(f"{path}/{_format.PROCESSES}"):
         where = f"{path}/{_format.PROCESSES}/{name}"
         try:
-            record = ProcessRecord.from_json(_format.loads(storage.read_file(where), name), where)
+            record = read_process_record(storage, where)
         except CheckpointError as e:
             problems.append(f"process record {name} is malformed: {e}")
             continue
@@ -87,8 +88,7 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
         key = _format.chunk_key(leaf, cell)
         try:
             if leaf not in stores:
-                kvstore = storage.kvstore_spec(f"{path}/{_format.array_dir(leaf)}")
-                stores[leaf] = ts.open(_format.zarr_spec(kvstore, m, mode="read"), context=TS_CONTEXT, read=True).result()
+                stores[leaf] = open_zarr_array(storage, path, m).result()
             box = cell_box(cell, m.chunk_shape, m.shape)
             data = stores[leaf][box.slices()].read().result()
             n_bytes += data.nbytes

@@ -23,23 +23,15 @@ written before them restore as ever. A level one of whose members escapes to the
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from . import _format
+from ._tree import key_entry_str
+
+if TYPE_CHECKING:
+    from ._storage import Storage
 
 ZARR_JSON = "zarr.json"
-
-
-def _key_str(parent_kind: str, key: object) -> str:
-    """One key as `jax.tree_util.keystr` prints it, from its JSON form."""
-    if isinstance(key, dict) and "int" in key:
-        return f"[{key['int']}]"
-    if isinstance(key, dict) and "repr" in key:
-        return f"[{key['repr']}]"
-    if parent_kind == "dict":
-        return f"[{key!r}]"
-    if parent_kind in ("namedtuple", "custom") and isinstance(key, str):
-        return f".{key}"
-    return f"[{key}]"
 
 
 def _group(attributes: dict) -> dict:
@@ -65,8 +57,10 @@ def group_nodes(structure: dict, array_paths: Iterable[str]) -> dict[str, dict]:
         if node.get("kind") == "leaf":
             return [node["path"]] if node.get("path") in arrays else []
         below, children = [], {}
-        for k, child in zip(node.get("keys", []), node.get("children", [])):
-            child_below = visit(child, depth + 1, k, key_path + _key_str(node.get("kind"), k))
+        keys = node.get("keys", [])
+        kinds = node.get("key_kinds") or [None] * len(keys)
+        for k, kk, child in zip(keys, kinds, node.get("children", [])):
+            child_below = visit(child, depth + 1, k, key_path + key_entry_str(node.get("kind"), k, kk))
             if child_below:
                 children[child_below[0].split("/")[depth]] = k
                 below += child_below
@@ -87,7 +81,7 @@ def group_nodes(structure: dict, array_paths: Iterable[str]) -> dict[str, dict]:
     return out
 
 
-def write_group_nodes(storage, root: str, structure: dict, array_paths: Iterable[str]) -> None:
+def write_group_nodes(storage: Storage, root: str, structure: dict, array_paths: Iterable[str]) -> None:
     """Writes every group node of `group_nodes` under `root`, concurrently.
 
     Raises:

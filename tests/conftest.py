@@ -6,16 +6,15 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+
+from checkpointer._default_targets import scratch_mesh  # noqa: E402
 
 
 def make_mesh(shape, names, devices=None):
-    """A Mesh of the first prod(shape) devices (Auto axes, so any PartitionSpec works)."""
-    devices = jax.devices() if devices is None else devices
-    n = int(np.prod(shape))
-    return Mesh(np.array(devices[:n]).reshape(shape), names)
+    """A Mesh of the first prod(shape) devices (Auto axes, so any PartitionSpec works):
+    the library's own `scratch_mesh`, over `jax.devices()` unless `devices` is given."""
+    return scratch_mesh(shape, names, jax.devices() if devices is None else devices)
 
 
 @pytest.fixture

@@ -11,12 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
 from checkpointer import _cli, _drill
-from conftest import make_mesh
 
 PARTIAL = "4.partial-20260101000000-deadbeef"
 W_BYTES, B_BYTES = 16 * 8 * 4, 8 * 4
@@ -109,10 +108,10 @@ def test_ls_on_a_kvstore_url_takes_sizes_from_the_manifest(capsys):
 def test_inspect_prints_the_tree_and_metadata(run_dir, capsys):
     code, out, err = run(capsys, "inspect", f"{run_dir}/3")
     assert code == 0 and err == ""
-    w_line = next(line for line in out.splitlines() if line.startswith("params/w"))
+    w_line = next(line for line in out.splitlines() if line.startswith("['params']['w']"))
     for cell in ("(16, 8)", "float32", "P('data', 'model') on mesh data=2 x model=4", "(8, 2)", str(W_BYTES)):
         assert cell in w_line
-    assert "value 3" in next(line for line in out.splitlines() if line.startswith("step ") and "int" in line)
+    assert "value 3" in next(line for line in out.splitlines() if line.startswith("['step'] ") and "int" in line)
     assert f"{W_BYTES + B_BYTES}" in out and '"loss": 0.3333333333333333' in out and "jax " + jax.__version__ in out
 
     doc = run_json(capsys, "inspect", f"{run_dir}/3")
@@ -121,7 +120,8 @@ def test_inspect_prints_the_tree_and_metadata(run_dir, capsys):
     leaves = {leaf["path"]: leaf for leaf in doc["leaves"]}
     assert leaves["params/w"]["chunk_shape"] == [8, 2] and leaves["params/w"]["saved_spec"] == ["data", "model"]
     assert leaves["params/b"]["shape"] == [8] and leaves["params/b"]["bytes"] == B_BYTES
-    assert leaves["step"] == {"path": "step", "type": "value", "value_type": "int", "value": 3}
+    assert leaves["step"] == {"path": "step", "keystr": "['step']", "type": "value", "value_type": "int", "value": 3}
+    assert leaves["params/w"]["keystr"] == "['params']['w']"
 
 
 def test_inspect_of_a_directory_names_its_steps(run_dir, capsys):
@@ -136,7 +136,7 @@ def test_plan_default_targets_match_plan_restore(run_dir, capsys):
     code, out, err = run(capsys, "plan", path, "--mesh", "4x2")
     assert code == 0 and err == ""
     assert "data=4 x model=2 (8 devices)" in out
-    assert "P('data', 'model')" in next(line for line in out.splitlines() if line.startswith("params/w"))
+    assert "P('data', 'model')" in next(line for line in out.splitlines() if line.startswith("['params']['w']"))
     assert next(line for line in out.splitlines() if line.startswith("total"))
 
     doc = run_json(capsys, "plan", path, "--mesh", "4x2")
@@ -160,7 +160,7 @@ def test_plan_default_rule_replicates_what_does_not_fit_and_spec_overrides(run_d
     # Unknown axis names: everything replicated.
     doc = run_json(capsys, "plan", path, "--mesh", "4x2", "--axes", "x,y")
     assert all(leaf["target_spec"] == [] for leaf in doc["leaves"])
-    # --spec: fnmatch globs, the last match wins, 'none' and '+' entries.
+    # --spec: globs on the escaped leaf path still work, the last match wins, 'none' and '+' entries.
     doc = run_json(capsys, "plan", path, "--mesh", "4x2", "--axes", "x,y",
                    "--spec", "params/*=y", "--spec", "params/w=none,x+y")
     specs = {leaf["leaf"]: leaf["target_spec"] for leaf in doc["leaves"]}
@@ -169,7 +169,7 @@ def test_plan_default_rule_replicates_what_does_not_fit_and_spec_overrides(run_d
     target = {"params": {"w": NamedSharding(mesh, P(None, ("x", "y"))), "b": NamedSharding(mesh, P("y"))}, "step": None}
     assert doc["bytes_read"] == ckpt.plan_restore(path, target).bytes_read
     # A spec that does not fit a matched leaf is a usage error naming the leaf.
-    assert_one_line_error(*run(capsys, "plan", path, "--mesh", "4x2", "--spec", "params/*=data,model"), 2, "params/b")
+    assert_one_line_error(*run(capsys, "plan", path, "--mesh", "4x2", "--spec", "params/*=data,model"), 2, "['params']['b']")
     assert_one_line_error(*run(capsys, "plan", path, "--mesh", "4x2", "--spec", "nope/*=data"), 2, "matches no array leaf")
 
 
@@ -214,6 +214,25 @@ def test_plan_for_a_pod_runs_in_a_one_device_process(tmp_path):
     assert res.returncode == 0 and "process 0 of 1024" in res.stdout and "8192 devices" in res.stdout, res.stderr[-2000:]
 
 
+def test_plan_shows_per_process_bytes_read_and_received_for_a_replicated_target(tmp_path, capsys):
+    """A replicated target on 4 processes: each reads a quarter and receives the rest
+    (cooperative); --no-cooperative: each reads it all."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    w = np.arange(1024 * 256, dtype=np.float32).reshape(1024, 256)
+    ckpt.save(str(tmp_path / "1"), {"w": jax.device_put(w, NamedSharding(mesh, P()))})
+    path, model = str(tmp_path / "1"), w.nbytes
+    docs = [run_json(capsys, "plan", path, "--mesh", "4x2", "--spec", "w=", "--processes", "4", "--process-index", p) for p in range(4)]
+    for doc in docs:
+        (leaf,) = doc["leaves"]
+        assert doc["cooperative"] and leaf["exchange_spec"] == ["data", None], doc
+        assert doc["bytes_needed"] == model and doc["bytes_received"] == model * 3 // 4, doc
+        assert model // 4 <= doc["bytes_read"] <= 1.01 * model / 4, doc
+    plain = run_json(capsys, "plan", path, "--mesh", "4x2", "--spec", "w=", "--processes", "4", "--no-cooperative")
+    assert not plain["cooperative"] and plain["bytes_received"] == 0 and plain["bytes_read"] >= model
+    code, out, _ = run(capsys, "plan", path, "--mesh", "4x2", "--spec", "w=", "--processes", "4")
+    assert code == 0 and "received" in out and f"cooperative: {model * 3 // 4} bytes come from peers" in out
+
+
 def test_plan_with_too_few_devices_says_how_many(run_dir, capsys):
     code, out, err = run(capsys, "plan", f"{run_dir}/3", "--mesh", "4x4")
     assert_one_line_error(code, out, err, 2, "needs 16 devices", "8 cpu devices", "XLA_FLAGS=--xla_force_host_platform_device_count=16")
@@ -244,6 +263,55 @@ def test_plan_and_drill_handle_any_tree_structure(tmp_path, capsys):
 
     ckpt.save(tmp_path / "root" / "1", x)  # a tree that is a single array
     assert run_json(capsys, "plan", tmp_path / "root" / "1", "--mesh", "8")["leaves"][0]["leaf"] == ""
+
+
+def test_leaves_are_named_by_their_key_path_never_the_escaped_file_name(tmp_path, capsys):
+    """A Haiku key `mlp/~/linear_0` is stored as `mlp%2F~%2Flinear_0`; users see `['mlp/~/linear_0']`."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    w = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("data", "model")))
+    path = str(tmp_path / "1")
+    ckpt.save(path, {"mlp/~/linear_0": {"w": w, "b": np.zeros(8, np.float32)}, "step": 2})
+    # ckpt.metadata: leaves stays keyed by the storage path; each entry carries its key string.
+    meta = ckpt.metadata(path)
+    assert list(meta.leaves) == ["mlp%2F~%2Flinear_0/b", "mlp%2F~%2Flinear_0/w", "step"]
+    assert [m.keystr for m in meta.leaves.values()] == ["['mlp/~/linear_0']['b']", "['mlp/~/linear_0']['w']", "['step']"]
+    assert meta.keystr("mlp%2F~%2Flinear_0/w") == "['mlp/~/linear_0']['w']"
+    # inspect: the table and --json.
+    code, out, err = run(capsys, "inspect", path)
+    assert code == 0 and "%2F" not in out
+    assert "8, 8" in next(line for line in out.splitlines() if line.startswith("['mlp/~/linear_0']['w']"))
+    doc = run_json(capsys, "inspect", path)
+    assert {leaf["keystr"] for leaf in doc["leaves"]} == {"['mlp/~/linear_0']['b']", "['mlp/~/linear_0']['w']", "['step']"}
+    # plan: the table, --json and --spec globs in the key-path form (brackets are literal) ...
+    code, out, err = run(capsys, "plan", path, "--mesh", "4x2", "--spec", "['mlp/~/linear_0']['w']=model")
+    assert code == 0 and "%2F" not in out
+    assert "P('model')" in next(line for line in out.splitlines() if line.startswith("['mlp/~/linear_0']['w']"))
+    w, b = "['mlp/~/linear_0']['w']", "['mlp/~/linear_0']['b']"
+    for glob, want in [("['mlp/~/linear_0']['w']", {w: ["model"], b: []}), ("*linear_0'?['w']", {w: ["model"], b: []}),
+                       ("*['?']", {w: ["model"], b: ["model"]}), ("mlp%2F~%2Flinear_0/w", {w: ["model"], b: []}),
+                       ("mlp%2F*", {w: ["model"], b: ["model"]})]:
+        doc = run_json(capsys, "plan", path, "--mesh", "4x2", "--spec", f"{glob}=model")
+        assert {leaf["keystr"]: leaf["target_spec"] for leaf in doc["leaves"]} == want, glob
+    # ... a glob that matches nothing lists the leaves by key path.
+    assert_one_line_error(*run(capsys, "plan", path, "--mesh", "4x2", "--spec", "nope*=data"), 2,
+                          "matches no array leaf", "['mlp/~/linear_0']['b']")
+
+
+def test_leaves_under_a_train_state_and_nnx_state_print_as_keystr(tmp_path):
+    """Attribute keys (`TrainState.params`, namedtuple fields) print as `.name`, dict keys of
+    custom nodes (`nnx.State`) as `['name']`, exactly as jax.tree_util.keystr does."""
+    optax = pytest.importorskip("optax")
+    train_state = pytest.importorskip("flax.training.train_state")
+    nnx = pytest.importorskip("flax.nnx")
+    params = {"dense": {"kernel": jnp.ones((2, 3))}}
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    tree = {"ts": state, "nnx": nnx.state(model)}
+    ckpt.save(str(tmp_path / "1"), tree)
+    meta = ckpt.metadata(str(tmp_path / "1"))
+    expected = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert [m.keystr for m in meta.leaves.values()] == expected
+    assert "['ts'].params['dense']['kernel']" in expected and "['nnx']['kernel'].value" in expected
 
 
 # --- verify -------------------------------------------------------------------------------------
@@ -382,3 +450,17 @@ def test_drill_restores_host_numpy_leaves_as_numpy(tmp_path):
     report = drill(str(d))
     assert report.ok, report.problems
     assert report.step == 3
+
+
+def test_plan_save_shows_each_process_writing_its_share(tmp_path, capsys):
+    # A 4 MiB leaf replicated over the 4 processes of a 4x2 mesh: a quarter each.
+    mesh = make_mesh((2, 4), ("data", "model"))
+    w = np.zeros((1024, 1024), np.float32)
+    ckpt.save(str(tmp_path / "1"), {"w": jax.device_put(w, NamedSharding(mesh, P())), "step": 1})
+    doc = run_json(capsys, "plan-save", tmp_path / "1", "--mesh", "4x2", "--processes", "4")
+    assert [p["data_bytes"] for p in doc["processes"]] == [1 << 20] * 4
+    assert doc["leaves"][0]["chunk_shape"] == [256, 1024] and doc["leaves"][0]["writers"] == 4
+    code, out, err = run(capsys, "plan-save", tmp_path / "1", "--mesh", "4x2", "--processes", "4")
+    assert code == 0 and err == "" and "1.000x the mean" in out
+    code, out, err = run(capsys, "plan-save", tmp_path / "1", "--mesh", "4x2", "--processes", "3")
+    assert_one_line_error(code, out, err, 2, "--processes 3 must divide the mesh's 8 devices")

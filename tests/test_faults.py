@@ -2,6 +2,7 @@
 
 import os
 
+import crc32c
 import jax
 import numpy as np
 import pytest
@@ -59,6 +60,35 @@ def test_damaged_chunk_never_returns_wrong_values(saved, damage):
     report = ckpt.verify(path)
     assert len(report.problems) == 2
     assert any("c/0/3" in p for p in report.problems) and any("arrays/b/c/0" in p for p in report.problems)
+
+
+def test_a_checksum_mismatch_shows_stored_and_read_crc_and_the_fix(saved):
+    path, _ = saved
+    chunk = f"{path}/arrays/params/w/c/0/3"
+    data = bytearray(_read(chunk))
+    data[17] ^= 0x40
+    with open(chunk, "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"c/0/3 inner chunk \d+: crc32c mismatch \(stored 0x[0-9a-f]{8}, "
+                       r"the bytes read give 0x[0-9a-f]{8}\).*checkpointer verify"):
+        ckpt.restore(path, _target())
+
+
+def test_a_bad_index_entry_shows_what_it_holds_and_the_fix(saved):
+    path, _ = saved
+    chunk = f"{path}/arrays/params/w/c/0/3"
+    layout = ckpt.metadata(path).arrays["params/w"].layout
+    data = bytearray(_read(chunk))
+    start = layout.index_offset
+    entries = np.frombuffer(bytes(data[start : start + layout.index_bytes - 4]), "<u8").reshape(-1, 2).copy()
+    entries[0, 1] = 0  # inner chunk 0: 0 bytes, under an index whose own crc32c is right
+    raw = entries.tobytes()
+    data[start : start + len(raw) + 4] = raw + crc32c.crc32c(raw).to_bytes(4, "little")
+    with open(chunk, "wb") as f:
+        f.write(bytes(data))
+    want = rf"c/0/3: index entry 0 is missing or out of range \(offset \d+, 0 bytes; expected {layout.inner_bytes_with_crc} bytes"
+    with pytest.raises(ckpt.CorruptCheckpointError, match=want + ".*checkpointer verify"):
+        ckpt.restore(path, _target())
 
 
 def _read(p):

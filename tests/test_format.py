@@ -19,13 +19,13 @@ from checkpointer._format import (
     MAX_ARRAY_BYTES,
     ArrayMetadata,
     SavedSharding,
+    ShardFileLayout,
     array_metadata_from_json,
     chunk_key,
     data_crc32c,
     deleting_name,
     dtype_kind,
     dumps,
-    encoded_chunk_bytes,
     format_bytes,
     generation_time,
     inner_chunk_shape,
@@ -147,7 +147,7 @@ def test_inner_chunk_shape_of_power_of_two_chunks(exponents, itemsize, target_ex
         assert max(inner) <= 2 * min(split)
 
 
-# --- encoded_chunk_bytes against TensorStore ---------------------------------------------------------
+# --- ShardFileLayout.file_bytes against TensorStore ---------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -162,7 +162,7 @@ def test_inner_chunk_shape_of_power_of_two_chunks(exponents, itemsize, target_ex
         ((4, 4), (2, 4), (1, 2), np.uint16),
     ],
 )
-def test_encoded_chunk_bytes_matches_tensorstore(tmp_path, shape, chunk, inner, dtype):
+def test_shard_file_layout_file_bytes_matches_tensorstore(tmp_path, shape, chunk, inner, dtype):
     import tensorstore as ts
 
     dtype = np.dtype(dtype)
@@ -179,11 +179,11 @@ def test_encoded_chunk_bytes_matches_tensorstore(tmp_path, shape, chunk, inner, 
     n_chunks = math.prod(s // c for s, c in zip(shape, chunk))  # chunks tile the array, as JAX shards do
     files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f != "zarr.json"]
     assert len(files) == n_chunks
-    expected = encoded_chunk_bytes(chunk, inner, dtype.itemsize)
+    expected = ShardFileLayout(chunk, inner, dtype.itemsize).file_bytes
     assert [os.path.getsize(f) for f in files] == [expected] * n_chunks
     # And the formula itself, by hand for the first case: 4 inner chunks of 6 x 4 B + crc,
     # then 4 x 16 B of index + crc: 4 * 28 + 64 + 4.
-    assert encoded_chunk_bytes((4, 6), (2, 3), 4) == 180
+    assert ShardFileLayout((4, 6), (2, 3), 4).file_bytes == 180
     assert np.array_equal(store.read().result(), data)
 
 

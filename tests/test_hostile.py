@@ -199,6 +199,18 @@ def test_symlinked_chunk_to_a_file_outside_never_returns_its_content(victim, tmp
     assert not report.ok and any("c/0/0" in p for p in report.problems)
 
 
+def test_an_oversized_process_record_is_a_finding_of_verify_and_per_process_state(victim, monkeypatch):
+    path, _ = victim
+    limit = os.path.getsize(f"{path}/manifest.json") + 10
+    with open(f"{path}/processes/0.json", "a") as f:
+        f.write(" " * (limit + 100))  # still valid JSON, but past the bound
+    monkeypatch.setattr(_format, "MAX_MANIFEST_BYTES", limit)
+    report = ckpt.verify(path)
+    assert not report.ok and any("0.json is malformed" in p and f"larger than {limit} bytes" in p for p in report.problems)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=f"processes/0.json is larger than {limit} bytes"):
+        ckpt.per_process_state(path, process_index=0)
+
+
 # --- absurd values, unknown versions, wrong types -------------------------------------------
 
 

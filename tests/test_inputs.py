@@ -160,7 +160,7 @@ def test_a_target_dtype_is_a_cast_within_one_kind_never_a_reinterpretation(tmp_p
         assert out.dtype == np.dtype(target)
         np.testing.assert_array_equal(np.asarray(out), x.astype(target))  # a value cast
     else:
-        with pytest.raises(ckpt.DTypeMismatchError, match=rf"leaf 'x'.*stored dtype {np.dtype(stored).name}"):
+        with pytest.raises(ckpt.DTypeMismatchError, match=rf"leaf \['x'\].*stored dtype {np.dtype(stored).name}"):
             ckpt.restore(str(tmp_path / "1"), sds)
 
 
@@ -205,7 +205,7 @@ def test_x64_off_never_narrows_silently(tmp_path):
         ckpt.save(str(tmp_path / "1"), {k: jax.device_put(v) for k, v in xs.items()})
     assert not jax.config.jax_enable_x64
     mesh = make_mesh((2,), ("d",))
-    with pytest.raises(ckpt.DTypeMismatchError, match=r"leaf 'c'.*complex128.*jax_enable_x64"):
+    with pytest.raises(ckpt.DTypeMismatchError, match=r"leaf \['c'\].*complex128.*jax_enable_x64"):
         ckpt.restore(str(tmp_path / "1"), {k: NamedSharding(mesh, P()) for k in xs})
     # Host targets keep the stored dtype; an explicit narrower target dtype is a cast.
     for k, v in ckpt.restore(str(tmp_path / "1")).items():
@@ -274,7 +274,7 @@ def test_single_key_into_an_abstract_target(tmp_path):
     ckpt.save(str(tmp_path / "1"), {"key": key})
     abstract = jax.eval_shape(lambda: {"key": jax.random.key(42)})
     # jax.eval_shape gives no sharding: the error says how to add one.
-    with pytest.raises(ckpt.InvalidTargetError, match=r"leaf 'key'.*no sharding.*sharding="):
+    with pytest.raises(ckpt.InvalidTargetError, match=r"leaf \['key'\].*no sharding.*sharding="):
         ckpt.restore(str(tmp_path / "1"), abstract)
     mesh = make_mesh((4,), ("d",))
     target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P())), abstract)
@@ -294,10 +294,10 @@ def test_key_targets_of_another_impl_or_raw_data_are_refused(tmp_path):
     ckpt.save(str(tmp_path / "1"), {"key": jax.random.key(1)})
     mesh = make_mesh((2,), ("d",))
     rbg = jax.ShapeDtypeStruct((), jax.random.key(0, impl="rbg").dtype, sharding=NamedSharding(mesh, P()))
-    with pytest.raises(ckpt.DTypeMismatchError, match=r"leaf 'key'.*threefry2x32.*impl"):
+    with pytest.raises(ckpt.DTypeMismatchError, match=r"leaf \['key'\].*threefry2x32.*impl"):
         ckpt.restore(str(tmp_path / "1"), {"key": rbg})
     raw = jax.ShapeDtypeStruct((), np.uint32, sharding=NamedSharding(mesh, P()))
-    with pytest.raises(ckpt.DTypeMismatchError, match=r"leaf 'key'.*PRNG key"):
+    with pytest.raises(ckpt.DTypeMismatchError, match=r"leaf \['key'\].*PRNG key"):
         ckpt.restore(str(tmp_path / "1"), {"key": raw})
 
 
@@ -361,7 +361,7 @@ def test_dims_that_do_not_divide_the_mesh(tmp_path):
         assert out["x"].sharding.shard_shape((6,)) == (6 // n,)
         _same_bits(out["x"], x6)
     for target in (NamedSharding(mesh4, P("d")), jax.ShapeDtypeStruct((6,), jnp.float32, sharding=NamedSharding(mesh4, P("d")))):
-        with pytest.raises(ckpt.InvalidTargetError, match=r"leaf 'x'.*\(6,\).*divide"):
+        with pytest.raises(ckpt.InvalidTargetError, match=r"leaf \['x'\].*\(6,\).*divide"):
             ckpt.restore(str(tmp_path / "6"), {"x": target})
 
 
@@ -396,7 +396,7 @@ def test_a_3gib_shard_is_stored_in_small_inner_chunks():
     assert n_inner == 3 * 2**30 // inner_bytes <= _format.MAX_INNER_CHUNKS_PER_CHUNK
     # The file: inner chunks, each with its crc32c, then 16 bytes of index per inner chunk
     # and the index's crc32c. Offsets are u64: no 2/4 GiB limit in the format itself.
-    assert _format.encoded_chunk_bytes(shard, inner, 4) == 3 * 2**30 + n_inner * (4 + 16) + 4
+    assert _format.ShardFileLayout(shard, inner, 4).file_bytes == 3 * 2**30 + n_inner * (4 + 16) + 4
     # Restoring it split 8 ways reads whole inner chunks only: the data, their crc32c and
     # each file's index, nothing else; every piece fetched is one inner chunk (<= 1 MiB)
     # or a run of adjacent ones of at most _read._MAX_RUN_BYTES.
@@ -509,8 +509,8 @@ def test_12_layers_into_16_and_16_into_12(tmp_path):
     for partial in (False, True):  # leaves the checkpoint lacks cannot be restored, partial or not
         with pytest.raises(ckpt.StructureMismatchError) as e:
             ckpt.restore(str(tmp_path / "12"), layers(16, lambda i: NamedSharding(mesh, P())), partial=partial)
-        assert "in the target but not in the checkpoint (4): 'layer_12/w', 'layer_13/w', 'layer_14/w', 'layer_15/w'" in str(e.value)
-    with pytest.raises(ckpt.StructureMismatchError, match=r"(?s)not in the target \(4\).*layer_15/w'.*partial=True"):
+        assert "in the target but not in the checkpoint (4): ['layer_12']['w'], ['layer_13']['w'], ['layer_14']['w'], ['layer_15']['w']" in str(e.value)
+    with pytest.raises(ckpt.StructureMismatchError, match=r"(?s)not in the target \(4\).*\['layer_15'\]\['w'\].*partial=True"):
         ckpt.restore(str(tmp_path / "16"), layers(12, lambda i: NamedSharding(mesh, P())))
     out = ckpt.restore(str(tmp_path / "16"), layers(12, lambda i: NamedSharding(mesh, P())), partial=True)
     assert sorted(out) == sorted(f"layer_{i}" for i in range(12)) and float(out["layer_11"]["w"][0, 0]) == 11
@@ -671,7 +671,7 @@ def test_scalar_and_memory_kind_targets(tmp_path):
     assert out["x"].sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(np.asarray(out["x"]), np.asarray(x))
     assert int(out["step"]) == 5
-    with pytest.raises(ckpt.InvalidTargetError, match="leaf 'step'"):
+    with pytest.raises(ckpt.InvalidTargetError, match=r"leaf \['step'\]"):
         ckpt.restore(str(tmp_path / "1"), {"x": None, "step": "zero"})
 
 
@@ -746,7 +746,7 @@ def test_abstract_target_without_a_fitting_mesh_says_the_mesh_is_abstract(tmp_pa
     _same_bits(out["x"], x)
     # 4 devices of 8, nothing in context: a clear error, not the divisibility advice.
     target = {"x": NamedSharding(jax.sharding.AbstractMesh((2, 2), ("data", "model")), P("data"))}
-    with pytest.raises(ckpt.MeshError, match=r"leaf 'x'.*abstract mesh \(data=2 x model=2.*jax.set_mesh") as info:
+    with pytest.raises(ckpt.MeshError, match=r"leaf \['x'\].*abstract mesh \(data=2 x model=2.*jax.set_mesh") as info:
         ckpt.restore(str(tmp_path / "1"), target)
     assert isinstance(info.value, ckpt.CheckpointError) and isinstance(info.value, ValueError)
     assert "divide" not in str(info.value)
@@ -757,7 +757,7 @@ def test_abstract_target_without_a_fitting_mesh_says_the_mesh_is_abstract(tmp_pa
 
 def test_divisibility_is_reported_alone_and_other_jax_errors_are_not_called_divisibility(tmp_path):
     ckpt.save(str(tmp_path / "1"), {"x": np.arange(6, dtype=np.float32)})
-    with pytest.raises(ckpt.InvalidTargetError, match=r"leaf .x.*does not fit: dimension 0 of size 6 is not divisible by 4 \(d\)\. Choose") as info:
+    with pytest.raises(ckpt.InvalidTargetError, match=r"leaf \['x'\] in .*does not fit: dimension 0 of size 6 is not divisible by 4 \(d\)\. Choose") as info:
         ckpt.restore(str(tmp_path / "1"), {"x": NamedSharding(make_mesh((4,), ("d",)), P("d"))})
     assert ".." not in str(info.value)
     # A spec of more entries than dimensions is no divisibility problem.
@@ -778,3 +778,128 @@ def test_plan_for_any_process_count_equals_the_plan_on_concrete_devices(tmp_path
         assert got == want and len(got.leaves[0].boxes) == 2
     with pytest.raises(ckpt.MeshError, match="3 processes do not divide"):
         ckpt.plan_restore(str(tmp_path / "1"), {"x": NamedSharding(abstract, P("data"))}, processes=3)
+
+
+def test_nnx_model_and_optimizer_saved_on_2x4_restore_under_set_mesh_of_2x2_and_train_on(tmp_path):
+    """The issue's done-when: an NNX model + nnx.Optimizer saved on 2x4 restores into
+    `nnx.eval_shape` under `jax.set_mesh` of a 2x2 mesh and trains on."""
+    nnx, Model = _nnx_model_class()
+    optax = pytest.importorskip("optax")
+    x = jnp.linspace(-1, 1, 16 * 4, dtype=jnp.float32).reshape(16, 4)
+    y = jnp.sin(jnp.arange(16 * 8, dtype=jnp.float32)).reshape(16, 8)
+
+    def create(seed):
+        model = Model(nnx.Rngs(seed))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    def train_step(model, optimizer):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return float(loss)
+
+    mesh24 = jax.make_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(mesh24):
+        model, optimizer = create(0)
+        train_step(model, optimizer)  # an optimizer state worth saving (step 1, non-zero moments)
+        ckpt.save(str(tmp_path / "1"), {"model": nnx.state(model), "optimizer": nnx.state(optimizer)})
+        loss_before = train_step(model, optimizer)  # what the run would have done next
+        loss_after = float(jnp.mean((model(x) - y) ** 2))
+        want_kernel = np.asarray(model.l1.kernel.value)
+
+    mesh22 = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+    with jax.set_mesh(mesh22):
+        abs_model, abs_optimizer = nnx.eval_shape(lambda: create(1))
+        target = {"model": nnx.state(abs_model), "optimizer": nnx.state(abs_optimizer)}
+        restored = ckpt.restore(str(tmp_path / "1"), target)
+        nnx.update(abs_model, restored["model"])
+        nnx.update(abs_optimizer, restored["optimizer"])
+        model2, optimizer2 = abs_model, abs_optimizer
+        assert model2.l1.kernel.value.sharding == NamedSharding(mesh22, P(None, "model"))
+        assert int(optimizer2.step.value) == 1
+        resumed_loss = train_step(model2, optimizer2)
+        resumed_after = float(jnp.mean((model2(x) - y) ** 2))
+    assert int(optimizer2.step.value) == 2
+    # The resumed run continues the saved one: same loss, same update, on the other mesh.
+    np.testing.assert_allclose(resumed_loss, loss_before, rtol=1e-5)
+    np.testing.assert_allclose(resumed_after, loss_after, rtol=1e-5)
+    assert resumed_after < resumed_loss
+    np.testing.assert_allclose(np.asarray(model2.l1.kernel.value), want_kernel, rtol=1e-5, atol=1e-6)
+
+
+def test_fine_tuning_keeps_the_targets_new_head_when_asked_and_logs_it(tmp_path, caplog):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    backbone = _put(np.arange(64, dtype=np.float32).reshape(8, 8), mesh, P("data", "model"))
+    ckpt.save(str(tmp_path / "1"), {"backbone": {"w": backbone}, "step": 7})
+    head = _put(np.full((8, 2), 0.5, np.float32), mesh, P("data"))
+    target = {
+        "backbone": {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh, P("data")))},
+        "head": {"w": head, "b": np.zeros(2, np.float32), "scale": 1.0},
+        "step": None,
+    }
+    # Without the option: an error that names the new leaves and the option.
+    with pytest.raises(ckpt.StructureMismatchError, match=r"(?s)not in the checkpoint \(3\): \['head'\]\['b'\], "
+                       r"\['head'\]\['scale'\], \['head'\]\['w'\].*missing='keep_target'"):
+        ckpt.restore(str(tmp_path / "1"), target)
+    stats = ckpt.RestoreStats()
+    with caplog.at_level("INFO", logger="checkpointer"):
+        out = ckpt.restore(str(tmp_path / "1"), target, missing="keep_target", stats=stats)
+    assert out["head"]["w"] is head and out["head"]["b"] is target["head"]["b"] and out["head"]["scale"] == 1.0
+    _same_bits(out["backbone"]["w"], np.arange(64, dtype=np.float32).reshape(8, 8))
+    assert out["backbone"]["w"].sharding == NamedSharding(mesh, P("data")) and out["step"] == 7
+    assert stats.kept_from_target == ("['head']['b']", "['head']['scale']", "['head']['w']")
+    assert "3 target leaves were not read" in caplog.text and "['head']['w']" in caplog.text
+    # The plan reads only the backbone.
+    assert [lp.leaf_path for lp in ckpt.plan_restore(str(tmp_path / "1"), target, missing="keep_target").leaves] == ["backbone/w"]
+    # An abstract new leaf has no value to keep: named, with the fix.
+    abstract = dict(target, head={"w": jax.ShapeDtypeStruct((8, 2), jnp.float32, sharding=NamedSharding(mesh, P()))})
+    with pytest.raises(ckpt.InvalidTargetError, match=r"\['head'\]\['w'\] are not in the checkpoint .* abstract.*value"):
+        ckpt.restore(str(tmp_path / "1"), abstract, missing="keep_target")
+    with pytest.raises(ValueError, match="missing='keep'"):
+        ckpt.restore(str(tmp_path / "1"), target, missing="keep")
+    # Saved leaves the target lacks are still an error unless partial=True: the two options are independent.
+    with pytest.raises(ckpt.StructureMismatchError, match=r"not in the target \(1\): \['step'\]"):
+        ckpt.restore(str(tmp_path / "1"), {k: v for k, v in target.items() if k != "step"}, missing="keep_target")
+    # The manager takes the same option.
+    manager = ckpt.CheckpointManager(str(tmp_path / "run"))
+    manager.save(3, {"backbone": {"w": backbone}, "step": 3})
+    manager.wait_until_finished()
+    again = manager.restore(3, target, missing="keep_target")
+    assert again["head"]["w"] is head and again["step"] == 3
+    manager.close()
+
+
+def test_none_under_a_train_state_where_the_checkpoint_holds_a_subtree_is_named_as_such(tmp_path):
+    optax = pytest.importorskip("optax")
+    train_state = pytest.importorskip("flax.training.train_state")
+    mesh = make_mesh((2, 4), ("data", "model"))
+    params = {"dense": {"kernel": _put(np.ones((8, 4), np.float32), mesh, P("data", "model"))}}
+    tx = optax.adam(1e-3)
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    ckpt.save(str(tmp_path / "1"), state)
+
+    abstract = jax.eval_shape(lambda: state)
+    target = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P())), abstract
+    ).replace(opt_state=None)
+    with pytest.raises(ckpt.StructureMismatchError) as info:
+        ckpt.restore(str(tmp_path / "1"), target)
+    msg = str(info.value)
+    assert "the target has None at .opt_state where the checkpoint holds a subtree of 3 leaves" in msg
+    assert ".opt_state[0].mu['dense']['kernel']" in msg
+    assert "partial=True" in msg and "abstract subtree" in msg
+    assert "in the target but not in the checkpoint" not in msg  # the old, misleading report
+    # partial=True skips it: opt_state comes back None, the rest restored.
+    out = ckpt.restore(str(tmp_path / "1"), target, partial=True)
+    assert type(out) is train_state.TrainState and out.opt_state is None and int(out.step) == 0
+    _same_bits(out.params["dense"]["kernel"], np.ones((8, 4), np.float32))
+    # The fix the message suggests: the abstract subtree.
+    fixed = target.replace(opt_state=jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P())), jax.eval_shape(tx.init, params)))
+    assert type(ckpt.restore(str(tmp_path / "1"), fixed).opt_state) is type(state.opt_state)
+
+
+def test_a_target_subtree_where_the_checkpoint_holds_one_leaf_says_so(tmp_path):
+    ckpt.save(str(tmp_path / "1"), {"opt_state": None, "w": np.ones(2, np.float32)})
+    target = {"opt_state": {"mu": None, "nu": None}, "w": None}
+    with pytest.raises(ckpt.StructureMismatchError, match=r"one leaf, the value None, at \['opt_state'\], where the target has a subtree"):
+        ckpt.restore(str(tmp_path / "1"), target)

@@ -129,6 +129,30 @@ def test_orbax_import_errors(orbax_checkpoints, tmp_path):
     assert not (tmp_path / "out2").exists()
 
 
+@pytest.mark.parametrize("file, content", [
+    ("_sharding", [1]),  # Orbax writes an object: {base64(param name): sharding JSON}
+    ("_strings.json", "w"),
+    ("_METADATA", {"tree_metadata": {"('w',)": {"key_metadata": [{"key": "w", "key_type": 2}], "value_metadata": [1]}}}),
+])
+def test_orbax_import_names_a_metadata_file_that_is_not_an_object(tmp_path, file, content):
+    src = tmp_path / "item"
+    src.mkdir()
+    (src / "_METADATA").write_text(json.dumps({"tree_metadata": {}}))
+    (src / file).write_text(json.dumps(content))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=f"{src}/{file}.*(expected an object|not an object)"):
+        ckpt.import_orbax(str(src), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_leaf_by_leaf_save_names_a_leaf_it_cannot_store_and_what_it_takes(tmp_path):
+    from checkpointer._stream_save import save_leaf_by_leaf
+
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf 'x' in .*/1: a leaf of type object cannot be stored; "
+                       r"leaves must be ArraySource"):
+        save_leaf_by_leaf(str(tmp_path / "1"), {"x": object()})
+    assert not (tmp_path / "1").exists()
+
+
 def test_cli_import_orbax(orbax_checkpoints, tmp_path, capsys):
     _, paths = orbax_checkpoints
     assert _cli.main(["import-orbax", paths["ocdbt"], str(tmp_path / "7")]) == 0
@@ -200,6 +224,16 @@ def test_safetensors_export_holds_bfloat16_and_refuses_int4_unless_upcast(tmp_pa
         w, codes = np.asarray(f.get_tensor("w")), np.asarray(f.get_tensor("q.codes"))
     assert w.dtype == ml_dtypes.bfloat16 and _bits(w) == _bits(x)
     assert codes.dtype == np.int8 and codes.tolist() == list(range(-8, 8))
+
+
+@pytest.mark.parametrize("leaf, dtype", [("w", np.float32), ("q", ml_dtypes.int4)])  # byte-range reader / TensorStore
+def test_export_of_a_damaged_leaf_is_corrupt_naming_the_leaf_and_path(tmp_path, leaf, dtype):
+    path = str(tmp_path / "1")
+    ckpt.save(path, {leaf: np.arange(-8, 8).astype(dtype)})
+    with open(f"{path}/arrays/{leaf}/c/0", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=f"leaf '{leaf}'.*{path}"):
+        ckpt.export(path, str(tmp_path / "st"), upcast=True)
 
 
 def test_npz_export_is_bit_exact_and_names_what_npz_cannot_hold(tmp_path):

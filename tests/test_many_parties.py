@@ -330,3 +330,18 @@ def test_per_process_state_round_trips_in_the_process_record(tmp_path):
         mgr.wait_until_finished()
         assert mgr.per_process_state() == {"position": 20} and mgr.per_process_state(10) == {"position": 10}
         assert mgr.per_process_state(10, all_processes=True) == [{"position": 10}]
+
+
+def test_a_process_record_of_another_process_is_corrupt_naming_both(tmp_path):
+    path = str(tmp_path / "1")
+    ckpt.save(path, _tree(1), per_process_state={"position": 1})
+    with open(f"{path}/processes/0.json") as f:
+        record = json.load(f)
+    record["process_index"] = 3
+    with open(f"{path}/processes/0.json", "w") as f:
+        json.dump(record, f)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"processes/0.json is the record of process 3, expected process 0"):
+        ckpt.per_process_state(path)
+    os.remove(f"{path}/processes/0.json")
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"has no processes/0.json.*checkpointer verify"):
+        ckpt.per_process_state(path)

@@ -59,6 +59,16 @@ def test_refused_metric_names_the_metric(tmp_path):
         assert mgr.all_steps() == []
 
 
+def test_refused_metadata_and_metrics_name_the_checkpoint_path(tmp_path):
+    with pytest.raises(ckpt.UnsupportedValueError, match=f"saving {tmp_path / '1'}: metadata\\['a'\\]\\['b'\\] is a"):
+        ckpt.save(str(tmp_path / "1"), _tree(), metadata={"a": {"b": object()}})
+    with ckpt.CheckpointManager(tmp_path / "run", async_save=False) as mgr:
+        with pytest.raises(ckpt.UnsupportedValueError, match=f"saving {tmp_path / 'run' / '3'}: metrics\\['loss'\\] must be"):
+            mgr.save(3, _tree(), metrics={"loss": [1.0]})
+        with pytest.raises(ckpt.UnsupportedValueError, match=f"saving {tmp_path / 'run' / '3'}: metrics must be a dict"):
+            mgr.save(3, _tree(), metrics=[1.0])
+
+
 def test_manager_save_stores_metadata_beside_metrics(tmp_path):
     with ckpt.CheckpointManager(tmp_path, keep=ckpt.KeepBest("loss", n=1)) as mgr:
         mgr.save(1, _tree(), metrics={"loss": np.float32(2.0)}, metadata={"data": {"epoch": np.int64(0)}, "note": "warmup"})

@@ -9,12 +9,12 @@ import itertools
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
-from checkpointer._box import Box
+from checkpointer._box import Box, row_slabs
 from checkpointer._format import ArrayMetadata, SavedSharding
-from checkpointer._restore_plan import ChunkRead, RestorePlan, plan_leaf
-from checkpointer._targets import named_shard_boxes
+from checkpointer._restore_plan import ChunkRead, PeerPiece, RestorePlan, build_plan, exchange_spec, plan_leaf
+from checkpointer._targets import LeafTarget, ResolvedLeaf, ResolvedTarget, named_shard_boxes
 
 F32 = np.dtype(np.float32)
 N = 4096
@@ -380,3 +380,114 @@ def test_slabs_are_planned_within_the_bound_and_cover_the_box():
     assert box.slabs[1].reads[0].spans[0][0][1] == 0
     assert box.bytes_read == sum(s.bytes_read for s in box.slabs) > sum(r.bytes_read for r in box.reads)
     assert plan_leaf(SAVED_2x4, {0: Box((0, 0), (N, N))}, slab_bytes=64 << 20).boxes[0].slabs == ()
+
+
+# --- cooperative plans (boxes several processes need, split among them) ------------------------
+
+OWNERS_4x2 = [0, 0, 1, 1, 2, 2, 3, 3]  # 4 processes x 2 devices, consecutive in mesh order
+
+
+@pytest.mark.parametrize(
+    "shape, mesh, spec, owners, expected",
+    [
+        # Fully replicated on 4 processes x 2 devices: 'data' spans processes, 'model' does not.
+        ((4096, 4096), {"data": 4, "model": 2}, P(), OWNERS_4x2, P("data", None)),
+        # Replicated over 'data' only: to the dimension with the larger per-device extent.
+        ((4096, 4096), {"data": 4, "model": 2}, P("model"), OWNERS_4x2, P("model", "data")),
+        # ... which may be the one 'model' already splits: 'data' becomes its minor axis.
+        ((4096, 64), {"data": 4, "model": 2}, P("model"), OWNERS_4x2, P(("model", "data"), None)),
+        # The dimension with the largest per-device extent takes it.
+        ((64, 4096), {"data": 4, "model": 2}, P(None, "model"), OWNERS_4x2, P(None, ("model", "data"))),
+        ((8, 64), {"data": 4, "model": 2}, P(), OWNERS_4x2, P(None, "data")),
+        # One axis of 8 devices over 4 processes.
+        ((4096,), {"d": 8}, P(), OWNERS_4x2, P("d")),
+        # 2 x 4 mesh, processes inside rows: 'model' spans processes.
+        ((4096, 16), {"data": 2, "model": 4}, P("data"), OWNERS_4x2, P(("data", "model"), None)),
+        # Already sharded across processes: nothing to share.
+        ((4096, 16), {"data": 4, "model": 2}, P("data"), OWNERS_4x2, None),
+        # Indivisible, or a scalar: read by every process.
+        ((3, 5), {"data": 4, "model": 2}, P(), OWNERS_4x2, None),
+        ((), {"data": 4, "model": 2}, P(), OWNERS_4x2, None),
+        # One process: nothing spans processes.
+        ((4096,), {"d": 8}, P(), [0] * 8, None),
+    ],
+)
+def test_exchange_spec(shape, mesh, spec, owners, expected):
+    assert exchange_spec(shape, mesh, spec, owners) == expected
+
+
+def _resolved(meta, mesh_shape, spec, process, processes):
+    """A hand-built cooperative `ResolvedTarget` on an abstract mesh (devices = mesh positions)."""
+    mesh = AbstractMesh(tuple(mesh_shape.values()), tuple(mesh_shape))
+    n = int(np.prod(list(mesh_shape.values())))
+    per = n // processes
+    boxes = named_shard_boxes(meta.shape, mesh_shape, spec)
+    every = tuple((i, i // per, b) for i, b in enumerate(boxes))
+    mine = tuple((i, b) for i, p, b in every if p == process)
+    leaf = ResolvedLeaf(meta.path, meta, LeafTarget(NamedSharding(mesh, spec), meta.shape, None), mine, every)
+    return ResolvedTarget(None, (leaf,), process)
+
+
+def test_replicated_target_on_4_processes_reads_a_quarter_each_and_receives_the_rest():
+    # SAVED_2x4 (chunks 2048x1024, inner 512x512) onto P() over 4 processes x 2 devices:
+    # process p reads rows [1024p, 1024p + 1024), i.e. half the rows of each of the 4
+    # chunks of its chunk row: 4 chunk reads of 4 inner chunks each.
+    total_read = 0
+    for p in range(4):
+        plan = build_plan(_resolved(SAVED_2x4, {"data": 4, "model": 2}, P(), p, 4), "/ckpt", cooperative=True)
+        (leaf,) = plan.leaves
+        assert leaf.exchange_spec == P("data", None) and plan.cooperative
+        (b,) = leaf.boxes
+        assert b.box == Box((1024 * p, 0), (1024, N)) and b.device_ids == (2 * p, 2 * p + 1)
+        assert b.receivers == tuple(q for q in range(4) if q != p)
+        assert b.bytes_read == 4 * READ_4_OF_8 and leaf.bytes_needed == WHOLE_BYTES
+        assert leaf.target_boxes == (Box((0, 0), (N, N)),)
+        assert leaf.received == tuple(PeerPiece(Box((1024 * q, 0), (1024, N)), q) for q in range(4) if q != p)
+        assert plan.bytes_received == WHOLE_BYTES * 3 // 4
+        total_read += plan.bytes_read
+    assert total_read == 16 * READ_4_OF_8 and total_read <= 1.001 * WHOLE_BYTES
+
+
+def test_cooperative_plan_without_a_shared_box_is_the_plain_plan():
+    spec = P("data", "model")
+    for p in range(4):
+        resolved = _resolved(SAVED_2x4, {"data": 4, "model": 2}, spec, p, 4)
+        assert build_plan(resolved, "/ckpt", cooperative=True) == build_plan(resolved, "/ckpt")
+    # One process holding everything shares nothing either.
+    resolved = _resolved(SAVED_2x4, {"data": 4, "model": 2}, P(), 0, 1)
+    assert not build_plan(resolved, "/ckpt", cooperative=True).cooperative
+
+
+def test_cooperative_pieces_tile_every_target_box_exactly_once():
+    """Over all processes: what a process reads plus what it receives is each of its target
+    boxes, without overlap; every piece is read by exactly one process."""
+    meta = ArrayMetadata("x", (96, 40), F32, (48, 40), (16, 8), None)
+    for mesh, spec in [({"data": 4, "model": 2}, P(None, "model")), ({"data": 2, "model": 4}, P("data")), ({"d": 8}, P())]:
+        read_by = {}
+        for p in range(4):
+            (leaf,) = build_plan(_resolved(meta, mesh, spec, p, 4), "/ckpt", cooperative=True).leaves
+            assert leaf.exchange_spec is not None, (mesh, spec)
+            for b in leaf.boxes:
+                assert read_by.setdefault(b.box, p) == p, (mesh, spec, b.box)
+            for t in leaf.target_boxes:
+                got = [b.box.intersect(t) for b in leaf.boxes] + [r.box for r in leaf.received if r.box.intersect(t)]
+                got = [g for g in got if g is not None]
+                assert sum(g.size for g in got) == t.size, (mesh, spec, p, t)
+                cover = np.zeros(t.shape, int)
+                for g in got:
+                    cover[g.relative_to(t)] += 1
+                assert (cover == 1).all(), (mesh, spec, p, t)
+        assert sum(b.size for b in read_by) == 96 * 40, (mesh, spec)
+
+
+@pytest.mark.parametrize("box, itemsize, max_bytes, rows", [
+    (Box((3, 1), (10, 4)), 4, 48, [3, 3, 3, 1]),  # 16-byte rows: 3 per slab
+    (Box((0, 0), (4, 100)), 8, 10, [1, 1, 1, 1]),  # a row above the bound: one row each
+    (Box((0,), (5,)), 2, 1 << 20, [5]),
+])
+def test_row_slabs_tile_the_box_in_order_within_the_bound(box, itemsize, max_bytes, rows):
+    slabs = row_slabs(box, itemsize, max_bytes)
+    assert [s.shape[0] for s in slabs] == rows
+    assert all(s.shape[1:] == box.shape[1:] and s.origin[1:] == box.origin[1:] for s in slabs)
+    assert [s.origin[0] for s in slabs] == [box.origin[0] + sum(rows[:i]) for i in range(len(rows))]
+    assert row_slabs(Box((), ()), 4, 1) == [Box((), ())] and row_slabs(Box((2, 0), (0, 3)), 4, 1) == []

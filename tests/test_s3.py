@@ -375,7 +375,7 @@ def test_cli_ls_inspect_verify_on_s3(s3, bucket, capsys):
     assert leaves["params/w"]["shape"] == [32, 16] and leaves["params/w"]["dtype"] == "float32"
     assert leaves["params/w"]["chunk_shape"] == [16, 4]
     code, out, err = _run(capsys, "inspect", f"{d}/2")
-    assert code == 0 and "params/w" in out
+    assert code == 0 and "['params']['w']" in out
 
     code, out, err = _run(capsys, "verify", f"{d}/2", "--json")
     assert code == 0, err

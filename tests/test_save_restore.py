@@ -126,7 +126,7 @@ def test_cast_on_restore_within_a_kind(ckpt_dir):
 def test_cast_across_kinds_is_refused(ckpt_dir):
     x = np.ones((4, 8), np.float32)
     ckpt.save(f"{ckpt_dir}/1", {"layer": {"x": _put(x, make_mesh((2,), ("d",)), P("d"))}})
-    with pytest.raises(ckpt.DTypeMismatchError, match=r"leaf 'layer/x'.*float32.*int32"):
+    with pytest.raises(ckpt.DTypeMismatchError, match=r"leaf \['layer'\]\['x'\].*float32.*int32"):
         ckpt.restore(f"{ckpt_dir}/1", {"layer": {"x": _sds(x, make_mesh((2,), ("d",)), P("d"), dtype=jnp.int32)}})
 
 
@@ -134,7 +134,7 @@ def test_shape_mismatch_names_leaf_and_fix(ckpt_dir):
     x = np.ones((4, 8), np.float32)
     ckpt.save(f"{ckpt_dir}/1", {"a": {"w": _put(x, make_mesh((2,), ("d",)), P("d"))}})
     bad = {"a": {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(make_mesh((2,), ("d",)), P("d")))}}
-    with pytest.raises(ckpt.ShapeMismatchError, match=r"leaf 'a/w'.*\(4, 8\).*\(8, 8\)") as e:
+    with pytest.raises(ckpt.ShapeMismatchError, match=r"leaf \['a'\]\['w'\].*\(4, 8\).*\(8, 8\)") as e:
         ckpt.restore(f"{ckpt_dir}/1", bad)
     assert isinstance(e.value, ValueError) and ckpt_dir in str(e.value)
 
@@ -149,7 +149,7 @@ def test_structure_mismatch_lists_missing_and_extra(ckpt_dir):
     msg = str(e.value)
     assert "in the target but not in the checkpoint (4)" in msg
     for i in range(12, 16):
-        assert f"'layer_{i}/w'" in msg
+        assert f"['layer_{i}']['w']" in msg
     # A subset restores with partial=True and reads only what it names.
     sub = ckpt.restore(f"{ckpt_dir}/1", {"layer_3": {"w": NamedSharding(mesh, P())}}, partial=True)
     assert list(sub) == ["layer_3"]
@@ -159,7 +159,7 @@ def test_structure_mismatch_lists_missing_and_extra(ckpt_dir):
 
 def test_target_sharding_that_does_not_divide_is_a_clear_error(ckpt_dir):
     ckpt.save(f"{ckpt_dir}/1", {"b": np.ones(5, np.float32)})
-    with pytest.raises(ckpt.InvalidTargetError, match=r"leaf 'b'.*divide"):
+    with pytest.raises(ckpt.InvalidTargetError, match=r"leaf \['b'\].*divide"):
         ckpt.restore(f"{ckpt_dir}/1", {"b": NamedSharding(make_mesh((2,), ("d",)), P("d"))})
 
 
@@ -408,3 +408,16 @@ def test_restore_of_a_step_deleted_while_reading_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(_restore, "_restore_once", deleted_midway)
     with pytest.raises(ckpt.CheckpointNotFoundError, match="deleted"):
         ckpt.restore(path)
+
+
+def test_a_save_that_lost_the_race_for_its_path_names_the_process_and_the_fix(tmp_path):
+    from checkpointer import _save
+
+    path = str(tmp_path / "1")
+    late = _save.take_snapshot(path, {"x": np.ones(3)})  # planned while the path was free
+    ckpt.save(path, {"x": np.zeros(3)})
+    with pytest.raises(ckpt.CheckpointExistsError, match=r"committed by another save while this one was writing "
+                       r"\(process 0\): this save committed nothing\. Pass overwrite=True"):
+        _save.run_background(late)
+    np.testing.assert_array_equal(ckpt.restore(path)["x"], np.zeros(3))
+    assert sorted(os.listdir(tmp_path)) == ["1"]  # the late save's partial folder is gone

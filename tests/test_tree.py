@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from checkpointer._errors import CorruptCheckpointError, StructureMismatchError
-from checkpointer._tree import check_leaf_path, describe, escape_key, flatten, leaf_path, rebuild
+from checkpointer._tree import check_leaf_path, describe, escape_key, flatten, keystr, keystrs, leaf_path, rebuild
 
 try:
     from optax import ScaleByAdamState
@@ -230,6 +230,53 @@ def test_custom_node_with_attribute_keys_is_rebuilt_as_a_dict():
 def test_custom_node_without_keys_is_rebuilt_as_a_dict_of_indices():
     out = _roundtrip({"n": _KeylessNodeForTest(np.zeros(1), [np.zeros(1)])})
     assert out == {"n": {0: "<n/0>", 1: ["<n/1/0>"]}}
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class _DictKeyedNodeForTest:
+    """A custom node with DictKey keys, as `nnx.State` and `FrozenDict` have."""
+
+    def __init__(self, d):
+        self.d = d
+
+    def tree_flatten_with_keys(self):
+        return [(DictKey(k), v) for k, v in sorted(self.d.items())], tuple(sorted(self.d))
+
+    @classmethod
+    def tree_unflatten(cls, keys, children):
+        return cls(dict(zip(keys, children)))
+
+
+def test_keystrs_from_the_stored_structure_equal_jax_keystr():
+    x = np.zeros(1)
+    strs = {
+        "mlp/~/linear_0": {"w": x}, "it's": [x, (x, None)], "": x,
+        "ts": _TrainStateForTest(params={"kernel": x}, step=x),
+        "state": _DictKeyedNodeForTest({"kernel": x, "a b": x}),
+        "keyless": _KeylessNodeForTest(x, x),
+    }
+    tree = {"s": strs, "i": {3: Point(x, x)}, "t": {("t", 1): x}}  # one key type per dict
+    structure = json.loads(json.dumps(describe(tree, _is_array)))  # as stored
+    want = {leaf_path(kp): jax.tree_util.keystr(kp)
+            for kp, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda v: v is None)[0]}
+    assert keystrs(structure) == want
+    assert list(keystrs(structure)) == [p for p, _ in flatten(tree)]  # tree order
+    assert want["s/mlp%2F~%2Flinear_0/w"] == "['s']['mlp/~/linear_0']['w']"
+    assert want["s/ts/params/kernel"] == "['s']['ts'].params['kernel']"
+    assert want["s/state/kernel"] == "['s']['state']['kernel']"
+    assert want["s/keyless/0"] == "['s']['keyless'][<flat index 0>]"
+    assert keystr(structure, "i/@int:3/x") == "['i'][3].x"
+    assert keystr(structure, "t/@tuple:%28%27t%27%2C%201%29") == "['t'][('t', 1)]"
+    assert keystrs(describe(x, _is_array)) == {"": ""}
+
+
+def test_keystrs_of_a_structure_stored_before_key_kinds_guess_custom_keys():
+    """Manifests without `key_kinds` print a custom node's identifier keys as attributes."""
+    x = np.zeros(1)
+    structure = describe({"ts": _TrainStateForTest(params={"w": x}, step=x), "st": _DictKeyedNodeForTest({"a b": x})}, _is_array)
+    for node in (structure["children"][0], structure["children"][1]):
+        del node["key_kinds"]
+    assert keystrs(structure) == {"st/a%20b": "['st']['a b']", "ts/params/w": "['ts'].params['w']", "ts/step": "['ts'].step"}
 
 
 def test_describe_paths_match_flatten_paths():

@@ -25,16 +25,13 @@ mp_args = testing.initialize
 
 
 def mesh(shape, axis_names):
-    """A Mesh of the first prod(shape) devices of `jax.devices()` (all processes), row-major."""
-    import math
-
+    """A Mesh of the first prod(shape) devices of `jax.devices()` (all processes), row-major:
+    the library's own `scratch_mesh` (MeshError when the job has too few devices)."""
     import jax
-    import numpy as np
 
-    n = math.prod(shape)
-    devices = jax.devices()
-    assert n <= len(devices), f"mesh {shape} needs {n} devices, the job has {len(devices)}"
-    return jax.sharding.Mesh(np.array(devices[:n]).reshape(shape), tuple(axis_names))
+    from checkpointer._default_targets import scratch_mesh
+
+    return scratch_mesh(shape, axis_names, jax.devices())
 
 
 def spec(entries):
@@ -107,3 +104,21 @@ def same_bits(a, b) -> bool:
 
     a, b = np.asarray(a), np.asarray(b)
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(bits(a), bits(b))
+
+
+# --- a replicated state (cooperative restore) ----------------------------------------------
+
+
+def replicated_values() -> dict:
+    """The global numpy value of each array leaf of the cooperative-restore tests; "key"
+    is the key data (uint32, trailing dimension 2) of a threefry PRNG key array."""
+    import ml_dtypes
+    import numpy as np
+
+    rng = np.random.default_rng(20261130)
+    return {
+        "w": rng.standard_normal((1024, 1024)).astype(np.float32),
+        "emb": rng.standard_normal((512, 1024)).astype(ml_dtypes.bfloat16),
+        "b": rng.standard_normal(4096).astype(np.float32),
+        "key": rng.integers(0, 2**32, (8, 2), dtype=np.uint32),
+    }

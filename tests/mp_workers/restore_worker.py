@@ -49,10 +49,21 @@ for t in args["targets"]:
                 mismatches.append(f"{name}: shard on device {s.device.id} index {s.index} differs")
             unique_boxes.add((name, Box.from_index(s.index, g.shape)))
 
-    # The plan of this process reads exactly the unique boxes of its own devices.
+    # The plan of this process covers exactly the unique boxes of its own devices: it
+    # reads them, or (a leaf shared with other processes, cooperative) reads a share of
+    # them and receives the rest.
     plan = ckpt.plan_restore(args["path"], target)
     expected_bytes = sum(box.size * expected[name].dtype.itemsize for name, box in unique_boxes)
-    planned_boxes = {(leaf.leaf_path, b.box) for leaf in plan.leaves for b in leaf.boxes}
+    planned_boxes = set()
+    for leaf in plan.leaves:
+        boxes = leaf.target_boxes if leaf.exchange_spec is not None else [b.box for b in leaf.boxes]
+        planned_boxes |= {(leaf.leaf_path, box) for box in boxes}
+        if leaf.exchange_spec is not None:
+            for tb in leaf.target_boxes:
+                got = sum(r.box.size for r in leaf.received if r.box.intersect(tb)) + sum(
+                    x.size for b in leaf.boxes if (x := b.box.intersect(tb)) is not None)
+                if got != tb.size:
+                    mismatches.append(f"{leaf.leaf_path}: read + received cover {got} of {tb.size} elements of {tb}")
     if planned_boxes != unique_boxes:
         mismatches.append(f"plan boxes {sorted(planned_boxes)} != own boxes {sorted(unique_boxes)}")
     if plan.process_index != jax.process_index():
