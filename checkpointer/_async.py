@@ -49,10 +49,11 @@ def _run(
     after_publish: Callable[[], object] | None,
     handle_ref: Callable[[], AsyncSave | None],
     on_finish: Callable[[AsyncSave], None] | None,
+    runner: Callable[[Snapshot, Callable[[], object] | None], None],
 ) -> None:
     """The background thread: write and commit, then record the outcome."""
     try:
-        run_background(snap, after_publish)
+        runner(snap, after_publish)
     except BaseException as e:  # surfaced by wait(), else logged (see _Outcome)
         _finish(outcome, handle_ref, on_finish, e)
     else:
@@ -94,6 +95,7 @@ class AsyncSave:
         *,
         on_finish: Callable[[AsyncSave], None] | None = None,
         after_publish: Callable[[], object] | None = None,
+        runner: Callable[[Snapshot, Callable[[], object] | None], None] = run_background,
     ) -> None:
         self.snapshot = snap
         self.path = snap.path
@@ -109,7 +111,7 @@ class AsyncSave:
         # The thread refers to the handle only weakly: the error's traceback keeps the
         # thread's frames, and through them it must not keep the handle alive.
         self._thread = threading.Thread(
-            target=_run, args=(snap, self._outcome, after_publish, weakref.ref(self), on_finish),
+            target=_run, args=(snap, self._outcome, after_publish, weakref.ref(self), on_finish, runner),
             name=f"checkpointer-save-{snap.generation}", daemon=False,
         )
         self._thread.start()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _catalog, _default_targets, _directory, _drill, _format
+from . import _catalog, _default_targets, _directory, _drill, _format, _tiers
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -337,9 +337,22 @@ def _cmd_ls(args, ui: _UI) -> int:
         rows.append(row)
     holder = _lock_holder(storage, directory)
     foreign = _directory.foreign_entries(storage, directory, names)
+    local_rows = _tiers.local_listing(args.local, storage, directory) if args.local else None
     if ui.json_mode:
-        ui.json({"directory": directory, "manager": holder, "steps": rows, "foreign": foreign})
+        doc: dict[str, Any] = {"directory": directory, "manager": holder, "steps": rows, "foreign": foreign}
+        if local_rows is not None:
+            doc["local"] = local_rows
+        ui.json(doc)
         return 0
+    if local_rows is not None:  # two tiers: what each process holds on its node-local tier
+        ui.table(
+            ["process", "step", "state", "size", "folder"],
+            [(r["process"], r["step"], r["state"], _format.format_bytes(r["size_bytes"]), r["folder"]) for r in local_rows],
+            right=["process", "step", "size"], title=f"local tier {args.local}",
+        )
+        if any(r["state"] == "not durable" for r in local_rows):
+            ui.line("Steps 'not durable' are committed on that node only (replication pending, failed or cut short); "
+                    "a restart resumes from one only when every process holds it whole.")
     if not rows and not foreign:
         ui.line(f"no step folders in {directory}")
         return 0
@@ -767,6 +780,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(or saves in flight), folders being deleted; with size (sum of file sizes; from the manifest "
                        "for URLs), age and the metrics saved with each step.")
     p.add_argument("directory", metavar="DIR")
+    p.add_argument("--local", metavar="LOCAL_DIR", default=None,
+                   help="two tiers: also list the node-local tier (CheckpointManager(local_directory=LOCAL_DIR))")
     p.set_defaults(func=_cmd_ls)
 
     p = sub.add_parser("inspect", parents=[common], help="show a checkpoint's tree and metadata",

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from . import _agreement, _catalog, _directory, _distributed, _ratelimit
+from . import _agreement, _catalog, _directory, _distributed, _ratelimit, _tier_manager
 from ._async import AsyncSave
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
 from ._host import HostBufferPool
@@ -51,6 +51,18 @@ class ManagerStatus:
       last_commit_s: seconds from the last finished save's snapshot to its commit.
       last_write_bytes_per_s: this process's write throughput of the last finished save
         (bytes written / `last_write_s`), bytes per second.
+      latest_local_step: two tiers: the newest step committed on this process's local
+        tier (None without a local tier, or when it holds none).
+      replication_lag_steps: two tiers: `latest_local_step` minus the newest durable
+        step (0 when the durable tier is up to date).
+      replication_lag_s: two tiers: seconds since the oldest local step newer than the
+        newest durable step committed locally (0.0 when none is).
+      last_replication_error: two tiers: the last failed replication, as text.
+      waiting_for_replication: two tiers: a `save` is waiting because the local window
+        (`keep_local`) is full of steps not yet durable.
+      last_restore_source: two tiers: where this process's last `restore` read from:
+        "local", "local+durable" or "durable" (None before the first).
+      last_restore_durable_bytes: bytes that restore fetched from the durable tier.
     """
 
     latest_committed_step: int | None
@@ -62,6 +74,13 @@ class ManagerStatus:
     last_write_s: float | None
     last_commit_s: float | None
     last_write_bytes_per_s: float | None = None
+    latest_local_step: int | None = None
+    replication_lag_steps: int = 0
+    replication_lag_s: float = 0.0
+    last_replication_error: str | None = None
+    waiting_for_replication: bool = False
+    last_restore_source: str | None = None
+    last_restore_durable_bytes: int | None = None
 
 
 def _as_step(step: object) -> int:
@@ -161,7 +180,16 @@ class CheckpointManager:
         `recover` raise. Any manager reads without a lock; this makes the intent explicit.
       max_write_bytes_per_s: caps this process's write throughput, bytes per second,
         shared by all its saves in flight (a token bucket, see `_ratelimit`); None:
-        unlimited. `status().last_write_bytes_per_s` shows the rate achieved.
+        unlimited. `status().last_write_bytes_per_s` shows the rate achieved. With a
+        local tier it caps the replication's writes to `directory`.
+      local_directory: two tiers: a node-local POSIX folder (each process its own, or a
+        shared one: each process uses `process-<i>/` in it). A save commits there
+        first (`save` returns after the snapshot; the step is a restore point of this
+        node once its local marker is written) and is then replicated to `directory`
+        in the background and committed there; only durable steps are `all_steps()`.
+      keep_local: retention of the local tier (default: the newest step). A local step
+        not yet durable is never removed: a save that would need to remove one waits for
+        its replication (`status().waiting_for_replication`).
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -189,6 +217,8 @@ class CheckpointManager:
         read_only: bool = False,
         agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
         max_write_bytes_per_s: float | None = None,
+        local_directory: str | os.PathLike | None = None,
+        keep_local: KeepPolicy = KeepLatest(1),
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -225,6 +255,16 @@ class CheckpointManager:
         # copies about twice as fast as fresh pages); released by close().
         self._buffers = HostBufferPool()
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-gc")
+        self._last_restore: tuple[str | None, int | None] = (None, None)
+        self._tiers: _tier_manager.LocalTier | None = None
+        if local_directory is not None:
+            if not isinstance(keep_local, KeepPolicy):
+                raise TypeError(f"keep_local must be a retention policy (e.g. ckpt.KeepLatest(1)), got {keep_local!r}")
+            self._tiers = _tier_manager.LocalTier(
+                local_directory, self.storage, self.directory, keep_local=keep_local,
+                commit_timeout_s=commit_timeout_s, limiter=self._write_limiter,
+                retention_after=self._retention_after, on_error=self._on_replication_error,
+            )
 
     # --- the writer's lock --------------------------------------------------------------
 
@@ -249,6 +289,8 @@ class CheckpointManager:
                 self._release_lock = weakref.finalize(self, self._lock.release)
             done = _directory.recover(self.storage, self.directory)
             _catalog.repair(self.storage, self.directory)  # object stores: the step catalog
+        if self._tiers is not None:  # every process: its own local root
+            done += self._tiers.recover()
         self._writer_ready = True
         return done
 
@@ -367,6 +409,11 @@ class CheckpointManager:
         if err is not None:
             raise err
 
+    def _on_replication_error(self, step: int, error: BaseException) -> None:
+        with self._mu:
+            self._pending_error = error
+            self._last_error = f"step {step}: {type(error).__name__}: {error}"
+
     def _on_finish(self, step: int, handle: AsyncSave) -> None:
         snap = handle.snapshot
         with self._mu:
@@ -448,6 +495,8 @@ class CheckpointManager:
             user_metadata["metrics"] = metrics
         t0 = time.perf_counter()
         self._wait_for_room()
+        if self._tiers is not None:
+            self._tiers.wait_for_room(step)
         wait_s = time.perf_counter() - t0
         self._raise_pending()
         snap = take_snapshot(
@@ -456,19 +505,46 @@ class CheckpointManager:
             agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
         )
         snap.write_limiter = self._write_limiter
+        if self._tiers is not None:
+            snap = self._tiers.local_snapshot(snap)
         with self._mu:
             self._last["snapshot_s"], self._last["wait_s"] = snap.snapshot_s, wait_s
             self._snapshot_history_s.append(snap.snapshot_s)
             self._last_requested_step = step
             if metrics:
                 self._metrics_cache[step] = dict(metrics)
-        if self.async_save:
+        if self._tiers is not None:
+            self._save_two_tiers(step, snap)
+        elif self.async_save:
             handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), after_publish=self._retention_after(step))
             with self._mu:
                 self._in_flight.append((step, handle))
         else:
             self._run_sync(step, snap)
         return True
+
+    def _save_two_tiers(self, step: int, snap: Snapshot) -> None:
+        """Commits `snap` on the local tier (in the background unless `async_save=False`)
+        and queues its replication, in `save` order on every process."""
+        tiers = self._tiers
+        assert tiers is not None
+        if self.async_save:
+            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), runner=tiers.run_local)
+            with self._mu:
+                self._in_flight.append((step, handle))
+            tiers.enqueue(step, snap.generation, snap.overwrite, handle)
+            return
+        t0 = time.perf_counter()
+        try:
+            tiers.run_local(snap)
+        except BaseException as e:
+            with self._mu:
+                self._last_error = f"step {step}: {type(e).__name__}: {e}"
+            raise
+        tiers.enqueue(step, snap.generation, snap.overwrite).result()
+        with self._mu:
+            self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
+        self._raise_pending()
 
     def _run_sync(self, step: int, snap: Snapshot) -> None:
         t0 = time.perf_counter()
@@ -507,6 +583,8 @@ class CheckpointManager:
             h.join()
         with self._mu:
             self._in_flight = []
+        if self._tiers is not None:
+            self._tiers.wait_all()
         self._raise_pending()
 
     def close(self) -> None:
@@ -518,6 +596,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._deleter.shutdown(wait=True)
+            if self._tiers is not None:
+                self._tiers.close()
             self._buffers = HostBufferPool()
             if self._release_lock is not None:
                 self._release_lock()
@@ -591,16 +671,41 @@ class CheckpointManager:
           step: the step, or None for `latest_step()`.
           target, partial, missing, max_inflight_bytes, stats, cooperative: as for
             `ckpt.restore` (`missing="keep_target"` keeps the target's values for
-            leaves the checkpoint lacks).
+            leaves the checkpoint lacks), whichever tier the step is read from.
+        Two tiers: `step=None` restores a step newer than the newest durable one only
+        when it is committed on the local tier of every process, with the same process
+        count and devices, and holds every chunk each process needs (the processes agree
+        through the coordination service); it is logged and its replication resumes.
+        Otherwise the newest durable step. A durable step whose local copy (same
+        generation) is on this process is read from there, the files missing locally
+        from `directory`; a local copy that fails its checksums is dropped for
+        `directory`. `status().last_restore_source` tells which.
+
         Raises:
           CheckpointNotFoundError: no committed step (or not that one).
 
         Multi-process: every process calls it.
         """
+        if self._tiers is not None:
+            resume = None if self.read_only else self._resume_replication
+            tree, source, durable_bytes = self._tiers.restore(
+                None if step is None else _as_step(step), target, latest_durable=self.latest_step(),
+                durable_path=self._read_path, resume=resume, partial=partial, missing=missing,
+                max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative,
+            )
+            with self._mu:
+                self._last_restore = (source, durable_bytes)
+            return tree
         return _restore(
             self._read_path(step), target, partial=partial, missing=missing, max_inflight_bytes=max_inflight_bytes,
             stats=stats, cooperative=cooperative,
         )
+
+    def _resume_replication(self, step: int, generation: str, overwrite: bool) -> None:
+        """After resuming from a local-only step: replicate it (the writer's lock first)."""
+        assert self._tiers is not None
+        self._ensure_writer()
+        self._tiers.enqueue(step, generation, overwrite)
 
     def per_process_state(
         self, step: int | None = None, *, process_index: int | None = None, all_processes: bool = False
@@ -626,6 +731,7 @@ class CheckpointManager:
     def status(self) -> ManagerStatus:
         """The manager's current state (see `ManagerStatus`)."""
         latest = self.latest_step()
+        tiers = self._tiers.status(latest) if self._tiers is not None else None
         with self._mu:
             in_flight = [s for s, h in self._in_flight if not h.done()]
             requested = self._last_requested_step
@@ -645,6 +751,13 @@ class CheckpointManager:
                 last_write_s=self._last["write_s"],
                 last_commit_s=self._last["commit_s"],
                 last_write_bytes_per_s=self._last["write_bytes_per_s"],
+                latest_local_step=tiers.latest_local_step if tiers else None,
+                replication_lag_steps=tiers.replication_lag_steps if tiers else 0,
+                replication_lag_s=tiers.replication_lag_s if tiers else 0.0,
+                last_replication_error=tiers.last_replication_error if tiers else None,
+                waiting_for_replication=tiers.waiting_for_replication if tiers else False,
+                last_restore_source=self._last_restore[0],
+                last_restore_durable_bytes=self._last_restore[1],
             )
 
     def drill(self, mesh_shape: Sequence[int] | None = None, *, axis_names: Sequence[str] | None = None) -> DrillReport:

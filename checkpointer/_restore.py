@@ -267,13 +267,35 @@ def restore(
     target; they agree through the coordination service before reading and after
     (a process that cannot restore makes every process raise), then exchange.
     """
+    storage, path = storage_for(path)
+    return restore_from(
+        storage, path, target, partial=partial, missing=missing, max_inflight_bytes=max_inflight_bytes,
+        stats=stats, cooperative=cooperative,
+    )
+
+
+def restore_from(
+    storage: Storage,
+    path: str,
+    target: object = None,
+    *,
+    partial: bool = False,
+    missing: str = "error",
+    max_inflight_bytes: int | None = None,
+    stats: RestoreStats | None = None,
+    cooperative: bool = True,
+) -> PyTree:
+    """`restore` of `path` read through `storage` (the two tiers' view of a step, see
+    `_tiers.TieredStorage`). Arguments, result and errors as for `restore`.
+
+    Multi-process: as `restore`.
+    """
     if max_inflight_bytes is not None and (
         isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 1
     ):
         raise ValueError(f"max_inflight_bytes must be a positive int (bytes) or None, got {max_inflight_bytes!r}")
     if not isinstance(cooperative, bool):
         raise ValueError(f"cooperative must be True or False, got {cooperative!r}")
-    storage, path = storage_for(path)
     stats = RestoreStats() if stats is None else stats
     t0 = time.perf_counter()
     if cooperative and jax.process_count() > 1:

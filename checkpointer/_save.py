@@ -75,6 +75,9 @@ class Snapshot:
     per_process_state: object = None  # this process's JSON value, stored in its own record
     lock: FileLock | None = None  # process 0's lock on `<partial>.lock` while writing
     write_limiter: _ratelimit.TokenBucket | None = None  # max_write_bytes_per_s (None: unlimited)
+    # Writes every array's zarr.json and the group nodes: process 0 (None), or every
+    # process into its own folder (the local tier of `_tiers`: True).
+    writes_array_metadata: bool | None = None
     snapshot_s: float = 0.0
     write_s: float = 0.0
     commit_s: float = 0.0
@@ -481,8 +484,9 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
     opened: list = []
     try:
         begin_write(snap)
-        opened = [(leaf, _open_for_write(snap, leaf.meta, create=snap.process_index == 0)) for leaf in snap.arrays]
-        if snap.process_index == 0:  # zarr v3 group nodes: browsable with zarr.open_group
+        meta_writer = snap.process_index == 0 if snap.writes_array_metadata is None else snap.writes_array_metadata
+        opened = [(leaf, _open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in snap.arrays]
+        if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays])
         chunks = []
         for leaf, fut in opened:

@@ -1,0 +1,41 @@
+"""Two tiers with two JAX processes: each keeps its own local tier (`process-<i>/`)."""
+
+import shutil
+
+import pytest
+
+from multiprocess import WORKERS, run_processes
+
+
+@pytest.mark.slow
+def test_two_processes_restore_bit_exactly_when_one_local_tier_is_wiped(tmp_path):
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    args = {"directory": durable, "local": local, "phase": "save", "steps": [1, 2]}
+    for r in run_processes(WORKERS / "tiers_worker.py", 2, 4, args, timeout_s=300):
+        saved = r.record("saved")
+        assert saved["all_steps"] == [1, 2] and saved["local_step"] == 2, r.describe()
+    shutil.rmtree(f"{local}/process-1")  # process 1's node was replaced
+    results = run_processes(WORKERS / "tiers_worker.py", 2, 4, dict(args, phase="restore"), timeout_s=300)
+    restored = [r.record("restored") for r in results]
+    for r, rec in zip(results, restored):
+        assert rec["step"] == 2 and rec["mismatches"] == [], r.describe()
+    # Process 0 reads its local copy (chunks another process wrote, if any, from the durable tier).
+    assert restored[0]["source"] in ("local", "local+durable")
+    assert restored[1]["source"] == "durable" and restored[1]["durable_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_a_local_only_step_split_by_replica_parallel_writes_is_not_whole_and_the_durable_step_is_restored(tmp_path):
+    # Replica-parallel writes give each replicated box's chunks to one holder each
+    # ('emb', 'rep', 'bf' are replicated across the two processes), so neither process's
+    # local copy of step 2 holds every chunk its devices need: the restore must not
+    # resume from it (it would read fill values), but from durable step 1.
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    args = {"directory": durable, "local": local, "phase": "save", "steps": [1, 2]}
+    for r in run_processes(WORKERS / "tiers_worker.py", 2, 4, args, timeout_s=300):
+        assert r.record("saved")["local_step"] == 2, r.describe()
+    shutil.rmtree(f"{durable}/2")  # step 2 never became durable (replication cut short)
+    results = run_processes(WORKERS / "tiers_worker.py", 2, 4, dict(args, phase="restore"), timeout_s=300)
+    for r in results:
+        rec = r.record("restored")
+        assert rec["step"] == 1 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
