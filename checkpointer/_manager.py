@@ -679,7 +679,10 @@ class CheckpointManager:
         Otherwise the newest durable step. A durable step whose local copy (same
         generation) is on this process is read from there, the files missing locally
         from `directory`; a local copy that fails its checksums is dropped for
-        `directory`. `status().last_restore_source` tells which.
+        `directory`. `status().last_restore_source` tells which. With a local tier,
+        restores never cooperate (`cooperative` is ignored): each process reads
+        node-local files, where sharing reads saves no shared-storage bandwidth, and a
+        process whose local copy is damaged falls back to `directory` on its own.
 
         Raises:
           CheckpointNotFoundError: no committed step (or not that one).
@@ -691,7 +694,7 @@ class CheckpointManager:
             tree, source, durable_bytes = self._tiers.restore(
                 None if step is None else _as_step(step), target, latest_durable=self.latest_step(),
                 durable_path=self._read_path, resume=resume, partial=partial, missing=missing,
-                max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative,
+                max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=False,
             )
             with self._mu:
                 self._last_restore = (source, durable_bytes)

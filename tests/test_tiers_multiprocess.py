@@ -39,3 +39,29 @@ def test_a_local_only_step_split_by_replica_parallel_writes_is_not_whole_and_the
     for r in results:
         rec = r.record("restored")
         assert rec["step"] == 1 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
+
+
+@pytest.mark.slow
+def test_two_processes_restore_bit_exactly_when_one_local_copy_fails_its_checksums(tmp_path):
+    # A bit flipped in one of process 1's local chunk files: process 1 alone falls back
+    # to the durable tier, process 0 keeps reading its local copy, and nobody waits on
+    # the other (restores with a local tier never cooperate).
+    import glob
+    import os
+
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    args = {"directory": durable, "local": local, "phase": "save", "steps": [1, 2]}
+    for r in run_processes(WORKERS / "tiers_worker.py", 2, 4, args, timeout_s=300):
+        assert r.record("saved")["local_step"] == 2, r.describe()
+    chunks = sorted(p for p in glob.glob(f"{local}/process-1/2/arrays/**/c/**", recursive=True) if os.path.isfile(p))
+    assert chunks, "process 1 wrote no chunk to its local tier"
+    with open(chunks[0], "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0x01]))
+    results = run_processes(WORKERS / "tiers_worker.py", 2, 4, dict(args, phase="restore"), timeout_s=300)
+    restored = [r.record("restored") for r in results]
+    for r, rec in zip(results, restored):
+        assert rec["step"] == 2 and rec["mismatches"] == [], r.describe()
+    assert restored[0]["source"] in ("local", "local+durable")
+    assert restored[1]["source"] == "durable"
