@@ -111,7 +111,10 @@ def committed_folders(storage: Storage, directory: str) -> dict[int, str]:
     writing its marker but before the rename that publishes it (POSIX) leaves a
     committed `<step>.partial-<generation>/` and no committed `<step>/`: the marker is
     the truth, so that step is committed and read from the partial folder until the
-    writer's recovery renames it into place (readers never rename or delete).
+    writer's recovery renames it into place (readers never rename or delete). A
+    committed partial folder whose save still holds its lock (`<partial>.lock`) is a
+    save between its marker and its rename, published in a moment: not listed, so no
+    reader starts reading a folder that is about to move.
 
     Stores that write in place (object stores) read the step catalog when the directory
     has one (see `_catalog`): O(steps) requests instead of listing every object.
@@ -126,7 +129,8 @@ def committed_folders(storage: Storage, directory: str) -> dict[int, str]:
         if e.generation is None:
             out[e.step] = e.name
         elif _format.parse_partial_name(e.name) and (e.step not in out or out[e.step] != str(e.step)):
-            out[e.step] = e.name  # the newest committed partial of a step without `<step>/`
+            if storage.lock_holder(f"{directory}/{e.name}{SAVE_LOCK_SUFFIX}") is None:  # crashed, not in flight
+                out[e.step] = e.name  # the newest committed partial of a step without `<step>/`
     return dict(sorted(out.items()))
 
 

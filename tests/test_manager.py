@@ -333,3 +333,21 @@ def test_folders_with_non_ascii_digits_are_not_steps(tmp_path):
     (tmp_path / "٣").mkdir()
     with ckpt.CheckpointManager(tmp_path) as mgr:
         assert mgr.all_steps() == []
+
+
+def test_a_committed_partial_whose_save_holds_its_lock_is_not_listed_until_renamed(ckpt_dir):
+    # Between its marker and its rename a save still holds `<partial>.lock`: a follower
+    # must not start reading a folder that is about to move (it would see the step
+    # vanish mid-read). Once the lock is gone (a crash), the marker makes it a step.
+    from checkpointer import _storage
+
+    ckpt.save(f"{ckpt_dir}/3", _state(3))
+    partial = f"{ckpt_dir}/3.partial-20260101000000-cafef00d"
+    os.rename(f"{ckpt_dir}/3", partial)
+    lock = _storage.LocalStorage().lock(partial + ".lock")
+    reader = ckpt.CheckpointManager(ckpt_dir, read_only=True)
+    try:
+        assert reader.all_steps() == []
+    finally:
+        lock.release(remove=True)
+    assert reader.all_steps() == [3]
