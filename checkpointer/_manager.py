@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from . import _agreement, _catalog, _directory, _distributed, _ratelimit
+from . import _agreement, _catalog, _directory, _distributed, _ratelimit, _timeline
 from ._async import AsyncSave
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
 from ._host import HostBufferPool
@@ -455,7 +455,7 @@ class CheckpointManager:
             if metrics:
                 self._metrics_cache[step] = dict(metrics)
         if self.async_save:
-            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), after_publish=self._retention_after(step))
+            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), after_publish=self._retention_after(step, snap))
             with self._mu:
                 self._in_flight.append((step, handle))
         else:
@@ -465,7 +465,7 @@ class CheckpointManager:
     def _run_sync(self, step: int, snap: Snapshot) -> None:
         t0 = time.perf_counter()
         try:
-            run_background(snap, self._retention_after(step))
+            run_background(snap, self._retention_after(step, snap))
         except BaseException as e:
             with self._mu:
                 self._last_error = f"step {step}: {type(e).__name__}: {e}"
@@ -474,9 +474,24 @@ class CheckpointManager:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
             self._last["write_bytes_per_s"] = _write_rate(snap)
 
-    def _retention_after(self, step: int) -> Callable[[], object] | None:
-        """The callback process 0 runs after committing `step`, before telling the others."""
-        return (lambda: self._apply_retention(protect={step})) if self._is_primary else None
+    def _retention_after(self, step: int, snap: Snapshot) -> Callable[[], object] | None:
+        """The callback process 0 runs after committing `step`, before telling the others:
+        retention, then the save's after-commit phases into the journal (`_timeline`)."""
+        if not self._is_primary:
+            return None
+
+        def after_commit() -> None:
+            start = time.time()
+            try:
+                self._apply_retention(protect={step})
+            finally:
+                phases = {"retention": (start, time.time())}
+                if "commit" in snap.phases_unix_s:
+                    phases["commit"] = snap.phases_unix_s["commit"]
+                _timeline.append_journal(self.storage, self.directory, step=step, generation=snap.generation,
+                                         phases_unix_s=phases)
+
+        return after_commit
 
     def _wait_for_room(self) -> None:
         while True:
