@@ -157,9 +157,8 @@ def save_phases(
                 out.append(Phase(step, pidx, name, *own[name]))
         durable_end = own["durable"][1] if "durable" in own else None
         if pidx == 0:
-            if "wait" in manifest_phases:
-                start, end = manifest_phases["wait"]
-                out.append(Phase(step, 0, "wait", durable_end if durable_end is not None else start, end))
+            if "wait" in manifest_phases:  # from its report: writing its record is the gap before
+                out.append(Phase(step, 0, "wait", *manifest_phases["wait"]))
             if commit is not None:
                 out.append(Phase(step, 0, "commit", *commit))
             if retention is not None:

@@ -89,7 +89,7 @@ def test_other_processes_wait_until_process_0_released_them():
     records = {0: _record(0, (0, 1), (1, 2), (2, 3)), 1: _record(1, (0, 1), (1, 4), (4, 6))}
     phases = _timeline.save_phases(5, records, {"wait": (3.01, 6.2)}, 6.5, {"commit": (6.2, 6.6), "retention": (6.6, 7)})
     by = {(p.process_index, p.name): (p.start_unix_s, p.end_unix_s) for p in phases}
-    assert by[(0, "wait")] == (3, 6.2)  # from its own durable end
+    assert by[(0, "wait")] == (3.01, 6.2)  # from its report (its record was written from 3 to 3.01)
     assert by[(1, "wait")] == (6, 7)  # until the commit announcement, after retention
     assert (1, "commit") not in by
     summary = _timeline.step_summary(phases)
