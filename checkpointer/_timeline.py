@@ -284,9 +284,12 @@ def _headline(step: int | None, s: StepSummary) -> str:
 
 def render_text(phases: Sequence[Phase], console, *, width: int = 60) -> None:
     """Prints one bar per process and step on a rich `console`, time running left to
-    right from the step's first phase (each step on its own scale)."""
+    right from the step's first phase (each step on its own scale). The bar is at most
+    `width` characters, fewer when the console is too narrow for it and the durations."""
     from rich.table import Table
     from rich.text import Text
+
+    width = max(10, min(width, console.width - 10 - 10 * len(PHASES)))
 
     legend = Text("phases: ")
     for name in PHASES:
@@ -385,6 +388,8 @@ def timeline(
         from rich.console import Console
 
         console = Console()
+        if not console.is_terminal and "COLUMNS" not in os.environ:  # a pipe or a log file
+            console = Console(width=10 + 10 * len(PHASES) + width)
     if png is not None and phases:
         render_png(phases, png, title=f"checkpointer timeline {location}")
     if phases:
