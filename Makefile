@@ -28,6 +28,8 @@ test: lint
 bench: venv
 	$(PY) benchmarks/save_bench.py
 	$(PY) benchmarks/restore_bench.py
+	$(PY) benchmarks/train_loss_bench.py
+	$(PY) benchmarks/small_leaves_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out .mypy_cache .ruff_cache

@@ -32,8 +32,11 @@ N_LEAVES = 16
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
-def parse_args(doc: str) -> argparse.Namespace:
+def parse_args(doc: str, add_arguments=None) -> argparse.Namespace:
+    """The common options; `add_arguments(parser)` adds a script's own."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    if add_arguments is not None:
+        add_arguments(ap)
     ap.add_argument("--runs", type=int, default=5, help="measured runs (default 5)")
     ap.add_argument("--quick", action="store_true", help="1/8 of the state, 1 run; does not touch RESULTS.md unless --results is given")
     ap.add_argument("--dir", default=None, help="parent of the temporary checkpoint folders (default: the system temp dir)")

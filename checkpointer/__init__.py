@@ -40,13 +40,14 @@ from ._restore import plan_restore, restore
 from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan
 from ._save_plan import LeafAssignment, ProcessWrites, SavePlan
 from ._save_preview import plan_save
+from ._timeline import timeline
 from ._verify import VerifyReport, verify
 
 __version__ = _library_version()  # the installed distribution's, as each manifest records it
 
 __all__ = [
     "save", "save_async", "restore", "metadata", "per_process_state", "plan_restore", "plan_save", "RestoreStats", "verify",
-    "VerifyReport", "import_orbax", "export", "ExportReport",
+    "VerifyReport", "import_orbax", "export", "ExportReport", "timeline",
     "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",

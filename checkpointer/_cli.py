@@ -1,4 +1,4 @@
-"""The `checkpointer` command line: ls, inspect, plan, verify, gc, drill, import-orbax, export.
+"""The `checkpointer` command line: ls, inspect, plan, verify, gc, drill, timeline, import-orbax, export.
 
 Every subcommand prints readable tables (rich) or, with `--json`, one JSON document on
 stdout. Errors are one line on stderr, `checkpointer: error: ...`, with exit status 2
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -698,6 +699,29 @@ def _cmd_drill(args, ui: _UI) -> int:
 # --- import-orbax / export ----------------------------------------------------------------------
 
 
+def _cmd_timeline(args, ui: _UI) -> int:
+    from . import _timeline
+
+    phases = _timeline.read_timeline(args.location, last=args.last)
+    if args.png and phases:
+        try:
+            _timeline.render_png(phases, args.png, title=f"{PROG} timeline {args.location}")
+        except ModuleNotFoundError as e:
+            raise UsageError(f"--png needs matplotlib ({e}); install it with `pip install matplotlib`") from e
+    if ui.json_mode:
+        ui.json({"phases": [dataclasses.asdict(p) for p in phases], "png": args.png if phases else None})
+        return 0
+    if not phases:
+        ui.line(f"{args.location}: no save phases recorded (saved by a version without timestamps)")
+        return 0
+    with ui.out.capture() as cap:
+        _timeline.render_text(phases, ui.out, width=args.width)
+    sys.stdout.write(cap.get() if ui.out.is_terminal else "".join(ln.rstrip() + "\n" for ln in cap.get().splitlines()))
+    if args.png:
+        ui.line(f"wrote {args.png}")
+    return 0
+
+
 def _cmd_import_orbax(args, ui: _UI) -> int:
     from ._metadata import read_metadata
     from ._orbax_import import import_orbax
@@ -858,6 +882,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "if it has as many devices as are present, else one axis of all devices)")
     p.add_argument("--axes", metavar="NAMES", help="mesh axis names (with --mesh), e.g. data,model")
     p.set_defaults(func=_cmd_drill)
+
+    p = sub.add_parser("timeline", parents=[common], help="where each save's time went, per step and process",
+                       description="Draw, per committed step and per process, the phases of each save: snapshot "
+                       "(training blocked), write (arrays opened, chunk writes issued), durable (until every chunk "
+                       "write completed), wait (for the other processes' durable reports, or for the commit), "
+                       "commit (process 0: manifest, marker, rename) and retention (process 0, after the commit; "
+                       "from DIR/.checkpointer-journal.jsonl). Reads the records the saves wrote; saves by older "
+                       "versions have no timestamps and show no phases. Each step's bar runs from its first phase.")
+    p.add_argument("location", metavar="DIR|PATH")
+    p.add_argument("--png", metavar="OUT", help="also draw the timeline into the PNG file OUT (needs matplotlib)")
+    p.add_argument("--last", type=_positive_int, metavar="N", help="only the newest N committed steps")
+    p.add_argument("--width", type=_positive_int, default=60, metavar="COLS", help="characters per bar (default 60)")
+    p.set_defaults(func=_cmd_timeline)
 
     p = sub.add_parser("import-orbax", parents=[common], help="convert an Orbax checkpoint into a checkpointer checkpoint",
                        description="Read the Orbax PyTree checkpoint at SRC (an item folder holding _METADATA, or a "

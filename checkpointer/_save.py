@@ -82,6 +82,9 @@ class Snapshot:
     write_s: float = 0.0
     commit_s: float = 0.0
     bytes_written: int = 0
+    # Wall-clock spans of this process's phases, name -> (start, end) unix seconds: the
+    # record keeps snapshot/write/durable, the manifest process 0's wait, `_timeline` draws them.
+    phases_unix_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def partial_path(self) -> str:
@@ -365,7 +368,7 @@ def _take_snapshot(
     agreement_timeout_s,
     per_process_state,
 ) -> Snapshot:
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     storage, path = storage_for(path)
     pidx, pcount = _distributed.process_index(), _distributed.process_count()
     check_target(storage, path, pidx, overwrite)
@@ -422,6 +425,7 @@ def _take_snapshot(
         overwrite=overwrite, commit_timeout_s=commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
     )
     snap.snapshot_s = time.perf_counter() - t0
+    snap.phases_unix_s["snapshot"] = (wall0, time.time())
     return snap
 
 
@@ -464,6 +468,7 @@ def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord]) -> ProcessRecord
         snapshot_s=round(snap.snapshot_s, 6),
         write_s=round(snap.write_s, 6),
         per_process_state=snap.per_process_state,  # additive: absent when the save gave none
+        phases_unix_s=dict(snap.phases_unix_s) or None,
     )
     snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
     return record
@@ -478,7 +483,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
     Raises:
       SaveError: a write failed (names the leaf, the path and the process).
     """
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     root = snap.write_path
     futures: list = []
     opened: list = []
@@ -498,6 +503,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
                 _ratelimit.acquire(snap.write_limiter, host.nbytes)  # paced per chunk write
                 futures.append((leaf.meta.path, store[w.box.slices()].write(host) if host.size else None))
                 chunks.append(chunk_record(leaf.meta, w.chunk_index, w.box, host))
+        issued = time.time()  # every chunk write issued; "durable" waits for them all
         for leaf_path, f in futures:
             if f is None:
                 continue
@@ -506,6 +512,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
         snap.write_s = time.perf_counter() - t0
+        snap.phases_unix_s.update(write=(wall0, issued), durable=(issued, time.time()))
         return write_record(snap, chunks)
     except BaseException as e:
         # Let array creations and writes already issued finish before anyone removes
@@ -526,6 +533,7 @@ def _manifest(snap: Snapshot, process_bytes: list[int]) -> dict:
         step=snap.step, generation=snap.generation, process_count=snap.process_count,
         process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
         values=snap.values, user_metadata=snap.user_metadata,
+        save_phases_unix_s={k: v for k, v in snap.phases_unix_s.items() if k == "wait"} or None,
     )
 
 
@@ -539,7 +547,7 @@ def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], ob
     Raises:
       CommitTimeoutError, SaveError: nothing was committed.
     """
-    t0 = time.perf_counter()
+    t0, reported = time.perf_counter(), time.time()
     coord = _distributed.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
     coord.report_done(str(record.bytes_written))
     if snap.process_index != 0:
@@ -548,10 +556,13 @@ def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], ob
         return
     try:
         summaries = coord.wait_all_done()
+        all_durable = time.time()
+        snap.phases_unix_s["wait"] = (reported, all_durable)
         process_bytes = [int(s) for s in summaries] if summaries else [snap.bytes_written]
         _check_records(snap)
         _catalog.add_entry(snap.storage, snap.path, snap.generation)  # before the marker
         _publish(snap, process_bytes)
+        snap.phases_unix_s["commit"] = (all_durable, time.time())
     except BaseException as e:
         coord.announce_commit(f"{type(e).__name__}: {e}")
         raise

@@ -15,7 +15,8 @@ number of CPU devices:
    saved, and training goes on to ``TOTAL_STEPS``.
 3. ``reference``: one process with 8 devices trains all steps without interruption.
 
-The parent process compares the loss curves and writes a plot. This file holds
+The parent process compares the loss curves, writes a plot, and draws where each
+committed save's time went (``ckpt.timeline``: text here, ``save_timeline.png``). This file holds
 the checkpointing; ``_demo_support.py`` holds the plumbing (training loop,
 digests, printing, plot) and ``checkpointer.testing`` starts the processes.
 
@@ -216,8 +217,11 @@ def main() -> None:
     passed = demo.report_comparison(PHASES, *curves, LOSS_TOLERANCE)
     plot_path = out_dir / "loss_curves.png"
     demo.plot_losses(plot_path, PHASES, *curves)
+    print("\n[timeline] where each committed save's time went, per process (`checkpointer timeline`)")
+    ckpt.timeline(checkpoint_dir, png=out_dir / "save_timeline.png")
     print(f"\nTotal wall time {time.perf_counter() - start_s:.1f} s")
     print(f"Loss curves: {plot_path}")
+    print(f"Save timeline: {out_dir / 'save_timeline.png'}")
     if not passed:
         demo.fail("the resumed run does not match the uninterrupted one")
 

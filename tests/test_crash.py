@@ -73,4 +73,4 @@ def test_resume_after_crash_continues_saving(tmp_path):
     with ckpt.CheckpointManager(directory) as mgr:
         steps = mgr.all_steps()
         assert len(steps) == 2 and steps[-1] >= 5
-        assert [n for n in os.listdir(directory) if not n.isdigit()] == [".checkpointer.lock"]
+        assert sorted(n for n in os.listdir(directory) if not n.isdigit()) == [".checkpointer-journal.jsonl", ".checkpointer.lock"]

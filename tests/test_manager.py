@@ -119,7 +119,8 @@ def test_retention_policies_delete_only_after_commit(ckpt_dir):
         mgr.wait_until_finished()
         # latest two (6, 7), every 4th (4), best loss (2)
         assert mgr.all_steps() == [2, 4, 6, 7]
-    assert sorted(os.listdir(ckpt_dir)) == [".checkpointer.lock", "2", "4", "6", "7"]
+    # Besides the steps: the writer's lock and the save journal (`checkpointer timeline`).
+    assert sorted(os.listdir(ckpt_dir)) == [".checkpointer-journal.jsonl", ".checkpointer.lock", "2", "4", "6", "7"]
 
 
 def test_keep_steps_and_newest_always_kept(ckpt_dir):

@@ -46,13 +46,16 @@ def test_the_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     )
     assert "`.opt_state[0].nu['params']['Dense_1']['bias']`" in tables[0] and "| `.step` |" in tables[0]
     assert "`arrays/params/params/Dense_0/kernel`" in tables[0]
-    # 2. and 3. Two pictures: who wrote which chunk; the read plan on another mesh.
+    # 2., 3. and 5. Three pictures: who wrote which chunk; the read plan on another mesh;
+    # the save timeline.
     pngs = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.data]
-    assert len(pngs) == 2
+    assert len(pngs) == 3
     assert all(len(o.data["image/png"]) > 10_000 for o in pngs)  # real figures, not empty axes
     assert "read amplification 1.00" in text
     assert "identical to the saved state: True" in text
     # 4. zarr-python reads the leaf and it equals the original.
     assert "zarr-python read equals the saved array: True" in text
+    # 5. The timeline of the manager's run: the two steps retention kept, one process.
+    assert "phases of steps [2, 3], processes [0]" in text
     # The notebook removed its checkpoint folder.
     assert not list(tmp_path.glob("inspect-checkpoint-*"))

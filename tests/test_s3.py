@@ -6,6 +6,7 @@ are checked with boto3, independently of the library. On object stores there is 
 rename: a save writes `<step>/` directly and the `COMMITTED` marker alone publishes it.
 """
 
+import io
 import json
 import time
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from rich.console import Console
 
 pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (dev extra)")
 pytest.importorskip("boto3", reason="the S3 tests need boto3 (dev extra)")
@@ -230,10 +232,14 @@ def test_manager_saves_async_keeps_the_latest_and_restores_elsewhere(s3, bucket)
     # Retention removed every object of the dropped steps, and nothing else lingers.
     steps_with_objects = {k.split("/")[2] for k in s3.keys(bucket, "exp/run/") if k.split("/")[2].isdigit()}
     assert steps_with_objects == {"3", "4"}
-    # Besides the steps, only the step catalog (its header and the kept steps' entries).
+    # Besides the steps, only the step catalog (its header and the kept steps' entries)
+    # and the save journal (`checkpointer timeline`), one line per save.
     assert [k for k in s3.keys(bucket, "exp/run/") if not k.split("/")[2].isdigit()] == [
         "exp/run/.checkpointer-catalog/3", "exp/run/.checkpointer-catalog/4", "exp/run/.checkpointer-catalog/catalog.json",
+        "exp/run/.checkpointer-journal.jsonl",
     ]
+    phases = ckpt.timeline(d, console=Console(file=io.StringIO()))
+    assert {p.step for p in phases} == {3, 4} and "retention" in {p.name for p in phases}
 
     with ckpt.CheckpointManager(d, async_save=False) as mgr:  # a fresh job, another mesh
         assert mgr.latest_step() == 4

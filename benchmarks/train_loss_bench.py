@@ -1,0 +1,283 @@
+"""Training time lost per checkpoint: a jitted AdamW training step that donates its state,
+checkpointing every K steps, against the same loop without checkpoints, in one run.
+
+State: L float32 weight matrices (4096 × 2048 and 2048 × 4096, alternating) sharded
+P('data', 'model') on a 2x4 mesh of 8 host (CPU) devices, with optax.adamw's two moment
+arrays per matrix and a step counter: about 960 MiB (1/8 with --quick). The step is a real
+training step: forward and backward of an L-layer tanh MLP on a fixed batch, AdamW update,
+`jax.jit(..., donate_argnums=0)` so the state's device buffers are reused in place.
+
+One loop = C checkpoints, each followed by K training steps (C × K steps). Per run, in an
+order rotated from run to run, the loop runs four times:
+
+  no checkpoints   the loop alone: the baseline.
+  checkpointer CheckpointManager
+                   one ckpt.CheckpointManager(dir, keep=KeepLatest(2)) per method kept for
+                   the whole script (its host buffers are pooled between saves);
+                   mgr.save(step, state) before each block of K steps.
+  checkpointer save_async
+                   h = ckpt.save_async(dir/<step>, state); the previous handle is waited
+                   for before the next save (as the manager's max_saves_in_flight=1).
+  orbax            one ocp.CheckpointManager(dir, CheckpointManagerOptions(
+                   enable_async_checkpointing=True, max_to_keep=2)) kept for the script;
+                   mgr.save(step, args=StandardSave(state)).
+
+The loop is timed from its first save to the end of its last training step
+(block_until_ready of the state); the last save's remaining background work is awaited
+untimed afterwards. Training time lost per checkpoint = (loop time − the same run's
+baseline loop time) / C; the table gives the median (min–max) over runs. One warm-up round
+(compilation, first saves, buffer pools) is not counted.
+
+Run:  .venv/bin/python benchmarks/train_loss_bench.py [--runs 5] [--quick] [--dir /tmp]
+      [--every 10] [--checkpoints 3]   (or `make bench`). Replaces the train_loss_bench
+      section of benchmarks/RESULTS.md (--quick: 1/8 of the state, 1 run, RESULTS.md untouched).
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import absl.logging  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import _common as C  # noqa: E402
+import checkpointer as ckpt  # noqa: E402
+
+absl.logging.set_verbosity(absl.logging.ERROR)
+
+LAYERS = 10
+BATCH = 16
+TX = optax.adamw(1e-4)
+
+
+def _shape(i: int, scale: int) -> tuple[int, int]:
+    a, b = (4096, 2048) if scale == 1 else (2048, 512)
+    return (a, b) if i % 2 == 0 else (b, a)
+
+
+def _loss(params, x):
+    h = x
+    for i in range(LAYERS):
+        h = jnp.tanh(h @ params[f"w{i:02d}"])
+    return jnp.mean(h * h)
+
+
+def _train_step(state, x):
+    loss, grads = jax.value_and_grad(_loss)(state["params"], x)
+    updates, opt = TX.update(grads, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "step": state["step"] + 1}, loss
+
+
+class Trainer:
+    """The jitted, donating step and a freshly initialised state."""
+
+    def __init__(self, scale: int):
+        m = C.mesh()
+        self.mesh = m
+        keys = jax.random.split(jax.random.key(0), LAYERS)
+
+        def init():
+            params = {f"w{i:02d}": jax.random.normal(keys[i], _shape(i, scale), jnp.float32) * 0.02
+                      for i in range(LAYERS)}
+            return {"params": params, "opt": TX.init(params), "step": jnp.zeros((), jnp.int32)}
+
+        abstract = jax.eval_shape(init)
+        self.shardings = jax.tree.map(
+            lambda a: NamedSharding(m, P("data", "model") if a.ndim == 2 else P()), abstract)
+        self._init = jax.jit(init, out_shardings=self.shardings)
+        self.step = jax.jit(_train_step, donate_argnums=0, out_shardings=(self.shardings, NamedSharding(m, P())))
+        self.x = jax.device_put(jax.random.normal(jax.random.key(1), (BATCH, _shape(0, scale)[0]), jnp.float32),
+                                NamedSharding(m, P()))
+
+    def fresh_state(self):
+        return jax.block_until_ready(self._init())
+
+
+def _loop(trainer: Trainer, state, every: int, checkpoints: int, save, first_step: int):
+    """C × (save, K steps); returns (state, loop seconds, blocking seconds of the saves)."""
+    blocked = []
+    t0 = time.perf_counter()
+    step = first_step
+    for _ in range(checkpoints):
+        if save is not None:
+            b0 = time.perf_counter()
+            save(step, state)
+            blocked.append(time.perf_counter() - b0)
+        for _ in range(every):
+            state, _loss_value = trainer.step(state, trainer.x)
+            step += 1
+    jax.block_until_ready(state)
+    return state, time.perf_counter() - t0, blocked
+
+
+class Manager:
+    def __init__(self, parent):
+        self.dir = tempfile.mkdtemp(prefix="train_loss_ckpt_mgr_", dir=parent)
+        self.mgr = ckpt.CheckpointManager(self.dir, keep=ckpt.KeepLatest(2))
+
+    def save(self, step, state):
+        self.mgr.save(step, state)
+
+    def finish(self):
+        self.mgr.wait_until_finished()
+
+    def close(self):
+        self.mgr.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class SaveAsync:
+    def __init__(self, parent):
+        self.dir = tempfile.mkdtemp(prefix="train_loss_ckpt_async_", dir=parent)
+        self.handle = None
+        self.paths: list[str] = []
+
+    def save(self, step, state):
+        if self.handle is not None:
+            self.handle.wait()
+        path = f"{self.dir}/{step}"
+        self.handle = ckpt.save_async(path, state)
+        self.paths.append(path)
+
+    def finish(self):
+        if self.handle is not None:
+            self.handle.wait()
+        while len(self.paths) > 2:  # keep two, as the managers do; removed after the loop, untimed
+            shutil.rmtree(self.paths.pop(0), ignore_errors=True)
+
+    def close(self):
+        self.finish()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Orbax:
+    def __init__(self, parent):
+        self.dir = tempfile.mkdtemp(prefix="train_loss_orbax_", dir=parent)
+        self.mgr = ocp.CheckpointManager(
+            self.dir, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True, max_to_keep=2))
+
+    def save(self, step, state):
+        self.mgr.save(step, args=ocp.args.StandardSave(state))
+
+    def finish(self):
+        self.mgr.wait_until_finished()
+
+    def close(self):
+        self.mgr.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+BASE, CM, CK, OB = "no checkpoints", "checkpointer CheckpointManager", "checkpointer save_async", "orbax CheckpointManager"
+
+
+def main() -> None:
+    def own(ap):
+        ap.add_argument("--every", type=int, default=10, metavar="K", help="training steps per checkpoint (default 10)")
+        ap.add_argument("--checkpoints", type=int, default=3, metavar="C", help="checkpoints per loop (default 3)")
+
+    args = C.parse_args(__doc__, own)
+    every, checkpoints = args.every, args.checkpoints
+    t0, load = time.perf_counter(), C.OtherLoad()
+    trainer = Trainer(args.scale)
+    state = trainer.fresh_state()
+    nbytes = C.logical_bytes(state)
+    print(f"devices: {jax.device_count()} × {jax.devices()[0].platform}; state {nbytes / 2**20:.0f} MiB; "
+          f"{checkpoints} checkpoints every {every} steps per loop; runs: {args.runs}; warm-up round first", flush=True)
+    savers = {BASE: None, CM: Manager(args.dir), CK: SaveAsync(args.dir), OB: Orbax(args.dir)}
+    results: dict[str, list[dict]] = {name: [] for name in savers}
+    step = 0
+    try:
+        for run in range(-1, args.runs):  # run -1: warm-up
+            names = list(savers)
+            k = run % len(names)
+            for name in names[k:] + names[:k]:
+                saver = savers[name]
+                state, loop_s, blocked = _loop(trainer, state, every, checkpoints,
+                                               saver.save if saver is not None else None, step)
+                step += every * checkpoints
+                if saver is not None:
+                    f0 = time.perf_counter()
+                    saver.finish()
+                    tail_s = time.perf_counter() - f0
+                else:
+                    tail_s = 0.0
+                if run >= 0:
+                    results[name].append({"loop": loop_s, "blocked": blocked, "tail": tail_s})
+                print(f"  run {run if run >= 0 else 'warm-up'}: {name:32s} loop {loop_s:.3f} s, saves blocked "
+                      f"{sum(blocked):.3f} s, after the loop {tail_s:.3f} s", flush=True)
+        timeline = _manager_timeline(savers[CM])
+    finally:
+        for saver in savers.values():
+            if saver is not None:
+                saver.close()
+    text = report(args, results, nbytes, every, checkpoints, time.perf_counter() - t0, load, timeline)
+    print("\n" + text)
+    C.write_section(args.results, "train_loss_bench", text)
+
+
+def _manager_timeline(saver) -> str:
+    """The manager's last committed saves, summarised from `ckpt.timeline`'s records."""
+    from checkpointer import _timeline
+
+    saver.finish()
+    phases = _timeline.read_timeline(saver.dir)
+    lines = []
+    for step in sorted({p.step for p in phases}):
+        mine = [p for p in phases if p.step == step]
+        s = _timeline.step_summary(mine)
+        ph = ", ".join(f"{n} {s.phase_s[n]:.3f} s" for n in _timeline.PHASES if n in s.phase_s)
+        lines.append(f"step {step}: {ph}; commit lag {s.commit_lag_s:.3f} s")
+    return "; ".join(lines)
+
+
+def report(args, results, nbytes, every, checkpoints, wall_s, load, timeline) -> str:
+    gib = nbytes / 2**30
+    base = [r["loop"] for r in results[BASE]]
+    lost = {name: [(r["loop"] - b) / checkpoints for r, b in zip(results[name], base)] for name in (CM, CK, OB)}
+    rows = [[BASE, C.fmt(base), "—", "—", "—", f"{statistics.median(base) / (every * checkpoints):.3f} s"]]
+    for name in (CM, CK, OB):
+        blocked = [statistics.median(r["blocked"]) for r in results[name]]
+        loops = [r["loop"] for r in results[name]]
+        rows.append([name, C.fmt(loops), C.fmt(blocked), C.fmt(lost[name]),
+                     f"{statistics.median(lost[name]) / gib:.3f} s/GiB", "—"])
+    main = C.table(["", "loop time", "save() call (per save)", "training time lost per checkpoint",
+                    "lost per GiB of state", "step time"], rows)
+    ob = statistics.median(lost[OB])
+    target_rows = []
+    for name, short in ((CM, "manager"), (CK, "save_async")):
+        med = statistics.median(lost[name])
+        r = med / ob if ob > 0 else float("inf")
+        target_rows.append([f"checkpointer {short}: lost / orbax lost", f"{r:.2f}×", "≤ 0.5×",
+                            "met" if r <= 0.5 else f"missed ({r / 0.5:.2f}× the target)"])
+        per_gib = med / gib
+        target_rows.append([f"checkpointer {short}: lost per GiB", f"{per_gib:.3f} s", "≤ 0.5 s",
+                            "met" if per_gib <= 0.5 else f"missed ({per_gib / 0.5:.2f}× the target)"])
+    targets = C.table(["ratio of medians", "value", "target", ""], target_rows)
+    desc = (f"State: {LAYERS} float32 matrices {_shape(0, args.scale)} / {_shape(1, args.scale)} P('data','model') "
+            f"on a 2x4 mesh + AdamW moments (optax.adamw) + step: {nbytes / 2**20:.0f} MiB. Training step: "
+            f"forward/backward of a {LAYERS}-layer tanh MLP on a batch of {BATCH}, AdamW update, jitted with "
+            f"donate_argnums=0. Loop: {checkpoints} × (checkpoint, {every} steps); lost per checkpoint = (loop − "
+            "the same run's loop without checkpoints) / "
+            f"{checkpoints}. Methods rotated per run, 1 warm-up round. The save() call's time includes waiting for "
+            "the training steps dispatched before it (JAX dispatches asynchronously; the snapshot needs their "
+            "result) and, when the previous save is still in flight, for that save: the loop time is the figure.")
+    return "\n".join([C.header_lines("Training time lost per checkpoint (`benchmarks/train_loss_bench.py`)", args,
+                                     wall_s, load), desc, "", main, "", targets, "",
+                      f"The manager's last saves, from `checkpointer timeline`: {timeline}."])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""`checkpointer timeline`: the phases of each save, from the records the saves wrote."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import checkpointer as ckpt
+from checkpointer import _cli, _directory, _timeline
+from checkpointer._metadata import ProcessRecord
+from checkpointer._storage import storage_for
+from conftest import make_mesh
+
+FIXTURE = Path(__file__).parent / "fixtures" / "v0.1.0"
+
+
+def _state(value):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    return {
+        "w": jax.device_put(jnp.full((64, 32), value, jnp.float32), NamedSharding(mesh, P("data", "model"))),
+        "b": jax.device_put(jnp.full((32,), value, jnp.float32), NamedSharding(mesh, P())),
+    }
+
+
+@pytest.fixture(params=[True, False], ids=["async", "sync"])
+def run_dir(request, tmp_path):
+    d = str(tmp_path / "run")
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(2), async_save=request.param) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(float(step)))
+    return d
+
+
+def test_manager_run_timeline_phases_are_ordered_and_disjoint(run_dir):
+    # Step 1 was removed by retention; its journal line stays, the committed steps are drawn.
+    phases = _timeline.read_timeline(run_dir)
+    assert sorted({p.step for p in phases}) == [2, 3]
+    for step in (2, 3):
+        mine = [p for p in phases if p.step == step and p.process_index == 0]
+        assert [p.name for p in mine] == list(_timeline.PHASES)
+        for p in mine:
+            assert p.end_unix_s >= p.start_unix_s, p
+        for before, after in zip(mine, mine[1:]):
+            assert after.start_unix_s >= before.end_unix_s, (before, after)
+    # The snapshots happen in step order, each save after the previous one's snapshot.
+    snaps = [p for p in phases if p.name == "snapshot"]
+    assert snaps[0].end_unix_s <= snaps[1].start_unix_s
+    lines = Path(run_dir, _directory.SAVE_JOURNAL).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    assert _directory.foreign_entries(storage_for(run_dir)[0], run_dir) == []  # the journal is the directory's own
+
+
+def test_timeline_of_one_checkpoint_and_last(run_dir):
+    one = _timeline.read_timeline(f"{run_dir}/3")
+    assert {p.step for p in one} == {3}
+    assert "retention" in {p.name for p in one}  # the parent's journal is read too
+    assert {p.step for p in _timeline.read_timeline(run_dir, last=1)} == {3}
+
+
+def test_plain_save_timeline_ends_with_the_marker(tmp_path):
+    path = str(tmp_path / "c")
+    ckpt.save(path, _state(1.0))
+    phases = _timeline.read_timeline(path)
+    assert [p.name for p in phases] == ["snapshot", "write", "durable", "wait", "commit"]
+    marker = json.loads(Path(path, "COMMITTED").read_text())
+    assert phases[-1].end_unix_s == pytest.approx(marker["committed_unix_s"], abs=1e-5)
+
+
+def test_checkpoints_without_timestamps_have_no_phases(tmp_path):
+    for path in FIXTURE.iterdir():
+        if (path / "COMMITTED").exists():
+            assert _timeline.read_timeline(path) == []
+            return
+    pytest.fail(f"no committed checkpoint in {FIXTURE}")
+
+
+def _record(pidx, snapshot, write, durable):
+    return ProcessRecord(process_index=pidx, chunks=(), phases_unix_s={"snapshot": snapshot, "write": write,
+                                                                       "durable": durable})
+
+
+def test_other_processes_wait_until_process_0_released_them():
+    records = {0: _record(0, (0, 1), (1, 2), (2, 3)), 1: _record(1, (0, 1), (1, 4), (4, 6))}
+    phases = _timeline.save_phases(5, records, {"wait": (3.01, 6.2)}, 6.5, {"commit": (6.2, 6.6), "retention": (6.6, 7)})
+    by = {(p.process_index, p.name): (p.start_unix_s, p.end_unix_s) for p in phases}
+    assert by[(0, "wait")] == (3.01, 6.2)  # from its report (its record was written from 3 to 3.01)
+    assert by[(1, "wait")] == (6, 7)  # until the commit announcement, after retention
+    assert (1, "commit") not in by
+    summary = _timeline.step_summary(phases)
+    assert summary.slowest_process == 1
+    assert summary.commit_lag_s == pytest.approx(5.6)
+    assert summary.blocking_s == 1
+
+
+def test_process_record_keeps_phases_and_old_readers_keep_them_as_extra():
+    rec = _record(0, (1.5, 2.0), (2.0, 2.5), (2.5, 3.25))
+    obj = rec.to_json()
+    assert obj["phases_unix_s"] == {"snapshot": [1.5, 2.0], "write": [2.0, 2.5], "durable": [2.5, 3.25]}
+    assert ProcessRecord.from_json(obj, "x").phases_unix_s == rec.phases_unix_s
+    with pytest.raises(ckpt.CorruptCheckpointError, match="phases_unix_s"):
+        ProcessRecord.from_json({**obj, "phases_unix_s": {"write": [1]}}, "x")
+
+
+def test_cli_timeline_text_json_and_png(run_dir, capsys):
+    png = os.path.join(os.path.dirname(run_dir), "t.png")
+    code = _cli.main(["timeline", run_dir, "--png", png])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "step 2:" in out and "step 3:" in out and "commit lag" in out
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _cli.main(["timeline", run_dir, "--json", "--last", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {p["step"] for p in doc["phases"]} == {3}
+    shutil.rmtree(run_dir)
+    assert _cli.main(["timeline", run_dir]) == 2
