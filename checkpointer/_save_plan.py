@@ -51,6 +51,12 @@ SPLIT_FLOOR_BYTES = 1 << 20
 # (rule (b) of the module docstring).
 _UNEVEN_SPLIT_MULTIPLE = 4
 
+# Benchmark-only switch (benchmarks/replicated_save_bench.py; not API, never set by the
+# library): True plans the one-writer behaviour instead of replica-parallel writes, i.e.
+# no split and every box written whole by the holder of its `replica_id == 0` shard.
+# `_save` caches plans: clear `_save._PLAN_CACHE` after changing it.
+_ONE_WRITER = False
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
@@ -276,7 +282,7 @@ def plan_writes(
             grouped[gkey] = _group(spec, shard_chunk)
         groups = grouped[gkey]
         replicas = max((len(h) for h in groups.values()), default=1)
-        split_dim, k = split_rule(spec.shard_shape, spec.itemsize, replicas, split_floor_bytes)
+        split_dim, k = split_rule(spec.shard_shape, spec.itemsize, 1 if _ONE_WRITER else replicas, split_floor_bytes)
         chunk = shard_chunk
         if split_dim is not None:
             chunk = chunk[:split_dim] + (chunk[split_dim] // k,) + chunk[split_dim + 1 :]
@@ -318,13 +324,17 @@ def plan_writes(
         if heap is None:
             heap = heaps[members] = [(loads.get(q, 0), q) for q in members]
             heapq.heapify(heap)
-        while True:
-            load, p = heapq.heappop(heap)
-            if load == loads.get(p, 0):
-                break
-            heapq.heappush(heap, (loads.get(p, 0), p))
-        loads[p] = load - neg_bytes
-        heapq.heappush(heap, (loads[p], p))
+        if _ONE_WRITER:  # the benchmark-only one-writer plan: the replica 0 holder writes it
+            p = min(holders, key=lambda q: (holders[q].replica_id, holders[q].device_id))
+            loads[p] = loads.get(p, 0) - neg_bytes
+        else:
+            while True:
+                load, p = heapq.heappop(heap)
+                if load == loads.get(p, 0):
+                    break
+                heapq.heappush(heap, (loads.get(p, 0), p))
+            loads[p] = load - neg_bytes
+            heapq.heappush(heap, (loads[p], p))
         planned[li].writes.append((p, ChunkWrite(cell, part, holders[p].device_id, None if part is box or part == box else box)))
     out = []
     for leaf in planned:
