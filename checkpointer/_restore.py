@@ -33,7 +33,6 @@ from ._errors import (
     where,
 )
 from ._format import ArrayMetadata, ValueMetadata
-from ._host import aligned_empty
 from ._metadata import CheckpointMetadata, read_metadata
 from ._read import RestoreStats
 from ._restore_plan import BoxRead, LeafRestorePlan, RestorePlan, build_plan, chunk_keys
@@ -146,7 +145,7 @@ def _read_leaf(
                     first, *rest = b.device_ids
                     out[first] = jax.device_put(host, devices[first])
                     for d in rest:
-                        out[d] = jax.device_put(_own_host_copy(host) if _on_cpu(devices[d]) else out[first], devices[d])
+                        out[d] = jax.device_put(out[first], devices[d])
                 else:
                     if bufs is None:
                         bufs = {d: jnp.zeros(b.box.shape, dtype, device=devices[d]) for d in b.device_ids}
@@ -159,26 +158,6 @@ def _read_leaf(
                 budget.release(cost)
         if bufs is not None:
             out.update(bufs)
-    return out
-
-
-def _on_cpu(sharding: jax.sharding.Sharding) -> bool:
-    """Whether the sharding's (single) device is a host (CPU) device."""
-    device: Any = next(iter(sharding.device_set))  # Any: jaxlib has no stubs for Device
-    return device.platform == "cpu"
-
-
-def _own_host_copy(host: np.ndarray) -> np.ndarray:
-    """A private aligned copy of `host` that a CPU device adopts without another copy.
-
-    On CPU a device-to-device copy lands in XLA's allocator, whose fresh memory faults in
-    4 KiB pages (the fully replicated 1 GiB restore of issue 15: 1.9 M faults, 7.9 s of
-    system time in a fresh process); numpy's large allocations are backed by huge pages
-    (`madvise`), so this copy faults 512x less. Each device still owns its buffer: no host
-    buffer is shared by two devices (donating one must never change another).
-    """
-    out = aligned_empty(host.shape, host.dtype)
-    np.copyto(out, host)
     return out
 
 
