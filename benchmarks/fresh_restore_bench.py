@@ -1,0 +1,211 @@
+"""Fresh-process restore benchmark: each measurement in a new Python process, as a resumed job
+meets it (issue 15, item 1).
+
+State: the one of benchmarks/restore_bench.py (`_common.make_state`): 16 float32 arrays of
+4096x4096 saved P('data', 'model') on a 2x4 mesh of 8 host (CPU) devices plus one float32
+1024x1024 saved P(): 1 GiB + 4 MiB, saved once with `ckpt.save` and once with orbax
+(CheckpointManager + StandardSave) by the parent process.
+
+Targets (the replicated leaf goes replicated on the target's mesh):
+  same        2x4 mesh, P('data', 'model')  (the saved layout)
+  4x2 mesh    4x2 mesh, P('data', 'model')
+  replicated  2x4 mesh, P(): every leaf fully replicated on the 8 devices (8 GiB of device
+              buffers, one host buffer per device: never aliased)
+
+Each measurement runs in a fresh child process (`--child`): it imports jax and numpy, builds
+the target (jax.ShapeDtypeStruct leaves; this initialises the devices), then starts the timer,
+and inside it imports the library (`import checkpointer` / `import orbax.checkpoint`) and
+restores, until jax.block_until_ready:
+  plain read    readinto() of every file under the checkpoint's arrays/ folder into one new
+                numpy buffer, one thread: the floor for reading those bytes into fresh memory.
+  checkpointer  ckpt.restore(path, target).
+  orbax         CheckpointManager(path).restore(0, args=StandardRestore(target)).
+The child reports wall time and its user and system CPU seconds and minor page faults over the
+timed part (getrusage). A warm-up round, not counted, checks that every restore returns the
+saved values (per-leaf sums against the parent's). Page cache warm (it cannot be dropped here).
+
+Run:  .venv/bin/python benchmarks/fresh_restore_bench.py [--runs 5] [--quick] [--dir /tmp]
+      Prints a markdown table and replaces the fresh_restore_bench section of
+      benchmarks/RESULTS.md (--quick: 1/8 of the state, 1 run, RESULTS.md untouched unless
+      --results is given).
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import json  # noqa: E402
+import resource  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+METHODS = ["plain read", "checkpointer", "orbax"]
+TARGETS = {"same": "same: 2x4 P('data','model')", "4x2": "4x2 mesh P('data','model')",
+           "replicated": "fully replicated on 8 devices (2x4 P())"}
+PLAIN_LIMIT, ORBAX_LIMIT = 1.5, 1 / 2.5
+
+
+def _target(state_shapes: dict, which: str) -> dict:
+    """Target leaves for `which` without importing the library (child side)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    shape = (4, 2) if which == "4x2" else (2, 4)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("data", "model"))
+    big = NamedSharding(mesh, P() if which == "replicated" else P("data", "model"))
+    small = NamedSharding(mesh, P())
+    return {k: jax.ShapeDtypeStruct(tuple(s), np.float32, sharding=small if k == "replicated" else big)
+            for k, s in state_shapes.items()}
+
+
+def _plain_read(arrays_dir: str):
+    import numpy as np
+
+    files = sorted((str(p), p.stat().st_size) for p in Path(arrays_dir).rglob("*") if p.is_file())
+    buf = np.empty(sum(n for _, n in files), np.uint8)
+    view, off = memoryview(buf), 0
+    for f, n in files:
+        with open(f, "rb", buffering=0) as fh:
+            end = off + n
+            while off < end:
+                got = fh.readinto(view[off:end])
+                if not got:
+                    raise IOError(f"{f} is shorter than {n} bytes")
+                off += got
+    return buf
+
+
+def child(spec: dict) -> None:
+    """One measurement in this (fresh) process; prints one JSON line."""
+    import absl.logging
+    import jax
+    import numpy as np
+
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    method = spec["method"]
+    tgt = _target(spec["shapes"], spec["target"]) if method != "plain read" else None
+    ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    if method == "plain read":
+        out = _plain_read(spec["ckpt"] + "/arrays")
+    elif method == "checkpointer":
+        import checkpointer as ckpt
+
+        out = jax.block_until_ready(ckpt.restore(spec["ckpt"], tgt))
+    else:
+        import orbax.checkpoint as ocp
+
+        mgr = ocp.CheckpointManager(spec["orbax"])
+        out = jax.block_until_ready(mgr.restore(0, args=ocp.args.StandardRestore(tgt)))
+    t1, ru1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    res = {"s": t1 - t0, "user_s": ru1.ru_utime - ru0.ru_utime, "sys_s": ru1.ru_stime - ru0.ru_stime,
+           "minflt": ru1.ru_minflt - ru0.ru_minflt}
+    if spec["check"] and method != "plain read":
+        res["sums"] = {k: float(np.asarray(v, np.float64).sum()) for k, v in out.items()}
+        res["n_buffers"] = {k: len({s.data.unsafe_buffer_pointer() for s in v.addressable_shards}) for k, v in out.items()}
+    if method == "orbax":
+        mgr.close()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def run_child(spec: dict) -> dict:
+    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=os.environ.copy())
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise SystemExit(f"child {spec['method']} {spec['target']} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+
+
+def report(C, args, res, logical, wall_s, load) -> str:
+    rows, summary, tgt_rows = [], [], []
+    for t, tname in TARGETS.items():
+        for name in METHODS:
+            r = res[t][name]
+            rows.append([tname if name == METHODS[0] else "", name, C.fmt([x["s"] for x in r]),
+                         f"{logical / 1e9 / statistics.median(x['s'] for x in r):.2f}",
+                         C.fmt([x["user_s"] for x in r], "s", 2), C.fmt([x["sys_s"] for x in r], "s", 2),
+                         f"{statistics.median(x['minflt'] for x in r) / 1e3:.0f} k"])
+        med = {n: statistics.median(x["s"] for x in res[t][n]) for n in METHODS}
+        summary.append([tname, f"{med['checkpointer'] / med['orbax']:.2f}×", f"{med['checkpointer'] / med['plain read']:.2f}×"])
+        if t != "replicated":
+            r = med["checkpointer"] / med["plain read"]
+            tgt_rows.append(["checkpointer / plain read", tname, f"{r:.2f}×", f"≤ {PLAIN_LIMIT}×",
+                             "met" if r <= PLAIN_LIMIT else f"missed ({r / PLAIN_LIMIT:.2f}× the target)"])
+        r = med["checkpointer"] / med["orbax"]
+        tgt_rows.append(["checkpointer / orbax", tname, f"{r:.2f}×", "≤ 0.40× (≥ 2.5× faster)",
+                         "met" if r <= ORBAX_LIMIT else f"missed ({r / ORBAX_LIMIT:.2f}× the target)"])
+    big, small = C.shapes(args.scale)
+    desc = (f"State: {C.N_LEAVES} × float32 {big} saved P('data','model') on a 2x4 mesh + float32 {small} saved P(); "
+            f"logical bytes {logical / 2**20:.0f} MiB. Every measurement in a fresh Python process: jax imported and "
+            "the target built before the timer; the timer covers `import checkpointer` / `import orbax.checkpoint` "
+            "and the restore until block_until_ready (the plain read: listing and reading arrays/ into a new buffer). "
+            "Order of the three rotated per run, 1 warm-up round that checks the values. user/sys: CPU seconds of the "
+            "child over the timed part; faults: its minor page faults (median).")
+    return "\n".join([C.header_lines("Fresh-process restore (`benchmarks/fresh_restore_bench.py`)", args, wall_s, load), desc, "",
+                      C.table(["target", "method", "time", "GB/s", "user", "sys", "faults"], rows), "",
+                      "Ratios of median times:", "", C.table(["target", "checkpointer / orbax", "checkpointer / plain read"], summary), "",
+                      "Against the targets of issue 15 (ratios of median times):", "",
+                      C.table(["ratio", "target layout", "value", "target", ""], tgt_rows)])
+
+
+def main() -> None:
+    import absl.logging
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    import _common as C
+    import checkpointer as ckpt
+
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    args = C.parse_args(__doc__)
+    t0, load = time.perf_counter(), C.OtherLoad()
+    root = tempfile.mkdtemp(prefix="fresh_restore_bench_", dir=args.dir)
+    try:
+        state = C.make_state(args.scale)
+        logical = C.logical_bytes(state)
+        cpath, opath = f"{root}/ckpt/0", f"{root}/orbax"
+        ckpt.save(cpath, state)
+        with ocp.CheckpointManager(opath) as mgr:
+            mgr.save(0, args=ocp.args.StandardSave(state))
+            mgr.wait_until_finished()
+        sums = {k: float(np.asarray(v, np.float64).sum()) for k, v in state.items()}
+        shapes = {k: list(v.shape) for k, v in state.items()}
+        del state
+        print(f"devices: {jax.device_count()} × {jax.devices()[0].platform}; runs: {args.runs}; warm-up round first; "
+              "one fresh process per measurement")
+        res = {t: {n: [] for n in METHODS} for t in TARGETS}
+        for run in range(-1, args.runs):
+            for t in TARGETS:
+                k = run % len(METHODS)
+                for name in METHODS[k:] + METHODS[:k]:
+                    spec = {"method": name, "target": t, "shapes": shapes, "ckpt": cpath, "orbax": opath, "check": run < 0}
+                    r = run_child(spec)
+                    if run < 0 and name != "plain read":
+                        if r["sums"] != sums:
+                            raise SystemExit(f"{name} restored wrong values onto {t}: {r['sums']} != {sums}")
+                        if t == "replicated" and min(r["n_buffers"].values()) != 8:
+                            raise SystemExit(f"{name} aliased host buffers across devices onto {t}: {r['n_buffers']}")
+                    elif run >= 0:
+                        res[t][name].append(r)
+                    print(f"  run {run if run >= 0 else 'warm-up'}: {t:10s} {name:12s} {r['s']:.3f} s "
+                          f"(user {r['user_s']:.2f} s, sys {r['sys_s']:.2f} s, {r['minflt'] / 1e3:.0f} k faults)", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    text = report(C, args, res, logical, time.perf_counter() - t0, load)
+    print("\n" + text)
+    C.write_section(args.results, "fresh_restore_bench", text)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        child(json.loads(sys.argv[2]))
+    else:
+        main()
