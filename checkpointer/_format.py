@@ -30,6 +30,7 @@ from typing import Literal
 import crc32c
 import numpy as np
 
+from ._box import Box
 from ._errors import CorruptCheckpointError
 from ._tree import check_leaf_path
 
@@ -424,6 +425,12 @@ class ArrayMetadata:
       keystr: the leaf's key path as `jax.tree_util.keystr` prints it (`['params']['w']`),
         the name to show users; set when read from a manifest (None before the save
         writes one). Not stored in the leaf's entry and not compared.
+      packed: the leaf's chunks are boxes in the processes' packs (`packed/process-<i>`,
+        see `_pack`), not a zarr array of its own (JSON `"packed": true`, absent when
+        False).
+      pack_boxes: where each chunk of a packed leaf lies in the packs, from the
+        manifest's `packed` section (empty before a manifest exists, and for leaves
+        that are not packed). Not stored in the leaf's entry and not compared.
     """
 
     path: str
@@ -435,6 +442,8 @@ class ArrayMetadata:
     key_impl: str | None = None
     kind: str = "jax"
     keystr: str | None = dataclasses.field(default=None, compare=False)
+    packed: bool = False
+    pack_boxes: tuple[PackedBox, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -456,7 +465,30 @@ class ArrayMetadata:
             "inner_chunk_shape": list(self.inner_chunk_shape),
             "saved_sharding": self.saved_sharding.to_json() if self.saved_sharding else None,
             "key_impl": self.key_impl,
-        }
+        } | ({"packed": True} if self.packed else {})
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBox:
+    """Where one chunk of a packed leaf lies: a byte range of a pack's chunk file.
+
+    Attributes:
+      key: the pack's chunk file, relative to the checkpoint path
+        (`packed/process-<i>/c/0`).
+      file_bytes: the size that file must have, bytes (its data and the 4-byte crc32c
+        the pack's codec appends).
+      box: the chunk's region of the global array.
+      offset: where its C-order bytes start in the file, bytes.
+      nbytes: their length, bytes (box size × itemsize).
+      crc32c: crc32c of those bytes.
+    """
+
+    key: str
+    file_bytes: int
+    box: Box
+    offset: int
+    nbytes: int
+    crc32c: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -516,7 +548,10 @@ def array_metadata_from_json(path: str, obj: object, where: str) -> ArrayMetadat
         sharding = SavedSharding.from_json(obj["saved_sharding"]) if obj.get("saved_sharding") else None
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{loc}: malformed saved_sharding ({e})") from e
-    return ArrayMetadata(path, shape, dtype, chunk, inner, sharding, key_impl, kind)
+    packed = obj.get("packed", False)
+    if not isinstance(packed, bool):
+        raise CorruptCheckpointError(f"{loc}: packed must be true or false")
+    return ArrayMetadata(path, shape, dtype, chunk, inner, sharding, key_impl, kind, packed=packed)
 
 
 # --- non-array leaf values --------------------------------------------------------------
