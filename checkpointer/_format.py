@@ -140,7 +140,12 @@ def process_record_name(process_index: int) -> str:
 
 def dtype_name(dtype: np.dtype) -> str:
     """The zarr v3 / TensorStore data type name of a numpy (or ml_dtypes) dtype."""
-    return np.dtype(dtype).name
+    return _dtype_name(np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: np.dtype) -> str:
+    return dtype.name  # ~20 µs in numpy (a regex per call); a save names every leaf's dtype
 
 
 def dtype_from_name(name: object, *, where: str = "") -> np.dtype:
@@ -625,6 +630,40 @@ def format_bytes(n: int | None) -> str:
 def dumps(obj: object) -> bytes:
     """The JSON encoding used for every file of the format."""
     return json.dumps(obj, indent=1, sort_keys=False, allow_nan=False).encode()
+
+
+def _expands(obj: object, depth: int) -> bool:
+    if isinstance(obj, dict):
+        return bool(obj) and (depth < 2 or any(isinstance(v, list) and v and isinstance(v[0], dict) for v in obj.values()))
+    if isinstance(obj, list):
+        return bool(obj) and (depth < 1 or all(isinstance(v, dict) for v in obj))
+    return False
+
+
+def _dump_lines(obj: object, depth: int, out: list[str]) -> None:
+    if not _expands(obj, depth):
+        out.append(json.dumps(obj, allow_nan=False))
+        return
+    pad = " " * (depth + 1)
+    items: list[tuple[object, object]] = list(obj.items()) if isinstance(obj, dict) else [(None, v) for v in obj]  # type: ignore[attr-defined]
+    out.append("{" if isinstance(obj, dict) else "[")
+    for i, (k, v) in enumerate(items):
+        out.append("\n" + pad + (json.dumps(k) + ": " if k is not None else ""))
+        _dump_lines(v, depth + 1, out)
+        if i + 1 < len(items):
+            out.append(",")
+    out.append("\n" + " " * depth + ("}" if isinstance(obj, dict) else "]"))
+
+
+def dumps_large(obj: object) -> bytes:
+    """The JSON encoding of the format's large files (manifest, process records): the
+    top levels one entry per line and every list of objects one object per line (a
+    leaf, a chunk, a packed box), each entry compact. Same JSON as `dumps`, other
+    whitespace: it runs on the C encoder (`indent=` forces Python's, ~10 µs per
+    value: 0.3 s for a record of 5,000 chunks)."""
+    out: list[str] = []
+    _dump_lines(obj, 0, out)
+    return "".join(out).encode()
 
 
 def loads(data: bytes, where: str) -> object:

@@ -90,12 +90,20 @@ def phases_json(phases: Mapping[str, tuple[float, float]]) -> dict:
 _Record = TypeVar("_Record", "ChunkRecord", "ProcessRecord", "PackedBoxRecord", "PackRecord")
 
 
+@functools.cache
+def _json_fields(cls: type) -> tuple[tuple[str, str, Callable[[Any], object]], ...]:
+    """(attribute, JSON key, dump) of a record class's `_json_field`s (`dataclasses.fields`
+    is slow, and records of thousands of chunks are written on every save)."""
+    return tuple((f.name, f.metadata["key"], f.metadata["dump"]) for f in dataclasses.fields(cls) if "key" in f.metadata)
+
+
 def _record_to_json(obj: ChunkRecord | ProcessRecord | PackedBoxRecord | PackRecord) -> dict:
     out = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if "key" in f.metadata and value is not None:
-            out[f.metadata["key"]] = f.metadata["dump"](value)
+    cls: Any = type(obj)
+    for name, key, dump in _json_fields(cls):
+        value = getattr(obj, name)
+        if value is not None:
+            out[key] = dump(value)
     out.update((k, v) for k, v in obj.extra.items() if k not in out)
     return out
 
@@ -520,20 +528,20 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
         check_leaf_path(key, where=where)
         for j, b in enumerate(pack["boxes"]):
             try:
-                leaf, box, offset, nbytes, crc = b["leaf"], Box.from_json(b["box"]), b["offset"], b["data_bytes"], b["data_crc32c"]
+                leaf, (origin, shape), offset, nbytes, crc = b["leaf"], b["box"], b["offset"], b["data_bytes"], b["data_crc32c"]
+                box = Box(tuple(origin), tuple(shape))
             except (KeyError, TypeError, ValueError) as e:
                 raise CorruptCheckpointError(f"manifest of {where}: {loc} box {j} is malformed ({e})") from e
             m = leaves.get(leaf) if isinstance(leaf, str) else None
             _require(isinstance(m, ArrayMetadata) and m.packed, f"{loc} box {j}: {leaf!r:.100} is not a packed array leaf", where)
             assert isinstance(m, ArrayMetadata)
-            ok = (
-                all(_is_int(v) and v >= 0 for v in (offset, nbytes, crc))
-                and len(box.origin) == len(m.shape)
-                and all(o % c == 0 and s == min(c, n - o) for o, s, c, n in zip(box.origin, box.shape, m.chunk_shape, m.shape))
-                and nbytes == box.size * m.dtype.itemsize
-                and offset + nbytes <= file_bytes - 4
-            )
-            _require(ok, f"{loc} box {j} of leaf {leaf!r} does not fit the leaf's chunk grid or the pack's size", where)
+            ok = type(offset) is int and type(nbytes) is int and type(crc) is int and offset >= 0 and crc >= 0
+            ok = ok and len(box.origin) == len(box.shape) == len(m.shape) and offset + nbytes <= file_bytes - 4
+            size = m.dtype.itemsize
+            for o, s, c, n in zip(box.origin, box.shape, m.chunk_shape, m.shape):
+                ok = ok and type(o) is int and type(s) is int and o >= 0 and o % c == 0 and s == min(c, n - o)
+                size *= s
+            _require(ok and nbytes == size, f"{loc} box {j} of leaf {leaf!r} does not fit the leaf's chunk grid or the pack's size", where)
             found.setdefault(leaf, []).append(_format.PackedBox(key, file_bytes, box, offset, nbytes, crc))
     for path, m in leaves.items():
         if isinstance(m, ArrayMetadata) and m.packed:
@@ -541,7 +549,7 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
             n_chunks = math.prod(-(-s // c) for s, c in zip(m.shape, m.chunk_shape)) if math.prod(m.shape) else 0
             _require(len({b.box for b in boxes}) == len(boxes) == n_chunks,
                      f"packed leaf {path!r} has {len(boxes)} boxes in the packs, expected one per chunk ({n_chunks})", where)
-            leaves[path] = dataclasses.replace(m, pack_boxes=tuple(sorted(boxes, key=lambda b: b.box)))
+            leaves[path] = dataclasses.replace(m, pack_boxes=tuple(sorted(boxes, key=lambda b: b.box.origin)))
 
 
 def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:

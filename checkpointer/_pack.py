@@ -300,9 +300,11 @@ def place(meta: ArrayMetadata, sharding: jax.sharding.Sharding, hosts: dict[Box,
     donated updates.
     """
     shape = meta.shape
+    by_origin = {b.origin: h for b, h in hosts.items()}
 
     def piece(index: tuple[slice, ...] | None) -> np.ndarray:
-        return hosts[Box.from_index(index or (), shape)].copy()
+        # A shard's origin names its box (JAX indices are unit-step slices, None = 0).
+        return by_origin[tuple(sl.start or 0 for sl in index or ())].copy()
 
     if sharding.memory_kind not in (None, "device"):
         return _place_per_device(meta, sharding, hosts)

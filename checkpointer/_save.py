@@ -474,7 +474,7 @@ def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord], packed: PackReco
         phases_unix_s=dict(snap.phases_unix_s) or None,
         packed=packed,  # additive: absent when this process packed nothing
     )
-    snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
+    snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps_large(record.to_json()))
     return record
 
 
@@ -622,7 +622,7 @@ def _publish(snap: Snapshot, process_bytes: list[int], packed: Sequence[PackReco
     storage, root, final = snap.storage, snap.write_path, snap.path
     strategy = storage.commit_strategy
     try:
-        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps(_manifest(snap, process_bytes, packed)))
+        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps_large(_manifest(snap, process_bytes, packed)))
         marker = _format.dumps({"generation": snap.generation, "committed_unix_s": time.time()})
         storage.write_file(f"{root}/{_format.COMMITTED}", marker)
         replaced = strategy.publish(root, final, snap.generation, overwrite=snap.overwrite)
