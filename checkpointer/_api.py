@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from . import _agreement, _distributed, _pack, _ratelimit
+from . import _agreement, _distributed, _ratelimit
 from ._async import AsyncSave
 from ._save import save_sync, take_snapshot
 
@@ -25,7 +25,7 @@ def save(
     agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
     per_process_state: object = None,
     max_write_bytes_per_s: float | None = None,
-    pack_small_leaves_bytes: int = _pack.DEFAULT_PACK_BYTES,
+    pack_small_leaves_bytes: int | None = None,
 ) -> None:
     """Saves `tree` to `path` and returns once it is committed.
 
@@ -46,8 +46,8 @@ def save(
         (a token bucket paced per chunk write, see `_ratelimit`); None: unlimited.
       pack_small_leaves_bytes: leaves whose chunks (saved shards) hold at most this
         many bytes are packed into one zarr array per process (`packed/process-<i>`,
-        see `_pack` and the README's on-disk layout) instead of an array each; 0
-        writes every leaf as its own zarr array (the layout of release 0.1).
+        see `_pack` and the README's on-disk layout) instead of an array each; None:
+        256 KiB; 0 writes every leaf as its own zarr array (the layout of release 0.1).
     Raises:
       CheckpointExistsError: `path` is committed and `overwrite` is False.
       UnsupportedValueError: a leaf or `per_process_state` cannot be stored (names it).
@@ -79,7 +79,7 @@ def save_async(
     agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
     per_process_state: object = None,
     max_write_bytes_per_s: float | None = None,
-    pack_small_leaves_bytes: int = _pack.DEFAULT_PACK_BYTES,
+    pack_small_leaves_bytes: int | None = None,
 ) -> AsyncSave:
     """Like `save`, but returns once the host snapshot is taken.
 

@@ -221,7 +221,7 @@ class CheckpointManager:
         max_write_bytes_per_s: float | None = None,
         local_directory: str | os.PathLike | None = None,
         keep_local: KeepPolicy = KeepLatest(1),
-        pack_small_leaves_bytes: int = _pack.DEFAULT_PACK_BYTES,
+        pack_small_leaves_bytes: int | None = None,
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(

@@ -48,8 +48,8 @@ from . import _format
 from ._box import Box
 from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, is_whole_byte_dtype
-from ._metadata import ChunkRecord, PackedBoxRecord, PackRecord, ProcessRecord, read_process_record
-from ._restore_plan import BoxRead, LeafRestorePlan, PackRun, coalesce_packed
+from ._metadata import ChunkRecord, PackedBoxRecord, PackRecord, read_process_record
+from ._restore_plan import BoxRead, LeafRestorePlan, PackRun, coalesce_packed, plan_leaf
 from ._storage import TS_CONTEXT, Storage
 
 PACKED = "packed"
@@ -68,12 +68,13 @@ def chunk_key(process_index: int) -> str:
 
 
 def check_threshold(pack_small_leaves_bytes: object) -> int:
-    """Validates `pack_small_leaves_bytes` (bytes; 0 turns packing off).
+    """Validates `pack_small_leaves_bytes` (bytes; 0 turns packing off; None: the
+    default, `DEFAULT_PACK_BYTES` as it is when called).
 
     Raises:
-      ValueError: not a non-negative int.
+      ValueError: not a non-negative int or None.
     """
-    v = pack_small_leaves_bytes
+    v = DEFAULT_PACK_BYTES if pack_small_leaves_bytes is None else pack_small_leaves_bytes
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(f"pack_small_leaves_bytes must be a non-negative int (bytes; 0: no packing), got {v!r}")
     return v
@@ -182,8 +183,10 @@ class PackWriter:
         return finish
 
 
-def packs_of_save(storage: Storage, root: str, own: ProcessRecord, process_count: int) -> list[PackRecord]:
-    """Process 0 at commit: every process's pack index, for the manifest (its own from
+def packs_of_save(
+    storage: Storage, root: str, process_index: int, own: PackRecord | None, process_count: int
+) -> list[PackRecord]:
+    """Process 0 at commit: every process's pack index, for the manifest (its own,
     `own`, the others' from their `processes/<i>.json` in `root`).
 
     Raises:
@@ -191,9 +194,9 @@ def packs_of_save(storage: Storage, root: str, own: ProcessRecord, process_count
     """
     packs = []
     for i in range(process_count):
-        record = own if i == own.process_index else read_process_record(storage, f"{root}/{_format.process_record_name(i)}")
-        if record.packed is not None:
-            packs.append(record.packed)
+        pack = own if i == process_index else read_process_record(storage, f"{root}/{_format.process_record_name(i)}").packed
+        if pack is not None:
+            packs.append(pack)
     return packs
 
 
@@ -268,10 +271,11 @@ def assemble_box(meta: ArrayMetadata, box_read: BoxRead, data: dict[tuple[str, i
     """One target box of a packed leaf, from the packed chunks read (a new array)."""
     dtype = meta.dtype.newbyteorder("<") if meta.dtype.itemsize > 1 else meta.dtype
     reads = box_read.packed
+    out = _empty_unadoptable(box_read.box.shape, meta.dtype)
     if len(reads) == 1 and reads[0].box == reads[0].chunk_box == box_read.box:
         r = reads[0]
-        return np.frombuffer(data[(r.key, r.offset)], dtype).reshape(box_read.box.shape).astype(meta.dtype, copy=True)
-    out = np.empty(box_read.box.shape, meta.dtype)
+        out[...] = np.frombuffer(data[(r.key, r.offset)], dtype).reshape(box_read.box.shape)
+        return out
     for r in reads:
         chunk = np.frombuffer(data[(r.key, r.offset)], dtype).reshape(r.chunk_box.shape)
         src = r.local_box.slices()
@@ -291,20 +295,65 @@ def _place_per_device(meta: ArrayMetadata, sharding: jax.sharding.Sharding, host
     return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
+def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:
+    """`_read.region_reader` of a packed leaf: `read(box)` returns the leaf's values in
+    `box` (a fresh array), from the packed chunks it intersects.
+
+    Raises (from `read`):
+      CorruptCheckpointError: a pack read failed or a checksum does not match.
+    """
+    from ._read import RestoreStats
+
+    stats = RestoreStats()
+
+    def read(box: Box) -> np.ndarray:
+        b = plan_leaf(meta, [(-1, box)]).boxes[0]
+        return assemble_box(meta, b, read_runs(storage, path, coalesce_packed((meta.path, p) for p in b.packed), stats))
+
+    return read
+
+
+_MISALIGN_BYTES = 8
+
+
+def _unadoptable(host: np.ndarray) -> np.ndarray:
+    """`host`'s values in a buffer that starts 8 bytes past a 64-byte boundary.
+
+    XLA's CPU client adopts a suitably aligned host buffer without copying, and
+    `jax.make_array_from_callback` / `jax.device_put` of one host array onto a
+    replicated sharding then hands the *same* buffer to every device (measured, JAX
+    0.10: `may_alias=False` does not prevent it), so donating one device's array would
+    change the others'. From a buffer it cannot adopt, JAX copies once per device.
+    (`tests/test_pack.py` checks that no two devices share a buffer.)
+    """
+    if host.ctypes.data % 64 == _MISALIGN_BYTES or host.nbytes == 0:
+        return host
+    out = _empty_unadoptable(host.shape, host.dtype)
+    out[...] = host
+    return out
+
+
+def _empty_unadoptable(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array laid out as `_unadoptable` returns them."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + 64 + _MISALIGN_BYTES, np.uint8)
+    start = (-raw.ctypes.data) % 64 + _MISALIGN_BYTES
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 def place(meta: ArrayMetadata, sharding: jax.sharding.Sharding, hosts: dict[Box, np.ndarray]) -> jax.Array:
     """The global array of one leaf on `sharding` from its host boxes (one per unique
     target box of this process's devices), in one `jax.make_array_from_callback`.
 
-    Every device gets its own copy of its box: XLA's CPU client adopts aligned host
-    buffers without copying, and two devices sharing one buffer would see each other's
-    donated updates.
+    Every device gets its own copy of its box (`_unadoptable`): never one host buffer
+    aliased across devices, which donation would corrupt.
     """
     shape = meta.shape
-    by_origin = {b.origin: h for b, h in hosts.items()}
+    by_origin = {b.origin: _unadoptable(h) for b, h in hosts.items()}
 
     def piece(index: tuple[slice, ...] | None) -> np.ndarray:
         # A shard's origin names its box (JAX indices are unit-step slices, None = 0).
-        return by_origin[tuple(sl.start or 0 for sl in index or ())].copy()
+        return by_origin[tuple(sl.start or 0 for sl in index or ())]
 
     if sharding.memory_kind not in (None, "device"):
         return _place_per_device(meta, sharding, hosts)
@@ -359,10 +408,7 @@ def _restore_batch(storage, path, batch, budget, cost, stats, out) -> None:
                     with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
                         host = host.astype(lt.dtype)
                 hosts[b.box] = host
-            if lt.sharding is None:
-                out[meta.path] = hosts[Box.whole(meta.shape)]
-                continue
-            arr = place(meta, lt.sharding, hosts)
+            arr: Any = hosts[Box.whole(meta.shape)] if lt.sharding is None else place(meta, lt.sharding, hosts)
             out[meta.path] = jax.random.wrap_key_data(arr, impl=meta.key_impl) if meta.key_impl is not None else arr
     finally:
         budget.release(cost)

@@ -85,6 +85,7 @@ class Snapshot:
     # Wall-clock spans of this process's phases, name -> (start, end) unix seconds: the
     # record keeps snapshot/write/durable, the manifest process 0's wait, `_timeline` draws them.
     phases_unix_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    pack_index: PackRecord | None = None  # this process's pack of small leaves, once written (`_pack`)
 
     @property
     def partial_path(self) -> str:
@@ -307,7 +308,7 @@ def take_snapshot(
     buffers: HostBufferPool | None = None,
     agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
     per_process_state: object = None,
-    pack_small_leaves_bytes: int = _pack.DEFAULT_PACK_BYTES,
+    pack_small_leaves_bytes: int | None = None,
 ) -> Snapshot:
     """Plans the save, agrees on it with the other processes, and copies this process's
     shards to host memory (blocking).
@@ -523,17 +524,16 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
                 f.result()
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
-        packed = None
         if pack_done is not None:
             try:
-                packed, pack_chunk = pack_done()
+                snap.pack_index, pack_chunk = pack_done()
             except Exception as e:
                 raise SaveError(f"writing the pack of small leaves {_pack.array_name(snap.process_index)} in {root} failed "
                                 f"(process {snap.process_index}): {e}") from e
             chunks.append(pack_chunk)
         snap.write_s = time.perf_counter() - t0
         snap.phases_unix_s.update(write=(wall0, issued), durable=(issued, time.time()))
-        return write_record(snap, chunks, packed)
+        return write_record(snap, chunks, snap.pack_index)
     except BaseException as e:
         # Let array creations and writes already issued finish before anyone removes
         # the partial folder (a creation still running would re-create files in it).
@@ -548,7 +548,9 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         raise SaveError(f"writing {root} failed (process {snap.process_index}): {type(e).__name__}: {e}") from e
 
 
-def _manifest(snap: Snapshot, process_bytes: list[int], packed: Sequence[PackRecord] = ()) -> dict:
+def _manifest(snap: Snapshot, process_bytes: list[int]) -> dict:
+    packed = _pack.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.pack_index, snap.process_count) if (
+        any(leaf.meta.packed for leaf in snap.arrays)) else []
     return manifest_json(
         step=snap.step, generation=snap.generation, process_count=snap.process_count,
         process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
@@ -581,9 +583,8 @@ def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], ob
         snap.phases_unix_s["wait"] = (reported, all_durable)
         process_bytes = [int(s) for s in summaries] if summaries else [snap.bytes_written]
         _check_records(snap)
-        packed = _pack.packs_of_save(snap.storage, snap.write_path, record, snap.process_count) if _has_packed(snap) else []
         _catalog.add_entry(snap.storage, snap.path, snap.generation)  # before the marker
-        _publish(snap, process_bytes, packed)
+        _publish(snap, process_bytes)
         snap.phases_unix_s["commit"] = (all_durable, time.time())
     except BaseException as e:
         coord.announce_commit(f"{type(e).__name__}: {e}")
@@ -614,15 +615,11 @@ def _check_records(snap: Snapshot) -> None:
         )
 
 
-def _has_packed(snap: Snapshot) -> bool:
-    return any(leaf.meta.packed for leaf in snap.arrays)
-
-
-def _publish(snap: Snapshot, process_bytes: list[int], packed: Sequence[PackRecord] = ()) -> None:
+def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
     storage, root, final = snap.storage, snap.write_path, snap.path
     strategy = storage.commit_strategy
     try:
-        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps_large(_manifest(snap, process_bytes, packed)))
+        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps_large(_manifest(snap, process_bytes)))
         marker = _format.dumps({"generation": snap.generation, "committed_unix_s": time.time()})
         storage.write_file(f"{root}/{_format.COMMITTED}", marker)
         replaced = strategy.publish(root, final, snap.generation, overwrite=snap.overwrite)
@@ -671,7 +668,7 @@ def abort(snap: Snapshot, coord: _distributed.Coordinator, *, timed_out: bool = 
 def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S,
               agreement_timeout_s=_agreement.DEFAULT_AGREEMENT_TIMEOUT_S, per_process_state=None,
               write_limiter: _ratelimit.TokenBucket | None = None,
-              pack_small_leaves_bytes: int = _pack.DEFAULT_PACK_BYTES) -> Snapshot:
+              pack_small_leaves_bytes: int | None = None) -> Snapshot:
     """take_snapshot, write_snapshot and commit on the caller's thread."""
     snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=step, commit_timeout_s=commit_timeout_s,
                          agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,

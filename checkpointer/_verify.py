@@ -126,22 +126,26 @@ def _verify_packs(storage: Storage, path: str, metas: list[ArrayMetadata], recor
     for key, boxes in sorted(by_key.items()):
         n_chunks += len(boxes)
         array = key.rsplit("/c/", 1)[0]
+        raw: memoryview
         try:
             kvstore = storage.kvstore_spec(f"{path}/{array}")
             store = ts.open({"driver": "zarr3", "kvstore": kvstore, "open": True, "fill_missing_data_reads": False},
                             context=TS_CONTEXT, read=True).result()
             data = store.read().result()
-        except Exception as e:  # every failure is a finding, keep going
-            problems.append(f"pack {key} (leaves {boxes[0][0]!r} ...): {str(e).splitlines()[0]}")
-            continue
-        rec = recorded.get(key)
-        if rec is None:
-            problems.append(f"pack {key} is not in any process record")
-        elif rec.data_crc32c != _format.data_crc32c(data):
-            problems.append(f"pack {key} decodes to bytes whose crc32c differs from the writer's record")
-        raw = data.data
+            rec = recorded.get(key)
+            if rec is None:
+                problems.append(f"pack {key} is not in any process record")
+            elif rec.data_crc32c != _format.data_crc32c(data):
+                problems.append(f"pack {key} decodes to bytes whose crc32c differs from the writer's record")
+            raw = data.data
+        except Exception as e:  # every failure is a finding; name the damaged leaves from the raw bytes
+            problems.append(f"pack {key}: {str(e).splitlines()[0]}")
+            try:
+                raw = memoryview(storage.read_file(f"{path}/{key}"))
+            except OSError:
+                continue
         for leaf, b in boxes:
-            if b.offset + b.nbytes > len(data) or crc32c.crc32c(raw[b.offset : b.offset + b.nbytes]) != b.crc32c:
+            if b.offset + b.nbytes > len(raw) or crc32c.crc32c(raw[b.offset : b.offset + b.nbytes]) != b.crc32c:
                 problems.append(f"leaf {leaf!r}: packed chunk at {b.box.origin} (bytes {b.offset}..{b.offset + b.nbytes} "
                                 f"of {key}) does not match its crc32c in the manifest")
             else:

@@ -28,6 +28,10 @@ import checkpointer as ckpt
 from checkpointer import _format
 from conftest import make_mesh
 
+# About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
+# are not packed here (tests/test_pack.py covers the packed layout).
+pytestmark = pytest.mark.usefixtures("unpacked_layout")
+
 LIB = pathlib.Path(ckpt.__file__).parent
 State = collections.namedtuple("State", ["count", "mu"])
 
@@ -58,7 +62,7 @@ def original(tmp_path_factory):
     """A committed checkpoint of `_tree()` and its manifest; tests damage copies of it."""
     root = tmp_path_factory.mktemp("hostile")
     path = str(root / "orig" / "1")
-    ckpt.save(path, _tree())
+    ckpt.save(path, _tree(), pack_small_leaves_bytes=0)  # module scope: `unpacked_layout` comes too late
     with open(f"{path}/manifest.json") as f:
         manifest = json.load(f)
     return path, manifest
