@@ -24,7 +24,7 @@ import numpy as np
 import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _format, _pack, _read, _restore_agreement
+from . import _format, _gc, _pack, _read, _restore_agreement
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -449,6 +449,14 @@ def _prepare(
     cooperative: bool = False,
 ) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
     """Reads the manifest, resolves the target and plans this process's reads (no chunk I/O)."""
+    with _gc.paused():  # many small objects: no full collections over the heap meanwhile
+        return _prepare_paused(storage, path, target, partial, missing, max_inflight_bytes, stats, cooperative)
+
+
+def _prepare_paused(
+    storage: Storage, path: str, target: object, partial: bool, missing: str, max_inflight_bytes: int | None,
+    stats: RestoreStats, cooperative: bool,
+) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
     resolved = resolve_tree(meta, target, partial=partial, process_index=pidx, missing=missing, cooperative=cooperative)
@@ -522,7 +530,8 @@ def _read_all(
             future = leaf_pool.submit(read_leaf, storage, path, m, lt, leaf_plans[leaf.path], budget, pidx, chunk_pool, stats)
             pending.append((leaf.path, m, lt, future))
         if packed:
-            results.update(_pack.restore_packed(storage, path, packed, budget, stats, _COPIES_IN_FLIGHT))
+            with _gc.paused():
+                results.update(_pack.restore_packed(storage, path, packed, budget, stats, _COPIES_IN_FLIGHT))
         for leaf_path, m, lt, future in pending:
             results[leaf_path] = _assemble(m, lt, future.result(), leaf_plans[leaf_path].exchange_spec)
     return results

@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from . import _agreement, _catalog, _distributed, _format, _pack, _ratelimit
+from . import _agreement, _catalog, _distributed, _format, _gc, _pack, _ratelimit
 from ._box import Box
 from ._directory import SAVE_LOCK_SUFFIX
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementError, SaveError, UnsupportedValueError, where
@@ -330,11 +330,12 @@ def take_snapshot(
     ticket = _agreement.next_ticket()
     agreed: list[str] = []
     try:
-        return _take_snapshot(
-            ticket, agreed, path, tree, metadata=metadata, overwrite=overwrite, step=step,
-            commit_timeout_s=commit_timeout_s, buffers=buffers, agreement_timeout_s=agreement_timeout_s,
-            per_process_state=per_process_state, pack_bytes=_pack.check_threshold(pack_small_leaves_bytes),
-        )
+        with _gc.paused():  # many small objects: no full collections over the heap meanwhile
+            return _take_snapshot(
+                ticket, agreed, path, tree, metadata=metadata, overwrite=overwrite, step=step,
+                commit_timeout_s=commit_timeout_s, buffers=buffers, agreement_timeout_s=agreement_timeout_s,
+                per_process_state=per_process_state, pack_bytes=_pack.check_threshold(pack_small_leaves_bytes),
+            )
     except BaseException as e:
         if isinstance(e, SaveAgreementError):
             raise
@@ -505,7 +506,8 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         opened = [(leaf, _open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in unpacked]
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in unpacked])
-        pack_done = pack.write(snap.storage, root) if pack else None
+        with _gc.paused():
+            pack_done = pack.write(snap.storage, root) if pack else None
         chunks = []
         for leaf, fut in opened:
             try:
@@ -533,7 +535,8 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             chunks.append(pack_chunk)
         snap.write_s = time.perf_counter() - t0
         snap.phases_unix_s.update(write=(wall0, issued), durable=(issued, time.time()))
-        return write_record(snap, chunks, snap.pack_index)
+        with _gc.paused():
+            return write_record(snap, chunks, snap.pack_index)
     except BaseException as e:
         # Let array creations and writes already issued finish before anyone removes
         # the partial folder (a creation still running would re-create files in it).
@@ -619,7 +622,9 @@ def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
     storage, root, final = snap.storage, snap.write_path, snap.path
     strategy = storage.commit_strategy
     try:
-        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps_large(_manifest(snap, process_bytes)))
+        with _gc.paused():
+            manifest = _format.dumps_large(_manifest(snap, process_bytes))
+        storage.write_file(f"{root}/{_format.MANIFEST}", manifest)
         marker = _format.dumps({"generation": snap.generation, "committed_unix_s": time.time()})
         storage.write_file(f"{root}/{_format.COMMITTED}", marker)
         replaced = strategy.publish(root, final, snap.generation, overwrite=snap.overwrite)
