@@ -640,15 +640,18 @@ def _expands(obj: object, depth: int) -> bool:
     return False
 
 
+_ENCODER = json.JSONEncoder(allow_nan=False)  # one instance: `json.dumps(..., allow_nan=False)` builds one per call
+
+
 def _dump_lines(obj: object, depth: int, out: list[str]) -> None:
     if not _expands(obj, depth):
-        out.append(json.dumps(obj, allow_nan=False))
+        out.append(_ENCODER.encode(obj))
         return
     pad = " " * (depth + 1)
     items: list[tuple[object, object]] = list(obj.items()) if isinstance(obj, dict) else [(None, v) for v in obj]  # type: ignore[attr-defined]
     out.append("{" if isinstance(obj, dict) else "[")
     for i, (k, v) in enumerate(items):
-        out.append("\n" + pad + (json.dumps(k) + ": " if k is not None else ""))
+        out.append("\n" + pad + (_ENCODER.encode(k) + ": " if k is not None else ""))
         _dump_lines(v, depth + 1, out)
         if i + 1 < len(items):
             out.append(",")

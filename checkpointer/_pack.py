@@ -35,6 +35,7 @@ aliased across devices).
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -335,7 +336,7 @@ def _unadoptable(host: np.ndarray) -> np.ndarray:
 
 def _empty_unadoptable(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised array laid out as `_unadoptable` returns them."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + 64 + _MISALIGN_BYTES, np.uint8)
     start = (-raw.ctypes.data) % 64 + _MISALIGN_BYTES
     return raw[start : start + nbytes].view(dtype).reshape(shape)

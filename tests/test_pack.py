@@ -273,7 +273,11 @@ def test_plan_and_inspect_show_packed_leaves(tmp_path, capsys):
     assert lp.bytes_needed == 64 * 64 * 4 and all(b.packed and not b.reads for b in lp.boxes)
     assert "mat/0" in str(plan)
     assert main(["inspect", path]) == 0
-    assert "['mat']['0']" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "['mat']['0']" in out and "packed" in out
+    assert main(["inspect", path, "--json"]) == 0
+    leaves = {leaf["path"]: leaf for leaf in json.loads(capsys.readouterr().out)["leaves"]}
+    assert leaves["mat/0"]["packed"] is True and leaves["big"]["packed"] is False
     assert main(["plan", path, "--mesh", "4x2"]) == 0
     assert main(["verify", path]) == 0
 
