@@ -44,6 +44,7 @@ import crc32c
 import jax
 import numpy as np
 import tensorstore as ts
+from jax.sharding import NamedSharding
 
 from . import _format
 from ._box import Box
@@ -250,7 +251,9 @@ def read_runs(storage: Storage, path: str, runs: Sequence[PackRun], stats: Any) 
                 reader.read_into(run.offset, buf.data)
             except (OSError, EOFError) as e:
                 raise CorruptCheckpointError(f"{what} cannot be read: {e}. Run `checkpointer verify {path}`.") from e
-            stats._add(run.nbytes, chunk_reads=1)
+            # Counted as planned: the packed chunks' bytes (`LeafRestorePlan.bytes_read`),
+            # not the gaps between them a run reads through.
+            stats._add(sum(n for _, n, _, _ in run.boxes), chunk_reads=1)
             view = buf.data
             for offset, nbytes, crc, leaf in run.boxes:
                 data = view[offset - run.offset : offset - run.offset + nbytes]
@@ -375,8 +378,9 @@ def restore_packed(
         in batches of at most its limit / `copies_in_flight` bytes (at least one leaf).
       stats: the restore's `RestoreStats`.
     Returns:
-      leaf path → a `jax.Array` on the target's sharding (PRNG keys wrapped), or a
-      numpy array for a host target.
+      leaf path → a `jax.Array` on the target's sharding (PRNG keys wrapped), a numpy
+      array for a host target, or for a leaf with an exchange (cooperative plan) the
+      global array of its exchange layout (raw key data; `_restore._exchange` reshards).
     Raises:
       CorruptCheckpointError: a pack read failed or a checksum does not match.
     """
@@ -409,7 +413,14 @@ def _restore_batch(storage, path, batch, budget, cost, stats, out) -> None:
                     with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
                         host = host.astype(lt.dtype)
                 hosts[b.box] = host
-            arr: Any = hosts[Box.whole(meta.shape)] if lt.sharding is None else place(meta, lt.sharding, hosts)
+            if lt.sharding is None:
+                arr: Any = hosts[Box.whole(meta.shape)]
+            elif lp.exchange_spec is not None:  # cooperative: the exchange layout; `_restore._exchange` reshards and wraps
+                s = lt.sharding
+                out[meta.path] = place(meta, NamedSharding(s.mesh, lp.exchange_spec, memory_kind=s.memory_kind), hosts)
+                continue
+            else:
+                arr = place(meta, lt.sharding, hosts)
             out[meta.path] = jax.random.wrap_key_data(arr, impl=meta.key_impl) if meta.key_impl is not None else arr
     finally:
         budget.release(cost)

@@ -197,7 +197,8 @@ class BoxRead:
     @property
     def bytes_read(self) -> int:
         """Bytes fetched for this box (through its slabs when it has them); a packed
-        chunk counts in full for each box that needs it (the run reads it once)."""
+        chunk counts in full for each box that needs it (`LeafRestorePlan.bytes_read`
+        counts it once, as it is read)."""
         if self.slabs:
             return sum(s.bytes_read for s in self.slabs)
         return sum(r.bytes_read for r in self.reads) + sum(p.nbytes for p in self.packed)
@@ -251,8 +252,10 @@ class LeafRestorePlan:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes this process fetches from storage for the leaf."""
-        return sum(b.bytes_read for b in self.boxes)
+        """Bytes this process fetches from storage for the leaf (a packed chunk that
+        several boxes need counts once: it is read once)."""
+        packed = {(p.key, p.offset): p.nbytes for b in self.boxes for p in b.packed}
+        return sum(b.bytes_read for b in self.boxes if not b.packed) + sum(packed.values())
 
     @property
     def bytes_received(self) -> int:
@@ -508,8 +511,6 @@ def _cooperative_leaf(leaf: ResolvedLeaf, process_index: int, slab_bytes: int | 
     meta, lt = leaf.meta, leaf.target
     assert isinstance(meta, ArrayMetadata) and lt is not None
     s = lt.sharding
-    if meta.packed:
-        return None  # small by definition: each process reads what it needs from the packs
     if not leaf.all_boxes or not isinstance(s, NamedSharding) or s.memory_kind not in (None, "device"):
         return None
     owners = [p for _, p, _ in leaf.all_boxes]

@@ -122,8 +122,10 @@ def test_restore_onto_other_meshes_is_bit_exact_and_on_the_target_sharding(tmp_p
     assert out["mat"]["1"].sharding == target["mat"]["1"].sharding
     assert out["vec"]["0"].sharding == target["vec"]["0"].sharding
     assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
-    # Every packed chunk comes from one coalesced read of the pack (plus the large leaf's chunks).
+    # Every packed chunk comes from one coalesced read of the pack (plus the large leaf's chunks),
+    # and the restore reads what the plan says.
     assert len(stats.plan.pack_runs) == 1
+    assert stats.bytes_read == stats.plan.bytes_read
 
 
 def test_restored_devices_never_share_a_host_buffer(tmp_path):
@@ -230,6 +232,29 @@ def test_verify_and_restore_name_a_damaged_packed_leaf(tmp_path):
     np.testing.assert_array_equal(np.asarray(out["vec"]["0"]), np.asarray(state["vec"]["0"]))
 
 
+@pytest.mark.parametrize("how", ["renamed", "removed"])
+def test_a_step_deleted_while_its_pack_is_read_is_not_found(tmp_path, monkeypatch, how):
+    from checkpointer import _directory, _storage
+
+    run = str(tmp_path / "run")
+    ckpt.save(f"{run}/1", {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
+    storage, directory = _storage.storage_for(run)
+    real, calls = _pack.read_runs, []
+
+    def delete_then_read(*args, **kwargs):
+        if not calls:
+            moved = _directory.unpublish_step(storage, directory, 1)
+            if how == "removed":
+                storage.delete_tree(moved)
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_pack, "read_runs", delete_then_read)
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="deleted"):
+        ckpt.restore(f"{run}/1")
+    assert calls
+
+
 def test_a_truncated_pack_is_refused_before_reading(tmp_path):
     state = _state(2)
     path = str(tmp_path / "1")
@@ -310,7 +335,9 @@ def test_planner_reads_the_packed_chunks_a_box_needs_with_their_destinations():
 
 def test_coalescing_joins_neighbours_within_the_gap_and_reads_each_chunk_once():
     meta = _packed_meta()
-    reads = [("w", p) for b in plan_leaf(meta, [(0, Box((0, 0), (8, 8))), (1, Box((0, 0), (4, 8)))]).boxes for p in b.packed]
+    lp = plan_leaf(meta, [(0, Box((0, 0), (8, 8))), (1, Box((0, 0), (4, 8)))])
+    assert [b.bytes_read for b in lp.boxes] == [256, 256] and lp.bytes_read == 256  # each chunk read once
+    reads = [("w", p) for b in lp.boxes for p in b.packed]
     [run] = coalesce_packed(reads)
     assert (run.key, run.offset, run.nbytes) == ("packed/process-0/c/0", 100, 256)
     assert [(o, n) for o, n, _, _ in run.boxes] == [(100, 128), (228, 128)]
