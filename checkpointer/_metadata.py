@@ -544,7 +544,7 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
             size = m.dtype.itemsize
             for o, s, c, n in zip(box.origin, box.shape, m.chunk_shape, m.shape):
                 ok = ok and type(o) is int and type(s) is int and o >= 0 and o % c == 0 and s == min(c, n - o)
-                size *= s
+                size = size * s if ok else -1  # never `*=` a str or list from a hostile manifest
             _require(ok and nbytes == size, f"{loc} box {j} of leaf {leaf!r} does not fit the leaf's chunk grid or the pack's size", where)
             found.setdefault(leaf, []).append(_format.PackedBox(key, file_bytes, box, offset, nbytes, crc))
     for path, m in leaves.items():

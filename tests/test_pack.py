@@ -265,7 +265,7 @@ def test_a_truncated_pack_is_refused_before_reading(tmp_path):
         ckpt.restore(path, _target(state))
 
 
-@pytest.mark.parametrize("damage", ["offset_past_end", "missing_box", "unknown_leaf", "box_off_grid"])
+@pytest.mark.parametrize("damage", ["offset_past_end", "missing_box", "unknown_leaf", "box_off_grid", "str_shape"])
 def test_a_damaged_pack_index_in_the_manifest_is_corrupt(tmp_path, damage):
     state = _state(2)
     path = str(tmp_path / "1")
@@ -278,9 +278,12 @@ def test_a_damaged_pack_index_in_the_manifest_is_corrupt(tmp_path, damage):
         del boxes[-1]
     elif damage == "unknown_leaf":
         boxes[0]["leaf"] = "big"
-    else:
+    elif damage == "box_off_grid":
         b = next(b for b in boxes if b["leaf"] == "mat/0")
         b["box"][0][1] += 1
+    else:  # a string where a size belongs must not be multiplied out (str * 2**60)
+        b = next(b for b in boxes if b["leaf"] == "mat/0")
+        b["box"][1] = ["x" * 8, 2**60]
     with open(f"{path}/manifest.json", "w") as f:
         json.dump(manifest, f)
     with pytest.raises(ckpt.CorruptCheckpointError, match="packed"):
