@@ -202,10 +202,26 @@ class PackedBoxRecord:
         return out
 
 
+def _packed_box(obj: object, where: str) -> PackedBoxRecord:
+    """`_record_from_json(PackedBoxRecord, ...)` spelled out (a record holds one per small chunk)."""
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+    known = ("leaf", "box", "offset", "data_bytes", "data_crc32c")
+    try:
+        leaf, box = _text(obj["leaf"]), _box(obj["box"])
+        offset, data_bytes, crc = _count(obj["offset"]), _count(obj["data_bytes"]), _count(obj["data_crc32c"])
+    except KeyError as e:
+        raise CorruptCheckpointError(f"{where}: the field {e.args[0]!r} is missing") from e
+    except (ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from e
+    extra = {k: v for k, v in obj.items() if k not in known} if len(obj) > len(known) else {}
+    return PackedBoxRecord(leaf=leaf, box=box, offset=offset, data_bytes=data_bytes, data_crc32c=crc, extra=extra)
+
+
 def _packed_boxes(v: object) -> tuple[PackedBoxRecord, ...]:
     if not isinstance(v, list):
         raise ValueError(f"{v!r:.100} is not a list")
-    return tuple(_record_from_json(PackedBoxRecord, b, f"packed box {i}") for i, b in enumerate(v))
+    return tuple(_packed_box(b, f"packed box {i}") for i, b in enumerate(v))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

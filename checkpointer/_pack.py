@@ -50,7 +50,7 @@ from . import _format
 from ._box import Box
 from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, is_whole_byte_dtype
-from ._metadata import ChunkRecord, PackedBoxRecord, PackRecord, read_process_record
+from ._metadata import ChunkRecord, PackedBoxRecord, PackRecord
 from ._restore_plan import BoxRead, LeafRestorePlan, PackRun, coalesce_packed, plan_leaf
 from ._storage import TS_CONTEXT, Storage
 
@@ -142,6 +142,11 @@ class PackWriter:
     def __bool__(self) -> bool:
         return bool(self._parts)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of packed data added so far."""
+        return sum(h.nbytes for _, _, h in self._parts)
+
     def write(self, storage: Storage, root: str) -> Callable[[], tuple[PackRecord, ChunkRecord]]:
         """Concatenates the chunks, checksums them and issues the pack's TensorStore
         write into `root` (the save's write path); returns the function that waits for
@@ -150,7 +155,7 @@ class PackWriter:
         Raises:
           OSError, ValueError: from TensorStore (the caller names the path).
         """
-        nbytes = sum(h.nbytes for _, _, h in self._parts)
+        nbytes = self.nbytes
         buf = np.empty(nbytes, np.uint8)
         boxes, attrs = [], []
         offset = 0
@@ -196,10 +201,18 @@ def packs_of_save(
     """
     packs = []
     for i in range(process_count):
-        pack = own if i == process_index else read_process_record(storage, f"{root}/{_format.process_record_name(i)}").packed
+        pack = own if i == process_index else _read_pack_index(storage, f"{root}/{_format.process_record_name(i)}")
         if pack is not None:
             packs.append(pack)
     return packs
+
+
+def _read_pack_index(storage: Storage, location: str) -> PackRecord | None:
+    """The `packed` field of a process record, parsed alone (its `chunks` may be thousands
+    of entries process 0 does not need here)."""
+    raw = _format.loads(storage.read_file(location, max_bytes=_format.MAX_MANIFEST_BYTES), location)
+    packed = raw.get("packed") if isinstance(raw, dict) else None
+    return None if packed is None else PackRecord.from_json(packed, f"{location}: packed")
 
 
 # --- restore -------------------------------------------------------------------------------

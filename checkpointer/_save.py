@@ -506,8 +506,11 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         opened = [(leaf, _open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in unpacked]
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in unpacked])
-        with _gc.paused():
-            pack_done = pack.write(snap.storage, root) if pack else None
+        pack_done = None
+        if pack:
+            _ratelimit.acquire(snap.write_limiter, pack.nbytes)  # the pack is one write
+            with _gc.paused():
+                pack_done = pack.write(snap.storage, root)
         chunks = []
         for leaf, fut in opened:
             try:

@@ -358,3 +358,35 @@ def test_the_rule_packs_small_whole_byte_chunks_only():
     assert not _pack.packs_leaf((0, 4), (1, 4), f4, 256 << 10)  # empty
     assert not _pack.packs_leaf((4,), (4,), np.dtype(ml_dtypes.int4), 256 << 10)  # sub-byte
     assert not _pack.packs_leaf((4,), (4,), f4, 0)
+
+
+def test_a_process_record_with_a_pack_round_trips_and_keeps_unknown_fields(tmp_path):
+    from checkpointer._format import dumps_large, loads
+    from checkpointer._metadata import ProcessRecord
+
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    raw = _json(f"{path}/processes/0.json")
+    raw["packed"]["boxes"][0]["later"] = [1]
+    raw["packed"]["later"] = "x"
+    record = ProcessRecord.from_json(raw, "0.json")
+    assert record.packed.boxes[0].extra == {"later": [1]} and record.packed.extra == {"later": "x"}
+    assert loads(dumps_large(record.to_json()), "0.json") == raw
+    raw["packed"]["boxes"][1]["offset"] = "7"
+    with pytest.raises(ckpt.CorruptCheckpointError, match="packed box 1.*not a count"):
+        ProcessRecord.from_json(raw, "0.json")
+
+
+def test_the_write_rate_limit_paces_the_pack_as_one_write(tmp_path, monkeypatch):
+    from checkpointer._ratelimit import TokenBucket
+
+    calls = []
+    real = TokenBucket.acquire
+    monkeypatch.setattr(TokenBucket, "acquire", lambda self, n: calls.append(n) or real(self, n))
+    state = _state(2)
+    ckpt.save(str(tmp_path / "1"), state, max_write_bytes_per_s=2**30)
+    meta = ckpt.metadata(str(tmp_path / "1")).arrays
+    packed = sum(m.nbytes for m in meta.values() if m.packed)
+    big_chunks = [m.nbytes // 2 for m in meta.values() if not m.packed]  # "big": two row blocks of P("data")
+    assert sorted(calls) == sorted(big_chunks * 2 + [packed])
