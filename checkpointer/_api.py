@@ -25,6 +25,7 @@ def save(
     agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
     per_process_state: object = None,
     max_write_bytes_per_s: float | None = None,
+    pack_small_leaves_bytes: int | None = None,
 ) -> None:
     """Saves `tree` to `path` and returns once it is committed.
 
@@ -43,13 +44,18 @@ def save(
         read back with `ckpt.per_process_state(path)`; never compared across processes.
       max_write_bytes_per_s: caps this process's write throughput, bytes per second
         (a token bucket paced per chunk write, see `_ratelimit`); None: unlimited.
+      pack_small_leaves_bytes: leaves whose chunks (saved shards) hold at most this
+        many bytes are packed into one zarr array per process (`packed/process-<i>`,
+        see `_pack` and the README's on-disk layout) instead of an array each; None:
+        256 KiB; 0 writes every leaf as its own zarr array (the layout of release 0.1).
     Raises:
       CheckpointExistsError: `path` is committed and `overwrite` is False.
       UnsupportedValueError: a leaf or `per_process_state` cannot be stored (names it).
       SaveAgreementError: processes save different paths, steps or trees (or different
         non-array values), or one did not arrive in time; raised on every process,
         naming per process what differs; nothing was written.
-      ValueError: `max_write_bytes_per_s` is not None or a positive number.
+      ValueError: `max_write_bytes_per_s` is not None or a positive number, or
+        `pack_small_leaves_bytes` is not a non-negative int.
       SaveError, CommitTimeoutError: writing or committing failed; nothing was committed.
 
     Multi-process: every process must call it with the same path and tree (the same
@@ -59,7 +65,7 @@ def save(
     save_sync(
         path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s,
         agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
-        write_limiter=_ratelimit.limiter_for(max_write_bytes_per_s),
+        write_limiter=_ratelimit.limiter_for(max_write_bytes_per_s), pack_small_leaves_bytes=pack_small_leaves_bytes,
     )
 
 
@@ -73,6 +79,7 @@ def save_async(
     agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
     per_process_state: object = None,
     max_write_bytes_per_s: float | None = None,
+    pack_small_leaves_bytes: int | None = None,
 ) -> AsyncSave:
     """Like `save`, but returns once the host snapshot is taken.
 
@@ -92,6 +99,7 @@ def save_async(
     snap = take_snapshot(
         path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s,
         agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
+        pack_small_leaves_bytes=pack_small_leaves_bytes,
     )
     snap.write_limiter = limiter
     return AsyncSave(snap)

@@ -406,6 +406,7 @@ def _cmd_inspect(args, ui: _UI) -> int:
                 "saved_sharding": m.saved_sharding.describe() if m.saved_sharding else None,
                 "saved_spec": _spec_json(m.saved_sharding.spec) if m.saved_sharding and m.saved_sharding.kind == "named" else None,
                 "chunk_shape": list(m.chunk_shape), "inner_chunk_shape": list(m.inner_chunk_shape), "bytes": m.nbytes,
+                "packed": m.packed,
             })
         else:
             leaves.append({"path": p, "keystr": meta.keystr(p), "type": "value", "value_type": type(m.value).__name__,
@@ -436,8 +437,9 @@ def _cmd_inspect(args, ui: _UI) -> int:
         if leaf["type"] == "array":
             dtype = leaf["dtype"] + (f" (key<{leaf['key_impl']}>)" if leaf["key_impl"] else "")
             sharding = leaf["saved_sharding"] or "host numpy array"
-            rows.append((name, _shape(leaf["shape"]), dtype, sharding, _shape(leaf["chunk_shape"]),
-                         _shape(leaf["inner_chunk_shape"]), leaf["bytes"]))
+            # A packed leaf's chunks are byte ranges of the processes' packs: no inner chunks.
+            inner = "packed" if leaf["packed"] else _shape(leaf["inner_chunk_shape"])
+            rows.append((name, _shape(leaf["shape"]), dtype, sharding, _shape(leaf["chunk_shape"]), inner, leaf["bytes"]))
         else:
             value = repr(meta.leaves[leaf["path"]].value)
             value = value if len(value) <= 40 else value[:37] + "..."
@@ -491,7 +493,7 @@ def _cmd_plan(args, ui: _UI) -> int:
             "leaf": leaf.leaf_path, "keystr": meta.keystr(leaf.leaf_path), "shape": list(leaf.shape),
             "dtype": str(leaf.dtype),
             "target_spec": _spec_json(specs[leaf.leaf_path]),
-            "boxes": len(leaf.boxes), "chunks": sum(len(b.reads) for b in leaf.boxes),
+            "boxes": len(leaf.boxes), "chunks": sum(len(b.reads) + len(b.packed) for b in leaf.boxes),
             "inner_chunks": sum(r.inner_chunks for b in leaf.boxes for r in b.reads),
             "bytes_needed": leaf.bytes_needed, "bytes_read": leaf.bytes_read, "bytes_received": leaf.bytes_received,
             "exchange_spec": None if leaf.exchange_spec is None else _spec_json(leaf.exchange_spec),
@@ -501,7 +503,7 @@ def _cmd_plan(args, ui: _UI) -> int:
         ui.json({
             "path": meta.path, "mesh": {"shape": list(mesh.shape.values()), "axis_names": list(mesh.axis_names)},
             "process_index": pidx, "process_count": processes, "leaves": leaves,
-            "chunks": len(plan.reads), "bytes_needed": plan.bytes_needed, "bytes_read": plan.bytes_read,
+            "chunks": sum(r["chunks"] for r in leaves), "bytes_needed": plan.bytes_needed, "bytes_read": plan.bytes_read,
             "bytes_received": plan.bytes_received, "cooperative": plan.cooperative,
             "read_amplification": plan.read_amplification,
         })
@@ -514,7 +516,7 @@ def _cmd_plan(args, ui: _UI) -> int:
           _format.format_bytes(r["bytes_read"]), _format.format_bytes(r["bytes_received"]), f"{r['read_amplification']:.3f}")
          for r in leaves],
         right=["boxes", "chunks", "needed", "read", "received", "amplification"],
-        footer=["total", "", sum(r["boxes"] for r in leaves), len(plan.reads), _format.format_bytes(plan.bytes_needed),
+        footer=["total", "", sum(r["boxes"] for r in leaves), sum(r["chunks"] for r in leaves), _format.format_bytes(plan.bytes_needed),
                 _format.format_bytes(plan.bytes_read), _format.format_bytes(plan.bytes_received),
                 f"{plan.read_amplification:.3f}"],
     )

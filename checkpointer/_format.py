@@ -30,6 +30,7 @@ from typing import Literal
 import crc32c
 import numpy as np
 
+from ._box import Box
 from ._errors import CorruptCheckpointError
 from ._tree import check_leaf_path
 
@@ -139,7 +140,12 @@ def process_record_name(process_index: int) -> str:
 
 def dtype_name(dtype: np.dtype) -> str:
     """The zarr v3 / TensorStore data type name of a numpy (or ml_dtypes) dtype."""
-    return np.dtype(dtype).name
+    return _dtype_name(np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: np.dtype) -> str:
+    return dtype.name  # ~20 µs in numpy (a regex per call); a save names every leaf's dtype
 
 
 def dtype_from_name(name: object, *, where: str = "") -> np.dtype:
@@ -424,6 +430,12 @@ class ArrayMetadata:
       keystr: the leaf's key path as `jax.tree_util.keystr` prints it (`['params']['w']`),
         the name to show users; set when read from a manifest (None before the save
         writes one). Not stored in the leaf's entry and not compared.
+      packed: the leaf's chunks are boxes in the processes' packs (`packed/process-<i>`,
+        see `_pack`), not a zarr array of its own (JSON `"packed": true`, absent when
+        False).
+      pack_boxes: where each chunk of a packed leaf lies in the packs, from the
+        manifest's `packed` section (empty before a manifest exists, and for leaves
+        that are not packed). Not stored in the leaf's entry and not compared.
     """
 
     path: str
@@ -435,6 +447,8 @@ class ArrayMetadata:
     key_impl: str | None = None
     kind: str = "jax"
     keystr: str | None = dataclasses.field(default=None, compare=False)
+    packed: bool = False
+    pack_boxes: tuple[PackedBox, ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -456,7 +470,30 @@ class ArrayMetadata:
             "inner_chunk_shape": list(self.inner_chunk_shape),
             "saved_sharding": self.saved_sharding.to_json() if self.saved_sharding else None,
             "key_impl": self.key_impl,
-        }
+        } | ({"packed": True} if self.packed else {})
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBox:
+    """Where one chunk of a packed leaf lies: a byte range of a pack's chunk file.
+
+    Attributes:
+      key: the pack's chunk file, relative to the checkpoint path
+        (`packed/process-<i>/c/0`).
+      file_bytes: the size that file must have, bytes (its data and the 4-byte crc32c
+        the pack's codec appends).
+      box: the chunk's region of the global array.
+      offset: where its C-order bytes start in the file, bytes.
+      nbytes: their length, bytes (box size × itemsize).
+      crc32c: crc32c of those bytes.
+    """
+
+    key: str
+    file_bytes: int
+    box: Box
+    offset: int
+    nbytes: int
+    crc32c: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -516,7 +553,10 @@ def array_metadata_from_json(path: str, obj: object, where: str) -> ArrayMetadat
         sharding = SavedSharding.from_json(obj["saved_sharding"]) if obj.get("saved_sharding") else None
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{loc}: malformed saved_sharding ({e})") from e
-    return ArrayMetadata(path, shape, dtype, chunk, inner, sharding, key_impl, kind)
+    packed = obj.get("packed", False)
+    if not isinstance(packed, bool):
+        raise CorruptCheckpointError(f"{loc}: packed must be true or false")
+    return ArrayMetadata(path, shape, dtype, chunk, inner, sharding, key_impl, kind, packed=packed)
 
 
 # --- non-array leaf values --------------------------------------------------------------
@@ -590,6 +630,43 @@ def format_bytes(n: int | None) -> str:
 def dumps(obj: object) -> bytes:
     """The JSON encoding used for every file of the format."""
     return json.dumps(obj, indent=1, sort_keys=False, allow_nan=False).encode()
+
+
+def _expands(obj: object, depth: int) -> bool:
+    if isinstance(obj, dict):
+        return bool(obj) and (depth < 2 or any(isinstance(v, list) and v and isinstance(v[0], dict) for v in obj.values()))
+    if isinstance(obj, list):
+        return bool(obj) and (depth < 1 or all(isinstance(v, dict) for v in obj))
+    return False
+
+
+_ENCODER = json.JSONEncoder(allow_nan=False)  # one instance: `json.dumps(..., allow_nan=False)` builds one per call
+
+
+def _dump_lines(obj: object, depth: int, out: list[str]) -> None:
+    if not _expands(obj, depth):
+        out.append(_ENCODER.encode(obj))
+        return
+    pad = " " * (depth + 1)
+    items: list[tuple[object, object]] = list(obj.items()) if isinstance(obj, dict) else [(None, v) for v in obj]  # type: ignore[attr-defined]
+    out.append("{" if isinstance(obj, dict) else "[")
+    for i, (k, v) in enumerate(items):
+        out.append("\n" + pad + (_ENCODER.encode(k) + ": " if k is not None else ""))
+        _dump_lines(v, depth + 1, out)
+        if i + 1 < len(items):
+            out.append(",")
+    out.append("\n" + " " * depth + ("}" if isinstance(obj, dict) else "]"))
+
+
+def dumps_large(obj: object) -> bytes:
+    """The JSON encoding of the format's large files (manifest, process records): the
+    top levels one entry per line and every list of objects one object per line (a
+    leaf, a chunk, a packed box), each entry compact. Same JSON as `dumps`, other
+    whitespace: it runs on the C encoder (`indent=` forces Python's, ~10 µs per
+    value: 0.3 s for a record of 5,000 chunks)."""
+    out: list[str] = []
+    _dump_lines(obj, 0, out)
+    return "".join(out).encode()
 
 
 def loads(data: bytes, where: str) -> object:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from . import _agreement, _catalog, _directory, _distributed, _ratelimit, _tier_manager, _timeline
+from . import _agreement, _catalog, _directory, _distributed, _pack, _ratelimit, _tier_manager, _timeline
 from ._async import AsyncSave
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
 from ._host import HostBufferPool
@@ -190,6 +190,8 @@ class CheckpointManager:
       keep_local: retention of the local tier (default: the newest step). A local step
         not yet durable is never removed: a save that would need to remove one waits for
         its replication (`status().waiting_for_replication`).
+      pack_small_leaves_bytes: as for `save` (0: every leaf its own zarr array). With
+        a `local_directory` nothing is packed.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -219,6 +221,7 @@ class CheckpointManager:
         max_write_bytes_per_s: float | None = None,
         local_directory: str | os.PathLike | None = None,
         keep_local: KeepPolicy = KeepLatest(1),
+        pack_small_leaves_bytes: int | None = None,
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -230,6 +233,9 @@ class CheckpointManager:
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}")
         self._write_limiter = _ratelimit.limiter_for(max_write_bytes_per_s)
+        # Two tiers replicate each process's own files and commit a per-process
+        # manifest locally: packs are not replicated yet, so a local tier never packs.
+        self._pack_bytes = 0 if local_directory is not None else _pack.check_threshold(pack_small_leaves_bytes)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
         self.save_interval_steps = save_interval_steps
@@ -503,6 +509,7 @@ class CheckpointManager:
             self.step_path(step), tree, metadata=user_metadata, overwrite=force, step=step,
             commit_timeout_s=self.commit_timeout_s, buffers=self._buffers,
             agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
+            pack_small_leaves_bytes=self._pack_bytes,
         )
         snap.write_limiter = self._write_limiter
         if self._tiers is not None:

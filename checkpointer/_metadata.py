@@ -87,15 +87,23 @@ def phases_json(phases: Mapping[str, tuple[float, float]]) -> dict:
     return {name: [round(a, 6), round(b, 6)] for name, (a, b) in phases.items()}
 
 
-_Record = TypeVar("_Record", "ChunkRecord", "ProcessRecord")
+_Record = TypeVar("_Record", "ChunkRecord", "ProcessRecord", "PackedBoxRecord", "PackRecord")
 
 
-def _record_to_json(obj: ChunkRecord | ProcessRecord) -> dict:
+@functools.cache
+def _json_fields(cls: type) -> tuple[tuple[str, str, Callable[[Any], object]], ...]:
+    """(attribute, JSON key, dump) of a record class's `_json_field`s (`dataclasses.fields`
+    is slow, and records of thousands of chunks are written on every save)."""
+    return tuple((f.name, f.metadata["key"], f.metadata["dump"]) for f in dataclasses.fields(cls) if "key" in f.metadata)
+
+
+def _record_to_json(obj: ChunkRecord | ProcessRecord | PackedBoxRecord | PackRecord) -> dict:
     out = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if "key" in f.metadata and value is not None:
-            out[f.metadata["key"]] = f.metadata["dump"](value)
+    cls: Any = type(obj)
+    for name, key, dump in _json_fields(cls):
+        value = getattr(obj, name)
+        if value is not None:
+            out[key] = dump(value)
     out.update((k, v) for k, v in obj.extra.items() if k not in out)
     return out
 
@@ -166,6 +174,93 @@ class ChunkRecord:
         return _record_from_json(ChunkRecord, obj, where)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PackedBoxRecord:
+    """One chunk of a packed leaf inside a process's pack: an entry of `PackRecord.boxes`.
+
+    Attributes:
+      leaf: the leaf path.
+      box: the chunk's region of the global array.
+      offset: where its C-order bytes start in the pack's chunk file, bytes.
+      data_bytes: their length, bytes (box size × itemsize).
+      data_crc32c: crc32c of those bytes (`_format.data_crc32c`).
+      extra: JSON fields this version does not know, kept as read.
+    """
+
+    leaf: str = _json_field("leaf", _text)
+    box: Box = _json_field("box", _box, Box.to_json)
+    offset: int = _json_field("offset", _count)
+    data_bytes: int = _json_field("data_bytes", _count)
+    data_crc32c: int = _json_field("data_crc32c", _count)
+    extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The JSON object (`_record_to_json`, spelled out: a save writes one per small chunk)."""
+        out = {"leaf": self.leaf, "box": [list(self.box.origin), list(self.box.shape)], "offset": self.offset,
+               "data_bytes": self.data_bytes, "data_crc32c": self.data_crc32c}
+        out.update((k, v) for k, v in self.extra.items() if k not in out)
+        return out
+
+
+def _packed_box(obj: object, where: str) -> PackedBoxRecord:
+    """`_record_from_json(PackedBoxRecord, ...)` spelled out (a record holds one per small chunk)."""
+    if not isinstance(obj, dict):
+        raise CorruptCheckpointError(f"{where}: expected a JSON object, found {type(obj).__name__}")
+    known = ("leaf", "box", "offset", "data_bytes", "data_crc32c")
+    try:
+        leaf, box = _text(obj["leaf"]), _box(obj["box"])
+        offset, data_bytes, crc = _count(obj["offset"]), _count(obj["data_bytes"]), _count(obj["data_crc32c"])
+    except KeyError as e:
+        raise CorruptCheckpointError(f"{where}: the field {e.args[0]!r} is missing") from e
+    except (ValueError, TypeError) as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from e
+    extra = {k: v for k, v in obj.items() if k not in known} if len(obj) > len(known) else {}
+    return PackedBoxRecord(leaf=leaf, box=box, offset=offset, data_bytes=data_bytes, data_crc32c=crc, extra=extra)
+
+
+def _packed_boxes(v: object) -> tuple[PackedBoxRecord, ...]:
+    if not isinstance(v, list):
+        raise ValueError(f"{v!r:.100} is not a list")
+    return tuple(_packed_box(b, f"packed box {i}") for i, b in enumerate(v))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PackRecord:
+    """One process's pack of small leaves (`_pack`): `processes/<i>.json`'s `"packed"`
+    and an entry of the manifest's `"packed"` list.
+
+    Attributes:
+      array: the pack's zarr array, relative to the checkpoint path (`packed/process-<i>`).
+      key: its one chunk file, relative to the checkpoint path (`packed/process-<i>/c/0`).
+      file_bytes: that file's size, bytes: the packed data and a 4-byte crc32c (JSON `"bytes"`).
+      boxes: the chunks of packed leaves in it, in file order.
+      extra: JSON fields this version does not know, kept as read.
+    """
+
+    array: str = _json_field("array", _text)
+    key: str = _json_field("key", _text)
+    file_bytes: int = _json_field("bytes", _count)
+    boxes: tuple[PackedBoxRecord, ...] = _json_field("boxes", _packed_boxes, lambda bs: [b.to_json() for b in bs])
+    extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """The JSON object (`array`, `key`, `bytes`, `boxes`)."""
+        return _record_to_json(self)
+
+    @staticmethod
+    def from_json(obj: object, where: str) -> PackRecord:
+        """Parses one pack entry.
+
+        Raises:
+          CorruptCheckpointError: not an object, a field missing or of the wrong type.
+        """
+        return _record_from_json(PackRecord, obj, where)
+
+
+def _pack(v: object) -> PackRecord:
+    return PackRecord.from_json(v, "packed")
+
+
 def _chunks(v: object) -> tuple[ChunkRecord, ...]:
     if not isinstance(v, list):
         raise ValueError(f"{v!r:.100} is not a list")
@@ -194,6 +289,9 @@ class ProcessRecord:
         (start, end) in seconds since the epoch (JSON `{"snapshot": [s, e], "write":
         [s, e], "durable": [s, e]}`; `durable` ends when every chunk write has
         completed, before this record is written). None in records of older versions.
+      packed: the index of this process's pack of small leaves (`_pack`), or None
+        (absent) when it packed nothing. The pack's chunk file is also one of `chunks`
+        (`leaf` absent), so `bytes_written` and `verify` count it.
       extra: JSON fields this version does not know, kept as read.
     """
 
@@ -207,6 +305,7 @@ class ProcessRecord:
     phases_unix_s: Mapping[str, tuple[float, float]] | None = _json_field(
         "phases_unix_s", parse_phases, phases_json, default=None
     )
+    packed: PackRecord | None = _json_field("packed", _pack, PackRecord.to_json, default=None)
     extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
@@ -258,6 +357,7 @@ def manifest_json(
     user_metadata: Mapping,
     created_unix_s: float | None = None,
     save_phases_unix_s: Mapping[str, tuple[float, float]] | None = None,
+    packed: Sequence[PackRecord] = (),
 ) -> dict:
     """The manifest of DESIGN.md's format_version 1 (what `parse_manifest` reads).
 
@@ -275,12 +375,14 @@ def manifest_json(
         in seconds since the epoch (`{"wait": ...}`: from its own record to every
         process's "durable" report); stored as `"save_phases_unix_s"` when given
         (additive: readers ignore it, `_timeline` draws it).
+      packed: every process's pack index (`ProcessRecord.packed`), stored as
+        `"packed"` when there is one (additive; see `_pack`).
     """
     import jax
 
     leaves = {m.path: m.to_json() for m in arrays}
     leaves.update({p: {"type": "value", "value": v} for p, v in values.items()})
-    out = {
+    out: dict[str, object] = {
         "format_version": _format.FORMAT_VERSION,
         "step": step,
         "generation": generation,
@@ -295,6 +397,8 @@ def manifest_json(
     }
     if save_phases_unix_s is not None:
         out["save_phases_unix_s"] = phases_json(save_phases_unix_s)
+    if packed:
+        out["packed"] = [p.to_json() for p in packed]
     return out
 
 
@@ -414,6 +518,7 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
             raise CorruptCheckpointError(f"leaf {path!r} in {where} has unknown type {entry.get('type')!r}")
     ordered = leaf_paths_of(structure)
     _require(sorted(ordered) == sorted(leaves), "the tree structure and the leaves disagree", where)
+    _attach_pack_boxes(raw.get("packed", []), leaves, where)
     names = keystrs(structure)
     leaves = {p: dataclasses.replace(leaves[p], keystr=names[p]) for p in ordered}
     tree = rebuild(structure, lambda p: leaves[p], where=where)
@@ -423,6 +528,48 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
         library_version=str(raw.get("library_version", "")), jax_version=str(raw.get("jax_version", "")),
         structure=structure,
     )
+
+
+def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetadata], where: str) -> None:
+    """Parses the manifest's `packed` section and sets each packed leaf's `pack_boxes`
+    (in place); every chunk of a packed leaf must be in exactly one pack, in bounds.
+
+    A hand-rolled parse (not `PackRecord.from_json`): it runs on every restore, over
+    one entry per small chunk (5,000 for issue 15's 2,000 leaves)."""
+    _require(isinstance(raw, list), "'packed' is not a list", where)
+    found: dict[str, list[_format.PackedBox]] = {}
+    assert isinstance(raw, list)
+    for i, pack in enumerate(raw):
+        loc = f"packed[{i}]"
+        _require(isinstance(pack, dict) and isinstance(pack.get("key"), str) and isinstance(pack.get("boxes"), list),
+                 f"{loc} is not an object with 'key' and 'boxes'", where)
+        key, file_bytes = pack["key"], pack.get("bytes")
+        _require(_is_int(file_bytes) and file_bytes >= 4, f"{loc}: 'bytes' {file_bytes!r:.100} is not a size", where)
+        check_leaf_path(key, where=where)
+        for j, b in enumerate(pack["boxes"]):
+            try:
+                leaf, (origin, shape), offset, nbytes, crc = b["leaf"], b["box"], b["offset"], b["data_bytes"], b["data_crc32c"]
+                box = Box(tuple(origin), tuple(shape))
+            except (KeyError, TypeError, ValueError) as e:
+                raise CorruptCheckpointError(f"manifest of {where}: {loc} box {j} is malformed ({e})") from e
+            m = leaves.get(leaf) if isinstance(leaf, str) else None
+            _require(isinstance(m, ArrayMetadata) and m.packed, f"{loc} box {j}: {leaf!r:.100} is not a packed array leaf", where)
+            assert isinstance(m, ArrayMetadata)
+            ok = type(offset) is int and type(nbytes) is int and type(crc) is int and offset >= 0 and crc >= 0
+            ok = ok and len(box.origin) == len(box.shape) == len(m.shape) and offset + nbytes <= file_bytes - 4
+            size = m.dtype.itemsize
+            for o, s, c, n in zip(box.origin, box.shape, m.chunk_shape, m.shape):
+                ok = ok and type(o) is int and type(s) is int and o >= 0 and o % c == 0 and s == min(c, n - o)
+                size = size * s if ok else -1  # never `*=` a str or list from a hostile manifest
+            _require(ok and nbytes == size, f"{loc} box {j} of leaf {leaf!r} does not fit the leaf's chunk grid or the pack's size", where)
+            found.setdefault(leaf, []).append(_format.PackedBox(key, file_bytes, box, offset, nbytes, crc))
+    for path, m in leaves.items():
+        if isinstance(m, ArrayMetadata) and m.packed:
+            boxes = found.get(path, [])
+            n_chunks = math.prod(-(-s // c) for s, c in zip(m.shape, m.chunk_shape)) if math.prod(m.shape) else 0
+            _require(len({b.box for b in boxes}) == len(boxes) == n_chunks,
+                     f"packed leaf {path!r} has {len(boxes)} boxes in the packs, expected one per chunk ({n_chunks})", where)
+            leaves[path] = dataclasses.replace(m, pack_boxes=tuple(sorted(boxes, key=lambda b: b.box.origin)))
 
 
 def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:

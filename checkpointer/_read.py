@@ -237,6 +237,10 @@ def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[
       CorruptCheckpointError: stored bytes are missing, truncated or fail a checksum;
         names the leaf and the checkpoint path.
     """
+    if meta.packed:
+        from . import _pack  # _pack reads through this module's RestoreStats
+
+        return _pack.region_reader(storage, path, meta)
     if fast_path_supported(meta.dtype):
         stats = RestoreStats()
         return lambda box: read_box(storage, path, meta, plan_leaf(meta, [(-1, box)]).boxes[0], None, stats)

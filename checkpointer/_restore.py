@@ -24,7 +24,7 @@ import numpy as np
 import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _format, _read, _restore_agreement
+from . import _format, _gc, _pack, _read, _restore_agreement
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -426,10 +426,15 @@ def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
     planned size, before the plan is built or anything is allocated: a damaged or
     hostile manifest declaring a huge shape is refused at its first file (one `stat`
     each). A cooperative plan reads a subset of these files."""
+    packed = []
     for leaf in resolved.leaves:
         if leaf.target is not None and isinstance(leaf.meta, ArrayMetadata):
+            if leaf.meta.packed:
+                packed.append(leaf.meta)
+                continue
             keys = chunk_keys(leaf.meta, [b for _, b in leaf.device_boxes])
             _read.check_chunk_files(storage, path, leaf.meta, keys)
+    _pack.check_pack_files(storage, path, packed)
 
 
 def _prepare(
@@ -444,6 +449,14 @@ def _prepare(
     cooperative: bool = False,
 ) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
     """Reads the manifest, resolves the target and plans this process's reads (no chunk I/O)."""
+    with _gc.paused():  # many small objects: no full collections over the heap meanwhile
+        return _prepare_paused(storage, path, target, partial, missing, max_inflight_bytes, stats, cooperative)
+
+
+def _prepare_paused(
+    storage: Storage, path: str, target: object, partial: bool, missing: str, max_inflight_bytes: int | None,
+    stats: RestoreStats, cooperative: bool,
+) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
     resolved = resolve_tree(meta, target, partial=partial, process_index=pidx, missing=missing, cooperative=cooperative)
@@ -504,14 +517,21 @@ def _read_all(
     workers = max(4, 2 * (os.cpu_count() or 2))
     with concurrent.futures.ThreadPoolExecutor(workers) as leaf_pool, concurrent.futures.ThreadPoolExecutor(workers) as chunk_pool:
         pending = []
+        packed = []
         for leaf in resolved.leaves:
             m, lt = leaf.meta, leaf.target
             if isinstance(m, ValueMetadata):
                 results[leaf.path] = m.value
                 continue
             assert lt is not None, "resolve_tree gives every array leaf a target"
+            if m.packed:  # small leaves: read from the packs and placed in one batch, below
+                packed.append((m, lt, leaf_plans[leaf.path]))
+                continue
             future = leaf_pool.submit(read_leaf, storage, path, m, lt, leaf_plans[leaf.path], budget, pidx, chunk_pool, stats)
             pending.append((leaf.path, m, lt, future))
+        if packed:
+            with _gc.paused():
+                results.update(_pack.restore_packed(storage, path, packed, budget, stats, _COPIES_IN_FLIGHT))
         for leaf_path, m, lt, future in pending:
             results[leaf_path] = _assemble(m, lt, future.result(), leaf_plans[leaf_path].exchange_spec)
     return results

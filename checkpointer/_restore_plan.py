@@ -37,13 +37,14 @@ data is split along the key array's own dimensions only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _format
 from ._box import Box, cell_box, grid_cells, row_slabs
+from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata
 from ._targets import ResolvedLeaf, ResolvedTarget, named_shard_boxes, spec_axes
 
@@ -86,6 +87,88 @@ class ChunkRead:
 
 
 @dataclasses.dataclass(frozen=True)
+class PackedRead:
+    """The part of one packed chunk (`_pack`) a target box needs: a byte range of a pack.
+
+    The whole chunk's bytes are read (its crc32c covers them all; packed chunks are
+    small by definition), then `box` is copied out of them.
+
+    Attributes:
+      key: the pack's chunk file, relative to the checkpoint path.
+      file_bytes: the size that file must have, bytes.
+      offset: where the chunk's bytes start in the file, bytes.
+      nbytes: their length, bytes.
+      crc32c: their crc32c (from the manifest).
+      chunk_box: the chunk's region of the global array.
+      box: the region read from it (target ∩ chunk).
+      local_box: `box` in the chunk's own coordinates.
+      dest: `box`'s origin relative to the destination box (or slab).
+    """
+
+    key: str
+    file_bytes: int
+    offset: int
+    nbytes: int
+    crc32c: int
+    chunk_box: Box
+    box: Box
+    local_box: Box
+    dest: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackRun:
+    """One read of a pack file that covers several packed chunks (neighbours coalesced).
+
+    Attributes:
+      key: the pack's chunk file, relative to the checkpoint path.
+      offset: the first byte read.
+      nbytes: bytes read (gaps between the chunks included).
+      boxes: the distinct packed chunks in it, `(offset, nbytes, crc32c, leaf path)`,
+        ascending.
+    """
+
+    key: str
+    offset: int
+    nbytes: int
+    boxes: tuple[tuple[int, int, int, str], ...]
+
+
+# Neighbouring packed chunks are read in one run across gaps up to this size, and a run
+# is cut once it exceeds `_PACK_RUN_BYTES`.
+PACK_GAP_BYTES = 64 << 10
+_PACK_RUN_BYTES = 16 << 20
+
+
+def coalesce_packed(reads: Iterable[tuple[str, PackedRead]]) -> tuple[PackRun, ...]:
+    """Groups packed chunk reads into runs of neighbouring byte ranges.
+
+    Args:
+      reads: `(leaf path, PackedRead)` pairs; a chunk needed by several target boxes
+        is read once.
+    Returns:
+      Per pack file, ascending, runs covering every distinct chunk once: a chunk joins
+      the previous run when the gap is at most `PACK_GAP_BYTES` and the run stays
+      within 16 MiB (a larger chunk is a run of its own).
+    """
+    distinct = sorted({(r.key, r.offset, r.nbytes, r.crc32c, leaf) for leaf, r in reads})
+    runs: list[PackRun] = []
+    cur: list[tuple[int, int, int, str]] = []
+    key, start, end = "", 0, 0
+    for k, off, n, crc, leaf in distinct:
+        if cur and k == key and off - end <= PACK_GAP_BYTES and off + n - start <= _PACK_RUN_BYTES:
+            cur.append((off, n, crc, leaf))
+            end = max(end, off + n)
+            continue
+        if cur:
+            runs.append(PackRun(key, start, end - start, tuple(cur)))
+        cur, key, start, end = [(off, n, crc, leaf)], k, off, off + n
+    if cur:
+        runs.append(PackRun(key, start, end - start, tuple(cur)))
+    return tuple(runs)
+
+
+@dataclasses.dataclass(frozen=True)
 class BoxRead:
     """One unique target box of one leaf on this process.
 
@@ -99,6 +182,8 @@ class BoxRead:
         own reads, destinations relative to the slab); empty: read the box whole.
       receivers: in a cooperative plan, the other processes that need (part of) this
         box and get it from this process through the exchange; () otherwise.
+      packed: for a packed leaf (`_pack`), the packed chunks that assemble the box
+        (then `reads` is empty; packed boxes are never split into slabs).
     """
 
     box: Box
@@ -107,13 +192,16 @@ class BoxRead:
     bytes_needed: int
     slabs: tuple[BoxRead, ...] = ()
     receivers: tuple[int, ...] = ()
+    packed: tuple[PackedRead, ...] = ()
 
     @property
     def bytes_read(self) -> int:
-        """Bytes fetched for this box (through its slabs when it has them)."""
+        """Bytes fetched for this box (through its slabs when it has them); a packed
+        chunk counts in full for each box that needs it (`LeafRestorePlan.bytes_read`
+        counts it once, as it is read)."""
         if self.slabs:
             return sum(s.bytes_read for s in self.slabs)
-        return sum(r.bytes_read for r in self.reads)
+        return sum(r.bytes_read for r in self.reads) + sum(p.nbytes for p in self.packed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +252,10 @@ class LeafRestorePlan:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes this process fetches from storage for the leaf."""
-        return sum(b.bytes_read for b in self.boxes)
+        """Bytes this process fetches from storage for the leaf (a packed chunk that
+        several boxes need counts once: it is read once)."""
+        packed = {(p.key, p.offset): p.nbytes for b in self.boxes for p in b.packed}
+        return sum(b.bytes_read for b in self.boxes if not b.packed) + sum(packed.values())
 
     @property
     def bytes_received(self) -> int:
@@ -208,6 +298,11 @@ class RestorePlan:
         return sum(leaf.bytes_received for leaf in self.leaves)
 
     @property
+    def pack_runs(self) -> tuple[PackRun, ...]:
+        """The reads of every packed chunk of the plan, neighbours coalesced (`coalesce_packed`)."""
+        return coalesce_packed((leaf.leaf_path, p) for leaf in self.leaves for b in leaf.boxes for p in b.packed)
+
+    @property
     def cooperative(self) -> bool:
         """Whether some leaf is read cooperatively (its restore is collective)."""
         return any(leaf.exchange_spec is not None for leaf in self.leaves)
@@ -223,14 +318,14 @@ class RestorePlan:
         coop = self.cooperative
         rows = [("leaf", "shape", "dtype", "boxes", "chunks", "needed", "read") + (("received",) if coop else ()) + ("ampl.",)]
         for leaf in self.leaves:
-            chunks = sum(len(b.reads) for b in leaf.boxes)
+            chunks = sum(len(b.reads) + len(b.packed) for b in leaf.boxes)
             amp = leaf.bytes_read / leaf.bytes_needed if leaf.bytes_needed else 1.0
             received = (_format.format_bytes(leaf.bytes_received),) if coop else ()
             rows.append((leaf.leaf_path or "<root>", "x".join(map(str, leaf.shape)) or "()", str(leaf.dtype), str(len(leaf.boxes)),
                          str(chunks), _format.format_bytes(leaf.bytes_needed), _format.format_bytes(leaf.bytes_read))
                         + received + (f"{amp:.3f}",))
         received = (_format.format_bytes(self.bytes_received),) if coop else ()
-        rows.append(("total", "", "", "", str(len(self.reads)), _format.format_bytes(self.bytes_needed), _format.format_bytes(self.bytes_read))
+        rows.append(("total", "", "", "", str(len(self.reads) + sum(len(b.packed) for leaf in self.leaves for b in leaf.boxes)), _format.format_bytes(self.bytes_needed), _format.format_bytes(self.bytes_read))
                     + received + (f"{self.read_amplification:.3f}",))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"RestorePlan for {self.path} (process {self.process_index})"]
@@ -319,6 +414,8 @@ def plan_leaf(
     by_box: dict[Box, list[int]] = {}
     for device_id, box in items:
         by_box.setdefault(box, []).append(device_id)
+    if meta.packed:
+        return _plan_packed_leaf(meta, by_box)
     boxes = []
     itemsize = meta.dtype.itemsize
     for box in sorted(by_box):
@@ -328,9 +425,44 @@ def plan_leaf(
     return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes))
 
 
+def _plan_packed_leaf(meta: ArrayMetadata, by_box: Mapping[Box, list[int]]) -> LeafRestorePlan:
+    """`plan_leaf` of a packed leaf: each box from the packed chunks it intersects."""
+    chunks = {b.box.origin: b for b in meta.pack_boxes}  # by origin: a tuple hashes faster than a Box
+    itemsize = meta.dtype.itemsize
+    boxes = []
+    zeros = (0,) * len(meta.shape)
+    for box in sorted(by_box):
+        pb = chunks.get(box.origin)
+        if pb is not None and pb.box.shape == box.shape:  # the target box is a saved chunk (same sharding): one read, no cutting
+            read = PackedRead(pb.key, pb.file_bytes, pb.offset, pb.nbytes, pb.crc32c, box, box, Box(zeros, box.shape), zeros)
+            boxes.append(BoxRead(box, tuple(sorted(by_box[box])), (), box.size * itemsize, packed=(read,)))
+            continue
+        reads = []
+        for cell in grid_cells(box, meta.chunk_shape):
+            chunk_box = cell_box(cell, meta.chunk_shape, meta.shape)
+            region = box.intersect(chunk_box)
+            if region is None:
+                continue
+            pb = chunks.get(chunk_box.origin)
+            if pb is None or pb.box != chunk_box:
+                raise CorruptCheckpointError(
+                    f"{where(leaf=meta.path)}: the chunk at {chunk_box.origin} of a packed leaf is in no pack "
+                    "(the manifest's 'packed' index lacks it)"
+                )
+            local = Box(tuple(o - c for o, c in zip(region.origin, chunk_box.origin)), region.shape)
+            dest = tuple(o - b for o, b in zip(region.origin, box.origin))
+            reads.append(PackedRead(pb.key, pb.file_bytes, pb.offset, pb.nbytes, pb.crc32c, chunk_box, region, local, dest))
+        boxes.append(BoxRead(box, tuple(sorted(by_box[box])), (), box.size * itemsize, packed=tuple(reads)))
+    return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes))
+
+
 def chunk_keys(meta: ArrayMetadata, boxes: Sequence[Box]) -> Iterator[str]:
     """The keys of the zarr shard files `boxes` need, lazily, each once per box (for a
-    file check ahead of planning: a huge declared shape is refused at its first file)."""
+    file check ahead of planning: a huge declared shape is refused at its first file);
+    for a packed leaf, the pack files (each once)."""
+    if meta.packed:
+        yield from dict.fromkeys(b.key for b in meta.pack_boxes)
+        return
     for box in sorted(set(boxes)):
         for chunk in grid_cells(box, meta.chunk_shape):
             yield _format.chunk_key(meta.path, chunk)

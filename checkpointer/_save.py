@@ -30,13 +30,13 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from . import _agreement, _catalog, _distributed, _format, _ratelimit
+from . import _agreement, _catalog, _distributed, _format, _gc, _pack, _ratelimit
 from ._box import Box
 from ._directory import SAVE_LOCK_SUFFIX
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
 from ._host import HostBufferPool, copy_to_host
-from ._metadata import ChunkRecord, ProcessRecord, manifest_json
+from ._metadata import ChunkRecord, PackRecord, ProcessRecord, manifest_json
 from ._save_plan import ChunkWrite, LeafAssignment, LeafShards, LeafWritePlan, ShardInfo, plan_writes
 from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
 from ._tree import describe, flatten
@@ -85,6 +85,7 @@ class Snapshot:
     # Wall-clock spans of this process's phases, name -> (start, end) unix seconds: the
     # record keeps snapshot/write/durable, the manifest process 0's wait, `_timeline` draws them.
     phases_unix_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    pack_index: PackRecord | None = None  # this process's pack of small leaves, once written (`_pack`)
 
     @property
     def partial_path(self) -> str:
@@ -251,7 +252,7 @@ def _committed(storage: Storage, path: str) -> bool:
 
 
 # What a checkpoint folder (or a crashed save under the final name) may contain.
-_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED, ZARR_JSON})
+_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED, ZARR_JSON, _pack.PACKED})
 
 
 def check_target(storage: Storage, path: str, pidx: int, overwrite: bool) -> None:
@@ -307,6 +308,7 @@ def take_snapshot(
     buffers: HostBufferPool | None = None,
     agreement_timeout_s: float = _agreement.DEFAULT_AGREEMENT_TIMEOUT_S,
     per_process_state: object = None,
+    pack_small_leaves_bytes: int | None = None,
 ) -> Snapshot:
     """Plans the save, agrees on it with the other processes, and copies this process's
     shards to host memory (blocking).
@@ -328,11 +330,12 @@ def take_snapshot(
     ticket = _agreement.next_ticket()
     agreed: list[str] = []
     try:
-        return _take_snapshot(
-            ticket, agreed, path, tree, metadata=metadata, overwrite=overwrite, step=step,
-            commit_timeout_s=commit_timeout_s, buffers=buffers, agreement_timeout_s=agreement_timeout_s,
-            per_process_state=per_process_state,
-        )
+        with _gc.paused():  # many small objects: no full collections over the heap meanwhile
+            return _take_snapshot(
+                ticket, agreed, path, tree, metadata=metadata, overwrite=overwrite, step=step,
+                commit_timeout_s=commit_timeout_s, buffers=buffers, agreement_timeout_s=agreement_timeout_s,
+                per_process_state=per_process_state, pack_bytes=_pack.check_threshold(pack_small_leaves_bytes),
+            )
     except BaseException as e:
         if isinstance(e, SaveAgreementError):
             raise
@@ -367,6 +370,7 @@ def _take_snapshot(
     buffers,
     agreement_timeout_s,
     per_process_state,
+    pack_bytes,
 ) -> Snapshot:
     t0, wall0 = time.perf_counter(), time.time()
     storage, path = storage_for(path)
@@ -402,7 +406,7 @@ def _take_snapshot(
         plan = assignment.for_process(pidx)
         meta = ArrayMetadata(
             d.shards.leaf_path, d.shards.shape, d.dtype, plan.chunk_shape, plan.inner_chunk_shape, d.saved, d.key_impl,
-            d.kind,
+            d.kind, packed=_pack.packs_leaf(d.shards.shape, plan.chunk_shape, d.dtype, pack_bytes),
         )
         arrays.append(LeafSnapshot(meta, plan, []))
         device_data.append([_chunk_data(d, w) for w in plan.writes])
@@ -456,9 +460,10 @@ def chunk_record(meta: ArrayMetadata, chunk_index: Sequence[int], box: Box, data
     )
 
 
-def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord]) -> ProcessRecord:
+def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord], packed: PackRecord | None = None) -> ProcessRecord:
     """Once this process's chunks are durable: writes its `processes/<i>.json` (with
-    `snap.write_s` as measured) and returns the record."""
+    `snap.write_s` as measured, and the index of its pack of small leaves) and returns
+    the record."""
     snap.bytes_written = sum(c.file_bytes for c in chunks if c.file_bytes is not None)
     record = ProcessRecord(
         process_index=snap.process_index,
@@ -469,8 +474,9 @@ def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord]) -> ProcessRecord
         write_s=round(snap.write_s, 6),
         per_process_state=snap.per_process_state,  # additive: absent when the save gave none
         phases_unix_s=dict(snap.phases_unix_s) or None,
+        packed=packed,  # additive: absent when this process packed nothing
     )
-    snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps(record.to_json()))
+    snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps_large(record.to_json()))
     return record
 
 
@@ -490,9 +496,21 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
     try:
         begin_write(snap)
         meta_writer = snap.process_index == 0 if snap.writes_array_metadata is None else snap.writes_array_metadata
-        opened = [(leaf, _open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in snap.arrays]
+        # Packed leaves (`_pack`) go into this process's pack: no zarr array of their own.
+        pack = _pack.PackWriter(snap.process_index)
+        for leaf in snap.arrays:
+            if leaf.meta.packed:
+                for w, host in zip(leaf.plan.writes, leaf.host):
+                    pack.add(leaf.meta, w.box, host)
+        unpacked = [leaf for leaf in snap.arrays if not leaf.meta.packed]
+        opened = [(leaf, _open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in unpacked]
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
-            write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays])
+            write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in unpacked])
+        pack_done = None
+        if pack:
+            _ratelimit.acquire(snap.write_limiter, pack.nbytes)  # the pack is one write
+            with _gc.paused():
+                pack_done = pack.write(snap.storage, root)
         chunks = []
         for leaf, fut in opened:
             try:
@@ -511,9 +529,17 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
                 f.result()
             except Exception as e:
                 raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
+        if pack_done is not None:
+            try:
+                snap.pack_index, pack_chunk = pack_done()
+            except Exception as e:
+                raise SaveError(f"writing the pack of small leaves {_pack.array_name(snap.process_index)} in {root} failed "
+                                f"(process {snap.process_index}): {e}") from e
+            chunks.append(pack_chunk)
         snap.write_s = time.perf_counter() - t0
         snap.phases_unix_s.update(write=(wall0, issued), durable=(issued, time.time()))
-        return write_record(snap, chunks)
+        with _gc.paused():
+            return write_record(snap, chunks, snap.pack_index)
     except BaseException as e:
         # Let array creations and writes already issued finish before anyone removes
         # the partial folder (a creation still running would re-create files in it).
@@ -529,11 +555,14 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
 
 
 def _manifest(snap: Snapshot, process_bytes: list[int]) -> dict:
+    packed = _pack.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.pack_index, snap.process_count) if (
+        any(leaf.meta.packed for leaf in snap.arrays)) else []
     return manifest_json(
         step=snap.step, generation=snap.generation, process_count=snap.process_count,
         process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
         values=snap.values, user_metadata=snap.user_metadata,
         save_phases_unix_s={k: v for k, v in snap.phases_unix_s.items() if k == "wait"} or None,
+        packed=packed,
     )
 
 
@@ -596,7 +625,9 @@ def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
     storage, root, final = snap.storage, snap.write_path, snap.path
     strategy = storage.commit_strategy
     try:
-        storage.write_file(f"{root}/{_format.MANIFEST}", _format.dumps(_manifest(snap, process_bytes)))
+        with _gc.paused():
+            manifest = _format.dumps_large(_manifest(snap, process_bytes))
+        storage.write_file(f"{root}/{_format.MANIFEST}", manifest)
         marker = _format.dumps({"generation": snap.generation, "committed_unix_s": time.time()})
         storage.write_file(f"{root}/{_format.COMMITTED}", marker)
         replaced = strategy.publish(root, final, snap.generation, overwrite=snap.overwrite)
@@ -644,10 +675,12 @@ def abort(snap: Snapshot, coord: _distributed.Coordinator, *, timed_out: bool = 
 
 def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_distributed.DEFAULT_COMMIT_TIMEOUT_S,
               agreement_timeout_s=_agreement.DEFAULT_AGREEMENT_TIMEOUT_S, per_process_state=None,
-              write_limiter: _ratelimit.TokenBucket | None = None) -> Snapshot:
+              write_limiter: _ratelimit.TokenBucket | None = None,
+              pack_small_leaves_bytes: int | None = None) -> Snapshot:
     """take_snapshot, write_snapshot and commit on the caller's thread."""
     snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=step, commit_timeout_s=commit_timeout_s,
-                         agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state)
+                         agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
+                         pack_small_leaves_bytes=pack_small_leaves_bytes)
     snap.write_limiter = write_limiter
     run_background(snap)
     return snap

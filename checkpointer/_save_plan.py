@@ -439,23 +439,34 @@ class SavePlan:
         return max((p.bytes_written for p in self.processes), default=0) / mean if mean else 1.0
 
 
-def summarize(assignments: Sequence[LeafAssignment], process_count: int) -> SavePlan:
+def summarize(assignments: Sequence[LeafAssignment], process_count: int, packed: Sequence[bool] = ()) -> SavePlan:
     """Per-process totals of a plan; pure.
 
     Args:
       assignments: `plan_writes`'s result.
       process_count: the processes of the save (processes writing nothing get zeros).
+      packed: per assignment, whether the leaf's chunks go into the writers' packs
+        (`_pack`): their data bytes count into one pack file per process (its data and
+        a 4-byte crc32c) instead of a zarr shard file each. Default: none.
     Returns:
       The SavePlan.
     """
     written = [0] * process_count
     data = [0] * process_count
     files = [0] * process_count
-    for a in assignments:
+    has_pack = [False] * process_count
+    for i, a in enumerate(assignments):
         file_bytes = ShardFileLayout(tuple(a.chunk_shape), tuple(a.inner_chunk_shape), a.itemsize).file_bytes
+        in_pack = i < len(packed) and packed[i]
         for p, w in a.writes:
+            nbytes = w.box.size * a.itemsize
+            data[p] += nbytes
+            if in_pack:
+                written[p] += nbytes + (0 if has_pack[p] else 4)
+                files[p] += 0 if has_pack[p] else 1
+                has_pack[p] = True
+                continue
             written[p] += file_bytes
-            data[p] += w.box.size * a.itemsize
             files[p] += 1
     return SavePlan(
         process_count, tuple(assignments),

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from . import _distributed
+from . import _distributed, _pack
 from ._box import Box
 from ._errors import MeshError, UnsupportedValueError, where
 from ._save_plan import SPLIT_FLOOR_BYTES, LeafShards, SavePlan, ShardInfo, plan_writes, summarize
@@ -69,12 +69,19 @@ def _key_tail(dtype) -> tuple[int, ...]:
     return () if data is None else tuple(data.shape)
 
 
-def _storage_itemsize(dtype) -> int:
+def _storage_dtype(dtype) -> np.dtype:
     data = _key_data(dtype)
-    return np.dtype(dtype if data is None else data.dtype).itemsize
+    return np.dtype(dtype if data is None else data.dtype)
 
 
-def plan_save(tree_or_abstract: object, *, processes: int | None = None, split_floor_bytes: int = SPLIT_FLOOR_BYTES) -> SavePlan:
+def _storage_itemsize(dtype) -> int:
+    return _storage_dtype(dtype).itemsize
+
+
+def plan_save(
+    tree_or_abstract: object, *, processes: int | None = None, split_floor_bytes: int = SPLIT_FLOOR_BYTES,
+    pack_small_leaves_bytes: int | None = None,
+) -> SavePlan:
     """Shows which process writes which bytes when `tree_or_abstract` is saved.
 
     Args:
@@ -87,6 +94,8 @@ def plan_save(tree_or_abstract: object, *, processes: int | None = None, split_f
         (needed for concrete shardings only).
       split_floor_bytes: the smallest chunk a replica-parallel split may produce, bytes
         (what `save` uses by default).
+      pack_small_leaves_bytes: as for `save` (None: its default): chunks of packed
+        leaves count into one pack file per writing process.
     Returns:
       The SavePlan: per leaf the chunk grid and each chunk's writer; per process the
       bytes and files it writes.
@@ -97,13 +106,16 @@ def plan_save(tree_or_abstract: object, *, processes: int | None = None, split_f
 
     Multi-process: pure; any process may call it, alone.
     """
+    pack_bytes = _pack.check_threshold(pack_small_leaves_bytes)
     leaves: list[LeafShards] = []
+    dtypes: list[np.dtype] = []
     cache: dict = {}
     for leaf_path, leaf in flatten(tree_or_abstract):
         if isinstance(leaf, np.ndarray) or (isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None):
             shape = tuple(leaf.shape) + _key_tail(leaf.dtype)
             itemsize = _storage_itemsize(leaf.dtype)
             leaves.append(LeafShards(leaf_path, shape, itemsize, shape, (ShardInfo(Box.whole(shape), -1, 0, 0),)))
+            dtypes.append(_storage_dtype(leaf.dtype))
             continue
         if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
             continue
@@ -121,8 +133,10 @@ def plan_save(tree_or_abstract: object, *, processes: int | None = None, split_f
             )
         shard_shape = tuple(sharding.shard_shape(shape)) + tail
         leaves.append(LeafShards(leaf_path, shape + tail, _storage_itemsize(leaf.dtype), shard_shape, shards))
+        dtypes.append(_storage_dtype(leaf.dtype))
     assignments = plan_writes(leaves, split_floor_bytes=split_floor_bytes)
     if processes is None:
         owners = max((s.process_index + 1 for leaf in leaves for s in leaf.shards), default=1)
         processes = max(_distributed.process_count(), owners)
-    return summarize(assignments, processes)
+    packed = [_pack.packs_leaf(leaf.shape, a.chunk_shape, dt, pack_bytes) for leaf, a, dt in zip(leaves, assignments, dtypes)]
+    return summarize(assignments, processes, packed)

@@ -23,6 +23,7 @@ processes in mesh order, each holding a consecutive block of `n_devices // P`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
@@ -301,14 +302,21 @@ def _concrete_device_boxes(lt: LeafTarget, meta: ArrayMetadata, path: str) -> li
     s = lt.sharding
     assert s is not None, "device_boxes handles host targets"
     try:
-        indices = s.devices_indices_map(lt.shape)
+        return list(_sharding_boxes(s, tuple(lt.shape)))
     except ValueError as e:
         raise InvalidTargetError(
             f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: JAX cannot lay out the target sharding {s} on shape {lt.shape}: "
             f"{str(e).rstrip('.')}. Fix the target's sharding."
         ) from e
+
+
+@functools.lru_cache(maxsize=256)
+def _sharding_boxes(s: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[tuple[int, int, Box], ...]:
+    """`_concrete_device_boxes` by (sharding, shape): a tree's leaves share a few of
+    them (issue 15's 2,000 leaves: two), and JAX's index map costs ~50 µs a leaf."""
+    indices = s.devices_indices_map(shape)
     order: list[Any] = list(s.mesh.devices.flat) if isinstance(s, NamedSharding) else list(indices)  # Any: no Device stubs
-    return [(d.id, d.process_index, Box.from_index(indices[d], lt.shape)) for d in order]
+    return tuple((d.id, d.process_index, Box.from_index(indices[d], shape)) for d in order)
 
 
 def device_boxes(

@@ -20,3 +20,14 @@ def make_mesh(shape, names, devices=None):
 @pytest.fixture
 def ckpt_dir(tmp_path):
     return str(tmp_path / "ckpt")
+
+
+@pytest.fixture
+def unpacked_layout(monkeypatch):
+    """Saves without packing small leaves (`pack_small_leaves_bytes` default 0): for test
+    files about the per-leaf layout (one zarr array per leaf, its chunk files), which
+    damage, list or count those files. The packed layout has its own tests
+    (tests/test_pack.py)."""
+    from checkpointer import _pack
+
+    monkeypatch.setattr(_pack, "DEFAULT_PACK_BYTES", 0)

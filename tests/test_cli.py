@@ -317,6 +317,7 @@ def test_leaves_under_a_train_state_and_nnx_state_print_as_keystr(tmp_path):
 # --- verify -------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # about the per-leaf files
 def test_verify_ok_then_a_deleted_chunk_file_fails_naming_it(run_dir, capsys):
     path = f"{run_dir}/3"
     code, out, err = run(capsys, "verify", path)
@@ -393,6 +394,7 @@ def test_drill_restores_the_newest_step_and_verifies(run_dir, capsys):
     assert doc["mesh_shape"] == [2, 2] and doc["mesh_axis_names"] == ["data", "model"] and doc["ok"]
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # about the per-leaf files
 def test_drill_reports_damage_as_a_finding(run_dir, capsys):
     os.remove(f"{run_dir}/3/arrays/params/w/c/0/0")
     report = _drill.drill(run_dir, (4,), axis_names=("data",))

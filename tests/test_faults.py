@@ -12,6 +12,10 @@ from jax.sharding import PartitionSpec as P
 import checkpointer as ckpt
 from conftest import make_mesh
 
+# About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
+# are not packed here (tests/test_pack.py covers the packed layout).
+pytestmark = pytest.mark.usefixtures("unpacked_layout")
+
 
 @pytest.fixture
 def saved(ckpt_dir):

@@ -28,6 +28,10 @@ import checkpointer as ckpt
 from checkpointer import _format
 from conftest import make_mesh
 
+# About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
+# are not packed here (tests/test_pack.py covers the packed layout).
+pytestmark = pytest.mark.usefixtures("unpacked_layout")
+
 LIB = pathlib.Path(ckpt.__file__).parent
 State = collections.namedtuple("State", ["count", "mu"])
 
@@ -58,7 +62,7 @@ def original(tmp_path_factory):
     """A committed checkpoint of `_tree()` and its manifest; tests damage copies of it."""
     root = tmp_path_factory.mktemp("hostile")
     path = str(root / "orig" / "1")
-    ckpt.save(path, _tree())
+    ckpt.save(path, _tree(), pack_small_leaves_bytes=0)  # module scope: `unpacked_layout` comes too late
     with open(f"{path}/manifest.json") as f:
         manifest = json.load(f)
     return path, manifest
@@ -481,4 +485,68 @@ def test_fuzzed_zarr_json_raises_only_checkpoint_errors_and_never_returns_wrong_
                 np.testing.assert_array_equal(np.asarray(out[k]).view(np.uint8), _EXPECTED[k])
     finally:
         with open(zpath, "wb") as f:
+            f.write(original)
+
+
+# --- packed small leaves (`_pack`): the manifest's index and the pack file ------------------
+
+
+@pytest.fixture(scope="module")
+def original_packed(tmp_path_factory):
+    """`_tree()` saved with its small leaves packed (w, h, key, opt; q is int4: not packed)."""
+    path = str(tmp_path_factory.mktemp("hostile_packed") / "orig" / "1")
+    ckpt.save(path, _tree(), pack_small_leaves_bytes=256 << 10)
+    with open(f"{path}/manifest.json") as f:
+        manifest = json.load(f)
+    assert manifest["packed"] and manifest["leaves"]["w"]["packed"]
+    return path, manifest
+
+
+@pytest.fixture
+def victim_packed(original_packed, tmp_path):
+    src, manifest = original_packed
+    dst = tmp_path / "run" / "1"
+    shutil.copytree(src, dst)
+    return str(dst), copy.deepcopy(manifest)
+
+
+def _check_values(out):
+    if out is not None:
+        np.testing.assert_array_equal(np.asarray(out["w"]).view(np.uint8), _EXPECTED["w"])
+        np.testing.assert_array_equal(np.asarray(out["h"]), np.arange(3, dtype=np.int64))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_pack_index_raises_only_checkpoint_errors_and_never_returns_wrong_values(victim_packed, data):
+    path, manifest = victim_packed  # each example writes the whole manifest anew
+    if data.draw(st.booleans()):  # edits inside the packed section only
+        packed = json.loads(_mutate(data, {"packed": manifest["packed"]}))
+        manifest = dict(manifest, **packed) if isinstance(packed, dict) else manifest
+        raw = json.dumps(manifest).encode()
+    else:
+        raw = _mutate(data, manifest)
+    with open(f"{path}/manifest.json", "wb") as f:
+        f.write(raw)
+    _only_checkpoint_errors(ckpt.metadata, path)
+    _check_values(_only_checkpoint_errors(ckpt.restore, path))
+    _check_values(_only_checkpoint_errors(ckpt.restore, path, _target()))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_damaged_pack_file_raises_only_checkpoint_errors_and_never_returns_wrong_values(victim_packed, data):
+    path, _ = victim_packed
+    pack = f"{path}/packed/process-0/c/0"
+    with open(pack, "rb") as f:
+        original = f.read()
+    damaged = _damage_bytes(data, original)
+    with open(pack, "wb") as f:
+        f.write(damaged)
+    try:
+        _check_values(_only_checkpoint_errors(ckpt.restore, path))
+        if damaged != original:
+            assert not ckpt.verify(path).ok
+    finally:  # the examples share the folder
+        with open(pack, "wb") as f:
             f.write(original)

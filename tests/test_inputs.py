@@ -95,6 +95,7 @@ def _is_float(dtype):
         return False
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # about the per-leaf files
 @pytest.mark.parametrize("name", _DEVICE_DTYPES)
 def test_every_device_dtype_round_trips_bit_exact_or_is_refused_by_name(tmp_path, name):
     dtype = _dtype(name)
@@ -304,6 +305,7 @@ def test_key_targets_of_another_impl_or_raw_data_are_refused(tmp_path):
 # --- shapes -----------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # about the per-leaf files
 def test_zero_d_and_single_scalar_trees(tmp_path):
     mesh = make_mesh(*MESH_2x4)
     for i, root in enumerate([jnp.float32(-0.0), _put(np.int8(-7), mesh, P()), 7, 2.5, None, "s", np.float16(1.5)]):
@@ -460,6 +462,7 @@ def test_dicts_with_non_string_keys(tmp_path):
     assert again == tree
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # about the per-leaf files
 def test_keys_with_slashes_tildes_dots_spaces_and_unicode(tmp_path):
     keys = ["test/test", "mlp/~/linear_0", "..", ".", "a b", "ünï cödé", "日本", "%41", "@int:3", "", "~"]
     tree = {k: {"w": np.full((5, 2), i, np.float32)} for i, k in enumerate(keys)}
@@ -472,6 +475,7 @@ def test_keys_with_slashes_tildes_dots_spaces_and_unicode(tmp_path):
         _same_bits(back[k]["w"], v["w"])
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # about the per-leaf files
 def test_the_small_trees_peers_failed_on(tmp_path):
     optax = pytest.importorskip("optax")
     cases = [

@@ -226,6 +226,7 @@ def test_safetensors_export_holds_bfloat16_and_refuses_int4_unless_upcast(tmp_pa
     assert codes.dtype == np.int8 and codes.tolist() == list(range(-8, 8))
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # about the per-leaf files
 @pytest.mark.parametrize("leaf, dtype", [("w", np.float32), ("q", ml_dtypes.int4)])  # byte-range reader / TensorStore
 def test_export_of_a_damaged_leaf_is_corrupt_naming_the_leaf_and_path(tmp_path, leaf, dtype):
     path = str(tmp_path / "1")

@@ -200,7 +200,8 @@ def test_step_deleted_while_it_is_restored_is_not_found(tmp_path, monkeypatch, h
     from checkpointer import _read
 
     run = str(tmp_path / "run")
-    ckpt.save(f"{run}/1", {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
+    # Unpacked: the read intercepted is a zarr shard file's (packed leaves: tests/test_pack.py).
+    ckpt.save(f"{run}/1", {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)}, pack_small_leaves_bytes=0)
     storage, directory = _storage.storage_for(run)
     real = _read.read_chunk_into
     calls = []

@@ -135,10 +135,11 @@ def test_restore_onto_other_process_counts_is_bit_exact(saved, layout):
 @pytest.mark.multiprocess
 def test_replicas_are_written_once(saved):
     path = Path(saved["path"])
+    # Chunk files: zarr shard files under arrays/ and each process's pack of small leaves under packed/.
     chunk_files = {
         str(p.relative_to(path)): p.stat().st_size
-        for p in (path / "arrays").rglob("*")
-        if p.is_file() and "/c/" in f"/{p.relative_to(path / 'arrays').as_posix()}"
+        for p in path.rglob("*")
+        if p.is_file() and p.relative_to(path).parts[0] in ("arrays", "packed") and "/c/" in f"/{p.relative_to(path).as_posix()}"
     }
     leaf_bytes = sum(g.nbytes for g in _common.global_arrays().values())
     on_disk = sum(chunk_files.values())
@@ -156,6 +157,9 @@ def test_replicas_are_written_once(saved):
     assert set(keys) == set(chunk_files), (sorted(set(keys) ^ set(chunk_files)))
     # Both processes wrote something: the sharded leaves are split between them.
     assert set(keys.values()) == {0, 1}
+    # The tree's leaves are small (chunks <= 256 KiB): each process packed the chunks it
+    # owns into its own pack (tests/test_pack.py; restores of it: the tests above).
+    assert {k: i for k, i in keys.items() if k.startswith("packed/")} == {"packed/process-0/c/0": 0, "packed/process-1/c/0": 1}
 
 
 # --- 4. a process dies during an async save ------------------------------------------------

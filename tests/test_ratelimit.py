@@ -16,6 +16,10 @@ import checkpointer as ckpt
 from checkpointer import _ratelimit
 from checkpointer._ratelimit import TokenBucket
 
+# About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
+# are not packed here (tests/test_pack.py covers the packed layout).
+pytestmark = pytest.mark.usefixtures("unpacked_layout")
+
 
 class FakeClock:
     """Monotonic seconds that move only when someone sleeps (or the test advances it)."""

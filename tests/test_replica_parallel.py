@@ -51,7 +51,8 @@ def test_each_process_writes_a_quarter_of_the_bytes_once(saved, state):
             assert c["key"] not in owners, f"{c['key']} written by {owners[c['key']]} and {i}"
             owners[c["key"]] = i
             assert (path / c["key"]).stat().st_size == c["bytes"]
-    on_disk = {str(p.relative_to(path)) for p in (path / "arrays").rglob("*") if p.is_file() and "/c/" in str(p)}
+    # Chunk files: zarr shard files under arrays/, and the packs of small leaves (packed/).
+    on_disk = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and "/c/" in str(p.relative_to(path))}
     assert set(owners) == on_disk
     # The large replicated leaves were split: their chunks are smaller than the leaf.
     big = "a" if state == "replicated" else "w1"

@@ -15,6 +15,10 @@ import checkpointer as ckpt
 from checkpointer import _read
 from conftest import make_mesh
 
+# About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
+# are not packed here (tests/test_pack.py covers the packed layout).
+pytestmark = pytest.mark.usefixtures("unpacked_layout")
+
 N = 4096
 
 

@@ -133,6 +133,7 @@ def test_save_writes_the_final_name_and_restores_onto_another_mesh(s3, bucket):
     assert report.chunks_checked == 8 + 4 + 1
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # about the per-leaf files
 def test_restore_fetches_only_the_planned_byte_ranges(s3, bucket):
     path = f"s3://{bucket}/run/1"
     w = np.random.default_rng(0).standard_normal((512, 256), np.float32)
@@ -356,6 +357,7 @@ def _run(capsys, *argv):
     return code, out, err
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # damages a zarr shard file
 def test_cli_ls_inspect_verify_on_s3(s3, bucket, capsys):
     d = f"s3://{bucket}/run"
     with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(5), async_save=False) as mgr:

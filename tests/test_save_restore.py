@@ -233,7 +233,7 @@ def test_tree_kinds_and_non_array_leaves(ckpt_dir):
     }
     tree = {str(k): v for k, v in tree.items() if not isinstance(k, int)}  # one key type per dict
     tree["ints"] = {1: "one", 2: "two"}
-    ckpt.save(f"{ckpt_dir}/1", tree)
+    ckpt.save(f"{ckpt_dir}/1", tree, pack_small_leaves_bytes=0)  # the per-leaf layout
     assert not any(".." == p for p in os.listdir(f"{ckpt_dir}/1/arrays"))
     back = ckpt.restore(f"{ckpt_dir}/1")
     assert back["opt"][0] == 0 and back["opt"][2] == 1 and back["a"] is None
@@ -281,7 +281,7 @@ def test_layout_on_disk_and_commit_marker(ckpt_dir):
     mesh = make_mesh(*MESH_2x4)
     x = _put(np.ones((8, 8), np.float32), mesh, P("data", "model"))
     r = _put(np.ones((4,), np.float32), mesh, P())
-    ckpt.save(f"{ckpt_dir}/5", {"x": x, "r": r}, metadata={"loss": 1.25})
+    ckpt.save(f"{ckpt_dir}/5", {"x": x, "r": r}, metadata={"loss": 1.25}, pack_small_leaves_bytes=0)
     assert sorted(os.listdir(ckpt_dir)) == ["5"]  # the partial folder was renamed
     assert sorted(os.listdir(f"{ckpt_dir}/5")) == ["COMMITTED", "arrays", "manifest.json", "processes", "zarr.json"]
     zarr_json = _load_json(f"{ckpt_dir}/5/arrays/x/zarr.json")
@@ -302,7 +302,7 @@ def test_layout_on_disk_and_commit_marker(ckpt_dir):
 def test_readable_by_zarr_python(ckpt_dir):
     zarr = pytest.importorskip("zarr")
     x = np.arange(64, dtype=np.float32).reshape(8, 8)
-    ckpt.save(f"{ckpt_dir}/1", {"x": _put(x, make_mesh(*MESH_2x4), P("data", "model"))})
+    ckpt.save(f"{ckpt_dir}/1", {"x": _put(x, make_mesh(*MESH_2x4), P("data", "model"))}, pack_small_leaves_bytes=0)
     np.testing.assert_array_equal(zarr.open_array(f"{ckpt_dir}/1/arrays/x", mode="r")[...], x)
 
 

@@ -27,6 +27,10 @@ from checkpointer import _read, _save
 from checkpointer._storage import LocalStorage
 from conftest import make_mesh
 
+# About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
+# are not packed here (tests/test_pack.py covers the packed layout).
+pytestmark = pytest.mark.usefixtures("unpacked_layout")
+
 
 def _tree(value=0.0):
     mesh = make_mesh((2, 4), ("a", "b"))

@@ -27,7 +27,7 @@ def _tree():
 def test_zarr_open_group_walks_the_tree_with_original_keys(tmp_path):
     path = str(tmp_path / "1")
     tree = _tree()
-    ckpt.save(path, tree)
+    ckpt.save(path, tree, pack_small_leaves_bytes=0)
     root = zarr.open_group(path, mode="r")
     assert root.attrs["checkpointer"]["tree"] == "arrays"
     arrays = zarr.open_group(f"{path}/arrays", mode="r")
@@ -62,8 +62,8 @@ def test_zarr_open_group_walks_the_tree_with_original_keys(tmp_path):
 
 def test_group_nodes_do_not_stop_overwrite_or_restore(tmp_path):
     path = str(tmp_path / "1")
-    ckpt.save(path, _tree())
-    ckpt.save(path, {"w": np.ones(3)}, overwrite=True)  # the root zarr.json is the format's own file
+    ckpt.save(path, _tree(), pack_small_leaves_bytes=0)
+    ckpt.save(path, {"w": np.ones(3)}, overwrite=True, pack_small_leaves_bytes=0)  # the root zarr.json is the format's own file
     np.testing.assert_array_equal(ckpt.restore(path)["w"], np.ones(3))
     assert zarr.open_group(f"{path}/arrays", mode="r").attrs["checkpointer"]["children"] == {"w": "w"}
 
@@ -71,7 +71,7 @@ def test_group_nodes_do_not_stop_overwrite_or_restore(tmp_path):
 def test_a_key_named_zarr_json_gets_no_group_node_at_its_level(tmp_path):
     path = str(tmp_path / "1")
     tree = {"zarr.json": np.arange(3), "b": {"c": np.ones(2)}}
-    ckpt.save(path, tree)
+    ckpt.save(path, tree, pack_small_leaves_bytes=0)
     out = ckpt.restore(path)
     np.testing.assert_array_equal(out["zarr.json"], np.arange(3))
     assert zarr.open_group(f"{path}/arrays/b", mode="r").attrs["checkpointer"]["key"] == "b"
@@ -85,6 +85,6 @@ def test_group_nodes_of_a_single_array_and_of_values_only():
 
 def test_single_array_checkpoint_is_browsable(tmp_path):
     path = str(tmp_path / "1")
-    ckpt.save(path, np.arange(4.0))
+    ckpt.save(path, np.arange(4.0), pack_small_leaves_bytes=0)
     arrays = zarr.open_group(f"{path}/arrays", mode="r")
     np.testing.assert_array_equal(arrays["%root"][...], np.arange(4.0))

@@ -1,0 +1,392 @@
+"""Packed small leaves (`_pack`): layout, zarr-python reads, restore onto other meshes,
+verify, the planner's byte ranges, the threshold, and the manifest's index checks."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import zarr
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import checkpointer as ckpt
+from checkpointer import _pack
+from checkpointer._box import Box
+from checkpointer._format import ArrayMetadata, PackedBox
+from checkpointer._restore_plan import PACK_GAP_BYTES, coalesce_packed, plan_leaf
+from conftest import make_mesh
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _state(n=6):
+    """n vectors replicated, n matrices column-sharded on 2x4, a large leaf, values, a key."""
+    mesh = make_mesh((2, 4), ("data", "model"))
+    rep, col = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "model"))
+    rng = np.random.default_rng(15)
+    return {
+        "vec": {f"{i}": jax.device_put(rng.standard_normal(256).astype(np.float32), rep) for i in range(n)},
+        "mat": {f"{i}": jax.device_put(rng.standard_normal((64, 64)).astype(np.float32), col) for i in range(n)},
+        "big": jax.device_put(rng.standard_normal((512, 1024)).astype(np.float32), NamedSharding(mesh, P("data"))),
+        "bf": jax.device_put(rng.standard_normal((8, 32)).astype(ml_dtypes.bfloat16), col),
+        "ids": np.arange(10, dtype=np.int16),
+        "key": jax.random.key(7),
+        "step": 12,
+    }
+
+
+def _target(tree, mesh=None):
+    def leaf(x):
+        if not isinstance(x, jax.Array):
+            return x
+        s = x.sharding
+        if mesh is not None and isinstance(s, NamedSharding):
+            s = NamedSharding(mesh, s.spec)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+
+    return jax.tree.map(leaf, tree)
+
+
+def _assert_equal(out, state):
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
+        if isinstance(b, jax.Array) and jax.dtypes.issubdtype(b.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_small_leaves_share_one_pack_and_large_ones_keep_their_arrays(tmp_path):
+    state = _state()
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    files = sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
+    assert "packed/process-0/zarr.json" in files and "packed/process-0/c/0" in files
+    assert not any(f.startswith(("arrays/vec", "arrays/mat", "arrays/bf", "arrays/ids", "arrays/key")) for f in files)
+    assert any(f.startswith("arrays/big/c/") for f in files)  # 1 MiB chunks: a zarr array of its own
+    manifest = _json(f"{path}/manifest.json")
+    packed_leaves = {p for p, e in manifest["leaves"].items() if e.get("packed")}
+    assert packed_leaves == {f"vec/{i}" for i in range(6)} | {f"mat/{i}" for i in range(6)} | {"bf", "ids", "key"}
+    [pack] = manifest["packed"]
+    assert pack["array"] == "packed/process-0" and pack["key"] == "packed/process-0/c/0"
+    assert pack["bytes"] == os.path.getsize(f"{path}/packed/process-0/c/0")
+    # One entry per chunk: a replicated vector is one chunk, a column-sharded matrix four.
+    assert sorted(b["leaf"] for b in pack["boxes"] if b["leaf"].startswith("mat/0")) == ["mat/0"] * 4
+    record = _json(f"{path}/processes/0.json")
+    assert record["packed"] == pack  # the record holds the same index
+    assert pack["key"] in {c["key"] for c in record["chunks"]}  # and the pack as one of its chunks
+    meta = ckpt.metadata(path).arrays
+    assert meta["mat/0"].packed and meta["mat/0"].chunk_shape == (64, 16) and not meta["big"].packed
+    assert meta["mat/0"].saved_sharding.spec == (None, "model")
+
+
+def test_a_packed_leaf_reads_bit_exact_with_zarr_python_and_the_documented_index(tmp_path):
+    state = _state()
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    # Only zarr-python and the index in the pack's own attributes (or the manifest's).
+    pack = zarr.open_array(f"{path}/packed/process-0", mode="r")
+    index = pack.attrs["checkpointer"]["packed_index"]
+    manifest_index = _json(f"{path}/manifest.json")["packed"][0]["boxes"]
+    assert [{k: v for k, v in b.items() if k != "dtype"} for b in index] == manifest_index
+    raw = pack[...]
+    for leaf, expected in [("vec/3", state["vec"]["3"]), ("ids", state["ids"]), ("bf", state["bf"])]:
+        full = np.asarray(expected)
+        for b in (b for b in index if b["leaf"] == leaf):
+            (origin, shape), off, n = b["box"], b["offset"], b["data_bytes"]
+            dtype = ml_dtypes.bfloat16 if b["dtype"] == "bfloat16" else np.dtype(b["dtype"])
+            got = raw[off : off + n].view(dtype).reshape(shape)
+            want = full[tuple(slice(o, o + s) for o, s in zip(origin, shape))]
+            assert got.tobytes() == want.tobytes()
+    # The documented one-liner, for a column block of a sharded matrix.
+    b = next(b for b in index if b["leaf"] == "mat/2" and b["box"][0] == [0, 32])
+    off, n = b["offset"], b["data_bytes"]
+    block = zarr.open_array(f"{path}/packed/process-0", mode="r")[off : off + n].view(np.float32).reshape(64, 16)
+    np.testing.assert_array_equal(block, np.asarray(state["mat"]["2"])[:, 32:48])
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2), (1, 1)])
+def test_restore_onto_other_meshes_is_bit_exact_and_on_the_target_sharding(tmp_path, mesh_shape):
+    state = _state()
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    mesh = make_mesh(mesh_shape, ("data", "model"))
+    target = _target(state, mesh)
+    stats = ckpt.RestoreStats()
+    out = ckpt.restore(path, target, stats=stats)
+    _assert_equal(out, state)
+    assert out["mat"]["1"].sharding == target["mat"]["1"].sharding
+    assert out["vec"]["0"].sharding == target["vec"]["0"].sharding
+    assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+    # Every packed chunk comes from one coalesced read of the pack (plus the large leaf's chunks),
+    # and the restore reads what the plan says.
+    assert len(stats.plan.pack_runs) == 1
+    assert stats.bytes_read == stats.plan.bytes_read
+
+
+def test_restored_devices_never_share_a_host_buffer(tmp_path):
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    out = ckpt.restore(path, _target(state))
+    for arr in (out["vec"]["0"], out["mat"]["1"]):
+        ptrs = [s.data.unsafe_buffer_pointer() for s in arr.addressable_shards]
+        assert len(set(ptrs)) == len(ptrs)
+    # Donating one device's buffer leaves the others intact.
+    x = out["vec"]["1"]
+    expected = np.asarray(state["vec"]["1"])
+    jax.jit(lambda a: a * 0, donate_argnums=0)(x)
+    y = ckpt.restore(path, _target(state))["vec"]["1"]
+    for s in y.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(s.data), expected)
+
+
+def test_host_targets_partial_casts_and_missing_leaves(tmp_path):
+    state = _state(3)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    host = ckpt.restore(path)
+    np.testing.assert_array_equal(host["mat"]["2"], np.asarray(state["mat"]["2"]))
+    assert host["ids"].dtype == np.int16 and host["step"] == 12
+    assert jax.dtypes.issubdtype(host["key"].dtype, jax.dtypes.prng_key)
+    mesh = make_mesh((4, 2), ("data", "model"))
+    sub = {"mat": {"0": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P("data")))},
+           "vec": {"1": None}}
+    out = ckpt.restore(path, sub, partial=True)
+    np.testing.assert_array_equal(np.asarray(out["mat"]["0"]), np.asarray(state["mat"]["0"]).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(out["vec"]["1"], np.asarray(state["vec"]["1"]))
+    extra = dict(sub, new=jnp.ones(3))
+    kept = ckpt.restore(path, extra, partial=True, missing="keep_target")
+    assert kept["new"] is extra["new"]
+
+
+@pytest.mark.parametrize("dtype", ["bool", "int8", "uint16", "int32", "float16", "bfloat16", "float64", "complex64",
+                                   "float8_e4m3fn", "uint64"])
+def test_every_whole_byte_dtype_round_trips_packed(tmp_path, dtype):
+    dt = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
+    raw = np.random.default_rng(3).integers(0, 256, 48 * dt.itemsize, dtype=np.uint8)
+    x = raw.view(dt).reshape(6, 8) if dt.kind != "b" else (raw[:48] & 1).astype(bool).reshape(6, 8)
+    path = str(tmp_path / "1")
+    ckpt.save(path, {"x": x})
+    assert ckpt.metadata(path).arrays["x"].packed
+    back = ckpt.restore(path)["x"]
+    assert back.dtype == x.dtype and back.tobytes() == x.tobytes()
+
+
+def test_int4_is_not_packed(tmp_path):
+    x = jax.device_put(jnp.arange(16, dtype=jnp.int4) % 7)
+    path = str(tmp_path / "1")
+    ckpt.save(path, {"x": x})
+    assert not ckpt.metadata(path).arrays["x"].packed
+    np.testing.assert_array_equal(np.asarray(ckpt.restore(path)["x"]), np.asarray(x))
+
+
+def test_threshold_zero_writes_the_per_leaf_layout_and_both_restore(tmp_path):
+    state = _state(2)
+    ckpt.save(str(tmp_path / "0"), state, pack_small_leaves_bytes=0)
+    assert not os.path.exists(tmp_path / "0" / "packed")
+    manifest = _json(tmp_path / "0" / "manifest.json")
+    assert "packed" not in manifest and not any(e.get("packed") for e in manifest["leaves"].values())
+    assert os.path.exists(tmp_path / "0" / "arrays" / "vec" / "0" / "zarr.json")
+    _assert_equal(ckpt.restore(str(tmp_path / "0"), _target(state)), state)
+    # A threshold below a matrix chunk (4 KiB) packs only the vectors (1 KiB) and smaller.
+    ckpt.save(str(tmp_path / "1"), state, pack_small_leaves_bytes=2048)
+    meta = ckpt.metadata(str(tmp_path / "1")).arrays
+    assert meta["vec/0"].packed and not meta["mat/0"].packed
+    _assert_equal(ckpt.restore(str(tmp_path / "1"), _target(state)), state)
+    with pytest.raises(ValueError, match="pack_small_leaves_bytes"):
+        ckpt.save(str(tmp_path / "2"), state, pack_small_leaves_bytes=-1)
+
+
+def test_manager_packs_and_restores(tmp_path):
+    state = _state(2)
+    with ckpt.CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(1, state)
+        mgr.wait_until_finished()
+        assert os.path.exists(tmp_path / "run" / "1" / "packed" / "process-0" / "c" / "0")
+        _assert_equal(mgr.restore(1, _target(state)), state)
+
+
+def test_verify_and_restore_name_a_damaged_packed_leaf(tmp_path):
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    assert ckpt.verify(path).ok
+    manifest = _json(f"{path}/manifest.json")
+    box = next(b for b in manifest["packed"][0]["boxes"] if b["leaf"] == "mat/1")
+    with open(f"{path}/packed/process-0/c/0", "r+b") as f:
+        f.seek(box["offset"] + 5)
+        byte = f.read(1)
+        f.seek(box["offset"] + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    report = ckpt.verify(path)
+    assert not report.ok and any("'mat/1'" in p for p in report.problems)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'mat/1'.*crc32c mismatch"):
+        ckpt.restore(path, _target(state))
+    # Leaves in other parts of the pack still restore alone.
+    out = ckpt.restore(path, {"vec": {"0": _target(state)["vec"]["0"]}}, partial=True)
+    np.testing.assert_array_equal(np.asarray(out["vec"]["0"]), np.asarray(state["vec"]["0"]))
+
+
+@pytest.mark.parametrize("how", ["renamed", "removed"])
+def test_a_step_deleted_while_its_pack_is_read_is_not_found(tmp_path, monkeypatch, how):
+    from checkpointer import _directory, _storage
+
+    run = str(tmp_path / "run")
+    ckpt.save(f"{run}/1", {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
+    storage, directory = _storage.storage_for(run)
+    real, calls = _pack.read_runs, []
+
+    def delete_then_read(*args, **kwargs):
+        if not calls:
+            moved = _directory.unpublish_step(storage, directory, 1)
+            if how == "removed":
+                storage.delete_tree(moved)
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_pack, "read_runs", delete_then_read)
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="deleted"):
+        ckpt.restore(f"{run}/1")
+    assert calls
+
+
+def test_a_truncated_pack_is_refused_before_reading(tmp_path):
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    with open(f"{path}/packed/process-0/c/0", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"pack file packed/process-0/c/0 has 100 bytes"):
+        ckpt.restore(path, _target(state))
+
+
+@pytest.mark.parametrize("damage", ["offset_past_end", "missing_box", "unknown_leaf", "box_off_grid", "str_shape"])
+def test_a_damaged_pack_index_in_the_manifest_is_corrupt(tmp_path, damage):
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    manifest = _json(f"{path}/manifest.json")
+    boxes = manifest["packed"][0]["boxes"]
+    if damage == "offset_past_end":
+        boxes[0]["offset"] = manifest["packed"][0]["bytes"]
+    elif damage == "missing_box":
+        del boxes[-1]
+    elif damage == "unknown_leaf":
+        boxes[0]["leaf"] = "big"
+    elif damage == "box_off_grid":
+        b = next(b for b in boxes if b["leaf"] == "mat/0")
+        b["box"][0][1] += 1
+    else:  # a string where a size belongs must not be multiplied out (str * 2**60)
+        b = next(b for b in boxes if b["leaf"] == "mat/0")
+        b["box"][1] = ["x" * 8, 2**60]
+    with open(f"{path}/manifest.json", "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(ckpt.CorruptCheckpointError, match="packed"):
+        ckpt.metadata(path)
+
+
+def test_plan_and_inspect_show_packed_leaves(tmp_path, capsys):
+    from checkpointer._cli import main
+
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    plan = ckpt.plan_restore(path, _target(state, make_mesh((4, 2), ("data", "model"))))
+    lp = next(lp for lp in plan.leaves if lp.leaf_path == "mat/0")
+    assert lp.bytes_needed == 64 * 64 * 4 and all(b.packed and not b.reads for b in lp.boxes)
+    assert "mat/0" in str(plan)
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "['mat']['0']" in out and "packed" in out
+    assert main(["inspect", path, "--json"]) == 0
+    leaves = {leaf["path"]: leaf for leaf in json.loads(capsys.readouterr().out)["leaves"]}
+    assert leaves["mat/0"]["packed"] is True and leaves["big"]["packed"] is False
+    assert main(["plan", path, "--mesh", "4x2"]) == 0
+    assert main(["verify", path]) == 0
+
+
+# --- the planner, pure ----------------------------------------------------------------------
+
+
+def _packed_meta():
+    """A float32 [8, 8] leaf saved in column blocks of 4, packed at offsets 0 and 128 (+100 gap)."""
+    boxes = (
+        PackedBox("packed/process-0/c/0", 1000, Box((0, 0), (8, 4)), 100, 128, 11),
+        PackedBox("packed/process-0/c/0", 1000, Box((0, 4), (8, 4)), 228, 128, 22),
+    )
+    return ArrayMetadata("w", (8, 8), np.dtype(np.float32), (8, 4), (8, 4), None, packed=True, pack_boxes=boxes)
+
+
+def test_planner_reads_the_packed_chunks_a_box_needs_with_their_destinations():
+    meta = _packed_meta()
+    lp = plan_leaf(meta, [(0, Box((2, 2), (4, 4))), (1, Box((2, 2), (4, 4)))])
+    [b] = lp.boxes
+    assert b.device_ids == (0, 1) and b.reads == ()
+    left, right = b.packed
+    assert (left.offset, left.nbytes, left.crc32c, left.box, left.local_box, left.dest) == (
+        100, 128, 11, Box((2, 2), (4, 2)), Box((2, 2), (4, 2)), (0, 0))
+    assert (right.offset, right.box, right.local_box, right.dest) == (228, Box((2, 4), (4, 2)), Box((2, 0), (4, 2)), (0, 2))
+    assert b.bytes_read == 256 and lp.bytes_needed == 64
+    whole = plan_leaf(meta, [(0, Box((0, 4), (8, 4)))]).boxes[0]
+    assert [(p.offset, p.dest) for p in whole.packed] == [(228, (0, 0))]
+
+
+def test_coalescing_joins_neighbours_within_the_gap_and_reads_each_chunk_once():
+    meta = _packed_meta()
+    lp = plan_leaf(meta, [(0, Box((0, 0), (8, 8))), (1, Box((0, 0), (4, 8)))])
+    assert [b.bytes_read for b in lp.boxes] == [256, 256] and lp.bytes_read == 256  # each chunk read once
+    reads = [("w", p) for b in lp.boxes for p in b.packed]
+    [run] = coalesce_packed(reads)
+    assert (run.key, run.offset, run.nbytes) == ("packed/process-0/c/0", 100, 256)
+    assert [(o, n) for o, n, _, _ in run.boxes] == [(100, 128), (228, 128)]
+    far = PackedBox("packed/process-0/c/0", 10**7, Box((0, 4), (8, 4)), 228 + PACK_GAP_BYTES + 1, 128, 22)
+    meta2 = ArrayMetadata("w", (8, 8), np.dtype(np.float32), (8, 4), (8, 4), None, packed=True,
+                          pack_boxes=(meta.pack_boxes[0], far))
+    runs = coalesce_packed(("w", p) for b in plan_leaf(meta2, [(0, Box((0, 0), (8, 8)))]).boxes for p in b.packed)
+    assert [(r.offset, r.nbytes) for r in runs] == [(100, 128), (far.offset, 128)]
+
+
+def test_the_rule_packs_small_whole_byte_chunks_only():
+    f4 = np.dtype(np.float32)
+    assert _pack.packs_leaf((1024, 1024), (256, 256), f4, 256 << 10)  # 256 KiB chunks: packed
+    assert not _pack.packs_leaf((1024, 1024), (256, 512), f4, 256 << 10)
+    assert not _pack.packs_leaf((0, 4), (1, 4), f4, 256 << 10)  # empty
+    assert not _pack.packs_leaf((4,), (4,), np.dtype(ml_dtypes.int4), 256 << 10)  # sub-byte
+    assert not _pack.packs_leaf((4,), (4,), f4, 0)
+
+
+def test_a_process_record_with_a_pack_round_trips_and_keeps_unknown_fields(tmp_path):
+    from checkpointer._format import dumps_large, loads
+    from checkpointer._metadata import ProcessRecord
+
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    raw = _json(f"{path}/processes/0.json")
+    raw["packed"]["boxes"][0]["later"] = [1]
+    raw["packed"]["later"] = "x"
+    record = ProcessRecord.from_json(raw, "0.json")
+    assert record.packed.boxes[0].extra == {"later": [1]} and record.packed.extra == {"later": "x"}
+    assert loads(dumps_large(record.to_json()), "0.json") == raw
+    raw["packed"]["boxes"][1]["offset"] = "7"
+    with pytest.raises(ckpt.CorruptCheckpointError, match="packed box 1.*not a count"):
+        ProcessRecord.from_json(raw, "0.json")
+
+
+def test_the_write_rate_limit_paces_the_pack_as_one_write(tmp_path, monkeypatch):
+    from checkpointer._ratelimit import TokenBucket
+
+    calls = []
+    real = TokenBucket.acquire
+    monkeypatch.setattr(TokenBucket, "acquire", lambda self, n: calls.append(n) or real(self, n))
+    state = _state(2)
+    ckpt.save(str(tmp_path / "1"), state, max_write_bytes_per_s=2**30)
+    meta = ckpt.metadata(str(tmp_path / "1")).arrays
+    packed = sum(m.nbytes for m in meta.values() if m.packed)
+    big_chunks = [m.nbytes // 2 for m in meta.values() if not m.packed]  # "big": two row blocks of P("data")
+    assert sorted(calls) == sorted(big_chunks * 2 + [packed])
