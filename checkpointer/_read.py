@@ -23,10 +23,10 @@ import itertools
 import sys
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import crc32c
 import numpy as np
-import tensorstore as ts
 
 from . import _format
 from ._box import Box
@@ -34,7 +34,10 @@ from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, ShardFileLayout, is_whole_byte_dtype
 from ._host import aligned_empty
 from ._restore_plan import BoxRead, ChunkRead, RestorePlan, plan_leaf
-from ._storage import TS_CONTEXT, Storage
+from ._storage import Storage, ts_context
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 _MAX_RUN_BYTES = 16 << 20  # one read covers at most this many bytes of adjacent inner chunks
 
@@ -225,8 +228,10 @@ def open_zarr_array(storage: Storage, path: str, meta: ArrayMetadata) -> ts.Futu
     """Opens a leaf's zarr array through TensorStore's array layer, for the reads the
     byte-range reader does not handle (see `fast_path_supported`) and for `verify`.
     The spec refuses a `zarr.json` that disagrees with the manifest (`_format.zarr_spec`)."""
+    import tensorstore as ts  # lazily: a restore of local files never needs it
+
     kvstore = storage.kvstore_spec(f"{path}/{_format.array_dir(meta.path)}")
-    return ts.open(_format.zarr_spec(kvstore, meta, mode="read"), context=TS_CONTEXT, read=True)
+    return ts.open(_format.zarr_spec(kvstore, meta, mode="read"), context=ts_context(), read=True)
 
 
 def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:

@@ -23,15 +23,39 @@ import fcntl
 import os
 import shutil
 import stat
-
-import tensorstore as ts
+import threading
+from typing import TYPE_CHECKING
 
 from ._commit import CommitStrategy, MarkerCommit, RenameCommit
 from ._errors import CheckpointError
 
-# One TensorStore context for the whole process, so that `memory://` locations opened
-# twice see the same bytes and cache/concurrency limits are shared.
-TS_CONTEXT = ts.Context()
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+    TS_CONTEXT: ts.Context  # see `ts_context`
+
+_TS_LOCK = threading.Lock()
+_ts_context: list[ts.Context] = []
+
+
+def ts_context() -> ts.Context:
+    """The one TensorStore context of the process, so that `memory://` locations opened
+    twice see the same bytes and cache/concurrency limits are shared. Made on first use:
+    tensorstore is imported only when a kvstore or a zarr array is opened (a restore of
+    local files never needs it)."""
+    with _TS_LOCK:
+        if not _ts_context:
+            import tensorstore as ts
+
+            _ts_context.append(ts.Context())
+        return _ts_context[0]
+
+
+def __getattr__(name: str) -> object:
+    """`TS_CONTEXT` (the name importers use) is `ts_context()`."""
+    if name == "TS_CONTEXT":
+        return ts_context()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Longest holder note a lock file carries (`pid 123 on host`), bytes.
 _HOLDER_NOTE_BYTES = 200
@@ -431,9 +455,10 @@ class KvStorage(Storage):
     """Any TensorStore kvstore URL. No rename: the commit marker alone publishes a save."""
 
     def __init__(self, scheme_root: str, spec: str | dict | None = None):
+        import tensorstore as ts  # lazily: see `ts_context`
         self._root = scheme_root  # e.g. "memory://", "s3://bucket/"
         self._spec = spec  # a JSON spec replaces the URL (it may carry context resources)
-        self._kv = ts.KvStore.open(scheme_root if spec is None else spec, context=TS_CONTEXT).result()
+        self._kv = ts.KvStore.open(scheme_root if spec is None else spec, context=ts_context()).result()
 
     def _key(self, path: str) -> str:
         if not path.startswith(self._root):
@@ -487,6 +512,7 @@ class KvStorage(Storage):
         return bool(self.list_files(path))
 
     def list_dir(self, path: str) -> list[str]:
+        import tensorstore as ts  # lazily: see `ts_context`
         prefix = self._key(path).rstrip("/")
         prefix = prefix + "/" if prefix else ""
         key_range = ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()
@@ -495,15 +521,18 @@ class KvStorage(Storage):
         return sorted(n for n in names if n)
 
     def list_files(self, path: str) -> list[str]:
+        import tensorstore as ts  # lazily: see `ts_context`
         prefix = self._key(path).rstrip("/")
         prefix = prefix + "/" if prefix else ""
         key_range = ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()
         return sorted(k.decode()[len(prefix) :] for k in self._kv.list(key_range).result())
 
     def delete_file(self, path: str) -> None:
+        import tensorstore as ts  # lazily: see `ts_context`
         self._kv.delete_range(ts.KvStore.KeyRange(self._key(path), self._key(path) + "\x00")).result()
 
     def delete_tree(self, path: str) -> None:
+        import tensorstore as ts  # lazily: see `ts_context`
         prefix = self._key(path).rstrip("/") + "/"
         self._kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
 
