@@ -57,6 +57,9 @@ def __getattr__(name: str) -> object:
         return ts_context()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+# Buffers one preadv() takes at most (Linux's IOV_MAX).
+_IOV_MAX = 1024
+
 # Longest holder note a lock file carries (`pid 123 on host`), bytes.
 _HOLDER_NOTE_BYTES = 200
 
@@ -162,6 +165,19 @@ class Reader(abc.ABC):
           OSError: the read failed.
         """
 
+    def read_into_buffers(self, offset: int, buffers: list[memoryview]) -> None:
+        """Fills `buffers` (writable byte views) one after another from the consecutive
+        bytes starting at `offset`: a scatter read (one `preadv` for local files, so the
+        bytes land in their destinations without a copy; here: one read, then copies).
+        Raises as `read_into`."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        data = bytearray(sum(len(v) for v in views))
+        self.read_into(offset, data)
+        start = 0
+        for v in views:
+            v[:] = memoryview(data)[start : start + len(v)]
+            start += len(v)
+
     def read(self, offset: int, n: int) -> bytes:
         """`n` bytes from byte `offset`. Raises as `read_into`."""
         buf = bytearray(n)
@@ -200,6 +216,19 @@ class _LocalReader(Reader):
             if got == 0:
                 raise EOFError(f"short read: {done} of {n} bytes at offset {offset}")
             done += got
+
+    def read_into_buffers(self, offset: int, buffers: list[memoryview]) -> None:
+        fd, views = self._open_fd(), [memoryview(b).cast("B") for b in buffers]
+        while views:
+            got = os.preadv(fd, views[:_IOV_MAX], offset)
+            if got == 0:
+                raise EOFError(f"short read: {sum(len(v) for v in views)} bytes missing at offset {offset}")
+            offset += got
+            while views and got >= len(views[0]):  # drop the buffers filled, resume inside a partial one
+                got -= len(views[0])
+                views.pop(0)
+            if got:
+                views[0] = views[0][got:]
 
     def close(self) -> None:
         if self._fd is not None:
