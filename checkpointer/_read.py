@@ -40,11 +40,12 @@ from ._storage import Storage, ts_context
 if TYPE_CHECKING:
     import tensorstore as ts
 
-_MAX_RUN_BYTES = 16 << 20  # one read covers at most this many bytes of adjacent inner chunks
-# A read straight into the destination covers at most this many bytes (so the crc32c
-# check that follows finds them in the CPU cache) and this many inner chunks (two
+# One read covers at most this many bytes of adjacent inner chunks (and at most the
+# reader's `run_bytes`: 1 MiB for local files, so its crc32c check and copy find the
+# bytes in the CPU cache).
+_MAX_RUN_BYTES = 16 << 20
+# A read straight into the destination covers at most this many inner chunks (two
 # buffers each in one preadv; Linux takes at most 1024).
-_DIRECT_RUN_BYTES = 1 << 20
 _DIRECT_RUN_INNER_CHUNKS = 256
 
 
@@ -115,6 +116,10 @@ class _ChunkFile:
 
     def size(self) -> int | None:
         return self._reader.size()
+
+    @property
+    def run_bytes(self) -> int:
+        return self._reader.run_bytes
 
     def read(self, offset: int, n: int) -> memoryview:
         """`n` bytes from `offset`: a view of a per-thread scratch buffer that is valid
@@ -214,8 +219,9 @@ def read_chunk_into(
         # either read straight into `out` (every inner chunk a contiguous part of it) or
         # through the scratch buffer.
         runs: list[list[tuple[int, int, tuple, memoryview | None]]] = []
-        per_run = max(1, _MAX_RUN_BYTES // step)
-        per_direct_run = max(1, min(_DIRECT_RUN_BYTES // step, _DIRECT_RUN_INNER_CHUNKS))
+        run_bytes = min(_MAX_RUN_BYTES, f.run_bytes)
+        per_run = max(1, run_bytes // step)
+        per_direct_run = max(1, min(run_bytes // step, _DIRECT_RUN_INNER_CHUNKS))
         for item in wanted:
             if (runs and runs[-1][-1][0] + step == item[0] and (runs[-1][-1][3] is None) == (item[3] is None)
                     and len(runs[-1]) < (per_run if item[3] is None else per_direct_run)):
