@@ -7,7 +7,9 @@ huge page is therefore an anonymous mapping aligned to 2 MiB and advised
 `MADV_HUGEPAGE`, so transparent huge pages back it whole: one fault per 2 MiB instead of
 512 (numpy's own allocations get the advice too, but their unaligned head and tail stay
 in 4 KiB pages). Buffers are 64-byte aligned at least, so XLA's CPU client adopts them
-without a copy (`jax.device_put`).
+without a copy (`jax.device_put`). Each such buffer is one mapping (up to three kernel
+VMAs, the advised middle split from its ends); if the process runs out of mappings, the
+buffer falls back to malloc (numpy).
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap.mmap, "madvise"):
         return aligned_empty(shape, dtype)
-    m = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # e.g. the process's map count (vm.max_map_count) is exhausted: malloc still works
+        return aligned_empty(shape, dtype)
     raw = np.frombuffer(m, np.uint8)  # keeps the mapping alive as long as any view of it
     offset = (-raw.ctypes.data) % HUGE_PAGE_BYTES
     try:
