@@ -258,7 +258,9 @@ def direct_destination(out: np.ndarray, inner_chunk_shape: tuple[int, ...], span
       inner_chunk_shape: the leaf's inner chunk shape, elements.
       spans: per dimension `(source start, destination start, length)`, as `ChunkRead.spans`.
     """
-    if not out.flags.c_contiguous or any(src != 0 or n != inner for (src, _, n), inner in zip(spans, inner_chunk_shape)):
+    if not out.flags.c_contiguous or out.dtype.byteorder == ">":  # stored bytes are little-endian
+        return None
+    if any(src != 0 or n != inner for (src, _, n), inner in zip(spans, inner_chunk_shape)):
         return None
     # Contiguous: after the first dimension of length > 1, every dimension is whole in `out`.
     k = len(spans) - 1

@@ -89,6 +89,8 @@ def test_direct_destination_is_the_contiguous_bytes_of_a_whole_inner_chunk():
     # a cut inner chunk (source does not start at 0, or is shorter than the inner chunk)
     assert _read.direct_destination(out, (2, 6), ((1, 0, 1), (0, 0, 6))) is None
     assert _read.direct_destination(out, (4, 6), ((0, 0, 2), (0, 0, 6))) is None
+    # a big-endian destination (the stored bytes are little-endian: they need a conversion)
+    assert _read.direct_destination(np.empty((8, 6), ">f4"), (2, 6), ((0, 2, 2), (0, 0, 6))) is None
     # a destination that is not C-contiguous
     assert _read.direct_destination(out.T, (3, 8), ((0, 0, 3), (0, 0, 8))) is None
 
