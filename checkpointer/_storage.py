@@ -57,6 +57,7 @@ def __getattr__(name: str) -> object:
         return ts_context()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 # Buffers one preadv() takes at most (Linux's IOV_MAX).
 _IOV_MAX = 1024
 
@@ -230,7 +231,7 @@ class _LocalReader(Reader):
             done += got
 
     def read_into_buffers(self, offset: int, buffers: list[memoryview]) -> None:
-        fd, views = self._open_fd(), [memoryview(b).cast("B") for b in buffers]
+        fd, views = self._open_fd(), [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
         while views:
             got = os.preadv(fd, views[:_IOV_MAX], offset)
             if got == 0:

@@ -180,3 +180,20 @@ def test_scatter_reads_through_a_kvstore_give_the_same_values(rows_layout, monke
     for k, v in host.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v)
     assert calls
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_scatter_read_fills_every_buffer_in_order_past_iov_max_and_raises_at_eof(tmp_path, where):
+    from checkpointer._storage import storage_for
+
+    data = bytes(range(256)) * 40  # 10240 bytes
+    location = str(tmp_path / "f") if where == "local" else "memory://fresh_restore_scatter_unit/f"
+    storage, location = storage_for(location)
+    storage.write_file(location, data)
+    sizes = [3, 0, 5] * 600  # 1800 buffers (more than one preadv takes), 4800 bytes
+    bufs = [bytearray(n) for n in sizes]
+    with storage.open_reader(location) as reader:
+        reader.read_into_buffers(100, [memoryview(b) for b in bufs])
+        assert b"".join(bufs) == data[100 : 100 + sum(sizes)]
+        with pytest.raises(EOFError):
+            reader.read_into_buffers(len(data) - 4, [memoryview(bytearray(3)), memoryview(bytearray(3))])
