@@ -22,7 +22,9 @@ restores, until jax.block_until_ready:
   orbax         CheckpointManager(path).restore(0, args=StandardRestore(target)).
 The child reports wall time and its user and system CPU seconds and minor page faults over the
 timed part (getrusage). A warm-up round, not counted, checks that every restore returns the
-saved values (per-leaf sums against the parent's). Page cache warm (it cannot be dropped here).
+saved values (per-leaf sums against the parent's) and fills the children's bytecode cache (a
+folder of the run, PYTHONPYCACHEPREFIX), so the library imports from .pyc files as an installed
+one does. Page cache warm (it cannot be dropped here).
 
 Run:  .venv/bin/python benchmarks/fresh_restore_bench.py [--runs 5] [--quick] [--dir /tmp]
       Prints a markdown table and replaces the fresh_restore_bench section of
@@ -115,8 +117,13 @@ def child(spec: dict) -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def run_child(spec: dict) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=os.environ.copy())
+def run_child(spec: dict, pycache: str) -> dict:
+    # Bytecode caches on, in a folder of this run (the warm-up round fills it): an installed
+    # library imports from its .pyc files, as jax and orbax do here from site-packages; with
+    # PYTHONDONTWRITEBYTECODE=1 an editable checkout would compile its modules in every child.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = pycache
+    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -146,7 +153,7 @@ def report(C, args, res, logical, wall_s, load) -> str:
             f"logical bytes {logical / 2**20:.0f} MiB. Every measurement in a fresh Python process: jax imported and "
             "the target built before the timer; the timer covers `import checkpointer` / `import orbax.checkpoint` "
             "and the restore until block_until_ready (the plain read: listing and reading arrays/ into a new buffer). "
-            "Order of the three rotated per run, 1 warm-up round that checks the values. user/sys: CPU seconds of the "
+            "Order of the three rotated per run, 1 warm-up round that checks the values and fills the bytecode cache. user/sys: CPU seconds of the "
             "child over the timed part; faults: its minor page faults (median).")
     return "\n".join([C.header_lines("Fresh-process restore (`benchmarks/fresh_restore_bench.py`)", args, wall_s, load), desc, "",
                       C.table(["target", "method", "time", "GB/s", "user", "sys", "faults"], rows), "",
@@ -187,7 +194,7 @@ def main() -> None:
                 k = run % len(METHODS)
                 for name in METHODS[k:] + METHODS[:k]:
                     spec = {"method": name, "target": t, "shapes": shapes, "ckpt": cpath, "orbax": opath, "check": run < 0}
-                    r = run_child(spec)
+                    r = run_child(spec, f"{root}/pycache")
                     if run < 0 and name != "plain read":
                         if r["sums"] != sums:
                             raise SystemExit(f"{name} restored wrong values onto {t}: {r['sums']} != {sums}")

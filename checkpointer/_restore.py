@@ -16,12 +16,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _format, _gc, _pack, _read, _restore_agreement
@@ -39,6 +38,9 @@ from ._restore_plan import BoxRead, LeafRestorePlan, RestorePlan, build_plan, ch
 from ._storage import Storage, storage_for
 from ._targets import LeafTarget, ResolvedTarget, resolve_tree
 from ._tree import PyTree, rebuild
+
+if TYPE_CHECKING:
+    import tensorstore as ts
 
 log = logging.getLogger("checkpointer")
 

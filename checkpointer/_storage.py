@@ -23,15 +23,43 @@ import fcntl
 import os
 import shutil
 import stat
-
-import tensorstore as ts
+import threading
+from typing import TYPE_CHECKING
 
 from ._commit import CommitStrategy, MarkerCommit, RenameCommit
 from ._errors import CheckpointError
 
-# One TensorStore context for the whole process, so that `memory://` locations opened
-# twice see the same bytes and cache/concurrency limits are shared.
-TS_CONTEXT = ts.Context()
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+    TS_CONTEXT: ts.Context  # see `ts_context`
+
+_TS_LOCK = threading.Lock()
+_ts_context: list[ts.Context] = []
+
+
+def ts_context() -> ts.Context:
+    """The one TensorStore context of the process, so that `memory://` locations opened
+    twice see the same bytes and cache/concurrency limits are shared. Made on first use:
+    tensorstore is imported only when a kvstore or a zarr array is opened (a restore of
+    local files never needs it)."""
+    with _TS_LOCK:
+        if not _ts_context:
+            import tensorstore as ts
+
+            _ts_context.append(ts.Context())
+        return _ts_context[0]
+
+
+def __getattr__(name: str) -> object:
+    """`TS_CONTEXT` (the name importers use) is `ts_context()`."""
+    if name == "TS_CONTEXT":
+        return ts_context()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# Buffers one preadv() takes at most (Linux's IOV_MAX).
+_IOV_MAX = 1024
 
 # Longest holder note a lock file carries (`pid 123 on host`), bytes.
 _HOLDER_NOTE_BYTES = 200
@@ -123,7 +151,15 @@ class Reader(abc.ABC):
     """Byte-range reads of one file, opened once (a zarr shard file, typically).
 
     A context manager; `close` is idempotent.
+
+    Attributes:
+      run_bytes: how many bytes of adjacent inner chunks one read should cover at most:
+        large where each read is a request (object stores), small (about an L2 cache)
+        where a read is a system call, so the bytes are checked and copied while they
+        are still in the CPU cache.
     """
+
+    run_bytes: int = 16 << 20
 
     @abc.abstractmethod
     def size(self) -> int | None:
@@ -137,6 +173,19 @@ class Reader(abc.ABC):
           EOFError: the file ends before `offset + len(buffer)`.
           OSError: the read failed.
         """
+
+    def read_into_buffers(self, offset: int, buffers: list[memoryview]) -> None:
+        """Fills `buffers` (writable byte views) one after another from the consecutive
+        bytes starting at `offset`: a scatter read (one `preadv` for local files, so the
+        bytes land in their destinations without a copy; here: one read, then copies).
+        Raises as `read_into`."""
+        views = [memoryview(b).cast("B") for b in buffers]
+        data = bytearray(sum(len(v) for v in views))
+        self.read_into(offset, data)
+        start = 0
+        for v in views:
+            v[:] = memoryview(data)[start : start + len(v)]
+            start += len(v)
 
     def read(self, offset: int, n: int) -> bytes:
         """`n` bytes from byte `offset`. Raises as `read_into`."""
@@ -157,6 +206,10 @@ class Reader(abc.ABC):
 class _LocalReader(Reader):
     """`os.preadv` on one open file descriptor, straight into the caller's buffer."""
 
+    # 1 GiB fresh restore (2 cores): 16 MiB runs cost ~100 ms more CPU in the kernel's
+    # copy and the crc32c check than 1 MiB runs (docs/DESIGN-decisions.md, issue 15).
+    run_bytes = 1 << 20
+
     def __init__(self, path: str):
         self._fd: int | None = os.open(path, os.O_RDONLY)
 
@@ -176,6 +229,19 @@ class _LocalReader(Reader):
             if got == 0:
                 raise EOFError(f"short read: {done} of {n} bytes at offset {offset}")
             done += got
+
+    def read_into_buffers(self, offset: int, buffers: list[memoryview]) -> None:
+        fd, views = self._open_fd(), [v for v in (memoryview(b).cast("B") for b in buffers) if len(v)]
+        while views:
+            got = os.preadv(fd, views[:_IOV_MAX], offset)
+            if got == 0:
+                raise EOFError(f"short read: {sum(len(v) for v in views)} bytes missing at offset {offset}")
+            offset += got
+            while views and got >= len(views[0]):  # drop the buffers filled, resume inside a partial one
+                got -= len(views[0])
+                views.pop(0)
+            if got:
+                views[0] = views[0][got:]
 
     def close(self) -> None:
         if self._fd is not None:
@@ -431,9 +497,10 @@ class KvStorage(Storage):
     """Any TensorStore kvstore URL. No rename: the commit marker alone publishes a save."""
 
     def __init__(self, scheme_root: str, spec: str | dict | None = None):
+        import tensorstore as ts  # lazily: see `ts_context`
         self._root = scheme_root  # e.g. "memory://", "s3://bucket/"
         self._spec = spec  # a JSON spec replaces the URL (it may carry context resources)
-        self._kv = ts.KvStore.open(scheme_root if spec is None else spec, context=TS_CONTEXT).result()
+        self._kv = ts.KvStore.open(scheme_root if spec is None else spec, context=ts_context()).result()
 
     def _key(self, path: str) -> str:
         if not path.startswith(self._root):
@@ -487,6 +554,7 @@ class KvStorage(Storage):
         return bool(self.list_files(path))
 
     def list_dir(self, path: str) -> list[str]:
+        import tensorstore as ts  # lazily: see `ts_context`
         prefix = self._key(path).rstrip("/")
         prefix = prefix + "/" if prefix else ""
         key_range = ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()
@@ -495,15 +563,18 @@ class KvStorage(Storage):
         return sorted(n for n in names if n)
 
     def list_files(self, path: str) -> list[str]:
+        import tensorstore as ts  # lazily: see `ts_context`
         prefix = self._key(path).rstrip("/")
         prefix = prefix + "/" if prefix else ""
         key_range = ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()
         return sorted(k.decode()[len(prefix) :] for k in self._kv.list(key_range).result())
 
     def delete_file(self, path: str) -> None:
+        import tensorstore as ts  # lazily: see `ts_context`
         self._kv.delete_range(ts.KvStore.KeyRange(self._key(path), self._key(path) + "\x00")).result()
 
     def delete_tree(self, path: str) -> None:
+        import tensorstore as ts  # lazily: see `ts_context`
         prefix = self._key(path).rstrip("/") + "/"
         self._kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
 

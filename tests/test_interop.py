@@ -295,6 +295,7 @@ _MEASURE = textwrap.dedent("""
     import psutil
     import checkpointer as ckpt
     import safetensors, zarr  # everything the call imports, before the baseline
+    ckpt.import_orbax, ckpt.export  # the library's lazy names load their modules (and jax, tensorstore)
     kind, src, dst = sys.argv[1:4]
     base = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
