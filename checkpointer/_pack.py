@@ -43,7 +43,6 @@ from typing import Any
 import crc32c
 import jax
 import numpy as np
-import tensorstore as ts
 from jax.sharding import NamedSharding
 
 from . import _format
@@ -52,7 +51,7 @@ from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, is_whole_byte_dtype
 from ._metadata import ChunkRecord, PackedBoxRecord, PackRecord
 from ._restore_plan import BoxRead, LeafRestorePlan, PackRun, coalesce_packed, plan_leaf
-from ._storage import TS_CONTEXT, Storage
+from ._storage import Storage, ts_context
 
 PACKED = "packed"
 DEFAULT_PACK_BYTES = 256 << 10
@@ -176,7 +175,9 @@ class PackWriter:
             "create": True,
             "store_data_equal_to_fill_value": True,
         }
-        store = ts.open(spec, context=TS_CONTEXT).result()
+        import tensorstore as ts  # lazily: a restore of local files never needs it
+
+        store = ts.open(spec, context=ts_context()).result()
         future = store.write(buf)
         chunk = ChunkRecord(
             key=record.key, box=Box((0,), (nbytes,)), file_bytes=record.file_bytes, data_bytes=nbytes,
