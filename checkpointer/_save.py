@@ -32,10 +32,11 @@ import tensorstore as ts
 
 from . import _agreement, _catalog, _distributed, _format, _gc, _pack, _ratelimit
 from ._box import Box
+from ._buffer_pool import HostBufferPool
 from ._directory import SAVE_LOCK_SUFFIX
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
-from ._host import HostBufferPool, copy_to_host
+from ._host import copy_to_host
 from ._metadata import ChunkRecord, PackRecord, ProcessRecord, manifest_json
 from ._save_plan import ChunkWrite, LeafAssignment, LeafShards, LeafWritePlan, ShardInfo, plan_writes
 from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
