@@ -11,6 +11,10 @@ Rules (every pool):
   removes it from the pool, `give_back` returns it once that snapshot's bytes are
   durable. Two saves in flight therefore never share a buffer; the second one gets
   fresh buffers while the first one's are in use.
+- A buffer given back while something else still references it (TensorStore keeps a
+  reference to a write's source until the write is done, `write_snapshot` writes with
+  `can_reference_source_data_indefinitely=True`) is dropped, not pooled: the next
+  snapshot must never overwrite bytes someone may still read.
 - The free buffers are bounded by the largest snapshot taken from the pool
   (`note_snapshot`): buffers given back beyond that are dropped, least recently given
   back first, so a pool holds at most one snapshot's worth of idle memory.
@@ -19,6 +23,7 @@ Rules (every pool):
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from collections.abc import Sequence
 
@@ -80,6 +85,8 @@ class HostBufferPool:
         least recently given back free buffers beyond the bound."""
         with self._lock:
             for a in arrays:
+                if sys.getrefcount(a) > _UNSHARED_REFS:  # still referenced elsewhere: not ours to reuse
+                    continue
                 key = (a.shape, a.dtype)
                 self._free.setdefault(key, {})[id(a)] = a
                 self._order[id(a)] = key
@@ -102,6 +109,15 @@ class HostBufferPool:
             self._max_free_bytes = 0
             return dropped
 
+
+def _refs_in_give_back(arrays: Sequence[np.ndarray]) -> int:
+    for a in arrays:  # the same loop as `give_back`'s: the list, `a`, getrefcount's argument
+        return sys.getrefcount(a)
+    return 0
+
+
+# References `give_back` sees for a buffer that only the caller's list holds.
+_UNSHARED_REFS = _refs_in_give_back([np.empty(1)])
 
 _SHARED = HostBufferPool()
 
