@@ -28,12 +28,18 @@ untimed afterwards. Training time lost per checkpoint = (loop time − the same 
 baseline loop time) / C; the table gives the median (min–max) over runs. One warm-up round
 (compilation, first saves, buffer pools) is not counted.
 
+Besides wall time, each loop records CPU seconds (getrusage; XLA's `tf_XLA*` threads apart,
+from /proc/self/task) and page faults: per checkpoint, the saving threads' CPU is what a
+checkpoint takes from the cores the training step uses, steadier than wall time when
+other jobs share the machine.
+
 Run:  .venv/bin/python benchmarks/train_loss_bench.py [--runs 5] [--quick] [--dir /tmp]
       [--every 10] [--checkpoints 3]   (or `make bench`). Replaces the train_loss_bench
       section of benchmarks/RESULTS.md (--quick: 1/8 of the state, 1 run, RESULTS.md untouched).
 """
 
 import os
+import resource
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
@@ -79,6 +85,26 @@ def _train_step(state, x):
     loss, grads = jax.value_and_grad(_loss)(state["params"], x)
     updates, opt = TX.update(grads, state["opt"], state["params"])
     return {"params": optax.apply_updates(state["params"], updates), "opt": opt, "step": state["step"] + 1}, loss
+
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+def _xla_thread_cpu_s() -> float:
+    """User + system CPU seconds of XLA's CPU threads (`tf_XLA*`: the training step's work,
+    spin-waits included) from /proc/self/task; they live as long as the process."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if not f.read().startswith("tf_XLA"):
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / _TICKS_PER_S
 
 
 class Trainer:
@@ -205,6 +231,7 @@ def main() -> None:
             k = run % len(names)
             for name in names[k:] + names[:k]:
                 saver = savers[name]
+                ru0, xla0 = resource.getrusage(resource.RUSAGE_SELF), _xla_thread_cpu_s()
                 state, loop_s, blocked = _loop(trainer, state, every, checkpoints,
                                                saver.save if saver is not None else None, step)
                 step += every * checkpoints
@@ -214,10 +241,17 @@ def main() -> None:
                     tail_s = time.perf_counter() - f0
                 else:
                     tail_s = 0.0
+                ru1, xla1 = resource.getrusage(resource.RUSAGE_SELF), _xla_thread_cpu_s()
+                xla_s = xla1 - xla0
+                other_s = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime) - xla_s
+                faults = ru1.ru_minflt - ru0.ru_minflt
                 if run >= 0:
-                    results[name].append({"loop": loop_s, "blocked": blocked, "tail": tail_s})
+                    results[name].append({"loop": loop_s, "blocked": blocked, "tail": tail_s, "other_cpu": other_s,
+                                          "xla_cpu": xla_s, "faults": faults})
                 print(f"  run {run if run >= 0 else 'warm-up'}: {name:32s} loop {loop_s:.3f} s, saves blocked "
-                      f"{sum(blocked):.3f} s, after the loop {tail_s:.3f} s", flush=True)
+                      f"{sum(blocked):.3f} s, after the loop {tail_s:.3f} s, CPU: XLA threads {xla_s:.2f} s, "
+                      f"other threads {other_s:.2f} s ({ru1.ru_stime - ru0.ru_stime:.2f} s system in all), "
+                      f"{faults} page faults", flush=True)
         timeline = _manager_timeline(savers[CM])
     finally:
         for saver in savers.values():
@@ -247,14 +281,27 @@ def report(args, results, nbytes, every, checkpoints, wall_s, load, timeline) ->
     gib = nbytes / 2**30
     base = [r["loop"] for r in results[BASE]]
     lost = {name: [(r["loop"] - b) / checkpoints for r, b in zip(results[name], base)] for name in (CM, CK, OB)}
-    rows = [[BASE, C.fmt(base), "—", "—", "—", f"{statistics.median(base) / (every * checkpoints):.3f} s"]]
+    base_other = [r["other_cpu"] for r in results[BASE]]
+    base_xla = [r["xla_cpu"] for r in results[BASE]]
+    base_faults = [r["faults"] for r in results[BASE]]
+    rows = [[BASE, C.fmt(base), "—", "—", "—", f"{statistics.median(base) / (every * checkpoints):.3f} s",
+             f"{statistics.median(base_other):.2f} s (loop)", f"{statistics.median(base_xla):.2f} s (loop)",
+             f"{statistics.median(base_faults):.0f} (loop)"]]
+
+    def per_ckpt(name, key, base_values):
+        return [(r[key] - b) / checkpoints for r, b in zip(results[name], base_values)]
+
     for name in (CM, CK, OB):
         blocked = [statistics.median(r["blocked"]) for r in results[name]]
         loops = [r["loop"] for r in results[name]]
         rows.append([name, C.fmt(loops), C.fmt(blocked), C.fmt(lost[name]),
-                     f"{statistics.median(lost[name]) / gib:.3f} s/GiB", "—"])
+                     f"{statistics.median(lost[name]) / gib:.3f} s/GiB", "—",
+                     C.fmt(per_ckpt(name, "other_cpu", base_other), digits=2),
+                     C.fmt(per_ckpt(name, "xla_cpu", base_xla), digits=2),
+                     f"{statistics.median(per_ckpt(name, 'faults', base_faults)):.0f}"])
     main = C.table(["", "loop time", "save() call (per save)", "training time lost per checkpoint",
-                    "lost per GiB of state", "step time"], rows)
+                    "lost per GiB of state", "step time", "CPU per checkpoint, saving threads",
+                    "CPU per checkpoint, XLA threads", "page faults per checkpoint"], rows)
     ob = statistics.median(lost[OB])
     target_rows = []
     for name, short in ((CM, "manager"), (CK, "save_async")):
@@ -273,7 +320,13 @@ def report(args, results, nbytes, every, checkpoints, wall_s, load, timeline) ->
             "the same run's loop without checkpoints) / "
             f"{checkpoints}. Methods rotated per run, 1 warm-up round. The save() call's time includes waiting for "
             "the training steps dispatched before it (JAX dispatches asynchronously; the snapshot needs their "
-            "result) and, when the previous save is still in flight, for that save: the loop time is the figure.")
+            "result) and, when the previous save is still in flight, for that save: the loop time is the figure. "
+            "CPU and page faults per checkpoint: user + system CPU seconds (getrusage, and /proc/self/task for "
+            "XLA's `tf_XLA*` threads) and minor page faults over the loop and the last save's remaining work, "
+            "minus the same run's loop without checkpoints, / the checkpoints. Saving threads: every thread but "
+            "XLA's (the saves' snapshot copies, TensorStore's or orbax's writers, Python): what a checkpoint "
+            "takes from the 2 cores the training step uses, steadier than wall time on a shared machine. XLA "
+            "threads: extra CPU of the training step's threads (spin-waits when they are slowed down).")
     return "\n".join([C.header_lines("Training time lost per checkpoint (`benchmarks/train_loss_bench.py`)", args,
                                      wall_s, load), desc, "", main, "", targets, "",
                       f"The manager's last saves, from `checkpointer timeline`: {timeline}."])

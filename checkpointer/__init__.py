@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from ._api import save, save_async
     from ._async import AsyncSave
     from ._box import Box
+    from ._buffer_pool import release_host_buffers
     from ._drill import DrillReport
     from ._export import ExportReport, export
     from ._format import ArrayMetadata, SavedSharding, ValueMetadata
@@ -60,6 +61,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
 # public name -> the private module that defines it (loaded on first access)
 _LAZY: dict[str, str] = {
     "save": "_api", "save_async": "_api", "AsyncSave": "_async", "Box": "_box", "DrillReport": "_drill",
+    "release_host_buffers": "_buffer_pool",
     "ExportReport": "_export", "export": "_export",
     "ArrayMetadata": "_format", "SavedSharding": "_format", "ValueMetadata": "_format",
     "CheckpointManager": "_manager", "ManagerStatus": "_manager",
@@ -89,6 +91,10 @@ def _module(name: str) -> ModuleType:
         from . import _box
 
         return _box
+    if name == "_buffer_pool":
+        from . import _buffer_pool
+
+        return _buffer_pool
     if name == "_drill":
         from . import _drill
 
@@ -172,7 +178,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "save", "save_async", "restore", "metadata", "per_process_state", "plan_restore", "plan_save", "RestoreStats", "verify",
-    "VerifyReport", "import_orbax", "export", "ExportReport", "timeline",
+    "VerifyReport", "import_orbax", "export", "ExportReport", "timeline", "release_host_buffers",
     "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
     "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
     "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from . import _agreement, _distributed, _ratelimit
 from ._async import AsyncSave
+from ._buffer_pool import shared_pool
 from ._save import save_sync, take_snapshot
 
 
@@ -84,7 +85,10 @@ def save_async(
     """Like `save`, but returns once the host snapshot is taken.
 
     The arrays may be donated, deleted or overwritten as soon as this returns; the
-    write, fsync, per-process record and commit run on a background thread.
+    write, fsync, per-process record and commit run on a background thread. The host
+    copies go into buffers that the next `save_async` reuses (no page faults of fresh
+    memory): the process keeps up to one snapshot's worth of them (the largest so far)
+    until `ckpt.release_host_buffers()`.
 
     Returns:
       An `AsyncSave`: `.wait(timeout=None)` returns when committed and raises the
@@ -99,7 +103,7 @@ def save_async(
     snap = take_snapshot(
         path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s,
         agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
-        pack_small_leaves_bytes=pack_small_leaves_bytes,
+        pack_small_leaves_bytes=pack_small_leaves_bytes, buffers=shared_pool(),
     )
     snap.write_limiter = limiter
     return AsyncSave(snap)

@@ -5,8 +5,9 @@ A snapshot must be a real copy (DESIGN.md commit protocol, step 1): on the CPU b
 reuse while the background thread still writes it. The copy is made as fast as the
 machine allows: every device-to-host transfer is started before any is waited on,
 large shards are split into row blocks copied on all cores, and a `HostBufferPool`
-lets a manager reuse the previous snapshot's buffers, which avoids the page faults of
-fresh memory (a warm copy runs at about twice the speed of a cold one here).
+(`_buffer_pool`) lets a manager or `save_async` reuse the previous snapshot's buffers,
+which avoids the page faults of fresh memory (a warm copy runs at about twice the speed
+of a cold one here).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
-import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:
+    from ._buffer_pool import HostBufferPool
 
 _COPY_THREADS = max(2, os.cpu_count() or 2)
 _BLOCK_BYTES = 8 << 20  # large shards are copied in row blocks of about this size
@@ -44,32 +48,6 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
-class HostBufferPool:
-    """Free host buffers by (shape, dtype), reused by the next snapshot.
-
-    Holds at most the buffers given back to it (one snapshot's worth when one save is
-    in flight at a time). Thread-safe.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: dict[tuple, list[np.ndarray]] = {}
-
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A buffer of `shape` and `dtype`: a free one if any, else a new aligned one."""
-        with self._lock:
-            free = self._free.get((tuple(shape), np.dtype(dtype)))
-            if free:
-                return free.pop()
-        return aligned_empty(tuple(shape), np.dtype(dtype))
-
-    def give_back(self, arrays: Sequence[np.ndarray]) -> None:
-        """Returns buffers whose contents are no longer needed."""
-        with self._lock:
-            for a in arrays:
-                self._free.setdefault((a.shape, a.dtype), []).append(a)
-
-
 def _blocks(n_rows: int, row_bytes: int) -> list[slice]:
     rows = max(1, _BLOCK_BYTES // max(1, row_bytes))
     return [slice(i, min(n_rows, i + rows)) for i in range(0, n_rows, rows)]
@@ -87,6 +65,8 @@ def copy_to_host(datas: Sequence[jax.Array | np.ndarray], pool: HostBufferPool |
     for d in datas:
         if isinstance(d, jax.Array):
             d.copy_to_host_async()
+    if pool is not None:  # bounds the pool's idle memory by the largest snapshot
+        pool.note_snapshot(sum(np.dtype(d.dtype).itemsize * int(np.prod(d.shape)) for d in datas))
     outs: list[np.ndarray] = []
     tasks: list[tuple[np.ndarray, np.ndarray]] = []
     for d in datas:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from . import _agreement, _catalog, _directory, _distributed, _pack, _ratelimit, _tier_manager, _timeline
 from ._async import AsyncSave
+from ._buffer_pool import HostBufferPool
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
-from ._host import HostBufferPool
 from ._metadata import read_metadata
 from ._policies import KeepLatest, KeepPolicy
 from ._read import RestoreStats

@@ -32,10 +32,11 @@ import tensorstore as ts
 
 from . import _agreement, _catalog, _distributed, _format, _gc, _pack, _ratelimit
 from ._box import Box
+from ._buffer_pool import HostBufferPool
 from ._directory import SAVE_LOCK_SUFFIX
 from ._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementError, SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
-from ._host import HostBufferPool, copy_to_host
+from ._host import copy_to_host
 from ._metadata import ChunkRecord, PackRecord, ProcessRecord, manifest_json
 from ._save_plan import ChunkWrite, LeafAssignment, LeafShards, LeafWritePlan, ShardInfo, plan_writes
 from ._storage import TS_CONTEXT, FileLock, Storage, storage_for
@@ -519,7 +520,11 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
                 raise SaveError(f"{where(leaf=leaf.meta.path, path=root, process=snap.process_index)}: cannot create the zarr array: {e}") from e
             for w, host in zip(leaf.plan.writes, leaf.host):
                 _ratelimit.acquire(snap.write_limiter, host.nbytes)  # paced per chunk write
-                futures.append((leaf.meta.path, store[w.box.slices()].write(host) if host.size else None))
+                # TensorStore encodes straight from the snapshot instead of copying it into
+                # its cache first: nothing changes `host` before the write is durable, and a
+                # buffer TensorStore still references never returns to a pool (`_buffer_pool`).
+                write = store[w.box.slices()].write(host, can_reference_source_data_indefinitely=True) if host.size else None
+                futures.append((leaf.meta.path, write))
                 chunks.append(chunk_record(leaf.meta, w.chunk_index, w.box, host))
         issued = time.time()  # every chunk write issued; "durable" waits for them all
         for leaf_path, f in futures:

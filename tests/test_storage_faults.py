@@ -90,7 +90,7 @@ class _Store:
         exc = self._exc
 
         class _View:
-            def write(self, data):
+            def write(self, data, **kwargs):
                 return _FailingWrite(exc)
 
         return _View()
