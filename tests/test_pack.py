@@ -265,7 +265,8 @@ def test_a_truncated_pack_is_refused_before_reading(tmp_path):
         ckpt.restore(path, _target(state))
 
 
-@pytest.mark.parametrize("damage", ["offset_past_end", "missing_box", "unknown_leaf", "box_off_grid", "str_shape"])
+@pytest.mark.parametrize("damage", ["offset_past_end", "missing_box", "unknown_leaf", "box_off_grid", "str_shape",
+                                    "empty_box_past_the_leaf"])
 def test_a_damaged_pack_index_in_the_manifest_is_corrupt(tmp_path, damage):
     state = _state(2)
     path = str(tmp_path / "1")
@@ -281,6 +282,11 @@ def test_a_damaged_pack_index_in_the_manifest_is_corrupt(tmp_path, damage):
     elif damage == "box_off_grid":
         b = next(b for b in boxes if b["leaf"] == "mat/0")
         b["box"][0][1] += 1
+    elif damage == "empty_box_past_the_leaf":
+        # An empty box beyond the leaf's end stands in for its last chunk: the count of
+        # boxes is right, 0 bytes have crc32c 0, and verify used to call it ok.
+        b = [b for b in boxes if b["leaf"] == "mat/0"][-1]
+        b["box"], b["data_bytes"], b["data_crc32c"] = [[0, 64], [64, 0]], 0, 0
     else:  # a string where a size belongs must not be multiplied out (str * 2**60)
         b = next(b for b in boxes if b["leaf"] == "mat/0")
         b["box"][1] = ["x" * 8, 2**60]
