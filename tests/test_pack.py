@@ -3,6 +3,7 @@ verify, the planner's byte ranges, the threshold, and the manifest's index check
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +231,21 @@ def test_verify_and_restore_name_a_damaged_packed_leaf(tmp_path):
     # Leaves in other parts of the pack still restore alone.
     out = ckpt.restore(path, {"vec": {"0": _target(state)["vec"]["0"]}}, partial=True)
     np.testing.assert_array_equal(np.asarray(out["vec"]["0"]), np.asarray(state["vec"]["0"]))
+
+
+@pytest.mark.parametrize("lost", ["chunk_file", "whole_array"])
+def test_verify_names_every_leaf_a_missing_pack_loses(tmp_path, lost):
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    os.remove(f"{path}/packed/process-0/c/0") if lost == "chunk_file" else shutil.rmtree(f"{path}/packed/process-0")
+    report = ckpt.verify(path)
+    assert not report.ok
+    packed = [leaf for leaf, m in ckpt.metadata(path).arrays.items() if m.packed]
+    assert len(packed) == 7  # vec/0, vec/1, mat/0, mat/1, bf, ids, key
+    for leaf in packed:
+        assert any(f"leaf {leaf!r}" in p and "packed/process-0/c/0" in p for p in report.problems), (leaf, report.problems)
+    assert report.bytes_checked == state["big"].nbytes  # nothing of the pack was checked
 
 
 @pytest.mark.parametrize("how", ["renamed", "removed"])
