@@ -281,6 +281,20 @@ def test_a_truncated_pack_is_refused_before_reading(tmp_path):
         ckpt.restore(path, _target(state))
 
 
+def test_a_pack_that_cannot_be_read_names_the_leaves_in_the_read(tmp_path, monkeypatch):
+    """On storage without a cheap size check (object stores) a truncated pack fails at
+    its read: the error names the leaf, not only the pack file."""
+    from checkpointer import _storage
+
+    path = str(tmp_path / "1")
+    ckpt.save(path, {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
+    with open(f"{path}/packed/process-0/c/0", "r+b") as f:
+        f.truncate(100)
+    monkeypatch.setattr(_storage.LocalStorage, "cheap_size", False)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'a' in .*1: pack file packed/process-0/c/0, bytes 0..512, cannot be read"):
+        ckpt.restore(path, {"a": None}, partial=True)
+
+
 @pytest.mark.parametrize("damage", ["offset_past_end", "missing_box", "unknown_leaf", "box_off_grid", "str_shape",
                                     "empty_box_past_the_leaf"])
 def test_a_damaged_pack_index_in_the_manifest_is_corrupt(tmp_path, damage):
