@@ -559,7 +559,7 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
             ok = ok and len(box.origin) == len(box.shape) == len(m.shape) and offset + nbytes <= file_bytes - 4
             size = m.dtype.itemsize
             for o, s, c, n in zip(box.origin, box.shape, m.chunk_shape, m.shape):
-                ok = ok and type(o) is int and type(s) is int and o >= 0 and o % c == 0 and s == min(c, n - o)
+                ok = ok and type(o) is int and type(s) is int and 0 <= o < n and o % c == 0 and s == min(c, n - o)
                 size = size * s if ok else -1  # never `*=` a str or list from a hostile manifest
             _require(ok and nbytes == size, f"{loc} box {j} of leaf {leaf!r} does not fit the leaf's chunk grid or the pack's size", where)
             found.setdefault(leaf, []).append(_format.PackedBox(key, file_bytes, box, offset, nbytes, crc))

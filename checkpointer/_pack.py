@@ -256,7 +256,6 @@ def read_runs(storage: Storage, path: str, runs: Sequence[PackRun], stats: Any) 
     readers: dict[str, Any] = {}
     try:
         for run in runs:
-            what = f"pack file {run.key} of {path}"
             try:
                 reader = readers.get(run.key)
                 if reader is None:
@@ -264,7 +263,12 @@ def read_runs(storage: Storage, path: str, runs: Sequence[PackRun], stats: Any) 
                 buf = np.empty(run.nbytes, np.uint8)
                 reader.read_into(run.offset, buf.data)
             except (OSError, EOFError) as e:
-                raise CorruptCheckpointError(f"{what} cannot be read: {e}. Run `checkpointer verify {path}`.") from e
+                leaves = list(dict.fromkeys(leaf for *_, leaf in run.boxes))
+                others = f" (and {len(leaves) - 1} other leaves packed next to it)" if len(leaves) > 1 else ""
+                raise CorruptCheckpointError(
+                    f"{where(leaf=leaves[0], path=path)}: pack file {run.key}, bytes {run.offset}..{run.offset + run.nbytes}{others}, "
+                    f"cannot be read: {e}. Run `checkpointer verify {path}`."
+                ) from e
             # Counted as planned: the packed chunks' bytes (`LeafRestorePlan.bytes_read`),
             # not the gaps between them a run reads through.
             stats._add(sum(n for _, n, _, _ in run.boxes), chunk_reads=1)

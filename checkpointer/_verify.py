@@ -142,7 +142,10 @@ def _verify_packs(storage: Storage, path: str, metas: list[ArrayMetadata], recor
             problems.append(f"pack {key}: {str(e).splitlines()[0]}")
             try:
                 raw = memoryview(storage.read_file(f"{path}/{key}"))
-            except OSError:
+            except OSError as read_error:  # nothing of the pack is checkable: every leaf in it is lost
+                for leaf in dict.fromkeys(leaf for leaf, _ in boxes):
+                    problems.append(f"leaf {leaf!r}: its packed chunks in {key} cannot be read "
+                                    f"({read_error.strerror or read_error})")
                 continue
         for leaf, b in boxes:
             if b.offset + b.nbytes > len(raw) or crc32c.crc32c(raw[b.offset : b.offset + b.nbytes]) != b.crc32c:

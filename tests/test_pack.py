@@ -3,6 +3,7 @@ verify, the planner's byte ranges, the threshold, and the manifest's index check
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -232,6 +233,21 @@ def test_verify_and_restore_name_a_damaged_packed_leaf(tmp_path):
     np.testing.assert_array_equal(np.asarray(out["vec"]["0"]), np.asarray(state["vec"]["0"]))
 
 
+@pytest.mark.parametrize("lost", ["chunk_file", "whole_array"])
+def test_verify_names_every_leaf_a_missing_pack_loses(tmp_path, lost):
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    os.remove(f"{path}/packed/process-0/c/0") if lost == "chunk_file" else shutil.rmtree(f"{path}/packed/process-0")
+    report = ckpt.verify(path)
+    assert not report.ok
+    packed = [leaf for leaf, m in ckpt.metadata(path).arrays.items() if m.packed]
+    assert len(packed) == 7  # vec/0, vec/1, mat/0, mat/1, bf, ids, key
+    for leaf in packed:
+        assert any(f"leaf {leaf!r}" in p and "packed/process-0/c/0" in p for p in report.problems), (leaf, report.problems)
+    assert report.bytes_checked == state["big"].nbytes  # nothing of the pack was checked
+
+
 @pytest.mark.parametrize("how", ["renamed", "removed"])
 def test_a_step_deleted_while_its_pack_is_read_is_not_found(tmp_path, monkeypatch, how):
     from checkpointer import _directory, _storage
@@ -265,7 +281,22 @@ def test_a_truncated_pack_is_refused_before_reading(tmp_path):
         ckpt.restore(path, _target(state))
 
 
-@pytest.mark.parametrize("damage", ["offset_past_end", "missing_box", "unknown_leaf", "box_off_grid", "str_shape"])
+def test_a_pack_that_cannot_be_read_names_the_leaves_in_the_read(tmp_path, monkeypatch):
+    """On storage without a cheap size check (object stores) a truncated pack fails at
+    its read: the error names the leaf, not only the pack file."""
+    from checkpointer import _storage
+
+    path = str(tmp_path / "1")
+    ckpt.save(path, {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
+    with open(f"{path}/packed/process-0/c/0", "r+b") as f:
+        f.truncate(100)
+    monkeypatch.setattr(_storage.LocalStorage, "cheap_size", False)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'a' in .*1: pack file packed/process-0/c/0, bytes 0..512, cannot be read"):
+        ckpt.restore(path, {"a": None}, partial=True)
+
+
+@pytest.mark.parametrize("damage", ["offset_past_end", "missing_box", "unknown_leaf", "box_off_grid", "str_shape",
+                                    "empty_box_past_the_leaf"])
 def test_a_damaged_pack_index_in_the_manifest_is_corrupt(tmp_path, damage):
     state = _state(2)
     path = str(tmp_path / "1")
@@ -281,6 +312,11 @@ def test_a_damaged_pack_index_in_the_manifest_is_corrupt(tmp_path, damage):
     elif damage == "box_off_grid":
         b = next(b for b in boxes if b["leaf"] == "mat/0")
         b["box"][0][1] += 1
+    elif damage == "empty_box_past_the_leaf":
+        # An empty box beyond the leaf's end stands in for its last chunk: the count of
+        # boxes is right, 0 bytes have crc32c 0, and verify used to call it ok.
+        b = [b for b in boxes if b["leaf"] == "mat/0"][-1]
+        b["box"], b["data_bytes"], b["data_crc32c"] = [[0, 64], [64, 0]], 0, 0
     else:  # a string where a size belongs must not be multiplied out (str * 2**60)
         b = next(b for b in boxes if b["leaf"] == "mat/0")
         b["box"][1] = ["x" * 8, 2**60]
