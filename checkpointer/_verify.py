@@ -91,6 +91,7 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
         for cell in grid_cells(Box.whole(m.shape), m.chunk_shape):
             work.append((leaf, m, cell))
     n_bytes = 0
+    total = len(work) + sum(len(m.pack_boxes) for m in packed)  # packed chunks count like any other
     stores: dict[str, ts.TensorStore] = {}
     for i, (leaf, m, cell) in enumerate(work):
         key = _format.chunk_key(leaf, cell)
@@ -108,16 +109,18 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
         except Exception as e:  # every failure is a finding, keep going
             problems.append(f"leaf {leaf!r}: chunk {key}: {str(e).splitlines()[0]}")
         if progress is not None:
-            progress(i + 1, len(work))
-    n_packed, packed_bytes = _verify_packs(storage, path, packed, recorded, problems)
+            progress(i + 1, total)
+    n_packed, packed_bytes = _verify_packs(storage, path, packed, recorded, problems, progress, len(work), total)
     return VerifyReport(path, not problems, tuple(problems), len(work) + n_packed, n_bytes + packed_bytes, time.perf_counter() - t0)
 
 
 def _verify_packs(storage: Storage, path: str, metas: list[ArrayMetadata], recorded: dict[str, ChunkRecord],
-                  problems: list[str]) -> tuple[int, int]:
+                  problems: list[str], progress: Callable[[int, int], object] | None = None, done: int = 0,
+                  total: int = 0) -> tuple[int, int]:
     """Checks the packs of small leaves (`_pack`): each pack file decodes through
     TensorStore (its crc32c codec) to the bytes its writer recorded, and every packed
-    chunk's bytes match the manifest's crc32c. Returns (packed chunks, bytes) checked."""
+    chunk's bytes match the manifest's crc32c. Returns (packed chunks, bytes) checked.
+    `progress(done + packed chunks checked so far, total)` is called after each pack."""
     by_key: dict[str, list[tuple[str, PackedBox]]] = {}
     for m in metas:
         for b in m.pack_boxes:
@@ -146,6 +149,8 @@ def _verify_packs(storage: Storage, path: str, metas: list[ArrayMetadata], recor
                 for leaf in dict.fromkeys(leaf for leaf, _ in boxes):
                     problems.append(f"leaf {leaf!r}: its packed chunks in {key} cannot be read "
                                     f"({read_error.strerror or read_error})")
+                if progress is not None:
+                    progress(done + n_chunks, total)
                 continue
         for leaf, b in boxes:
             if b.offset + b.nbytes > len(raw) or crc32c.crc32c(raw[b.offset : b.offset + b.nbytes]) != b.crc32c:
@@ -153,4 +158,6 @@ def _verify_packs(storage: Storage, path: str, metas: list[ArrayMetadata], recor
                                 f"of {key}) does not match its crc32c in the manifest")
             else:
                 n_bytes += b.nbytes
+        if progress is not None:
+            progress(done + n_chunks, total)
     return n_chunks, n_bytes

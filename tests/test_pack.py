@@ -426,3 +426,17 @@ def test_the_write_rate_limit_paces_the_pack_as_one_write(tmp_path, monkeypatch)
     packed = sum(m.nbytes for m in meta.values() if m.packed)
     big_chunks = [m.nbytes // 2 for m in meta.values() if not m.packed]  # "big": two row blocks of P("data")
     assert sorted(calls) == sorted(big_chunks * 2 + [packed])
+
+
+def test_verify_progress_counts_packed_chunks_and_reaches_the_total(tmp_path):
+    """An all-packed checkpoint: the progress callback must move and end at its total,
+    which is the number of chunks the report says it checked."""
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    calls = []
+    report = ckpt.verify(path, progress=lambda done, total: calls.append((done, total)))
+    assert report.ok and calls
+    assert calls[-1] == (report.chunks_checked, report.chunks_checked)
+    assert all(total == calls[-1][1] for _, total in calls)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
