@@ -17,14 +17,23 @@ order rotated from run to run, the loop runs four times:
                    mgr.save(step, state) before each block of K steps.
   checkpointer save_async
                    h = ckpt.save_async(dir/<step>, state); the previous handle is waited
-                   for before the next save (as the manager's max_saves_in_flight=1).
+                   for before the next save (as the manager's max_saves_in_flight=1);
+                   once it is (that save committed), every step but the newest two is
+                   deleted on a background thread (shutil.rmtree), as the managers'
+                   retention does after each commit.
   orbax            one ocp.CheckpointManager(dir, CheckpointManagerOptions(
                    enable_async_checkpointing=True, max_to_keep=2)) kept for the script;
                    mgr.save(step, args=StandardSave(state)).
 
-The loop is timed from its first save to the end of its last training step
-(block_until_ready of the state); the last save's remaining background work is awaited
-untimed afterwards. Training time lost per checkpoint = (loop time − the same run's
+Old steps: all three methods keep the newest two committed steps and delete older ones
+as the loop goes, off the training thread (the checkpointer manager's retention after
+each commit on its save thread, orbax's max_to_keep after each save, the save_async
+saver's background deletion above), so each loop deletes as many steps per method, the
+deletions' CPU lands in the method's own window and no method's page cache grows with
+the loop. The loop is timed from its first save to the end of its last training step
+(block_until_ready of the state); the last save's remaining background work (its
+commit and the deletions after it) is awaited untimed afterwards, inside the CPU
+window. Training time lost per checkpoint = (loop time − the same run's
 baseline loop time) / C; the table gives the median (min–max) over runs. One warm-up round
 (compilation, first saves, buffer pools) is not counted.
 
@@ -43,6 +52,7 @@ import resource
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
+import concurrent.futures  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -166,14 +176,27 @@ class Manager:
 
 
 class SaveAsync:
+    """Plain `save_async` as a user keeping the newest two steps would run it: each save
+    waits for the previous one (committed), then the steps before the newest two are
+    deleted on a background thread, as the managers' retention deletes after each commit."""
+
+    KEEP = 2
+
     def __init__(self, parent):
         self.dir = tempfile.mkdtemp(prefix="train_loss_ckpt_async_", dir=parent)
         self.handle = None
-        self.paths: list[str] = []
+        self.paths: list[str] = []  # saved steps, oldest first; all but the last are committed
+        self.deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bench_delete")
+        self.deletions: list[concurrent.futures.Future] = []
+
+    def _delete_old(self):
+        while len(self.paths) > self.KEEP:
+            self.deletions.append(self.deleter.submit(shutil.rmtree, self.paths.pop(0), ignore_errors=True))
 
     def save(self, step, state):
         if self.handle is not None:
             self.handle.wait()
+            self._delete_old()
         path = f"{self.dir}/{step}"
         self.handle = ckpt.save_async(path, state)
         self.paths.append(path)
@@ -181,11 +204,14 @@ class SaveAsync:
     def finish(self):
         if self.handle is not None:
             self.handle.wait()
-        while len(self.paths) > 2:  # keep two, as the managers do; removed after the loop, untimed
-            shutil.rmtree(self.paths.pop(0), ignore_errors=True)
+        self._delete_old()
+        for f in self.deletions:
+            f.result()
+        self.deletions.clear()
 
     def close(self):
         self.finish()
+        self.deleter.shutdown()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -273,7 +299,8 @@ def _manager_timeline(saver) -> str:
         mine = [p for p in phases if p.step == step]
         s = _timeline.step_summary(mine)
         ph = ", ".join(f"{n} {s.phase_s[n]:.3f} s" for n in _timeline.PHASES if n in s.phase_s)
-        lines.append(f"step {step}: {ph}; commit lag {s.commit_lag_s:.3f} s")
+        lag = "-" if s.commit_lag_s is None else f"{s.commit_lag_s:.3f} s"
+        lines.append(f"step {step}: {ph}; commit lag {lag}")
     return "; ".join(lines)
 
 
@@ -329,7 +356,10 @@ def report(args, results, nbytes, every, checkpoints, wall_s, load, timeline) ->
             "threads: extra CPU of the training step's threads (spin-waits when they are slowed down).")
     return "\n".join([C.header_lines("Training time lost per checkpoint (`benchmarks/train_loss_bench.py`)", args,
                                      wall_s, load), desc, "", main, "", targets, "",
-                      f"The manager's last saves, from `checkpointer timeline`: {timeline}."])
+                      f"The manager's last saves, from `checkpointer timeline` (longest per phase over processes; "
+                      "`wait_for_arrays`: the save call waiting for the training steps dispatched before it, which "
+                      "run meanwhile; `snapshot`: the host copy that blocks them; commit lag from the copy's end): "
+                      f"{timeline}."])
 
 
 if __name__ == "__main__":

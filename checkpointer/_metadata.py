@@ -286,9 +286,14 @@ class ProcessRecord:
       per_process_state: the JSON value the process passed as `save(...,
         per_process_state=)`, or None (absent from the file) when it passed none.
       phases_unix_s: wall-clock spans of this process's save phases, phase name →
-        (start, end) in seconds since the epoch (JSON `{"snapshot": [s, e], "write":
-        [s, e], "durable": [s, e]}`; `durable` ends when every chunk write has
-        completed, before this record is written). None in records of older versions.
+        (start, end) in seconds since the epoch (JSON `{"wait_for_arrays": [s, e],
+        "snapshot": [s, e], "write": [s, e], "durable": [s, e]}`; `wait_for_arrays`
+        runs from the save call until the leaves' computations are done
+        (`jax.block_until_ready`), `snapshot` from there to the end of the host copy
+        (the pre-save agreement included), `durable` ends when every chunk write has
+        completed, before this record is written). None in records of older versions;
+        records before `wait_for_arrays` have none (their `snapshot` starts at the
+        save call and includes that wait).
       packed: the index of this process's pack of small leaves (`_pack`), or None
         (absent) when it packed nothing. The pack's chunk file is also one of `chunks`
         (`leaf` absent), so `bytes_written` and `verify` count it.

@@ -84,7 +84,7 @@ class Snapshot:
     commit_s: float = 0.0
     bytes_written: int = 0
     # Wall-clock spans of this process's phases, name -> (start, end) unix seconds: the
-    # record keeps snapshot/write/durable, the manifest process 0's wait, `_timeline` draws them.
+    # record keeps wait_for_arrays/snapshot/write/durable, the manifest process 0's wait, `_timeline` draws them.
     phases_unix_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     pack_index: PackRecord | None = None  # this process's pack of small leaves, once written (`_pack`)
 
@@ -413,6 +413,12 @@ def _take_snapshot(
         device_data.append([_chunk_data(d, w) for w in plan.writes])
         entries[meta.path] = meta.to_json()
     structure = describe(tree, _is_array)
+    # Wait for the computations that produce the leaves (JAX dispatches asynchronously: a
+    # save right after training steps waits for them here), so that the timeline's
+    # `snapshot` is the agreement and the copy, and this wait is its own phase.
+    jax.block_until_ready([d for datas in device_data for d in datas if isinstance(d, jax.Array)])
+    ready = time.time()
+    snap_phases = {"wait_for_arrays": (wall0, ready)}
     # Step 0: every process agrees on path, step and tree before anything is written.
     # Process 0 clears an object store's old step content only once all agreed.
     clear = (lambda: storage.commit_strategy.prepare_overwrite(path)) if pidx == 0 else None
@@ -429,8 +435,8 @@ def _take_snapshot(
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
         overwrite=overwrite, commit_timeout_s=commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
     )
-    snap.snapshot_s = time.perf_counter() - t0
-    snap.phases_unix_s["snapshot"] = (wall0, time.time())
+    snap.snapshot_s = time.perf_counter() - t0  # the whole blocking call, the wait for the arrays included
+    snap.phases_unix_s.update(snap_phases, snapshot=(ready, time.time()))
     return snap
 
 

@@ -2,9 +2,12 @@
 
 Sources, all written by the saves themselves (nothing here writes a committed step):
 
-- `processes/<i>.json` (`ProcessRecord.phases_unix_s`): each process's `snapshot`,
-  `write` (opening arrays and issuing chunk writes) and `durable` (until every chunk
-  write completed, fsync included).
+- `processes/<i>.json` (`ProcessRecord.phases_unix_s`): each process's
+  `wait_for_arrays` (from the save call until the computations producing the leaves
+  are done: JAX dispatches asynchronously; absent in older records, whose `snapshot`
+  includes it), `snapshot` (the pre-save agreement and the host copy: what blocks
+  training), `write` (opening arrays and issuing chunk writes) and `durable` (until
+  every chunk write completed, fsync included).
 - `manifest.json` (`"save_phases_unix_s"`): process 0's `wait` for every process's
   "durable" report; its end is where the commit starts.
 - `COMMITTED` (`"committed_unix_s"`): when the marker was written (the commit's end
@@ -37,11 +40,13 @@ log = logging.getLogger("checkpointer")
 # Object stores cannot append: the journal is rewritten with its newest lines only.
 MAX_JOURNAL_LINES = 1000
 MAX_JOURNAL_BYTES = 64 * 2**20
-PHASES = ("snapshot", "write", "durable", "wait", "commit", "retention")
-_STYLE = {"snapshot": "red", "write": "yellow", "durable": "green", "wait": "bright_black", "commit": "blue",
+PHASES = ("wait_for_arrays", "snapshot", "write", "durable", "wait", "commit", "retention")
+_STYLE = {"wait_for_arrays": "cyan", "snapshot": "red", "write": "yellow", "durable": "green", "wait": "bright_black", "commit": "blue",
           "retention": "magenta"}
-_CHAR = {"snapshot": "S", "write": "W", "durable": "D", "wait": ".", "commit": "C", "retention": "R"}
-_COLOR = {"snapshot": "#d62728", "write": "#ffbf00", "durable": "#2ca02c", "wait": "#c7c7c7", "commit": "#1f77b4",
+_CHAR = {"wait_for_arrays": "a", "snapshot": "S", "write": "W", "durable": "D", "wait": ".", "commit": "C", "retention": "R"}
+# Characters of the text table outside the bar: the process column and one per phase.
+_TEXT_COLUMNS = 10 + sum(max(len(n), 6) + 2 for n in PHASES)
+_COLOR = {"wait_for_arrays": "#9edae5", "snapshot": "#d62728", "write": "#ffbf00", "durable": "#2ca02c", "wait": "#c7c7c7", "commit": "#1f77b4",
           "retention": "#9467bd"}
 
 
@@ -152,7 +157,7 @@ def save_phases(
         own = dict(rec.phases_unix_s or {})
         if not own:
             continue
-        for name in ("snapshot", "write", "durable"):
+        for name in ("wait_for_arrays", "snapshot", "write", "durable"):
             if name in own:
                 out.append(Phase(step, pidx, name, *own[name]))
         durable_end = own["durable"][1] if "durable" in own else None
@@ -242,15 +247,22 @@ class StepSummary:
 
     Attributes:
       total_s: first phase start to last phase end, seconds.
-      blocking_s: the longest snapshot, seconds (training blocked by the save).
-      commit_lag_s: end of the last snapshot to the end of the commit, seconds (how long
-        the step was not yet safe), or None without a commit phase.
+      blocking_s: the longest snapshot (agreement and host copy), seconds: training
+        blocked by the save. The wait for the arrays before it is not counted: the
+        training steps that produce them run meanwhile (in records older than
+        `wait_for_arrays` the snapshot still includes that wait).
+      wait_for_arrays_s: the longest wait for the arrays, seconds, or None when no
+        record has that phase.
+      commit_lag_s: end of the last snapshot (its host copy) to the end of the commit,
+        seconds (how long the copied state was not yet safe), or None without a commit
+        phase.
       slowest_process: the process whose chunks were durable last, or None.
       phase_s: phase name → its longest duration over processes, seconds.
     """
 
     total_s: float
     blocking_s: float
+    wait_for_arrays_s: float | None
     commit_lag_s: float | None
     slowest_process: int | None
     phase_s: Mapping[str, float]
@@ -270,6 +282,7 @@ def step_summary(phases: Sequence[Phase]) -> StepSummary:
     return StepSummary(
         total_s=end - start,
         blocking_s=max((p.duration_s for p in snaps), default=0.0),
+        wait_for_arrays_s=phase_s.get("wait_for_arrays"),
         commit_lag_s=(commits[0].end_unix_s - snap_end) if commits else None,
         slowest_process=max(durables, key=lambda p: p.end_unix_s).process_index if durables else None,
         phase_s=phase_s,
@@ -278,7 +291,8 @@ def step_summary(phases: Sequence[Phase]) -> StepSummary:
 
 def _headline(step: int | None, s: StepSummary) -> str:
     lag = "-" if s.commit_lag_s is None else f"{s.commit_lag_s:.3f} s"
-    return (f"step {step}: training blocked {s.blocking_s:.3f} s, commit lag {lag}, slowest process "
+    wait = "" if s.wait_for_arrays_s is None else f"waited for the arrays {s.wait_for_arrays_s:.3f} s, then "
+    return (f"step {step}: {wait}training blocked {s.blocking_s:.3f} s, commit lag {lag}, slowest process "
             f"{s.slowest_process}, {s.total_s:.3f} s in all")
 
 
@@ -289,7 +303,7 @@ def render_text(phases: Sequence[Phase], console, *, width: int = 60) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    width = max(10, min(width, console.width - 10 - 10 * len(PHASES)))
+    width = max(10, min(width, console.width - _TEXT_COLUMNS))
 
     legend = Text("phases: ")
     for name in PHASES:
@@ -307,7 +321,9 @@ def render_text(phases: Sequence[Phase], console, *, width: int = 60) -> None:
         for pidx in sorted({p.process_index for p in ps}):
             mine = [p for p in ps if p.process_index == pidx]
             cells = [" "] * width
-            for p in mine:  # a phase shorter than a cell still shows as one character
+            # A phase shorter than a cell still shows as one character: the longest are
+            # drawn first, so a short snapshot between a long wait and write stays visible.
+            for p in sorted(mine, key=lambda p: -p.duration_s):
                 a = min(width - 1, int((p.start_unix_s - t0) / span * width))
                 b = max(a + 1, min(width, int(round((p.end_unix_s - t0) / span * width))))
                 for i in range(a, b):
@@ -348,7 +364,7 @@ def render_png(phases: Sequence[Phase], out: str | os.PathLike, *, title: str | 
         ax.set_yticks(procs, [f"process {i}" for i in procs], fontsize=8)
         ax.invert_yaxis()
         ax.tick_params(axis="x", labelsize=8)
-    axes[-1, 0].set_xlabel("seconds from the start of the step's snapshot")
+    axes[-1, 0].set_xlabel("seconds from the save call")
     fig.legend(handles=[Patch(color=_COLOR[n], label=n) for n in PHASES], loc="lower center", ncol=len(PHASES),
                fontsize=8, frameon=False)
     if title:
@@ -389,7 +405,7 @@ def timeline(
 
         console = Console()
         if not console.is_terminal and "COLUMNS" not in os.environ:  # a pipe or a log file
-            console = Console(width=10 + 10 * len(PHASES) + width)
+            console = Console(width=_TEXT_COLUMNS + width)
     if png is not None and phases:
         render_png(phases, png, title=f"checkpointer timeline {location}")
     if phases:

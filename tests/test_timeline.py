@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -67,7 +68,7 @@ def test_plain_save_timeline_ends_with_the_marker(tmp_path):
     path = str(tmp_path / "c")
     ckpt.save(path, _state(1.0))
     phases = _timeline.read_timeline(path)
-    assert [p.name for p in phases] == ["snapshot", "write", "durable", "wait", "commit"]
+    assert [p.name for p in phases] == ["wait_for_arrays", "snapshot", "write", "durable", "wait", "commit"]
     marker = json.loads(Path(path, "COMMITTED").read_text())
     assert phases[-1].end_unix_s == pytest.approx(marker["committed_unix_s"], abs=1e-5)
 
@@ -119,3 +120,55 @@ def test_cli_timeline_text_json_and_png(run_dir, capsys):
     assert {p["step"] for p in doc["phases"]} == {3}
     shutil.rmtree(run_dir)
     assert _cli.main(["timeline", run_dir]) == 2
+
+
+def test_waiting_for_a_slow_computation_is_its_own_phase_before_the_snapshot(tmp_path, monkeypatch):
+    # JAX dispatches asynchronously: the save is called while a leaf is still being
+    # computed. The wait is recorded apart; the snapshot (what blocks training) starts
+    # once the leaves are ready, before their host copy.
+    from checkpointer import _save
+
+    copies = []
+
+    def copy_to_host(datas, pool=None):
+        copies.append((time.time(), all(d.is_ready() for d in datas if isinstance(d, jax.Array))))
+        return real(datas, pool)
+
+    real = _save.copy_to_host
+    monkeypatch.setattr(_save, "copy_to_host", copy_to_host)
+    slow = jax.jit(lambda a: jax.lax.fori_loop(0, 200, lambda i, b: jnp.tanh(b @ a), a))
+    a = jnp.eye(512, dtype=jnp.float32) * 0.5
+    jax.block_until_ready(slow(a))  # compiled; the next call only dispatches
+    y = slow(a)
+    dispatched = time.time()
+    assert not y.is_ready()  # the save below has to wait for it
+    path = str(tmp_path / "c")
+    ckpt.save(path, {"y": y, "b": _state(1.0)["b"]})
+    phases = {p.name: p for p in _timeline.read_timeline(path)}
+    wait, snap = phases["wait_for_arrays"], phases["snapshot"]
+    [(copied_at, ready_at_copy)] = copies
+    assert ready_at_copy
+    assert dispatched <= wait.start_unix_s < wait.end_unix_s <= snap.start_unix_s <= copied_at <= snap.end_unix_s
+    rec = json.loads(Path(path, "processes", "0.json").read_text())
+    assert set(rec["phases_unix_s"]) == {"wait_for_arrays", "snapshot", "write", "durable"}
+    summary = _timeline.step_summary(list(phases.values()))
+    assert summary.wait_for_arrays_s == pytest.approx(wait.duration_s)
+    assert summary.blocking_s == pytest.approx(snap.duration_s)
+    assert (ckpt.restore(path)["y"] == y).all()
+
+
+def test_records_without_the_wait_for_arrays_phase_still_draw(tmp_path):
+    from rich.console import Console
+
+    records = {0: _record(0, (0, 1), (1, 2), (2, 3))}  # as written before the phase existed
+    phases = _timeline.save_phases(4, records, {"wait": (3.01, 3.5)}, 3.6, {})
+    assert "wait_for_arrays" not in {p.name for p in phases}
+    summary = _timeline.step_summary(phases)
+    assert summary.wait_for_arrays_s is None and summary.blocking_s == 1
+    console = Console(record=True, width=140)
+    _timeline.render_text(phases, console)
+    text = console.export_text()
+    assert "step 4: training blocked 1.000 s" in text and "waited for the arrays" not in text
+    png = tmp_path / "old.png"
+    _timeline.render_png(phases, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
