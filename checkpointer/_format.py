@@ -551,7 +551,7 @@ def array_metadata_from_json(path: str, obj: object, where: str) -> ArrayMetadat
         raise CorruptCheckpointError(f"{loc}: unknown array kind {kind!r}")
     try:
         sharding = SavedSharding.from_json(obj["saved_sharding"]) if obj.get("saved_sharding") else None
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise CorruptCheckpointError(f"{loc}: malformed saved_sharding ({e})") from e
     packed = obj.get("packed", False)
     if not isinstance(packed, bool):
@@ -608,7 +608,7 @@ def value_from_json(obj: object, where: str) -> object:
             if len(raw) != dtype.itemsize:
                 raise ValueError("size")
             return np.frombuffer(raw, dtype=dtype)[0]
-    except (KeyError, TypeError, ValueError, struct.error) as e:
+    except (KeyError, TypeError, ValueError, OverflowError, struct.error) as e:
         raise CorruptCheckpointError(f"malformed value {obj!r:.200} in {where}: {e}") from e
     raise CorruptCheckpointError(f"malformed value {obj!r:.200} in {where}")
 

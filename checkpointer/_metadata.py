@@ -126,7 +126,7 @@ def _record_from_json(cls: type[_Record], obj: object, where: str) -> _Record:
             continue
         try:
             values[f.name] = f.metadata["parse"](obj[key])
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OverflowError) as e:
             raise CorruptCheckpointError(f"{where}: field {key!r}: {e}") from e
     return cls(**values, extra={k: v for k, v in obj.items() if k not in known})
 
@@ -212,7 +212,7 @@ def _packed_box(obj: object, where: str) -> PackedBoxRecord:
         offset, data_bytes, crc = _count(obj["offset"]), _count(obj["data_bytes"]), _count(obj["data_crc32c"])
     except KeyError as e:
         raise CorruptCheckpointError(f"{where}: the field {e.args[0]!r} is missing") from e
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OverflowError) as e:
         raise CorruptCheckpointError(f"{where}: {e}") from e
     extra = {k: v for k, v in obj.items() if k not in known} if len(obj) > len(known) else {}
     return PackedBoxRecord(leaf=leaf, box=box, offset=offset, data_bytes=data_bytes, data_crc32c=crc, extra=extra)
@@ -555,7 +555,7 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
             try:
                 leaf, (origin, shape), offset, nbytes, crc = b["leaf"], b["box"], b["offset"], b["data_bytes"], b["data_crc32c"]
                 box = Box(tuple(origin), tuple(shape))
-            except (KeyError, TypeError, ValueError) as e:
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
                 raise CorruptCheckpointError(f"manifest of {where}: {loc} box {j} is malformed ({e})") from e
             m = leaves.get(leaf) if isinstance(leaf, str) else None
             _require(isinstance(m, ArrayMetadata) and m.packed, f"{loc} box {j}: {leaf!r:.100} is not a packed array leaf", where)

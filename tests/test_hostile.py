@@ -553,3 +553,12 @@ def test_damaged_pack_file_raises_only_checkpoint_errors_and_never_returns_wrong
     finally:  # the examples share the folder
         with open(pack, "wb") as f:
             f.write(original)
+
+
+def test_an_infinite_mesh_size_in_saved_sharding_is_corrupt_not_overflow(victim):
+    """Found by the manifest fuzzer in CI: `int(inf)` raises OverflowError, which is neither
+    a ValueError nor a TypeError, so it escaped the parser as itself."""
+    path, manifest = victim
+    sharding = dict(manifest["leaves"]["w"]["saved_sharding"], mesh_shape=[float("inf")])
+    _write_manifest(path, _set(manifest, "w", saved_sharding=sharding))
+    _all_raise_corrupt(path, match="saved_sharding")
