@@ -7,6 +7,8 @@ what went wrong, where (leaf path, checkpoint path, process) and how to fix it.
 
 from __future__ import annotations
 
+import sys
+
 
 class CheckpointError(Exception):
     """Base class of every error this library raises on purpose."""
@@ -73,6 +75,18 @@ class RestoreAgreementError(CheckpointError, RuntimeError):
     another path, save or target, one could not restore (its error is named), failed
     to read its share, or did not arrive in time. Raised on every process, before the
     exchange; the process that failed raises its own error instead."""
+
+
+def this_process() -> int | None:
+    """This process's index for error messages: `jax.process_index()` when the job has
+    several processes (`jax.process_count() > 1`), None with one process (nothing to tell
+    apart) or when JAX is not imported yet (the library does not import it for this).
+
+    Multi-process: each process names itself; no communication."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    return jax.process_index() if jax.process_count() > 1 else None
 
 
 def where(

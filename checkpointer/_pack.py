@@ -45,7 +45,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from . import _format
+from . import _errors, _format
 from ._box import Box
 from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, is_whole_byte_dtype
@@ -233,7 +233,7 @@ def check_pack_files(storage: Storage, path: str, metas: Sequence[ArrayMetadata]
         for b in m.pack_boxes:
             sizes.setdefault(b.key, (b.file_bytes, m.path))
     for key, (expected, leaf) in sizes.items():
-        what = f"{where(leaf=leaf, path=path)}: pack file {key}"
+        what = f"{where(leaf=leaf, path=path, process=_errors.this_process())}: pack file {key}"
         try:
             size = storage.size(f"{path}/{key}")
         except OSError as e:
@@ -266,7 +266,7 @@ def read_runs(storage: Storage, path: str, runs: Sequence[PackRun], stats: Any) 
                 leaves = list(dict.fromkeys(leaf for *_, leaf in run.boxes))
                 others = f" (and {len(leaves) - 1} other leaves packed next to it)" if len(leaves) > 1 else ""
                 raise CorruptCheckpointError(
-                    f"{where(leaf=leaves[0], path=path)}: pack file {run.key}, bytes {run.offset}..{run.offset + run.nbytes}{others}, "
+                    f"{where(leaf=leaves[0], path=path, process=_errors.this_process())}: pack file {run.key}, bytes {run.offset}..{run.offset + run.nbytes}{others}, "
                     f"cannot be read: {e}. Run `checkpointer verify {path}`."
                 ) from e
             # Counted as planned: the packed chunks' bytes (`LeafRestorePlan.bytes_read`),
@@ -278,7 +278,7 @@ def read_runs(storage: Storage, path: str, runs: Sequence[PackRun], stats: Any) 
                 computed = crc32c.crc32c(data)
                 if computed != crc:
                     raise CorruptCheckpointError(
-                        f"{where(leaf=leaf, path=path)}: packed bytes {offset}..{offset + nbytes} of {run.key}: crc32c "
+                        f"{where(leaf=leaf, path=path, process=_errors.this_process())}: packed bytes {offset}..{offset + nbytes} of {run.key}: crc32c "
                         f"mismatch (stored {crc:#010x}, the bytes read give {computed:#010x}): the data is damaged. "
                         f"Run `checkpointer verify {path}` for a full report."
                     )

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import crc32c
 import numpy as np
 
-from . import _format
+from . import _errors, _format
 from ._box import Box
 from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, ShardFileLayout, is_whole_byte_dtype
@@ -156,7 +156,7 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
         if key in seen:
             continue
         seen.add(key)
-        what = f"{where(leaf=meta.path, path=path)}: chunk {key}"
+        what = f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: chunk {key}"
         try:
             size = storage.size(f"{path}/{key}")
         except OSError as e:
@@ -190,7 +190,7 @@ def read_chunk_into(
         index entry is missing or out of range, or a checksum fails; the message names
         the leaf and the chunk key.
     """
-    what = f"{where(leaf=meta.path, path=path)}: chunk {read.chunk_key}"
+    what = f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: chunk {read.chunk_key}"
     try:
         f = _ChunkFile(storage, path, read.chunk_key, stats)
     except OSError as e:
@@ -320,14 +320,14 @@ def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[
     try:
         store = open_zarr_array(storage, path, meta).result()
     except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
-        raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path)}: cannot open the zarr array: {e}") from e
+        raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: cannot open the zarr array: {e}") from e
 
     def read(box: Box) -> np.ndarray:
         try:
             return store[box.slices()].read().result()
         except ValueError as e:  # TensorStore reports missing, truncated and damaged data as ValueError
             raise CorruptCheckpointError(
-                f"{where(leaf=meta.path, path=path)}: reading box {box} failed: {e}. "
+                f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: reading box {box} failed: {e}. "
                 f"Run `checkpointer verify {path}` for a full report."
             ) from e
 

@@ -440,3 +440,35 @@ def test_verify_progress_counts_packed_chunks_and_reaches_the_total(tmp_path):
     assert calls[-1] == (report.chunks_checked, report.chunks_checked)
     assert all(total == calls[-1][1] for _, total in calls)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+
+
+def test_read_errors_name_the_process_in_a_multi_process_job(tmp_path, monkeypatch):
+    """STYLE: an error names the process. With one process there is nothing to tell apart
+    (`this_process()` is None); in a multi-process job each process names itself."""
+    from checkpointer import _errors
+
+    assert _errors.this_process() is None  # this test runs one process
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    manifest = _json(f"{path}/manifest.json")
+    box = next(b for b in manifest["packed"][0]["boxes"] if b["leaf"] == "mat/1")
+    with open(f"{path}/packed/process-0/c/0", "r+b") as f:
+        f.seek(box["offset"])
+        f.write(b"\xff\xff\xff\xff")
+    monkeypatch.setattr(_errors, "this_process", lambda: 3)  # as process 3 of a larger job would
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'mat/1' in \S+ \(process 3\)"):
+        ckpt.restore(path, _target(state))
+
+
+def test_read_errors_of_an_unpacked_leaf_name_the_process_too(tmp_path, monkeypatch):
+    from checkpointer import _errors
+
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state, pack_small_leaves_bytes=0)
+    with open(f"{path}/arrays/mat/1/c/0/0", "r+b") as f:
+        f.write(b"\xff\xff\xff\xff")
+    monkeypatch.setattr(_errors, "this_process", lambda: 3)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'mat/1' in \S+ \(process 3\)"):
+        ckpt.restore(path, _target(state))
