@@ -50,6 +50,7 @@ from ._box import Box
 from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, is_whole_byte_dtype
 from ._metadata import ChunkRecord, PackedBoxRecord, PackRecord
+from ._read import check_file_size
 from ._restore_plan import BoxRead, LeafRestorePlan, PackRun, coalesce_packed, plan_leaf
 from ._storage import Storage, ts_context
 
@@ -232,17 +233,9 @@ def check_pack_files(storage: Storage, path: str, metas: Sequence[ArrayMetadata]
     for m in metas:
         for b in m.pack_boxes:
             sizes.setdefault(b.key, (b.file_bytes, m.path))
+    process = _errors.this_process()
     for key, (expected, leaf) in sizes.items():
-        what = f"{where(leaf=leaf, path=path, process=_errors.this_process())}: pack file {key}"
-        try:
-            size = storage.size(f"{path}/{key}")
-        except OSError as e:
-            state = "is missing" if isinstance(e, FileNotFoundError) else "cannot be read"
-            raise CorruptCheckpointError(f"{what} {state} ({e.strerror}). Run `checkpointer verify {path}`.") from e
-        if size != expected:
-            raise CorruptCheckpointError(
-                f"{what} has {size} bytes, expected {expected} (truncated or damaged). Run `checkpointer verify {path}`."
-            )
+        check_file_size(storage, path, key, expected, f"{where(leaf=leaf, path=path, process=process)}: pack file {key}")
 
 
 def read_runs(storage: Storage, path: str, runs: Sequence[PackRun], stats: Any) -> dict[tuple[str, int], memoryview]:

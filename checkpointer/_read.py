@@ -151,22 +151,32 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
     if not storage.cheap_size:
         return
     expected = meta.layout.file_bytes
+    here = where(leaf=meta.path, path=path, process=_errors.this_process())
     seen: set[str] = set()
     for key in keys:  # may be a generator: stops at the first bad file, holding only what it checked
         if key in seen:
             continue
         seen.add(key)
-        what = f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: chunk {key}"
-        try:
-            size = storage.size(f"{path}/{key}")
-        except OSError as e:
-            state = "is missing" if isinstance(e, FileNotFoundError) else "cannot be read"
-            raise CorruptCheckpointError(f"{what} {state} ({e.strerror}). Run `checkpointer verify {path}`.") from e
-        if size != expected:
-            raise CorruptCheckpointError(
-                f"{what} has {size} bytes, expected {expected} (truncated or damaged). "
-                f"Run `checkpointer verify {path}`."
-            )
+        check_file_size(storage, path, key, expected, f"{here}: chunk {key}")
+
+
+def check_file_size(storage: Storage, path: str, key: str, expected_bytes: int, what: str) -> None:
+    """Checks that the file `key` of the checkpoint at `path` exists with `expected_bytes`.
+
+    Raises:
+      CorruptCheckpointError: it is missing, unreadable or of another size; the message
+        starts with `what` (leaf, checkpoint path, process and file) and names the fix.
+    """
+    try:
+        size = storage.size(f"{path}/{key}")
+    except OSError as e:
+        state = "is missing" if isinstance(e, FileNotFoundError) else "cannot be read"
+        raise CorruptCheckpointError(f"{what} {state} ({e.strerror}). Run `checkpointer verify {path}`.") from e
+    if size != expected_bytes:
+        raise CorruptCheckpointError(
+            f"{what} has {size} bytes, expected {expected_bytes} (truncated or damaged). "
+            f"Run `checkpointer verify {path}`."
+        )
 
 
 def _check_crc(blob: memoryview, what: str, path: str) -> memoryview:
