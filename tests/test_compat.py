@@ -92,3 +92,62 @@ def test_v010_verifies_and_lists_in_a_manager(tmp_path):
         assert mgr.restore()["name"] == "fixture"
     finally:
         mgr.close()
+
+
+# -- the second fixture: main of 2026-12-01 (before issue 19's package layout) -----------
+# Saved by 2 processes x 4 devices with packed leaves, typed keys and a replica-parallel
+# leaf (`tests/fixtures/make_v0_2_packed.py`).
+from compat_tree_v2 import expected_host_tree_v2  # noqa: E402
+
+V02_PACKED = os.path.join(FIXTURES, "v0.2-packed", "11")
+
+
+def test_v02_packed_fixture_has_packs_replicated_and_two_writers():
+    meta = ckpt.metadata(V02_PACKED)
+    assert meta.process_count == 2 and meta.step == 11
+    packed = {name for name, leaf in meta.leaves.items() if getattr(leaf, "packed", False)}
+    assert "params/bias" in packed and "params/norm/0" in packed and "replicated_small" in packed
+    assert "params/kernel" not in packed and "replicated" not in packed
+    assert os.path.isfile(os.path.join(V02_PACKED, "packed", "process-0", "c", "0"))
+    assert os.path.isfile(os.path.join(V02_PACKED, "packed", "process-1", "c", "0"))
+    assert ckpt.verify(V02_PACKED).ok
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (1, 4), (1, 1)])
+def test_v02_packed_restores_onto_other_meshes(shape):
+    mesh = make_mesh(shape, ("a", "b"))
+    want = expected_host_tree_v2()
+
+    def s(spec):
+        return NamedSharding(mesh, spec)
+
+    target = {
+        "params": {"kernel": s(P("b", "a")), "bias": s(P("a")), "norm": [s(P()) for _ in range(5)]},
+        "replicated": s(P(None, "b")),
+        "replicated_small": s(P("a")),
+        "keys": s(P("b")),
+        "key": s(P()),
+        "step": None, "tag": None,
+    }
+    got = ckpt.restore(V02_PACKED, target)
+    _assert_bitwise(got["params"]["kernel"], want["params"]["kernel"], "kernel")
+    assert got["params"]["kernel"].sharding == s(P("b", "a"))
+    _assert_bitwise(got["params"]["bias"], want["params"]["bias"], "bias")
+    for i in range(5):
+        _assert_bitwise(got["params"]["norm"][i], want["params"]["norm"][i], f"norm{i}")
+    _assert_bitwise(got["replicated"], want["replicated"], "replicated")
+    _assert_bitwise(got["replicated_small"], want["replicated_small"], "replicated_small")
+    for name in ("keys", "key"):
+        assert jax.dtypes.issubdtype(got[name].dtype, jax.dtypes.prng_key), name
+        assert str(jax.random.key_impl(got[name])) == "threefry2x32"
+        _assert_bitwise(jax.random.key_data(got[name]), want[name], name)
+    assert (got["step"], got["tag"]) == (11, "packed fixture")
+
+
+def test_v02_packed_restores_without_target_bit_exactly():
+    got = ckpt.restore(V02_PACKED)
+    want = expected_host_tree_v2()
+    _assert_bitwise(got["params"]["kernel"], want["params"]["kernel"], "kernel")
+    _assert_bitwise(got["params"]["bias"], want["params"]["bias"], "bias")
+    _assert_bitwise(got["replicated"], want["replicated"], "replicated")
+    _assert_bitwise(jax.random.key_data(got["keys"]), want["keys"], "keys")
