@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from ._drill import DrillReport
     from ._export import ExportReport, export
     from ._format import ArrayMetadata, SavedSharding, ValueMetadata
+    from ._leaf_plan import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan
     from ._manager import CheckpointManager, ManagerStatus
     from ._metadata import CheckpointMetadata, metadata
     from ._orbax_import import import_orbax
@@ -50,7 +51,6 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from ._process_state import per_process_state
     from ._read import RestoreStats
     from ._restore import plan_restore, restore
-    from ._restore_plan import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan
     from ._save_plan import LeafAssignment, ProcessWrites, SavePlan
     from ._save_preview import plan_save
     from ._timeline import timeline
@@ -69,8 +69,8 @@ _LAZY: dict[str, str] = {
     "KeepAny": "_policies", "KeepBest": "_policies", "KeepEvery": "_policies", "KeepLatest": "_policies",
     "KeepPolicy": "_policies", "KeepSteps": "_policies", "per_process_state": "_process_state",
     "RestoreStats": "_read", "plan_restore": "_restore", "restore": "_restore",
-    "BoxRead": "_restore_plan", "ChunkRead": "_restore_plan", "LeafRestorePlan": "_restore_plan",
-    "PeerPiece": "_restore_plan", "RestorePlan": "_restore_plan",
+    "BoxRead": "_leaf_plan", "ChunkRead": "_leaf_plan", "LeafRestorePlan": "_leaf_plan",
+    "PeerPiece": "_leaf_plan", "RestorePlan": "_leaf_plan",
     "LeafAssignment": "_save_plan", "ProcessWrites": "_save_plan", "SavePlan": "_save_plan",
     "plan_save": "_save_preview", "timeline": "_timeline", "VerifyReport": "_verify", "verify": "_verify",
 }
@@ -135,10 +135,10 @@ def _module(name: str) -> ModuleType:
         from . import _restore
 
         return _restore
-    if name == "_restore_plan":
-        from . import _restore_plan
+    if name == "_leaf_plan":
+        from . import _leaf_plan
 
-        return _restore_plan
+        return _leaf_plan
     if name == "_save_plan":
         from . import _save_plan
 

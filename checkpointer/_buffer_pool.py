@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._host import aligned_empty
+from ._aligned import aligned_empty
 
 
 class HostBufferPool:

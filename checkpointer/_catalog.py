@@ -43,8 +43,8 @@ import concurrent.futures
 import logging
 import time
 
-from . import _format
-from ._errors import CheckpointError, SaveError
+from . import _commit, _format
+from ._errors import SaveError
 from ._storage import Storage
 
 log = logging.getLogger("checkpointer")
@@ -57,7 +57,7 @@ _PROBE_THREADS = 16
 
 def uses_catalog(storage: Storage) -> bool:
     """Whether `storage` keeps a step catalog: stores that write in place (object stores)."""
-    return storage.commit_strategy.writes_in_place
+    return _commit.strategy_for(storage).writes_in_place
 
 
 def _split_step_path(path: str) -> tuple[str, int] | None:
@@ -132,42 +132,3 @@ def remove_entry(storage: Storage, directory: str, step: int) -> None:
     """
     if uses_catalog(storage):
         storage.delete_file(f"{directory}/{CATALOG}/{int(step)}")
-
-
-def repair(storage: Storage, directory: str) -> tuple[list[int], list[int]]:
-    """Makes DIR's catalog match the markers, from one full listing; creates the catalog.
-
-    Returns:
-      (steps whose entry was added, steps whose entry was removed).
-
-    Multi-process: the writer (process 0) only, while none of its saves is in flight.
-    """
-    if not uses_catalog(storage):
-        return [], []
-    from ._directory import entries  # _directory reads through this module
-
-    # The catalog first, then the folders: an entry seen here was written after its
-    # step's objects, so the full listing sees that folder and a save committing
-    # meanwhile (`checkpointer gc` beside a live writer) does not lose its entry.
-    listed = set(catalog_steps(storage, directory, complete_only=False) or ())
-    found = entries(storage, directory)
-    committed = {e.step for e in found if e.committed and e.generation is None}
-    folders = {e.step for e in found if e.generation is None}
-    added = sorted(committed - listed)
-    removed = sorted(s for s in listed if s not in folders)
-    for step in added:
-        entry = {"step": step, "generation": None, "written_unix_s": time.time(), "repaired": True}
-        storage.write_file(f"{directory}/{CATALOG}/{step}", _format.dumps(entry))
-    for step in removed:
-        storage.delete_file(f"{directory}/{CATALOG}/{step}")
-    try:
-        storage.read_file(f"{directory}/{CATALOG}/{HEADER}")
-    except FileNotFoundError:
-        header = {"catalog_version": CATALOG_VERSION, "created_unix_s": time.time()}
-        storage.write_file(f"{directory}/{CATALOG}/{HEADER}", _format.dumps(header))
-    except (OSError, CheckpointError) as e:
-        log.warning("cannot read %s/%s/%s: %s", directory, CATALOG, HEADER, e)
-    if added or removed:
-        log.info("step catalog of %s: added %s, removed %s", directory, added, removed)
-    return added, removed
-

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _catalog, _default_targets, _directory, _drill, _format, _tiers
+from . import _default_targets, _directory, _drill, _format, _tiers
 from ._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -634,7 +634,7 @@ def _cmd_gc(args, ui: _UI) -> int:
                 raise CheckpointError(f"{e} (gc needs the directory to itself)") from e
         try:
             done = set(_directory.recover(storage, directory))
-            _catalog.repair(storage, directory)
+            _directory.repair(storage, directory)
             actions = [(n, a) for n, a in actions if n in done]
             steps = _directory.committed_steps(storage, directory)
             doomed = steps[: -args.keep_latest] if args.keep_latest else []

@@ -3,7 +3,7 @@
 `RenameCommit` (POSIX) writes into `<step>.partial-<generation>/` and publishes by
 `rename`; `MarkerCommit` (object stores, no rename) writes under the final name and the
 commit marker alone publishes. Both sit behind `CommitStrategy`, as Orbax's
-`AtomicRenameTemporaryPath` and `CommitFileTemporaryPath` do; `Storage.commit_strategy`
+`AtomicRenameTemporaryPath` and `CommitFileTemporaryPath` do; `strategy_for(storage)`
 picks one from the backend's capabilities. The bytes move through the `Storage` each
 strategy holds; this module decides only names and order.
 """
@@ -156,3 +156,8 @@ class MarkerCommit(CommitStrategy):
     def unpublish(self, path: str) -> str:
         self.storage.delete_file(f"{path}/{_format.COMMITTED}")
         return path
+
+
+def strategy_for(storage: Storage) -> CommitStrategy:
+    """How saves are published on `storage`: by rename where it exists, else by marker."""
+    return RenameCommit(storage) if storage.supports_rename else MarkerCommit(storage)

@@ -30,7 +30,8 @@ from jax.tree_util import DictKey
 from ._errors import CorruptCheckpointError, MeshError
 from ._format import ArrayMetadata
 from ._metadata import CheckpointMetadata
-from ._targets import resolve_target, spec_axes
+from ._sharding import spec_axes
+from ._targets import resolve_target
 from ._tree import escape_key, flatten
 
 # --- meshes ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from . import _catalog, _format
+from . import _catalog, _commit, _format
 from ._errors import CheckpointError
 from ._format import is_step_name
 from ._storage import Storage
@@ -235,7 +235,7 @@ def _plan(storage: Storage, directory: str, live_generations, live_steps, grace_
             actions.append((e.name, "roll forward", e.step))
         else:
             actions.append((e.name, "remove", e.step))
-    if not storage.commit_strategy.writes_in_place:
+    if not _commit.strategy_for(storage).writes_in_place:
         return actions, {}, {}
     # Object stores: marker-less <step>/ folders, by the journal of first sightings.
     grace_s = OBJECT_STORE_GC_GRACE_S if grace_s is None else float(grace_s)
@@ -282,7 +282,7 @@ def unpublish_step(storage: Storage, directory: str, step: int) -> str:
     On POSIX the step folder is renamed to `<step>.deleting-gc-<id>` (atomic); on object
     stores its marker is deleted (see `CommitStrategy.unpublish`).
     """
-    moved = storage.commit_strategy.unpublish(f"{directory}/{step}")
+    moved = _commit.strategy_for(storage).unpublish(f"{directory}/{step}")
     _catalog.remove_entry(storage, directory, step)  # after the marker, before the objects
     return moved
 
@@ -290,3 +290,39 @@ def unpublish_step(storage: Storage, directory: str, step: int) -> str:
 def delete_step(storage: Storage, directory: str, step: int) -> None:
     """Deletes a committed step: unpublished first, then removed."""
     storage.delete_tree(unpublish_step(storage, directory, step))
+
+
+def repair(storage: Storage, directory: str) -> tuple[list[int], list[int]]:
+    """Makes DIR's catalog match the markers, from one full listing; creates the catalog.
+
+    Returns:
+      (steps whose entry was added, steps whose entry was removed).
+
+    Multi-process: the writer (process 0) only, while none of its saves is in flight.
+    """
+    if not _catalog.uses_catalog(storage):
+        return [], []
+    # The catalog first, then the folders: an entry seen here was written after its
+    # step's objects, so the full listing sees that folder and a save committing
+    # meanwhile (`checkpointer gc` beside a live writer) does not lose its entry.
+    listed = set(_catalog.catalog_steps(storage, directory, complete_only=False) or ())
+    found = entries(storage, directory)
+    committed = {e.step for e in found if e.committed and e.generation is None}
+    folders = {e.step for e in found if e.generation is None}
+    added = sorted(committed - listed)
+    removed = sorted(s for s in listed if s not in folders)
+    for step in added:
+        entry = {"step": step, "generation": None, "written_unix_s": time.time(), "repaired": True}
+        storage.write_file(f"{directory}/{_catalog.CATALOG}/{step}", _format.dumps(entry))
+    for step in removed:
+        storage.delete_file(f"{directory}/{_catalog.CATALOG}/{step}")
+    try:
+        storage.read_file(f"{directory}/{_catalog.CATALOG}/{_catalog.HEADER}")
+    except FileNotFoundError:
+        header = {"catalog_version": _catalog.CATALOG_VERSION, "created_unix_s": time.time()}
+        storage.write_file(f"{directory}/{_catalog.CATALOG}/{_catalog.HEADER}", _format.dumps(header))
+    except (OSError, CheckpointError) as e:
+        log.warning("cannot read %s/%s/%s: %s", directory, _catalog.CATALOG, _catalog.HEADER, e)
+    if added or removed:
+        log.info("step catalog of %s: added %s, removed %s", directory, added, removed)
+    return added, removed

@@ -33,7 +33,7 @@ from typing import IO
 import ml_dtypes
 import numpy as np
 
-from . import _read
+from . import _encodings
 from ._box import Box, row_slabs
 from ._errors import CheckpointExistsError, UnsupportedValueError
 from ._format import ArrayMetadata
@@ -177,7 +177,7 @@ def _out_dtype(meta: ArrayMetadata, name: str, fmt: str, upcast: bool, path: str
 
 def _write_leaf(f: IO[bytes], storage: Storage, path: str, meta: ArrayMetadata, out_dtype: np.dtype) -> int:
     """Writes the leaf's C-order little-endian bytes to `f`, slab by slab; returns bytes."""
-    read, n = _read.region_reader(storage, path, meta), 0
+    read, n = _encodings.region_reader(storage, path, meta), 0
     little = out_dtype.newbyteorder("<") if out_dtype.itemsize > 1 else out_dtype
     for box in row_slabs(Box.whole(meta.shape), meta.dtype.itemsize, SLAB_BYTES):  # one slab in memory at a time
         slab = np.ascontiguousarray(read(box).astype(little, copy=False))

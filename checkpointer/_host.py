@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from ._aligned import aligned_empty
+
 if TYPE_CHECKING:
     from ._buffer_pool import HostBufferPool
 
@@ -30,22 +32,6 @@ _BLOCK_BYTES = 8 << 20  # large shards are copied in row blocks of about this si
 # (tens of µs) costs more than copying them: the 5,000 shards of 1-16 KiB of issue 15's
 # 2,000-leaf input copy in 0.047 s instead of 0.205 s (medians of 6, loaded 2-core VM).
 _INLINE_BYTES = 256 << 10
-
-
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """An uninitialised array whose data is `align`-byte aligned. XLA's CPU client
-    adopts such buffers without copying (`jax.device_put` aliases them).
-
-    Args:
-      shape: the array shape, elements per dimension.
-      dtype: the element type.
-      align: the alignment of the first element, bytes.
-    """
-    dtype = np.dtype(dtype)
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + align, np.uint8)
-    offset = (-raw.ctypes.data) % align
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 def _blocks(n_rows: int, row_bytes: int) -> list[slice]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from . import _agreement, _catalog, _directory, _distributed, _pack, _ratelimit, _tier_manager, _timeline
+from . import _agreement, _directory, _distributed, _pack, _ratelimit, _tier_manager, _timeline
 from ._async import AsyncSave
 from ._buffer_pool import HostBufferPool
 from ._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
@@ -294,7 +294,7 @@ class CheckpointManager:
                 # the finalizer holds the lock object only, never the manager.
                 self._release_lock = weakref.finalize(self, self._lock.release)
             done = _directory.recover(self.storage, self.directory)
-            _catalog.repair(self.storage, self.directory)  # object stores: the step catalog
+            _directory.repair(self.storage, self.directory)  # object stores: the step catalog
         if self._tiers is not None:  # every process: its own local root
             done += self._tiers.recover()
         self._writer_ready = True

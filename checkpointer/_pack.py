@@ -49,9 +49,9 @@ from . import _errors, _format
 from ._box import Box
 from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, is_whole_byte_dtype
+from ._leaf_plan import BoxRead, LeafRestorePlan, PackRun, coalesce_packed, plan_leaf
 from ._metadata import ChunkRecord, PackedBoxRecord, PackRecord
-from ._read import check_file_size
-from ._restore_plan import BoxRead, LeafRestorePlan, PackRun, coalesce_packed, plan_leaf
+from ._read import RestoreStats, check_file_size
 from ._storage import Storage, ts_context
 
 PACKED = "packed"
@@ -317,8 +317,6 @@ def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[
     Raises (from `read`):
       CorruptCheckpointError: a pack read failed or a checksum does not match.
     """
-    from ._read import RestoreStats
-
     stats = RestoreStats()
 
     def read(box: Box) -> np.ndarray:

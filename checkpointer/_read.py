@@ -33,8 +33,8 @@ from . import _errors, _format
 from ._box import Box
 from ._errors import CorruptCheckpointError, where
 from ._format import ArrayMetadata, ShardFileLayout, is_whole_byte_dtype
+from ._leaf_plan import BoxRead, ChunkRead, RestorePlan, plan_leaf
 from ._restore_memory import host_buffer
-from ._restore_plan import BoxRead, ChunkRead, RestorePlan, plan_leaf
 from ._storage import Storage, ts_context
 
 if TYPE_CHECKING:
@@ -313,17 +313,13 @@ def open_zarr_array(storage: Storage, path: str, meta: ArrayMetadata) -> ts.Futu
 
 
 def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:
-    """Reads any region of a leaf, unplanned: `read(box)` returns the leaf's values in
+    """Reads any region of a leaf stored as its own zarr array, unplanned: `read(box)` returns the leaf's values in
     `box` (each a fresh array), for readers that walk a leaf region by region (export).
 
     Raises (from `read`):
       CorruptCheckpointError: stored bytes are missing, truncated or fail a checksum;
         names the leaf and the checkpoint path.
     """
-    if meta.packed:
-        from . import _pack  # _pack reads through this module's RestoreStats
-
-        return _pack.region_reader(storage, path, meta)
     if fast_path_supported(meta.dtype):
         stats = RestoreStats()
         return lambda box: read_box(storage, path, meta, plan_leaf(meta, [(-1, box)]).boxes[0], None, stats)

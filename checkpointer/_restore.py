@@ -32,9 +32,10 @@ from ._errors import (
     where,
 )
 from ._format import ArrayMetadata, ValueMetadata
+from ._leaf_plan import BoxRead, LeafRestorePlan, RestorePlan, chunk_keys
 from ._metadata import CheckpointMetadata, read_metadata
 from ._read import RestoreStats
-from ._restore_plan import BoxRead, LeafRestorePlan, RestorePlan, build_plan, chunk_keys
+from ._restore_plan import build_plan
 from ._storage import Storage, storage_for
 from ._targets import LeafTarget, ResolvedTarget, resolve_tree
 from ._tree import PyTree, rebuild

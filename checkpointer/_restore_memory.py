@@ -34,7 +34,7 @@ def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
       shape: the array shape, elements per dimension.
       dtype: the element type.
     """
-    from ._host import aligned_empty
+    from ._aligned import aligned_empty
 
     dtype = np.dtype(dtype)
     nbytes = math.prod(shape) * dtype.itemsize

@@ -30,7 +30,7 @@ import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
-from . import _agreement, _catalog, _distributed, _format, _gc, _pack, _ratelimit
+from . import _agreement, _catalog, _commit, _distributed, _format, _gc, _pack, _ratelimit
 from ._box import Box
 from ._buffer_pool import HostBufferPool
 from ._directory import SAVE_LOCK_SUFFIX
@@ -96,7 +96,7 @@ class Snapshot:
     @property
     def write_path(self) -> str:
         """Where the files go: the partial folder on POSIX, the final path on object stores."""
-        return self.storage.commit_strategy.write_path(self.path, self.generation)
+        return _commit.strategy_for(self.storage).write_path(self.path, self.generation)
 
 
 def _is_array(x: object) -> TypeGuard[jax.Array | np.ndarray]:
@@ -267,7 +267,7 @@ def check_target(storage: Storage, path: str, pidx: int, overwrite: bool) -> Non
       CheckpointExistsError: `path` holds foreign files, or is committed and
         `overwrite` is False.
     """
-    if storage.commit_strategy.target_blocked(path):
+    if _commit.strategy_for(storage).target_blocked(path):
         raise SaveError(
             f"cannot save to {path} (process {pidx}): it exists and is not a folder; a checkpoint path is a "
             "folder. Remove or rename that file, or save to another path"
@@ -421,7 +421,7 @@ def _take_snapshot(
     snap_phases = {"wait_for_arrays": (wall0, ready)}
     # Step 0: every process agrees on path, step and tree before anything is written.
     # Process 0 clears an object store's old step content only once all agreed.
-    clear = (lambda: storage.commit_strategy.prepare_overwrite(path)) if pidx == 0 else None
+    clear = (lambda: _commit.strategy_for(storage).prepare_overwrite(path)) if pidx == 0 else None
     generation = _agreement.agree(
         ticket, _agreement.proposal(path, step, structure, entries), timeout_s=agreement_timeout_s, before_verdict=clear,
     )
@@ -634,7 +634,7 @@ def _check_records(snap: Snapshot) -> None:
 
 def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
     storage, root, final = snap.storage, snap.write_path, snap.path
-    strategy = storage.commit_strategy
+    strategy = _commit.strategy_for(storage)
     try:
         with _gc.paused():
             manifest = _format.dumps_large(_manifest(snap, process_bytes))
@@ -664,7 +664,7 @@ def abort(snap: Snapshot, coord: _distributed.Coordinator, *, timed_out: bool = 
     failure itself was the commit timeout (`timed_out`): processes silent for that long
     are taken for dead and the folder is removed at once.
     """
-    folder = snap.storage.commit_strategy.discard_path(snap.path, snap.generation)
+    folder = _commit.strategy_for(snap.storage).discard_path(snap.path, snap.generation)
     if snap.process_index != 0 or folder is None:
         return
 

@@ -19,7 +19,7 @@ from . import _distributed, _pack
 from ._box import Box
 from ._errors import MeshError, UnsupportedValueError, where
 from ._save_plan import SPLIT_FLOOR_BYTES, LeafShards, SavePlan, ShardInfo, plan_writes, summarize
-from ._targets import named_shard_boxes
+from ._sharding import named_shard_boxes
 from ._tree import flatten
 
 

@@ -7,7 +7,7 @@ locks and the atomic rename that publishes a save.
 
 A backend says what it can do with capabilities (`supports_rename`, `supports_locks`,
 `has_folders`, `cheap_size`) and hands out the commit strategy that fits it
-(`commit_strategy`: `_commit.RenameCommit` on POSIX, `_commit.MarkerCommit` on object
+(`_commit.strategy_for`: `RenameCommit` on POSIX, `MarkerCommit` on object
 stores), so the save, recovery and the CLI never ask which backend they hold.
 
 A location is a local path (`/ckpt`, `file:///ckpt`) or a kvstore URL TensorStore
@@ -26,7 +26,6 @@ import stat
 import threading
 from typing import TYPE_CHECKING
 
-from ._commit import CommitStrategy, MarkerCommit, RenameCommit
 from ._errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -282,11 +281,6 @@ class Storage(abc.ABC):
     supports_locks: bool = False
     has_folders: bool = False
     cheap_size: bool = False
-
-    @property
-    def commit_strategy(self) -> CommitStrategy:
-        """How saves are published here: by rename where it exists, else by marker."""
-        return RenameCommit(self) if self.supports_rename else MarkerCommit(self)
 
     @abc.abstractmethod
     def kvstore_spec(self, path: str) -> dict:

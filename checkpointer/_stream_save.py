@@ -26,7 +26,7 @@ from typing import TypeGuard
 
 import numpy as np
 
-from . import _distributed, _format, _save
+from . import _commit, _distributed, _format, _save
 from ._box import Box, cell_box, grid_cells
 from ._errors import SaveError, UnsupportedValueError, where
 from ._format import ArrayMetadata, SavedSharding
@@ -142,7 +142,7 @@ def save_leaf_by_leaf(
                 "leaves must be ArraySource, None, bool, int, float, complex, str or numpy scalars (nothing is pickled)"
             )
         values[leaf_path] = value
-    storage.commit_strategy.prepare_overwrite(path)
+    _commit.strategy_for(storage).prepare_overwrite(path)
     snap = _save.Snapshot(
         storage=storage, path=path, generation=_format.new_generation(), process_index=0, process_count=1,
         structure=describe(tree, _is_source), arrays=[leaf for leaf, _ in arrays], values=values,

@@ -20,11 +20,11 @@ from collections.abc import Callable
 from . import _directory, _distributed, _ratelimit, _tiers
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ._format import ArrayMetadata
+from ._leaf_plan import chunk_keys
 from ._metadata import read_metadata
 from ._policies import KeepPolicy
 from ._read import RestoreStats
 from ._restore import restore_from
-from ._restore_plan import chunk_keys
 from ._save import Snapshot, _manifest, _release_host, write_snapshot
 from ._storage import Storage
 from ._targets import resolve_tree

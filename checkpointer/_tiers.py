@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import crc32c
 
-from . import _catalog, _directory, _distributed, _format, _ratelimit
+from . import _catalog, _commit, _directory, _distributed, _format, _ratelimit
 from ._errors import CheckpointError, CorruptCheckpointError, SaveError
 from ._metadata import ProcessRecord
 from ._storage import Reader, Storage, storage_for
@@ -237,7 +237,7 @@ def replicate(
     """
     pidx, pcount = _distributed.process_index(), _distributed.process_count()
     coord = _distributed.Coordinator(f"{target.generation}.replicate-{target.attempt}", timeout_s=commit_timeout_s)
-    strategy = durable.commit_strategy
+    strategy = _commit.strategy_for(durable)
     root = strategy.write_path(target.durable_path, target.generation)
     lock = None
     copied = 0
@@ -314,7 +314,7 @@ def replicate(
 def _discard(durable: Storage, target: ReplicationTarget, pidx: int, coord, timeout_s: float) -> None:
     """Process 0, after a failure: removes the durable partial folder (POSIX) once no
     process writes into it any more; object stores leave it to recovery (no marker)."""
-    folder = durable.commit_strategy.discard_path(target.durable_path, target.generation)
+    folder = _commit.strategy_for(durable).discard_path(target.durable_path, target.generation)
     if pidx != 0 or folder is None:
         return
 

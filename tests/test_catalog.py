@@ -107,9 +107,9 @@ def test_a_crash_between_entry_and_marker_lists_nothing_and_repair_keeps_the_res
         assert mgr.all_steps() == [1, 3]
     # A new writer keeps the entry while the crashed save's objects are there (it may be
     # a save in flight); once they are gone, its repair removes the entry.
-    assert _catalog.repair(storage, directory) == ([], [])
+    assert _directory.repair(storage, directory) == ([], [])
     storage.delete_tree(f"{directory}/2")
-    assert _catalog.repair(storage, directory) == ([], [2])
+    assert _directory.repair(storage, directory) == ([], [2])
     assert _entries(storage, directory) == [1, 3] and ckpt.CheckpointManager(run_dir).all_steps() == [1, 3]
 
 

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _format, _read, _restore_plan
+from checkpointer import _format, _leaf_plan, _read
 from checkpointer._box import Box
 from checkpointer._format import ArrayMetadata
 from conftest import make_mesh
@@ -404,7 +404,7 @@ def test_a_3gib_shard_is_stored_in_small_inner_chunks():
     # or a run of adjacent ones of at most _read._MAX_RUN_BYTES.
     meta = ArrayMetadata("w", (2 * shard[0], shard[1]), np.dtype(np.float32), shard, inner, None)
     boxes = [(d, Box((d * shard[0] // 4, 0), (shard[0] // 4, shard[1]))) for d in range(8)]
-    plan = _restore_plan.plan_leaf(meta, boxes)
+    plan = _leaf_plan.plan_leaf(meta, boxes)
     assert plan.bytes_needed == 6 * 2**30
     n_reads = sum(len(b.reads) for b in plan.boxes)
     assert n_reads == 8
@@ -696,7 +696,7 @@ def test_scalar_and_memory_kind_targets(tmp_path):
     ],
 )
 def test_pure_device_boxes_equal_jax_devices_indices_map(mesh_shape, names, shape, spec):
-    from checkpointer._targets import named_shard_boxes
+    from checkpointer._sharding import named_shard_boxes
 
     mesh = make_mesh(mesh_shape, names)
     jax_boxes = NamedSharding(mesh, spec).devices_indices_map(shape)

@@ -17,7 +17,7 @@ import checkpointer as ckpt
 from checkpointer import _pack
 from checkpointer._box import Box
 from checkpointer._format import ArrayMetadata, PackedBox
-from checkpointer._restore_plan import PACK_GAP_BYTES, coalesce_packed, plan_leaf
+from checkpointer._leaf_plan import PACK_GAP_BYTES, coalesce_packed, plan_leaf
 from conftest import make_mesh
 
 

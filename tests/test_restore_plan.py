@@ -13,8 +13,10 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from checkpointer._box import Box, row_slabs
 from checkpointer._format import ArrayMetadata, SavedSharding
-from checkpointer._restore_plan import ChunkRead, PeerPiece, RestorePlan, build_plan, exchange_spec, plan_leaf
-from checkpointer._targets import LeafTarget, ResolvedLeaf, ResolvedTarget, named_shard_boxes
+from checkpointer._leaf_plan import ChunkRead, PeerPiece, RestorePlan, plan_leaf
+from checkpointer._restore_plan import build_plan, exchange_spec
+from checkpointer._sharding import named_shard_boxes
+from checkpointer._targets import LeafTarget, ResolvedLeaf, ResolvedTarget
 
 F32 = np.dtype(np.float32)
 N = 4096

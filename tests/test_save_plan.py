@@ -28,7 +28,7 @@ from checkpointer._save_plan import (
     plan_writes,
     split_rule,
 )
-from checkpointer._targets import named_shard_boxes
+from checkpointer._sharding import named_shard_boxes
 
 MESH_2x4 = np.arange(8).reshape(2, 4)  # data x model, device ids in mesh order
 AXES = ("data", "model")
