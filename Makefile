@@ -17,10 +17,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: venv
 	$(PY) examples/elastic_resume.py
 
-# ruff and mypy read their configuration from pyproject.toml; `make test` runs them first.
+# ruff, mypy and import-linter (the layers) read their configuration from pyproject.toml;
+# `make test` runs them first.
 lint: venv
 	$(VENV)/bin/ruff check checkpointer
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest -q

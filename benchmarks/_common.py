@@ -51,7 +51,7 @@ def parse_args(doc: str, add_arguments=None) -> argparse.Namespace:
 
 def mesh(shape=(2, 4), axes=("data", "model")) -> Mesh:
     """The first prod(shape) devices as a mesh: the library's own `scratch_mesh`."""
-    from checkpointer._default_targets import scratch_mesh
+    from checkpointer._tools._default_targets import scratch_mesh
 
     return scratch_mesh(shape, axes, jax.devices())
 
@@ -74,7 +74,7 @@ def _fill(shape, seed: int) -> jax.Array:
     return lax.bitcast_convert_type((x >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _builder(scale: int):
     big, small = shapes(scale)
     m = mesh()

@@ -80,7 +80,7 @@ def _plain_read(arrays_dir: str):
             while off < end:
                 got = fh.readinto(view[off:end])
                 if not got:
-                    raise IOError(f"{f} is shorter than {n} bytes")
+                    raise OSError(f"{f} is shorter than {n} bytes")
                 off += got
     return buf
 
@@ -163,12 +163,12 @@ def report(C, args, res, logical, wall_s, load) -> str:
 
 
 def main() -> None:
+    import _common as C
     import absl.logging
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
 
-    import _common as C
     import checkpointer as ckpt
 
     absl.logging.set_verbosity(absl.logging.ERROR)

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from s3server import running_s3_server
 
-from checkpointer import _catalog, _directory
-from checkpointer._storage import storage_for
+from checkpointer._commit import _catalog, _directory
+from checkpointer._storage._backends import storage_for
 
 
 def _timed(fn, runs: int) -> tuple[float, object]:

@@ -66,7 +66,8 @@ def work(directory: str, side: int, leaves: int, runs: int) -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import checkpointer as ckpt
-    from checkpointer import _save, _save_plan, testing
+    from checkpointer import testing
+    from checkpointer._save import _pipeline as _save, _plan as _save_plan
 
     absl.logging.set_verbosity(absl.logging.ERROR)
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))

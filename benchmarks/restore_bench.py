@@ -45,13 +45,13 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common as C  # noqa: E402
 import absl.logging  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding  # noqa: E402
 
-import _common as C  # noqa: E402
 import checkpointer as ckpt  # noqa: E402
 
 absl.logging.set_verbosity(absl.logging.ERROR)
@@ -89,7 +89,7 @@ def plain_read(files, total, _target):
             while off < end:
                 got = fh.readinto(view[off:end])
                 if not got:
-                    raise IOError(f"{f} is shorter than {n} bytes")
+                    raise OSError(f"{f} is shorter than {n} bytes")
                 off += got
     return buf
 

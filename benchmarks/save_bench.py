@@ -54,12 +54,12 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common as C  # noqa: E402
 import absl.logging  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-import _common as C  # noqa: E402
 import checkpointer as ckpt  # noqa: E402
 
 absl.logging.set_verbosity(absl.logging.ERROR)

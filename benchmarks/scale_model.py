@@ -25,14 +25,14 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _format
-from checkpointer._box import Box
-from checkpointer._format import ArrayMetadata, SavedSharding
-from checkpointer._metadata import ChunkRecord, ProcessRecord, manifest_json
-from checkpointer._restore_plan import plan_leaf
-from checkpointer._save_plan import LeafAssignment
-from checkpointer._targets import named_shard_boxes
-from checkpointer._tree import flatten
+from checkpointer._format import _layout as _format
+from checkpointer._format._box import Box
+from checkpointer._format._layout import ArrayMetadata, SavedSharding
+from checkpointer._format._metadata import ChunkRecord, ProcessRecord, manifest_json
+from checkpointer._format._tree import flatten
+from checkpointer._restore._plan import plan_leaf
+from checkpointer._restore._targets import named_shard_boxes
+from checkpointer._save._plan import LeafAssignment
 
 GiB = 1 << 30
 HIDDEN, MLP, LAYERS, VOCAB, KV = 8192, 28672, 80, 32000, 1024

@@ -43,7 +43,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import checkpointer as ckpt  # noqa: E402
-from checkpointer import _timeline  # noqa: E402
+from checkpointer._tools import _timeline  # noqa: E402
 
 absl.logging.set_verbosity(absl.logging.ERROR)
 

@@ -62,6 +62,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _common as C  # noqa: E402
 import absl.logging  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -69,7 +70,6 @@ import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import _common as C  # noqa: E402
 import checkpointer as ckpt  # noqa: E402
 
 absl.logging.set_verbosity(absl.logging.ERROR)
@@ -290,7 +290,7 @@ def main() -> None:
 
 def _manager_timeline(saver) -> str:
     """The manager's last committed saves, summarised from `ckpt.timeline`'s records."""
-    from checkpointer import _timeline
+    from checkpointer._tools import _timeline
 
     saver.finish()
     phases = _timeline.read_timeline(saver.dir)

@@ -32,8 +32,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import _common as C  # benchmarks/ is the script's folder, first on sys.path
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
 

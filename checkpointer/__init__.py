@@ -8,8 +8,13 @@ See DESIGN.md for the on-disk format and the commit protocol.
 
 The public names are loaded on first use (PEP 562 `__getattr__`): `import checkpointer`
 imports only the errors, so a resumed job that only restores never loads the save,
-manager, CLI or export modules (see docs/DESIGN-decisions.md, "Fresh-process restore").
+manager, CLI or tools packages (see docs/DESIGN-decisions.md, "Fresh-process restore").
 `from checkpointer import X` and `checkpointer.X` work as for eager names.
+
+The table of lazy names is written once: the `if TYPE_CHECKING:` imports below, which
+type checkers and IDEs read as they are; at run time `_public_table` reads the same
+statements from this file's syntax tree, and `_package` imports the package named with a
+static statement (the library never imports by computed name: tests/test_hostile.py).
 """
 
 from __future__ import annotations
@@ -35,137 +40,76 @@ from ._errors import (
     UnsupportedValueError,
 )
 
-if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
-    from ._api import save, save_async
-    from ._async import AsyncSave
-    from ._box import Box
-    from ._buffer_pool import release_host_buffers
-    from ._drill import DrillReport
-    from ._export import ExportReport, export
-    from ._format import ArrayMetadata, SavedSharding, ValueMetadata
-    from ._leaf_plan import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan
-    from ._manager import CheckpointManager, ManagerStatus
-    from ._metadata import CheckpointMetadata, metadata
-    from ._orbax_import import import_orbax
-    from ._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
-    from ._process_state import per_process_state
-    from ._read import RestoreStats
-    from ._restore import plan_restore, restore
-    from ._save_plan import LeafAssignment, ProcessWrites, SavePlan
-    from ._save_preview import plan_save
-    from ._timeline import timeline
-    from ._verify import VerifyReport, verify
+if TYPE_CHECKING:  # THE TABLE: each lazy public name and the package that exports it
+    from ._encoding import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan, RestoreStats
+    from ._format import ArrayMetadata, Box, CheckpointMetadata, SavedSharding, ValueMetadata, metadata
+    from ._manage import CheckpointManager, KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps, ManagerStatus
+    from ._memory import release_host_buffers
+    from ._restore import per_process_state, plan_restore, restore
+    from ._save import AsyncSave, LeafAssignment, ProcessWrites, SavePlan, plan_save, save, save_async
+    from ._tools import DrillReport, ExportReport, VerifyReport, export, import_orbax, timeline, verify
 
     __version__: str
 
-# public name -> the private module that defines it (loaded on first access)
-_LAZY: dict[str, str] = {
-    "save": "_api", "save_async": "_api", "AsyncSave": "_async", "Box": "_box", "DrillReport": "_drill",
-    "release_host_buffers": "_buffer_pool",
-    "ExportReport": "_export", "export": "_export",
-    "ArrayMetadata": "_format", "SavedSharding": "_format", "ValueMetadata": "_format",
-    "CheckpointManager": "_manager", "ManagerStatus": "_manager",
-    "CheckpointMetadata": "_metadata", "metadata": "_metadata", "import_orbax": "_orbax_import",
-    "KeepAny": "_policies", "KeepBest": "_policies", "KeepEvery": "_policies", "KeepLatest": "_policies",
-    "KeepPolicy": "_policies", "KeepSteps": "_policies", "per_process_state": "_process_state",
-    "RestoreStats": "_read", "plan_restore": "_restore", "restore": "_restore",
-    "BoxRead": "_leaf_plan", "ChunkRead": "_leaf_plan", "LeafRestorePlan": "_leaf_plan",
-    "PeerPiece": "_leaf_plan", "RestorePlan": "_leaf_plan",
-    "LeafAssignment": "_save_plan", "ProcessWrites": "_save_plan", "SavePlan": "_save_plan",
-    "plan_save": "_save_preview", "timeline": "_timeline", "VerifyReport": "_verify", "verify": "_verify",
-}
+
+def _public_table() -> tuple[list[str], dict[str, str]]:
+    """(the errors imported above, {lazy public name: package}), read from this file's
+    own import statements: the errors' `from ._errors import` and the `if TYPE_CHECKING:` block."""
+    import ast
+    import pathlib
+
+    tree = ast.parse(pathlib.Path(__file__).read_text(encoding="utf-8"))
+    errors = next(n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "_errors")
+    block = next(n for n in tree.body if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING")
+    lazy = {a.name: node.module for node in block.body if isinstance(node, ast.ImportFrom) and node.module for a in node.names}
+    return [a.name for a in errors.names], lazy
 
 
-def _module(name: str) -> ModuleType:
-    """The private module `name` (a value of `_LAZY`), imported by a static statement:
-    the library never imports by computed name (tests/test_hostile.py)."""
-    if name == "_api":
-        from . import _api
+def _package(name: str) -> ModuleType:
+    """The package `name` (a value of `_LAZY`), imported by a static statement."""
+    if name == "_encoding":
+        from . import _encoding
 
-        return _api
-    if name == "_async":
-        from . import _async
-
-        return _async
-    if name == "_box":
-        from . import _box
-
-        return _box
-    if name == "_buffer_pool":
-        from . import _buffer_pool
-
-        return _buffer_pool
-    if name == "_drill":
-        from . import _drill
-
-        return _drill
-    if name == "_export":
-        from . import _export
-
-        return _export
+        return _encoding
     if name == "_format":
         from . import _format
 
         return _format
-    if name == "_manager":
-        from . import _manager
+    if name == "_manage":
+        from . import _manage
 
-        return _manager
-    if name == "_metadata":
-        from . import _metadata
+        return _manage
+    if name == "_memory":
+        from . import _memory
 
-        return _metadata
-    if name == "_orbax_import":
-        from . import _orbax_import
-
-        return _orbax_import
-    if name == "_policies":
-        from . import _policies
-
-        return _policies
-    if name == "_process_state":
-        from . import _process_state
-
-        return _process_state
-    if name == "_read":
-        from . import _read
-
-        return _read
+        return _memory
     if name == "_restore":
         from . import _restore
 
         return _restore
-    if name == "_leaf_plan":
-        from . import _leaf_plan
+    if name == "_save":
+        from . import _save
 
-        return _leaf_plan
-    if name == "_save_plan":
-        from . import _save_plan
+        return _save
+    if name == "_tools":
+        from . import _tools
 
-        return _save_plan
-    if name == "_save_preview":
-        from . import _save_preview
+        return _tools
+    raise AssertionError(f"no lazy package {name}")
 
-        return _save_preview
-    if name == "_timeline":
-        from . import _timeline
 
-        return _timeline
-    if name == "_verify":
-        from . import _verify
-
-        return _verify
-    raise AssertionError(f"no lazy module {name}")
+_ERRORS, _LAZY = _public_table()
+__all__ = [*_ERRORS, *_LAZY]
 
 
 def __getattr__(name: str) -> object:
-    """Loads a public name's module on first access and caches the name here."""
+    """Loads a public name's package on first access and caches the name here."""
     if name == "__version__":
-        from ._metadata import library_version
+        from ._format import library_version
 
         value: object = library_version()  # the installed distribution's, as each manifest records it
     elif name in _LAZY:
-        value = getattr(_module(_LAZY[name]), name)
+        value = getattr(_package(_LAZY[name]), name)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
@@ -175,17 +119,3 @@ def __getattr__(name: str) -> object:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY) | {"__version__"})
 
-
-__all__ = [
-    "save", "save_async", "restore", "metadata", "per_process_state", "plan_restore", "plan_save", "RestoreStats", "verify",
-    "VerifyReport", "import_orbax", "export", "ExportReport", "timeline", "release_host_buffers",
-    "AsyncSave", "CheckpointManager", "ManagerStatus", "DrillReport",
-    "KeepPolicy", "KeepLatest", "KeepEvery", "KeepBest", "KeepSteps", "KeepAny",
-    "CheckpointMetadata", "ArrayMetadata", "ValueMetadata", "SavedSharding",
-    "RestorePlan", "LeafRestorePlan", "BoxRead", "ChunkRead", "PeerPiece", "Box",
-    "SavePlan", "ProcessWrites", "LeafAssignment",
-    "CheckpointError", "CheckpointNotFoundError", "CheckpointExistsError", "StructureMismatchError",
-    "ShapeMismatchError", "DTypeMismatchError", "InvalidTargetError", "MeshError", "UnsupportedValueError",
-    "CorruptCheckpointError", "SaveError", "CommitTimeoutError", "SaveAgreementError", "ProcessCountMismatchError",
-    "RestoreAgreementError",
-]

@@ -1,6 +1,6 @@
 """Run a function or a script as N local JAX processes, for tests and examples.
 
-    from checkpointer import testing
+    from . import testing
 
     def work(path):                    # module level; runs in every process
         ...                            # jax.distributed is already initialized

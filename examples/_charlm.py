@@ -10,7 +10,9 @@ the 256 byte values and no download is needed.
 """
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from pydoc_data.topics import topics
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -19,7 +21,6 @@ import numpy as np
 import optax
 from flax.training import train_state
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
-from pydoc_data.topics import topics
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"

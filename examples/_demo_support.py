@@ -12,14 +12,15 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
+import _charlm
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-import _charlm
 from checkpointer import testing
 
 MIB = 2**20

@@ -30,10 +30,10 @@ import signal
 import time
 from pathlib import Path
 
-import jax
-
 import _charlm
 import _demo_support as demo
+import jax
+
 import checkpointer as ckpt
 from checkpointer import testing
 

@@ -8,7 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from checkpointer._default_targets import scratch_mesh  # noqa: E402
+from checkpointer._tools._default_targets import scratch_mesh  # noqa: E402
 
 
 def make_mesh(shape, names, devices=None):
@@ -28,6 +28,6 @@ def unpacked_layout(monkeypatch):
     files about the per-leaf layout (one zarr array per leaf, its chunk files), which
     damage, list or count those files. The packed layout has its own tests
     (tests/test_pack.py)."""
-    from checkpointer import _pack
+    from checkpointer._encoding import _pack
 
     monkeypatch.setattr(_pack, "DEFAULT_PACK_BYTES", 0)

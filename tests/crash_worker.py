@@ -16,11 +16,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import (  # noqa: E402
+    Mesh,
+    NamedSharding,
+    PartitionSpec as P,  # noqa: E402
+)
 
 import checkpointer as ckpt  # noqa: E402
-from checkpointer import _manager, _storage  # noqa: E402
+from checkpointer._manage import _manager  # noqa: E402
+from checkpointer._storage import _backends as _storage
 
 directory, kill_point, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 hook, _, nth = kill_point.partition(":")

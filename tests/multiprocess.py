@@ -16,8 +16,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from checkpointer.testing import ProcessesFailed, ProcessResult, describe_all, free_port
-from checkpointer.testing import run_processes as _run_processes
+from checkpointer.testing import ProcessesFailed, ProcessResult, describe_all, free_port, run_processes as _run_processes
 
 __all__ = ["WORKERS", "ProcessResult", "ProcessesFailed", "describe_all", "free_port", "run_processes"]
 

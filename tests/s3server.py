@@ -15,7 +15,7 @@ import socket
 import tempfile
 import time
 import urllib.request
-from typing import Iterator
+from collections.abc import Iterator
 
 # What the fixture sets; the previous values come back when it stops.
 ENV_KEYS = (

@@ -7,12 +7,12 @@ import weakref
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _buffer_pool, _save
-from conftest import make_mesh
+from checkpointer._memory import _buffer_pool
+from checkpointer._save import _pipeline as _save
 
 
 def test_pool_reuses_a_given_back_buffer_and_never_hands_one_out_twice():

@@ -10,13 +10,15 @@ import jax
 import numpy as np
 import pytest
 from conftest import make_mesh
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _catalog, _cli, _directory, _format, _save
+from checkpointer._cli import _main as _cli
+from checkpointer._commit import _catalog, _directory
 from checkpointer._errors import SaveError
-from checkpointer._storage import KvStorage, storage_for
+from checkpointer._format import _layout as _format
+from checkpointer._save import _pipeline as _save
+from checkpointer._storage._backends import KvStorage, storage_for
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from conftest import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _cli, _drill
+from checkpointer._cli import _main as _cli
+from checkpointer._tools import _drill
 
 PARTIAL = "4.partial-20260101000000-deadbeef"
 W_BYTES, B_BYTES = 16 * 8 * 4, 8 * 4
@@ -445,7 +446,7 @@ def test_installed_console_script(run_dir):
 def test_drill_restores_host_numpy_leaves_as_numpy(tmp_path):
     """A float64 numpy leaf cannot go on a device with jax_enable_x64 off; the drill
     restores it on the host instead of failing."""
-    from checkpointer._drill import drill
+    from checkpointer._tools._drill import drill
 
     d = tmp_path / "run"
     ckpt.save(str(d / "3"), {"w": np.ones((8, 8), np.float32), "stats": np.linspace(0, 1, 5)})

@@ -11,10 +11,10 @@ import sys
 import jax
 import numpy as np
 import pytest
+from conftest import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from conftest import make_mesh
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 sys.path.insert(0, FIXTURES)

@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from multiprocess import WORKERS, run_processes
 
 import checkpointer as ckpt
-from multiprocess import WORKERS, run_processes
 
 sys.path.insert(0, str(WORKERS))
 import _common  # noqa: E402

@@ -7,11 +7,10 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from conftest import make_mesh
 
 WORKER = os.path.join(os.path.dirname(__file__), "crash_worker.py")
 

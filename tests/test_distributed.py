@@ -5,7 +5,7 @@ import time
 import pytest
 
 import checkpointer as ckpt
-from checkpointer import _distributed
+from checkpointer._coord import _distributed
 
 
 class _FakeClient:

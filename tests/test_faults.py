@@ -6,11 +6,10 @@ import crc32c
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from conftest import make_mesh
 
 # About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
 # are not packed here (tests/test_pack.py covers the packed layout).

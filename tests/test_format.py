@@ -10,12 +10,11 @@ import crc32c
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from checkpointer._box import Box
 from checkpointer._errors import CorruptCheckpointError
-from checkpointer._format import (
+from checkpointer._format._box import Box
+from checkpointer._format._layout import (
     MAX_ARRAY_BYTES,
     ArrayMetadata,
     SavedSharding,
@@ -41,7 +40,7 @@ from checkpointer._format import (
     zarr_metadata,
     zarr_spec,
 )
-from checkpointer._metadata import ProcessRecord, library_version, manifest_json, parse_manifest
+from checkpointer._format._metadata import ProcessRecord, library_version, manifest_json, parse_manifest
 
 MIB = 1 << 20
 

@@ -9,19 +9,17 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _read
-from checkpointer._restore_memory import HUGE_PAGE_BYTES, host_buffer
-from conftest import make_mesh
+from checkpointer._encoding import _read
+from checkpointer._memory._restore_memory import HUGE_PAGE_BYTES, host_buffer
 
-# Modules a process that only restores local files must never load.
-_NOT_FOR_RESTORE = (
-    "checkpointer._api", "checkpointer._save", "checkpointer._async", "checkpointer._manager",
-    "checkpointer._tier_manager", "checkpointer._cli", "checkpointer._export", "checkpointer._orbax_import",
-    "checkpointer._drill", "checkpointer._timeline", "checkpointer._verify", "checkpointer._stream_save",
+# Packages a process that only restores local files must never load (the layers above
+# restore, and the save side; tests/test_layout.py checks that each of them exists).
+NOT_FOR_RESTORE = (
+    "checkpointer._save", "checkpointer._manage", "checkpointer._tools", "checkpointer._cli",
     "tensorstore",
 )
 
@@ -47,8 +45,8 @@ def test_restore_of_local_files_loads_no_save_manager_cli_or_tensorstore(tmp_pat
         out = checkpointer.restore({path!r})
         assert np.array_equal(out["w"], np.arange(16.0)), out
     """)
-    assert "checkpointer._restore" in mods
-    assert not mods & set(_NOT_FOR_RESTORE), sorted(mods & set(_NOT_FOR_RESTORE))
+    assert "checkpointer._restore" in mods and "checkpointer._restore._pipeline" in mods
+    assert not mods & set(NOT_FOR_RESTORE), sorted(mods & set(NOT_FOR_RESTORE))
 
 
 def test_every_public_name_resolves_and_star_import_works():
@@ -56,8 +54,8 @@ def test_every_public_name_resolves_and_star_import_works():
     exec("from checkpointer import *", namespace)
     assert set(ckpt.__all__) <= set(namespace)
     assert set(ckpt.__all__) <= set(dir(ckpt))
-    from checkpointer._manager import CheckpointManager
-    from checkpointer._restore import restore
+    from checkpointer._manage._manager import CheckpointManager
+    from checkpointer._restore._pipeline import restore
 
     assert ckpt.restore is restore and ckpt.CheckpointManager is CheckpointManager
     assert isinstance(ckpt.__version__, str)
@@ -184,7 +182,7 @@ def test_scatter_reads_through_a_kvstore_give_the_same_values(rows_layout, monke
 
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_scatter_read_fills_every_buffer_in_order_past_iov_max_and_raises_at_eof(tmp_path, where):
-    from checkpointer._storage import storage_for
+    from checkpointer._storage._backends import storage_for
 
     data = bytes(range(256)) * 40  # 10240 bytes
     location = str(tmp_path / "f") if where == "local" else "memory://fresh_restore_scatter_unit/f"

@@ -19,14 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from hypothesis import HealthCheck, given, settings, strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _format
-from conftest import make_mesh
+from checkpointer._format import _layout as _format
 
 # About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
 # are not packed here (tests/test_pack.py covers the packed layout).
@@ -97,7 +95,9 @@ def test_library_source_has_no_pickle_eval_exec_or_dynamic_import():
     allowed = {"importlib.metadata"}  # reads the installed version; imports nothing
     # checkpointer/testing.py is the process harness of tests and examples: it imports
     # the worker function its caller names, and never reads a checkpoint.
-    for f in (f for f in LIB.glob("*.py") if f.name != "testing.py"):
+    files = [f for f in LIB.rglob("*.py") if f.name != "testing.py"]
+    assert len(files) > 40, files  # every module of every package
+    for f in files:
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Import):
                 names = {a.name.split(".")[0] for a in node.names if a.name not in allowed}

@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, SingleDeviceSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import checkpointer as ckpt
-from checkpointer import _format, _leaf_plan, _read
-from checkpointer._box import Box
-from checkpointer._format import ArrayMetadata
-from conftest import make_mesh
+from checkpointer._encoding import _leaf_plan, _read
+from checkpointer._format import _layout as _format
+from checkpointer._format._box import Box
+from checkpointer._format._layout import ArrayMetadata
 
 MESH_2x4 = ((2, 4), ("a", "b"))
 
@@ -67,7 +67,7 @@ def _bit_patterns(dtype, shape=(16, 16)):
     rng = np.random.default_rng(zlib.crc32(dtype.name.encode()))
     if dtype.kind == "b":
         return rng.integers(0, 2, shape).astype(np.bool_)
-    bits = getattr(ml_dtypes.finfo(dtype) if _is_float(dtype) else ml_dtypes.iinfo(dtype), "bits")
+    bits = (ml_dtypes.finfo(dtype) if _is_float(dtype) else ml_dtypes.iinfo(dtype)).bits
     if bits < 8:
         if _is_float(dtype):  # every pattern of the low `bits` bits
             return np.resize(np.arange(2**bits, dtype=np.uint8), shape).view(dtype)
@@ -696,7 +696,7 @@ def test_scalar_and_memory_kind_targets(tmp_path):
     ],
 )
 def test_pure_device_boxes_equal_jax_devices_indices_map(mesh_shape, names, shape, spec):
-    from checkpointer._sharding import named_shard_boxes
+    from checkpointer._format._sharding import named_shard_boxes
 
     mesh = make_mesh(mesh_shape, names)
     jax_boxes = NamedSharding(mesh, spec).devices_indices_map(shape)

@@ -7,15 +7,14 @@ import sys
 import textwrap
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _cli
-from conftest import make_mesh
+from checkpointer._cli import _main as _cli
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -145,7 +144,7 @@ def test_orbax_import_names_a_metadata_file_that_is_not_an_object(tmp_path, file
 
 
 def test_leaf_by_leaf_save_names_a_leaf_it_cannot_store_and_what_it_takes(tmp_path):
-    from checkpointer._stream_save import save_leaf_by_leaf
+    from checkpointer._save._stream import save_leaf_by_leaf
 
     with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf 'x' in .*/1: a leaf of type object cannot be stored; "
                        r"leaves must be ArraySource"):
@@ -356,7 +355,7 @@ def test_cli_output_into_a_pipe_closed_early_exits_quietly(tmp_path, json_mode):
 
 
 def test_ls_footer_tells_crashed_saves_from_saves_in_flight(tmp_path, capsys):
-    from checkpointer._storage import LocalStorage
+    from checkpointer._storage._backends import LocalStorage
 
     run = tmp_path / "run"
     ckpt.save(str(run / "1"), {"w": np.ones(2)})

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import checkpointer as ckpt
-from checkpointer import _cli, _directory, _storage
+from checkpointer._cli import _main as _cli
+from checkpointer._commit import _directory
+from checkpointer._storage import _backends as _storage
 
 
 def _tree(value: float = 0.0) -> dict:
@@ -197,7 +199,7 @@ def test_follow_beside_a_writer_with_retention_restores_exactly_or_not_found(tmp
 @pytest.mark.parametrize("how", ["renamed", "removed"])
 def test_step_deleted_while_it_is_restored_is_not_found(tmp_path, monkeypatch, how):
     """Retention renames the folder away, then removes it, in the middle of a read."""
-    from checkpointer import _read
+    from checkpointer._encoding import _read
 
     run = str(tmp_path / "run")
     # Unpacked: the read intercepted is a zarr shard file's (packed leaves: tests/test_pack.py).
@@ -223,7 +225,7 @@ def test_step_deleted_while_it_is_restored_is_not_found(tmp_path, monkeypatch, h
 def test_step_deleted_while_its_manifest_is_read_is_not_found(tmp_path, monkeypatch):
     """An OSError that is not wrapped as damage (here from reading the manifest of a
     step that vanished) is reported as not found too, once the marker is gone."""
-    from checkpointer import _restore
+    from checkpointer._restore import _pipeline as _restore
 
     run = str(tmp_path / "run")
     ckpt.save(f"{run}/1", {"a": np.arange(4.0)})
@@ -280,7 +282,7 @@ def test_failed_save_async_dropped_while_running_is_logged_when_it_fails(tmp_pat
     import logging
     import threading
 
-    from checkpointer import _save
+    from checkpointer._save import _pipeline as _save
 
     release = threading.Event()
 

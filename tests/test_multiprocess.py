@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from multiprocess import WORKERS, ProcessesFailed, describe_all, run_processes
 
 import checkpointer as ckpt
-from multiprocess import WORKERS, ProcessesFailed, describe_all, run_processes
 
 sys.path.insert(0, str(WORKERS))
 import _common  # noqa: E402  (the worker-side definitions of the test tree)

@@ -11,14 +11,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 import zarr
+from conftest import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _pack
-from checkpointer._box import Box
-from checkpointer._format import ArrayMetadata, PackedBox
-from checkpointer._leaf_plan import PACK_GAP_BYTES, coalesce_packed, plan_leaf
-from conftest import make_mesh
+from checkpointer._encoding import _pack
+from checkpointer._encoding._leaf_plan import PACK_GAP_BYTES, coalesce_packed, plan_leaf
+from checkpointer._format._box import Box
+from checkpointer._format._layout import ArrayMetadata, PackedBox
 
 
 def _json(path):
@@ -250,7 +250,8 @@ def test_verify_names_every_leaf_a_missing_pack_loses(tmp_path, lost):
 
 @pytest.mark.parametrize("how", ["renamed", "removed"])
 def test_a_step_deleted_while_its_pack_is_read_is_not_found(tmp_path, monkeypatch, how):
-    from checkpointer import _directory, _storage
+    from checkpointer._commit import _directory
+    from checkpointer._storage import _backends as _storage
 
     run = str(tmp_path / "run")
     ckpt.save(f"{run}/1", {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
@@ -284,7 +285,7 @@ def test_a_truncated_pack_is_refused_before_reading(tmp_path):
 def test_a_pack_that_cannot_be_read_names_the_leaves_in_the_read(tmp_path, monkeypatch):
     """On storage without a cheap size check (object stores) a truncated pack fails at
     its read: the error names the leaf, not only the pack file."""
-    from checkpointer import _storage
+    from checkpointer._storage import _backends as _storage
 
     path = str(tmp_path / "1")
     ckpt.save(path, {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
@@ -327,7 +328,7 @@ def test_a_damaged_pack_index_in_the_manifest_is_corrupt(tmp_path, damage):
 
 
 def test_plan_and_inspect_show_packed_leaves(tmp_path, capsys):
-    from checkpointer._cli import main
+    from checkpointer._cli._main import main
 
     state = _state(2)
     path = str(tmp_path / "1")
@@ -397,8 +398,8 @@ def test_the_rule_packs_small_whole_byte_chunks_only():
 
 
 def test_a_process_record_with_a_pack_round_trips_and_keeps_unknown_fields(tmp_path):
-    from checkpointer._format import dumps_large, loads
-    from checkpointer._metadata import ProcessRecord
+    from checkpointer._format._layout import dumps_large, loads
+    from checkpointer._format._metadata import ProcessRecord
 
     state = _state(2)
     path = str(tmp_path / "1")
@@ -415,7 +416,7 @@ def test_a_process_record_with_a_pack_round_trips_and_keeps_unknown_fields(tmp_p
 
 
 def test_the_write_rate_limit_paces_the_pack_as_one_write(tmp_path, monkeypatch):
-    from checkpointer._ratelimit import TokenBucket
+    from checkpointer._storage._ratelimit import TokenBucket
 
     calls = []
     real = TokenBucket.acquire

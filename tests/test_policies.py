@@ -2,7 +2,7 @@
 
 import pytest
 
-from checkpointer._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
+from checkpointer._manage._policies import KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps
 
 STEPS = [0, 100, 200, 300, 400, 500]
 

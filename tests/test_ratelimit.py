@@ -7,14 +7,12 @@ import jax
 import numpy as np
 import pytest
 from conftest import make_mesh
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from hypothesis import given, settings, strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _ratelimit
-from checkpointer._ratelimit import TokenBucket
+from checkpointer._storage import _ratelimit
+from checkpointer._storage._ratelimit import TokenBucket
 
 # About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
 # are not packed here (tests/test_pack.py covers the packed layout).

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from multiprocess import WORKERS, run_processes
 
 import checkpointer as ckpt
-from checkpointer import _save
+from checkpointer._save import _pipeline as _save
 
 STATES = ("replicated", "dpmp")
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
-from checkpointer._box import Box, row_slabs
-from checkpointer._format import ArrayMetadata, SavedSharding
-from checkpointer._leaf_plan import ChunkRead, PeerPiece, RestorePlan, plan_leaf
-from checkpointer._restore_plan import build_plan, exchange_spec
-from checkpointer._sharding import named_shard_boxes
-from checkpointer._targets import LeafTarget, ResolvedLeaf, ResolvedTarget
+from checkpointer._encoding._leaf_plan import ChunkRead, PeerPiece, RestorePlan, plan_leaf
+from checkpointer._format._box import Box, row_slabs
+from checkpointer._format._layout import ArrayMetadata, SavedSharding
+from checkpointer._format._sharding import named_shard_boxes
+from checkpointer._restore._plan import build_plan, exchange_spec
+from checkpointer._restore._targets import LeafTarget, ResolvedLeaf, ResolvedTarget
 
 F32 = np.dtype(np.float32)
 N = 4096

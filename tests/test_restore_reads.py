@@ -8,12 +8,11 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _read
-from conftest import make_mesh
+from checkpointer._encoding import _read
 
 # About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
 # are not packed here (tests/test_pack.py covers the packed layout).
@@ -179,7 +178,7 @@ def test_a_bug_in_the_reader_is_not_reported_as_a_damaged_checkpoint(big, monkey
 def test_shard_file_layout_matches_the_files_tensorstore_writes(tmp_path):
     import crc32c
 
-    from checkpointer._format import ShardFileLayout
+    from checkpointer._format._layout import ShardFileLayout
 
     x = np.arange(512 * 256, dtype=np.int32).astype(np.int16).reshape(512, 256)  # chunks of 64 KiB
     ckpt.save(str(tmp_path / "1"), {"x": jax.device_put(x, NamedSharding(make_mesh((2, 2), ("a", "b")), P("a", "b")))})

@@ -15,18 +15,19 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from rich.console import Console
 
 pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (dev extra)")
 pytest.importorskip("boto3", reason="the S3 tests need boto3 (dev extra)")
 
-import checkpointer as ckpt  # noqa: E402
-from checkpointer import _cli, _directory  # noqa: E402
-from checkpointer._storage import KvStorage, s3_spec, storage_for  # noqa: E402
 from conftest import make_mesh  # noqa: E402
 from s3server import running_s3_server  # noqa: E402
+
+import checkpointer as ckpt  # noqa: E402
+from checkpointer._cli import _main as _cli  # noqa: E402
+from checkpointer._commit import _directory
+from checkpointer._storage._backends import KvStorage, s3_spec, storage_for  # noqa: E402
 
 
 @pytest.fixture(scope="session")

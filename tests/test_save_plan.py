@@ -17,9 +17,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer._box import Box, cell_box
 from checkpointer._errors import UnsupportedValueError
-from checkpointer._save_plan import (
+from checkpointer._format._box import Box, cell_box
+from checkpointer._format._sharding import named_shard_boxes
+from checkpointer._save._plan import (
     ChunkWrite,
     LeafShards,
     ShardInfo,
@@ -28,7 +29,6 @@ from checkpointer._save_plan import (
     plan_writes,
     split_rule,
 )
-from checkpointer._sharding import named_shard_boxes
 
 MESH_2x4 = np.arange(8).reshape(2, 4)  # data x model, device ids in mesh order
 AXES = ("data", "model")

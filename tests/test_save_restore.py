@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _directory, _restore
-from conftest import make_mesh
+from checkpointer._commit import _directory
+from checkpointer._restore import _pipeline as _restore
 
 
 def _load_json(path):
@@ -411,7 +411,7 @@ def test_restore_of_a_step_deleted_while_reading_says_so(tmp_path, monkeypatch):
 
 
 def test_a_save_that_lost_the_race_for_its_path_names_the_process_and_the_fix(tmp_path):
-    from checkpointer import _save
+    from checkpointer._save import _pipeline as _save
 
     path = str(tmp_path / "1")
     late = _save.take_snapshot(path, {"x": np.ones(3)})  # planned while the path was free

@@ -15,16 +15,16 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
-from checkpointer import _format
-from checkpointer._commit import MarkerCommit, RenameCommit
+from checkpointer._commit._strategies import MarkerCommit, RenameCommit, strategy_for
 from checkpointer._errors import CheckpointExistsError
-from checkpointer._storage import (
-    TS_CONTEXT,
+from checkpointer._format import _layout as _format
+from checkpointer._storage._backends import (
     FileLock,
     KvStorage,
     LocalStorage,
     LockHeldError,
     storage_for,
+    ts_context,
 )
 
 
@@ -48,8 +48,8 @@ class StorageTests:
         assert storage.supports_locks is self.supports_locks
         assert storage.has_folders is self.has_folders
         assert storage.cheap_size is self.cheap_size
-        assert type(storage.commit_strategy) is self.commit_class
-        assert storage.commit_strategy.storage is storage
+        assert type(strategy_for(storage)) is self.commit_class
+        assert strategy_for(storage).storage is storage
 
     # --- small files -----------------------------------------------------------------
 
@@ -202,7 +202,7 @@ class StorageTests:
     def test_kvstore_spec_addresses_the_same_files(self, location):
         storage, root = location
         storage.makedirs(f"{root}/arr")
-        kv = ts.KvStore.open(storage.kvstore_spec(f"{root}/arr"), context=TS_CONTEXT).result()
+        kv = ts.KvStore.open(storage.kvstore_spec(f"{root}/arr"), context=ts_context()).result()
         kv.write("k/0", b"through tensorstore").result()
         assert storage.read_file(f"{root}/arr/k/0") == b"through tensorstore"
         storage.write_file(f"{root}/arr/mine", b"through storage")
@@ -254,7 +254,7 @@ class StorageTests:
 
     def _save(self, storage, path, generation, files, *, overwrite=False):
         """A save as `_save` runs it: write, mark, publish, finish."""
-        strategy = storage.commit_strategy
+        strategy = strategy_for(storage)
         strategy.prepare_overwrite(path)
         write = strategy.write_path(path, generation)
         storage.makedirs(write)
@@ -266,7 +266,7 @@ class StorageTests:
 
     def test_commit_publishes_under_the_final_name(self, location):
         storage, root = location
-        strategy = storage.commit_strategy
+        strategy = strategy_for(storage)
         path = f"{root}/7"
         assert (strategy.write_path(path, "g1") == path) is strategy.writes_in_place
         assert not strategy.target_blocked(path)
@@ -288,14 +288,14 @@ class StorageTests:
         storage, root = location
         path = f"{root}/7"
         self._save(storage, path, "g1", {"a": b"1"})
-        left = storage.commit_strategy.unpublish(path)
+        left = strategy_for(storage).unpublish(path)
         assert not storage.exists(f"{path}/{_format.COMMITTED}")
         storage.delete_tree(left)
         assert storage.list_files(root) == []
 
     def test_discard_path_of_a_failed_save(self, location):
         storage, root = location
-        strategy = storage.commit_strategy
+        strategy = strategy_for(storage)
         folder = strategy.discard_path(f"{root}/7", "g1")
         # Only a private write folder is removed at once; a save under the final name
         # leaves its objects to recovery.
@@ -335,8 +335,8 @@ class TestLocalStorage(StorageTests):
         storage, root = location
         storage.write_file(f"{root}/7", b"not a checkpoint")
         os.symlink(f"{root}/nowhere", f"{root}/8")
-        assert storage.commit_strategy.target_blocked(f"{root}/7")
-        assert storage.commit_strategy.target_blocked(f"{root}/8")
+        assert strategy_for(storage).target_blocked(f"{root}/7")
+        assert strategy_for(storage).target_blocked(f"{root}/8")
 
     def test_rename_commit_refuses_a_step_committed_meanwhile(self, location):
         storage, root = location

@@ -19,13 +19,13 @@ import uuid
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _read, _save
-from checkpointer._storage import LocalStorage
-from conftest import make_mesh
+from checkpointer._encoding import _read
+from checkpointer._save import _pipeline as _save
+from checkpointer._storage._backends import LocalStorage
 
 # About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
 # are not packed here (tests/test_pack.py covers the packed layout).

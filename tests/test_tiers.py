@@ -16,12 +16,13 @@ import time
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _cli, _storage, _tiers
-from conftest import make_mesh
+from checkpointer._cli import _main as _cli
+from checkpointer._manage import _tiers
+from checkpointer._storage import _backends as _storage
 
 CRASH_WORKER = os.path.join(os.path.dirname(__file__), "tiers_crash_worker.py")
 

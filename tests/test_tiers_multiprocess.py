@@ -3,7 +3,6 @@
 import shutil
 
 import pytest
-
 from multiprocess import WORKERS, run_processes
 
 

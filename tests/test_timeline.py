@@ -9,14 +9,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _cli, _directory, _timeline
-from checkpointer._metadata import ProcessRecord
-from checkpointer._storage import storage_for
-from conftest import make_mesh
+from checkpointer._cli import _main as _cli
+from checkpointer._commit import _directory
+from checkpointer._format._metadata import ProcessRecord
+from checkpointer._storage._backends import storage_for
+from checkpointer._tools import _timeline
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v0.1.0"
 
@@ -126,7 +127,7 @@ def test_waiting_for_a_slow_computation_is_its_own_phase_before_the_snapshot(tmp
     # JAX dispatches asynchronously: the save is called while a leaf is still being
     # computed. The wait is recorded apart; the snapshot (what blocks training) starts
     # once the leaves are ready, before their host copy.
-    from checkpointer import _save
+    from checkpointer._save import _pipeline as _save
 
     copies = []
 

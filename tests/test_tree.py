@@ -7,12 +7,11 @@ import json
 import jax
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
 
 from checkpointer._errors import CorruptCheckpointError, StructureMismatchError
-from checkpointer._tree import check_leaf_path, describe, escape_key, flatten, keystr, keystrs, leaf_path, rebuild
+from checkpointer._format._tree import check_leaf_path, describe, escape_key, flatten, keystr, keystrs, leaf_path, rebuild
 
 try:
     from optax import ScaleByAdamState

@@ -7,8 +7,8 @@ import numpy as np
 import zarr
 
 import checkpointer as ckpt
-from checkpointer._tree import describe
-from checkpointer._zarr_groups import group_nodes
+from checkpointer._format._tree import describe
+from checkpointer._format._zarr_groups import group_nodes
 
 Pair = collections.namedtuple("Pair", ["left", "right"])
 

@@ -12,11 +12,14 @@ import sys
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import (  # noqa: E402
+    Mesh,
+    NamedSharding,
+    PartitionSpec as P,  # noqa: E402
+)
 
 import checkpointer as ckpt  # noqa: E402
-from checkpointer import _tiers  # noqa: E402
+from checkpointer._manage import _tiers  # noqa: E402
 
 directory, local = sys.argv[1], sys.argv[2]
 mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))

@@ -29,7 +29,7 @@ def mesh(shape, axis_names):
     the library's own `scratch_mesh` (MeshError when the job has too few devices)."""
     import jax
 
-    from checkpointer._default_targets import scratch_mesh
+    from checkpointer._tools._default_targets import scratch_mesh
 
     return scratch_mesh(shape, axis_names, jax.devices())
 

@@ -16,7 +16,7 @@ args = _common.init()
 import jax  # noqa: E402
 
 import checkpointer as ckpt  # noqa: E402
-import checkpointer._save as save_mod  # noqa: E402
+import checkpointer._save._pipeline as save_mod  # noqa: E402
 
 if jax.process_index() == args["failer"]:
 

@@ -10,10 +10,10 @@ emits: writer {"event": "written", "all_steps"}; follower one {"event": "seen", 
 import os
 import time
 
+import _common
 import numpy as np
 
 import checkpointer as ckpt
-import _common
 
 args = _common.mp_args()  # no jax.distributed: two separate jobs
 directory, steps = args["directory"], args["steps"]

@@ -22,7 +22,7 @@ args = _common.init()
 import jax  # noqa: E402
 
 import checkpointer as ckpt  # noqa: E402
-import checkpointer._save as save_mod  # noqa: E402
+import checkpointer._save._pipeline as save_mod  # noqa: E402
 
 victim = args["victim"]
 me = jax.process_index()

@@ -17,7 +17,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import checkpointer as ckpt  # noqa: E402
-from checkpointer._box import Box  # noqa: E402
+from checkpointer._format._box import Box  # noqa: E402
 
 expected = _common.global_arrays()
 

@@ -1,0 +1,6 @@
+"""The `checkpointer` command line.
+"""
+
+from ._main import main
+
+__all__ = ['main']

@@ -1,0 +1,5 @@
+"""`python -m checkpointer._cli`: the command line, as the console script runs it."""
+
+from . import main
+
+raise SystemExit(main())

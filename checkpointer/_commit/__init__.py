@@ -1,0 +1,25 @@
+"""The commit protocol: the agreement before anything is written, the commit strategies
+(rename or marker), the step catalog, and a directory's step folders (committed, partial,
+crashed, being deleted).
+"""
+
+from ._agreement import _MAX_SHOWN, DEFAULT_AGREEMENT_TIMEOUT_S, _canonical, _groups, _procs, agree, next_ticket, proposal, refuse
+from ._catalog import add_entry
+from ._directory import (
+    LOCK_NAME,
+    SAVE_JOURNAL,
+    SAVE_LOCK_SUFFIX,
+    StepEntry,
+    committed_folders,
+    committed_steps,
+    delete_step,
+    entries,
+    foreign_entries,
+    plan_recovery,
+    recover,
+    repair,
+    unpublish_step,
+)
+from ._strategies import strategy_for
+
+__all__ = ['DEFAULT_AGREEMENT_TIMEOUT_S', 'LOCK_NAME', 'SAVE_JOURNAL', 'SAVE_LOCK_SUFFIX', 'StepEntry', '_MAX_SHOWN', '_canonical', '_groups', '_procs', 'add_entry', 'agree', 'committed_folders', 'committed_steps', 'delete_step', 'entries', 'foreign_entries', 'next_ticket', 'plan_recovery', 'proposal', 'recover', 'refuse', 'repair', 'strategy_for', 'unpublish_step']

@@ -1,0 +1,448 @@
+"""Restore planning (pure): which stored bytes each target shard box needs, and where they go.
+
+Given the saved chunk grid of each leaf and the boxes the target sharding puts on this
+process's devices (`_targets.resolve_tree`), the planner lists, per *unique* target box,
+the chunks (zarr shard files) it intersects and, per chunk, a `ChunkRead` the reader runs
+as it stands: the file and its expected size, the byte range of its shard index, the
+index entries (inner chunks) to read, and for each the part of the inner chunk to copy
+and where in the box's buffer it goes. Like DCP's `ReadItem`, a read names both
+coordinate systems: storage (file, index range, inner chunk ids and lengths) and
+destination (offsets in the box). A box held by several local devices is read once and
+placed on each; a box larger than the host-memory bound is planned as slabs.
+
+The inner chunks' own offsets in the file are not in the plan: zarr lets a writer place
+them anywhere, so the reader takes them from the index it reads (one range per chunk),
+checks each entry against the plan's expected length and file bounds, and coalesces
+inner chunks adjacent in the file into one read. No device work and no I/O here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from .. import _format
+from .._errors import CorruptCheckpointError, where
+from .._format import ArrayMetadata, Box, cell_box, grid_cells, row_slabs
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRead:
+    """The part of one stored chunk a target box needs, as the reader executes it.
+
+    Attributes:
+      chunk_index: the chunk's cell in the saved chunk grid.
+      chunk_key: its key relative to the checkpoint path (a zarr shard file).
+      box: the region of the global array read from this chunk (target ∩ chunk).
+      inner_chunks: how many inner chunks of the zarr shard file that region touches.
+      bytes_read: bytes fetched: those inner chunks with their crc32c, plus the index.
+      local_box: `box` in the chunk's own coordinates.
+      file_bytes: the size the zarr shard file must have, bytes.
+      index_offset: where its shard index (entries and crc32c) starts, bytes.
+      index_bytes: the index's length with its crc32c, bytes.
+      inner_bytes_with_crc: the stored length every index entry must give, bytes.
+      inner_ids: the index entries (C-order inner chunk ids) to read, ascending; the
+        k-th is the k-th element of `itertools.product(*spans)`.
+      spans: per dimension, per inner chunk index along it that is read,
+        `(source start in the inner chunk, destination start in the box buffer,
+        length)` in elements; the copy of one inner chunk is the product of one span
+        per dimension.
+    """
+
+    chunk_index: tuple[int, ...]
+    chunk_key: str
+    box: Box
+    inner_chunks: int
+    bytes_read: int
+    local_box: Box
+    file_bytes: int
+    index_offset: int
+    index_bytes: int
+    inner_bytes_with_crc: int
+    inner_ids: tuple[int, ...]
+    spans: tuple[tuple[tuple[int, int, int], ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRead:
+    """The part of one packed chunk (`_pack`) a target box needs: a byte range of a pack.
+
+    The whole chunk's bytes are read (its crc32c covers them all; packed chunks are
+    small by definition), then `box` is copied out of them.
+
+    Attributes:
+      key: the pack's chunk file, relative to the checkpoint path.
+      file_bytes: the size that file must have, bytes.
+      offset: where the chunk's bytes start in the file, bytes.
+      nbytes: their length, bytes.
+      crc32c: their crc32c (from the manifest).
+      chunk_box: the chunk's region of the global array.
+      box: the region read from it (target ∩ chunk).
+      local_box: `box` in the chunk's own coordinates.
+      dest: `box`'s origin relative to the destination box (or slab).
+    """
+
+    key: str
+    file_bytes: int
+    offset: int
+    nbytes: int
+    crc32c: int
+    chunk_box: Box
+    box: Box
+    local_box: Box
+    dest: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackRun:
+    """One read of a pack file that covers several packed chunks (neighbours coalesced).
+
+    Attributes:
+      key: the pack's chunk file, relative to the checkpoint path.
+      offset: the first byte read.
+      nbytes: bytes read (gaps between the chunks included).
+      boxes: the distinct packed chunks in it, `(offset, nbytes, crc32c, leaf path)`,
+        ascending.
+    """
+
+    key: str
+    offset: int
+    nbytes: int
+    boxes: tuple[tuple[int, int, int, str], ...]
+
+
+# Neighbouring packed chunks are read in one run across gaps up to this size, and a run
+# is cut once it exceeds `_PACK_RUN_BYTES`.
+PACK_GAP_BYTES = 64 << 10
+_PACK_RUN_BYTES = 16 << 20
+
+
+def coalesce_packed(reads: Iterable[tuple[str, PackedRead]]) -> tuple[PackRun, ...]:
+    """Groups packed chunk reads into runs of neighbouring byte ranges.
+
+    Args:
+      reads: `(leaf path, PackedRead)` pairs; a chunk needed by several target boxes
+        is read once.
+    Returns:
+      Per pack file, ascending, runs covering every distinct chunk once: a chunk joins
+      the previous run when the gap is at most `PACK_GAP_BYTES` and the run stays
+      within 16 MiB (a larger chunk is a run of its own).
+    """
+    distinct = sorted({(r.key, r.offset, r.nbytes, r.crc32c, leaf) for leaf, r in reads})
+    runs: list[PackRun] = []
+    cur: list[tuple[int, int, int, str]] = []
+    key, start, end = "", 0, 0
+    for k, off, n, crc, leaf in distinct:
+        if cur and k == key and off - end <= PACK_GAP_BYTES and off + n - start <= _PACK_RUN_BYTES:
+            cur.append((off, n, crc, leaf))
+            end = max(end, off + n)
+            continue
+        if cur:
+            runs.append(PackRun(key, start, end - start, tuple(cur)))
+        cur, key, start, end = [(off, n, crc, leaf)], k, off, off + n
+    if cur:
+        runs.append(PackRun(key, start, end - start, tuple(cur)))
+    return tuple(runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxRead:
+    """One unique target box of one leaf on this process.
+
+    Attributes:
+      box: the region of the global array (a target shard).
+      device_ids: the local devices that hold it.
+      reads: the chunk reads that assemble it (destinations relative to `box`).
+      bytes_needed: bytes of the box itself.
+      slabs: when the box is larger than the host-memory bound it was planned with,
+        the slabs it is read in (consecutive along the first dimension, each with its
+        own reads, destinations relative to the slab); empty: read the box whole.
+      receivers: in a cooperative plan, the other processes that need (part of) this
+        box and get it from this process through the exchange; () otherwise.
+      packed: for a packed leaf (`_pack`), the packed chunks that assemble the box
+        (then `reads` is empty; packed boxes are never split into slabs).
+    """
+
+    box: Box
+    device_ids: tuple[int, ...]
+    reads: tuple[ChunkRead, ...]
+    bytes_needed: int
+    slabs: tuple[BoxRead, ...] = ()
+    receivers: tuple[int, ...] = ()
+    packed: tuple[PackedRead, ...] = ()
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes fetched for this box (through its slabs when it has them); a packed
+        chunk counts in full for each box that needs it (`LeafRestorePlan.bytes_read`
+        counts it once, as it is read)."""
+        if self.slabs:
+            return sum(s.bytes_read for s in self.slabs)
+        return sum(r.bytes_read for r in self.reads) + sum(p.nbytes for p in self.packed)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerPiece:
+    """A region this process needs and another process reads from storage (cooperative plan).
+
+    Attributes:
+      box: the region of the global array (inside one of this process's target boxes).
+      reader: the process that reads it from storage (the lowest, if several do).
+    """
+
+    box: Box
+    reader: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRestorePlan:
+    """The reads of one array leaf.
+
+    Attributes:
+      leaf_path: the leaf path.
+      shape: the global shape (of the stored array; PRNG key data included).
+      dtype: the stored dtype.
+      boxes: what this process reads from storage: one entry per unique target box
+        of its devices, or, in a cooperative plan, per unique exchange box.
+      exchange_spec: None: no exchange, `boxes` are the target boxes. Else the
+        PartitionSpec (over the target's mesh, for `shape`) of the exchange layout
+        the read boxes form; the executor reshards it onto the target.
+      target_boxes: in a cooperative plan, this process's unique target boxes.
+      received: in a cooperative plan, the regions of `target_boxes` other processes
+        read and this process receives from them.
+    """
+
+    leaf_path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    boxes: tuple[BoxRead, ...]
+    exchange_spec: PartitionSpec | None = None
+    target_boxes: tuple[Box, ...] = ()
+    received: tuple[PeerPiece, ...] = ()
+
+    @property
+    def bytes_needed(self) -> int:
+        """Bytes of this process's unique target boxes."""
+        if self.exchange_spec is not None:
+            return sum(b.size for b in self.target_boxes) * self.dtype.itemsize
+        return sum(b.bytes_needed for b in self.boxes)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this process fetches from storage for the leaf (a packed chunk that
+        several boxes need counts once: it is read once)."""
+        packed = {(p.key, p.offset): p.nbytes for b in self.boxes for p in b.packed}
+        return sum(b.bytes_read for b in self.boxes if not b.packed) + sum(packed.values())
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of the leaf this process receives from peers (0 without an exchange)."""
+        return sum(p.box.size for p in self.received) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """What one process reads to restore a checkpoint onto a target.
+
+    Attributes:
+      path: the checkpoint path.
+      process_index: the process the plan is for.
+      leaves: one plan per array leaf that is read.
+    """
+
+    path: str
+    process_index: int
+    leaves: tuple[LeafRestorePlan, ...]
+
+    @property
+    def reads(self) -> tuple[ChunkRead, ...]:
+        """Every chunk read, all leaves and boxes."""
+        return tuple(r for leaf in self.leaves for b in leaf.boxes for r in b.reads)
+
+    @property
+    def bytes_needed(self) -> int:
+        """Bytes of the unique target boxes of this process."""
+        return sum(leaf.bytes_needed for leaf in self.leaves)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes the reads fetch from storage, index reads included."""
+        return sum(leaf.bytes_read for leaf in self.leaves)
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes this process receives from peers instead of reading them (cooperative plan)."""
+        return sum(leaf.bytes_received for leaf in self.leaves)
+
+    @property
+    def pack_runs(self) -> tuple[PackRun, ...]:
+        """The reads of every packed chunk of the plan, neighbours coalesced (`coalesce_packed`)."""
+        return coalesce_packed((leaf.leaf_path, p) for leaf in self.leaves for b in leaf.boxes for p in b.packed)
+
+    @property
+    def cooperative(self) -> bool:
+        """Whether some leaf is read cooperatively (its restore is collective)."""
+        return any(leaf.exchange_spec is not None for leaf in self.leaves)
+
+    @property
+    def read_amplification(self) -> float:
+        """`bytes_read / bytes_needed` (1.0 when nothing is needed); below 1 when peers
+        supply part of it (`bytes_received`)."""
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+    def __str__(self) -> str:
+        # The "received" column (bytes from peers) only for a cooperative plan.
+        coop = self.cooperative
+        rows = [("leaf", "shape", "dtype", "boxes", "chunks", "needed", "read") + (("received",) if coop else ()) + ("ampl.",)]
+        for leaf in self.leaves:
+            chunks = sum(len(b.reads) + len(b.packed) for b in leaf.boxes)
+            amp = leaf.bytes_read / leaf.bytes_needed if leaf.bytes_needed else 1.0
+            received = (_format.format_bytes(leaf.bytes_received),) if coop else ()
+            rows.append((leaf.leaf_path or "<root>", "x".join(map(str, leaf.shape)) or "()", str(leaf.dtype), str(len(leaf.boxes)),
+                         str(chunks), _format.format_bytes(leaf.bytes_needed), _format.format_bytes(leaf.bytes_read))
+                        + received + (f"{amp:.3f}",))
+        received = (_format.format_bytes(self.bytes_received),) if coop else ()
+        rows.append(("total", "", "", "", str(len(self.reads) + sum(len(b.packed) for leaf in self.leaves for b in leaf.boxes)), _format.format_bytes(self.bytes_needed), _format.format_bytes(self.bytes_read))
+                    + received + (f"{self.read_amplification:.3f}",))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"RestorePlan for {self.path} (process {self.process_index})"]
+        for k, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+            if k == 0 or k == len(rows) - 2:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def _axis_spans(origin: int, size: int, inner: int, box_origin: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Along one dimension of a chunk: `(inner chunk index, source start, destination
+    start, length)` of each inner chunk that the chunk-local range `[origin, origin +
+    size)` touches; destinations are relative to `box_origin` (chunk-local)."""
+    out = []
+    for cell in range(origin // inner, (origin + size - 1) // inner + 1):
+        lo, hi = max(origin, cell * inner), min(origin + size, (cell + 1) * inner)
+        out.append((cell, lo - cell * inner, lo - box_origin, hi - lo))
+    return tuple(out)
+
+
+def plan_chunk_read(meta: ArrayMetadata, chunk: tuple[int, ...], region: Box, dest: Box | None = None) -> ChunkRead:
+    """The read of `region` (inside chunk `chunk`) from its zarr shard file.
+
+    Args:
+      meta: the stored leaf.
+      chunk: the chunk's cell in the chunk grid.
+      region: the global region to read, inside the chunk.
+      dest: the box whose buffer receives it (default: `region` itself).
+    """
+    layout = meta.layout
+    dest = region if dest is None else dest
+    chunk_origin = tuple(c * s for c, s in zip(chunk, meta.chunk_shape))
+    local = Box(tuple(o - c for o, c in zip(region.origin, chunk_origin)), region.shape)
+    dest_local = tuple(d - c for d, c in zip(dest.origin, chunk_origin))
+    per_dim = [_axis_spans(o, n, i, d) for o, n, i, d in zip(local.origin, local.shape, meta.inner_chunk_shape, dest_local)]
+    grid = layout.inner_grid
+    # C-order ids of the product of the per-dimension inner chunk indices.
+    ids = [0]
+    for spans, n in zip(per_dim, grid):
+        ids = [i * n + s[0] for i in ids for s in spans]
+    inner = len(ids)
+    return ChunkRead(
+        chunk, _format.chunk_key(meta.path, chunk), region, inner,
+        inner * layout.inner_bytes_with_crc + layout.index_bytes,
+        local_box=local, file_bytes=layout.file_bytes, index_offset=layout.index_offset, index_bytes=layout.index_bytes,
+        inner_bytes_with_crc=layout.inner_bytes_with_crc, inner_ids=tuple(ids),
+        spans=tuple(tuple(s[1:] for s in spans) for spans in per_dim),
+    )
+
+
+def _plan_box(meta: ArrayMetadata, box: Box) -> tuple[ChunkRead, ...]:
+    reads = []
+    for chunk in grid_cells(box, meta.chunk_shape):
+        region = box.intersect(cell_box(chunk, meta.chunk_shape, meta.shape))
+        if region is not None:
+            reads.append(plan_chunk_read(meta, chunk, region, box))
+    return tuple(reads)
+
+
+def _slabs(meta: ArrayMetadata, box: Box, device_ids: tuple[int, ...], slab_bytes: int) -> tuple[BoxRead, ...]:
+    """Splits a box larger than `slab_bytes` into slabs along its first dimension,
+    each planned like a box of its own; () when the box fits or cannot be split."""
+    itemsize = meta.dtype.itemsize
+    if box.size * itemsize <= slab_bytes or not box.shape or box.shape[0] <= 1:
+        return ()
+    return tuple(
+        BoxRead(slab, device_ids, _plan_box(meta, slab), slab.size * itemsize) for slab in row_slabs(box, itemsize, slab_bytes)
+    )
+
+
+def plan_leaf(
+    meta: ArrayMetadata, device_boxes: Mapping[int, Box] | Sequence[tuple[int, Box]], *, slab_bytes: int | None = None
+) -> LeafRestorePlan:
+    """Plans the reads of one leaf for this process's devices.
+
+    Args:
+      meta: the stored leaf (shape, dtype, chunk and inner chunk shapes).
+      device_boxes: `(device_id, target box)` pairs of this process's devices.
+      slab_bytes: host-memory bound of one read, bytes: a box larger than it is also
+        planned as slabs (`BoxRead.slabs`). None: no slabs.
+    Returns:
+      One `BoxRead` per unique box, in box order.
+    """
+    items = device_boxes.items() if isinstance(device_boxes, Mapping) else device_boxes
+    by_box: dict[Box, list[int]] = {}
+    for device_id, box in items:
+        by_box.setdefault(box, []).append(device_id)
+    if meta.packed:
+        return _plan_packed_leaf(meta, by_box)
+    boxes = []
+    itemsize = meta.dtype.itemsize
+    for box in sorted(by_box):
+        ids = tuple(sorted(by_box[box]))
+        slabs = _slabs(meta, box, ids, slab_bytes) if slab_bytes is not None else ()
+        boxes.append(BoxRead(box, ids, _plan_box(meta, box), box.size * itemsize, slabs))
+    return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes))
+
+
+def _plan_packed_leaf(meta: ArrayMetadata, by_box: Mapping[Box, list[int]]) -> LeafRestorePlan:
+    """`plan_leaf` of a packed leaf: each box from the packed chunks it intersects."""
+    chunks = {b.box.origin: b for b in meta.pack_boxes}  # by origin: a tuple hashes faster than a Box
+    itemsize = meta.dtype.itemsize
+    boxes = []
+    zeros = (0,) * len(meta.shape)
+    for box in sorted(by_box):
+        pb = chunks.get(box.origin)
+        if pb is not None and pb.box.shape == box.shape:  # the target box is a saved chunk (same sharding): one read, no cutting
+            read = PackedRead(pb.key, pb.file_bytes, pb.offset, pb.nbytes, pb.crc32c, box, box, Box(zeros, box.shape), zeros)
+            boxes.append(BoxRead(box, tuple(sorted(by_box[box])), (), box.size * itemsize, packed=(read,)))
+            continue
+        reads = []
+        for cell in grid_cells(box, meta.chunk_shape):
+            chunk_box = cell_box(cell, meta.chunk_shape, meta.shape)
+            region = box.intersect(chunk_box)
+            if region is None:
+                continue
+            pb = chunks.get(chunk_box.origin)
+            if pb is None or pb.box != chunk_box:
+                raise CorruptCheckpointError(
+                    f"{where(leaf=meta.path)}: the chunk at {chunk_box.origin} of a packed leaf is in no pack "
+                    "(the manifest's 'packed' index lacks it)"
+                )
+            local = Box(tuple(o - c for o, c in zip(region.origin, chunk_box.origin)), region.shape)
+            dest = tuple(o - b for o, b in zip(region.origin, box.origin))
+            reads.append(PackedRead(pb.key, pb.file_bytes, pb.offset, pb.nbytes, pb.crc32c, chunk_box, region, local, dest))
+        boxes.append(BoxRead(box, tuple(sorted(by_box[box])), (), box.size * itemsize, packed=tuple(reads)))
+    return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes))
+
+
+def chunk_keys(meta: ArrayMetadata, boxes: Sequence[Box]) -> Iterator[str]:
+    """The keys of the zarr shard files `boxes` need, lazily, each once per box (for a
+    file check ahead of planning: a huge declared shape is refused at its first file);
+    for a packed leaf, the pack files (each once)."""
+    if meta.packed:
+        yield from dict.fromkeys(b.key for b in meta.pack_boxes)
+        return
+    for box in sorted(set(boxes)):
+        for chunk in grid_cells(box, meta.chunk_shape):
+            yield _format.chunk_key(meta.path, chunk)

@@ -1,0 +1,829 @@
+"""`CheckpointManager`: steps in a directory, async saves, retention, status."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import gc
+import logging
+import math
+import operator
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from .. import _commit, _coord, _encoding, _storage, _tools
+from .._encoding import RestoreStats
+from .._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
+from .._format import PyTree, metadata_json, metrics_json, read_metadata
+from .._memory import HostBufferPool
+from .._restore import restore as _restore
+from .._save import AsyncSave, Snapshot, run_background, take_snapshot
+from .._storage import LockHeldError, Storage, storage_for
+from . import _tier_manager
+from ._policies import KeepLatest, KeepPolicy
+
+if TYPE_CHECKING:
+    from .._tools import DrillReport
+
+log = logging.getLogger("checkpointer")
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerStatus:
+    """A manager's state, for logs and dashboards.
+
+    Attributes:
+      latest_committed_step: newest committed step, or None.
+      step_in_flight: the step being written in the background, or None.
+      commit_lag_steps: steps between the newest step handed to `save` and the newest
+        committed one (0 when everything is committed).
+      last_error: the background error not yet raised, or the last one raised, as text.
+      last_snapshot_s: seconds `save` blocked for the last host snapshot.
+      last_wait_s: seconds the last `save` waited for the previous save to finish.
+      last_write_s: seconds the last finished save spent writing.
+      last_commit_s: seconds from the last finished save's snapshot to its commit.
+      last_write_bytes_per_s: this process's write throughput of the last finished save
+        (bytes written / `last_write_s`), bytes per second.
+      latest_local_step: two tiers: the newest step committed on this process's local
+        tier (None without a local tier, or when it holds none).
+      replication_lag_steps: two tiers: `latest_local_step` minus the newest durable
+        step (0 when the durable tier is up to date).
+      replication_lag_s: two tiers: seconds since the oldest local step newer than the
+        newest durable step committed locally (0.0 when none is).
+      last_replication_error: two tiers: the last failed replication, as text.
+      waiting_for_replication: two tiers: a `save` is waiting because the local window
+        (`keep_local`) is full of steps not yet durable.
+      last_restore_source: two tiers: where this process's last `restore` read from:
+        "local", "local+durable" or "durable" (None before the first).
+      last_restore_durable_bytes: bytes that restore fetched from the durable tier.
+    """
+
+    latest_committed_step: int | None
+    step_in_flight: int | None
+    commit_lag_steps: int
+    last_error: str | None
+    last_snapshot_s: float | None
+    last_wait_s: float | None
+    last_write_s: float | None
+    last_commit_s: float | None
+    last_write_bytes_per_s: float | None = None
+    latest_local_step: int | None = None
+    replication_lag_steps: int = 0
+    replication_lag_s: float = 0.0
+    last_replication_error: str | None = None
+    waiting_for_replication: bool = False
+    last_restore_source: str | None = None
+    last_restore_durable_bytes: int | None = None
+
+
+def _as_step(step: object) -> int:
+    """The step as a Python int (numpy and 0-d JAX integers accepted)."""
+    try:
+        value = operator.index(step)  # type: ignore[arg-type]  # any object: the TypeError is the check
+    except TypeError:
+        raise ValueError(f"step must be an int >= 0, got {step!r}") from None
+    if value < 0 or isinstance(step, bool):
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return value
+
+
+def _write_rate(snap: Snapshot) -> float | None:
+    """Bytes per second this process wrote in `snap` (None before it wrote anything)."""
+    return snap.bytes_written / snap.write_s if snap.write_s > 0 and snap.bytes_written else None
+
+
+class _DirectoryLock:
+    """An advisory `flock` on `DIR/.checkpointer.lock` held by process 0 of the writer.
+
+    Taken on the first operation that writes or deletes (not by readers), so a second
+    writer on the same directory (same machine) fails at once instead of deleting the
+    first one's steps. The kernel drops the lock when the process dies, so a crashed
+    job never leaves a stale lock. Needs `storage.supports_locks`.
+    """
+
+    def __init__(self, storage: Storage, directory: str) -> None:
+        try:
+            self._lock = storage.lock(f"{directory}/{_commit.LOCK_NAME}", wait=False, holder=_holder_text())
+        except LockHeldError as e:
+            holder = (e.holder or "").strip()
+            same = holder == _holder_text()
+            raise (_HeldByThisProcess if same else CheckpointError)(lock_conflict_message(directory, holder)) from None
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+class _HeldByThisProcess(CheckpointError):
+    """The writer's lock is held by another manager of this very process."""
+
+
+def _holder_text() -> str:
+    """What the lock file says about its holder: `pid <n> on <host>`."""
+    return f"pid {os.getpid()} on {os.uname().nodename}"
+
+
+def lock_conflict_message(directory: str, holder: str) -> str:
+    """Why the writer's lock of `directory` cannot be taken, and how to free it.
+
+    `holder` is the lock file's content (`pid <n> on <host>`); when it names this very
+    process, the other writer is another `CheckpointManager` object (or `gc`) of ours.
+    """
+    if holder == _holder_text():
+        return (
+            f"another CheckpointManager in this same process (pid {os.getpid()}) holds the writer's lock of "
+            f"{directory}: it saved or cleaned up there and was neither closed nor garbage-collected. Call close() "
+            "on that manager (or `del` every reference to it, e.g. the variable of a notebook cell you ran again); "
+            "a manager that only reads (listing, restore, wait_for_step) needs no lock: "
+            "CheckpointManager(..., read_only=True)."
+        )
+    return (
+        f"another CheckpointManager is using {directory} ({holder or 'unknown holder'}) as writer; two managers "
+        "writing one directory would delete each other's steps. Close the other one, use another directory, or "
+        "open this one with read_only=True to only read (listing, restore, following new steps)."
+    )
+
+
+def _take_lock(storage: Storage, directory: str) -> _DirectoryLock:
+    """The writer's lock. If this very process holds it through a manager nobody refers
+    to any more (a notebook cell run twice: the old manager may sit in a reference
+    cycle), a garbage collection runs its finalizer and the lock is tried once more."""
+    try:
+        return _DirectoryLock(storage, directory)
+    except _HeldByThisProcess:
+        gc.collect()
+    return _DirectoryLock(storage, directory)
+
+
+class CheckpointManager:
+    """Saves steps of a training run into `directory`, keeps what the policy says.
+
+    Args:
+      directory: local path or kvstore URL; created if missing.
+      keep: retention policy (`KeepLatest`, `KeepEvery`, `KeepBest`, `KeepSteps`, or a
+        union with `|`); the newest committed step is always kept.
+      save_interval_steps: `save(step)` writes only when `step % save_interval_steps == 0`
+        (or `force=True`).
+      async_save: write and commit on a background thread (the default) or in `save`.
+      commit_timeout_s: how long process 0 waits for every process's report, seconds.
+      max_saves_in_flight: saves allowed in flight at once (1 bounds host memory to one
+        snapshot); a new save waits for the oldest one, and the wait is recorded.
+      agreement_timeout_s: how long processes wait for each other to agree on what a
+        save writes (before anything is written), seconds.
+      read_only: a reader only (an evaluation job, a notebook, a drill): `save` and
+        `recover` raise. Any manager reads without a lock; this makes the intent explicit.
+      max_write_bytes_per_s: caps this process's write throughput, bytes per second,
+        shared by all its saves in flight (a token bucket, see `_ratelimit`); None:
+        unlimited. `status().last_write_bytes_per_s` shows the rate achieved. With a
+        local tier it caps the replication's writes to `directory`.
+      local_directory: two tiers: a node-local POSIX folder (each process its own, or a
+        shared one: each process uses `process-<i>/` in it). A save commits there
+        first (`save` returns after the snapshot; the step is a restore point of this
+        node once its local marker is written) and is then replicated to `directory`
+        in the background and committed there; only durable steps are `all_steps()`.
+      keep_local: retention of the local tier (default: the newest step). A local step
+        not yet durable is never removed: a save that would need to remove one waits for
+        its replication (`status().waiting_for_replication`).
+      pack_small_leaves_bytes: as for `save` (0: every leaf its own zarr array). With
+        a `local_directory` nothing is packed.
+
+    Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
+    new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
+    of readers may run beside the writer. The writer's lock (`DIR/.checkpointer.lock`,
+    POSIX) is taken by the first operation that writes or deletes (`save`, `recover`),
+    together with the clean-up of crashed saves, and released by `close()`, when the
+    manager is garbage-collected, or at interpreter exit.
+
+    Raises:
+      ValueError: an interval, `max_saves_in_flight` or `max_write_bytes_per_s` out of range.
+
+    Multi-process: every process constructs it and calls `save`/`restore` in the same
+    order; process 0 alone cleans up, applies retention and holds the directory lock.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep: KeepPolicy = KeepLatest(3),
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+        commit_timeout_s: float = _coord.DEFAULT_COMMIT_TIMEOUT_S,
+        max_saves_in_flight: int = 1,
+        read_only: bool = False,
+        agreement_timeout_s: float = _commit.DEFAULT_AGREEMENT_TIMEOUT_S,
+        max_write_bytes_per_s: float | None = None,
+        local_directory: str | os.PathLike | None = None,
+        keep_local: KeepPolicy = KeepLatest(1),
+        pack_small_leaves_bytes: int | None = None,
+    ) -> None:
+        if not isinstance(keep, KeepPolicy):
+            raise TypeError(
+                f"keep must be a retention policy (ckpt.KeepLatest(n), KeepEvery, KeepBest, KeepSteps, or a union "
+                f"with |), got {keep!r}; for Orbax's max_to_keep=n use keep=ckpt.KeepLatest(n)"
+            )
+        if not isinstance(max_saves_in_flight, int) or max_saves_in_flight < 1:
+            raise ValueError(f"max_saves_in_flight must be an int >= 1, got {max_saves_in_flight!r}")
+        if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}")
+        self._write_limiter = _storage.limiter_for(max_write_bytes_per_s)
+        # Two tiers replicate each process's own files and commit a per-process
+        # manifest locally: packs are not replicated yet, so a local tier never packs.
+        self._pack_bytes = 0 if local_directory is not None else _encoding.check_threshold(pack_small_leaves_bytes)
+        self.storage, self.directory = storage_for(directory)
+        self.keep = keep
+        self.save_interval_steps = save_interval_steps
+        self.async_save = async_save
+        self.commit_timeout_s = commit_timeout_s
+        self.agreement_timeout_s = agreement_timeout_s
+        self.max_saves_in_flight = max_saves_in_flight
+        self.read_only = bool(read_only)
+        self._is_primary = _coord.process_index() == 0
+        self._lock: _DirectoryLock | None = None
+        self._release_lock: weakref.finalize | None = None
+        self._writer_ready = False
+        self._mu = threading.Lock()
+        self._in_flight: list[tuple[int, AsyncSave]] = []
+        self._pending_error: BaseException | None = None
+        self._last_error: str | None = None
+        self._last_requested_step: int | None = None
+        self._last: dict[str, float | None] = dict.fromkeys(("snapshot_s", "wait_s", "write_s", "commit_s", "write_bytes_per_s"))
+        self._snapshot_history_s: list[float] = []
+        self._metrics_cache: dict[int, dict] = {}
+        self._closed = False
+        # The previous snapshot's host buffers, reused by the next one (warm memory
+        # copies about twice as fast as fresh pages); released by close().
+        self._buffers = HostBufferPool()
+        self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-gc")
+        self._last_restore: tuple[str | None, int | None] = (None, None)
+        self._tiers: _tier_manager.LocalTier | None = None
+        if local_directory is not None:
+            if not isinstance(keep_local, KeepPolicy):
+                raise TypeError(f"keep_local must be a retention policy (e.g. ckpt.KeepLatest(1)), got {keep_local!r}")
+            self._tiers = _tier_manager.LocalTier(
+                local_directory, self.storage, self.directory, keep_local=keep_local,
+                commit_timeout_s=commit_timeout_s, limiter=self._write_limiter,
+                retention_after=self._retention_after, on_error=self._on_replication_error,
+            )
+
+    # --- the writer's lock --------------------------------------------------------------
+
+    def _ensure_writer(self) -> list[str]:
+        """Before the first write or delete: the directory, then (process 0) the writer's
+        lock and the clean-up of crashed saves (returns what it removed or rolled
+        forward). Readers never get here."""
+        if self.read_only:
+            raise CheckpointError(
+                f"this CheckpointManager of {self.directory} is read_only: it lists, restores and follows steps but "
+                "never saves or deletes. Open one without read_only=True to save."
+            )
+        if self._writer_ready:
+            return []
+        done: list[str] = []
+        self.storage.makedirs(self.directory)
+        if self._is_primary:
+            if self.storage.supports_locks and self._lock is None:
+                self._lock = _take_lock(self.storage, self.directory)
+                # Released on close(), on garbage collection and at interpreter exit;
+                # the finalizer holds the lock object only, never the manager.
+                self._release_lock = weakref.finalize(self, self._lock.release)
+            done = _commit.recover(self.storage, self.directory)
+            _commit.repair(self.storage, self.directory)  # object stores: the step catalog
+        if self._tiers is not None:  # every process: its own local root
+            done += self._tiers.recover()
+        self._writer_ready = True
+        return done
+
+    def recover(self) -> list[str]:
+        """Takes the writer's lock and cleans up after crashed saves now (the first
+        `save` does this by itself): rolls forward a committed but unrenamed step, removes
+        partial folders of saves not in flight. Foreign entries are never touched.
+
+        Returns:
+          The folder names removed or rolled forward (process 0; [] elsewhere).
+        Raises:
+          CheckpointError: the manager is read_only, or another writer holds the lock.
+
+        Multi-process: any process may call it; only process 0 acts.
+        """
+        if not self._writer_ready:
+            return self._ensure_writer()
+        if not self._is_primary:
+            return []
+        with self._mu:
+            live = frozenset(h.snapshot.generation for _, h in self._in_flight if not h.done())
+            steps = frozenset(s for s, h in self._in_flight if not h.done())
+        return _commit.recover(self.storage, self.directory, live_generations=live, live_steps=steps)
+
+    # --- listing ------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending (never an uncommitted folder)."""
+        return _commit.committed_steps(self.storage, self.directory)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def wait_for_step(self, after: int | None = None, *, timeout_s: float | None = None, poll_s: float = 1.0) -> int | None:
+        """Waits until a committed step newer than `after` exists and returns the newest.
+
+        Like Orbax's `wait_for_new_checkpoint`: an evaluation job calls it with the last
+        step it evaluated. Takes no lock; the directory is listed every `poll_s`.
+
+        Args:
+          after: a step, or None to accept any committed step.
+          timeout_s: give up after this many seconds (None: wait for as long as it takes).
+          poll_s: seconds between listings (> 0).
+        Returns:
+          The newest committed step (> `after`), or None if none appeared in time.
+
+        Multi-process: any process may call it alone.
+        """
+        if not poll_s > 0:
+            raise ValueError(f"poll_s must be > 0 seconds, got {poll_s!r}")
+        deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
+        while True:
+            latest = self.latest_step()
+            if latest is not None and (after is None or latest > after):
+                return latest
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return None
+            time.sleep(poll_s if deadline is None else min(poll_s, deadline - now))
+
+    def follow(self, after: int | None = None, *, timeout_s: float | None = None, poll_s: float = 1.0) -> Iterator[int]:
+        """Yields committed steps newer than `after`, oldest first, as they appear.
+
+        Like TensorFlow's `checkpoints_iterator`, but every new step is yielded (not just
+        the newest), in ascending order; the directory is listed again before each one,
+        so a step that retention removed meanwhile is skipped. A step yielded may still
+        be removed by retention before it is restored: `restore` then raises
+        `CheckpointNotFoundError` (never returns a mix or reports damage); skip it.
+
+        Args:
+          after: yield only steps > `after` (None: every committed step, from the oldest).
+          timeout_s: stop once no new step appeared for this many seconds (None: never).
+          poll_s: seconds between listings while waiting (> 0).
+        Yields:
+          Step numbers, strictly increasing.
+
+        Multi-process: any process may call it alone; takes no lock and deletes nothing.
+        """
+        last = after
+        while True:
+            step = self.wait_for_step(last, timeout_s=timeout_s, poll_s=poll_s)
+            if step is None:
+                return
+            newer = [s for s in self.all_steps() if last is None or s > last]
+            step = newer[0] if newer else step
+            last = step
+            yield step
+
+    def step_path(self, step: int) -> str:
+        """The checkpoint path of `step`."""
+        return f"{self.directory}/{int(step)}"
+
+    def _read_path(self, step: int | None, folders: Mapping[int, str] | None = None) -> str:
+        """Where committed `step` (None: the newest) is read from: `step_path(step)`, or
+        the committed partial folder of a save that crashed before its rename (until the
+        writer's recovery renames it into place). One listing, or none when `folders`
+        (`_commit.committed_folders`) is given.
+
+        Raises:
+          CheckpointNotFoundError: `step` is None and no step is committed.
+        """
+        folders = _commit.committed_folders(self.storage, self.directory) if folders is None else folders
+        if step is None:
+            if not folders:
+                raise CheckpointNotFoundError(f"no committed step in {self.directory}")
+            step = max(folders)
+        return f"{self.directory}/{folders.get(int(step), str(int(step)))}"
+
+    # --- errors -------------------------------------------------------------------------
+
+    def _raise_pending(self) -> None:
+        with self._mu:
+            err, self._pending_error = self._pending_error, None
+        if err is not None:
+            raise err
+
+    def _on_replication_error(self, step: int, error: BaseException) -> None:
+        with self._mu:
+            self._pending_error = error
+            self._last_error = f"step {step}: {type(error).__name__}: {error}"
+
+    def _on_finish(self, step: int, handle: AsyncSave) -> None:
+        snap = handle.snapshot
+        with self._mu:
+            self._last["write_s"] = snap.write_s
+            self._last["commit_s"] = handle.commit_s
+            self._last["write_bytes_per_s"] = _write_rate(snap)
+            if handle.error is not None:
+                self._pending_error = handle.error
+                self._last_error = f"step {step}: {type(handle.error).__name__}: {handle.error}"
+                log.error("checkpoint of step %d failed: %s", step, handle.error)
+
+    # --- save ---------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether `save(step)` would write (the interval rule)."""
+        return step % self.save_interval_steps == 0
+
+    def save(
+        self,
+        step: int,
+        tree: object,
+        *,
+        metrics: Mapping[str, object] | None = None,
+        metadata: Mapping[str, object] | None = None,
+        force: bool = False,
+        per_process_state: object = None,
+    ) -> bool:
+        """Saves `tree` as `step` (asynchronously unless `async_save=False`).
+
+        Blocks for the host snapshot only (plus any wait for the previous save when
+        `max_saves_in_flight` saves are in flight).
+
+        Args:
+          step: the training step (int >= 0).
+          tree: the pytree to save (see `ckpt.save`).
+          metrics: numbers stored with the step (for `KeepBest`), in the manifest's
+            `user_metadata["metrics"]`; numpy/JAX scalars become floats, NaN and
+            infinities the strings "NaN" / "Infinity" / "-Infinity".
+          metadata: a JSON dict stored with the step: its keys become the keys of
+            `ckpt.metadata(path).user_metadata` beside `"metrics"` (which it may not
+            use). Same rule as `ckpt.save(metadata=)` and `metrics`.
+          force: save even off the interval, and replace an already committed `step`
+            atomically.
+          per_process_state: this process's own JSON-serialisable value (e.g. its data
+            loader's position), stored in its `processes/<i>.json`; read it back with
+            `per_process_state(step)`.
+        Returns:
+          True if a save was started, False if skipped by `save_interval_steps`.
+        Raises:
+          CheckpointError: the previous background save failed (raised here once); the
+            step is already committed and `force` is False; a leaf cannot be stored; the
+            manager is read_only or another writer holds the directory.
+          UnsupportedValueError: a metric or metadata value the rule refuses (names its
+            key, e.g. `metadata['a']['b']`), or a `"metrics"` key in `metadata`.
+          SaveAgreementError: the processes save different steps or trees; nothing written.
+
+        Multi-process: every process calls it with the same step and tree (non-array
+        leaves equal), in the same order.
+        """
+        if self._closed:
+            raise CheckpointError(f"the CheckpointManager of {self.directory} is closed")
+        self._ensure_writer()
+        self._raise_pending()
+        step = _as_step(step)
+        if not force and not self.should_save(step):
+            return False
+        if not force and step in self.all_steps():
+            raise CheckpointExistsError(
+                f"step {step} is already committed in {self.directory}; pass force=True to replace it atomically"
+            )
+        user_metadata = metadata_json(metadata, self.step_path(step))
+        if "metrics" in user_metadata:
+            raise UnsupportedValueError(
+                f"metadata['metrics'] for step {step} of {self.directory}: the key 'metrics' holds the manager's "
+                "metrics= (KeepBest reads it); pass metrics=... or rename the metadata key"
+            )
+        metrics = metrics_json(metrics, self.step_path(step))
+        if metrics:
+            user_metadata["metrics"] = metrics
+        t0 = time.perf_counter()
+        self._wait_for_room()
+        if self._tiers is not None:
+            self._tiers.wait_for_room(step)
+        wait_s = time.perf_counter() - t0
+        self._raise_pending()
+        snap = take_snapshot(
+            self.step_path(step), tree, metadata=user_metadata, overwrite=force, step=step,
+            commit_timeout_s=self.commit_timeout_s, buffers=self._buffers,
+            agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
+            pack_small_leaves_bytes=self._pack_bytes,
+        )
+        snap.write_limiter = self._write_limiter
+        if self._tiers is not None:
+            snap = self._tiers.local_snapshot(snap)
+        with self._mu:
+            self._last["snapshot_s"], self._last["wait_s"] = snap.snapshot_s, wait_s
+            self._snapshot_history_s.append(snap.snapshot_s)
+            self._last_requested_step = step
+            if metrics:
+                self._metrics_cache[step] = dict(metrics)
+        if self._tiers is not None:
+            self._save_two_tiers(step, snap)
+        elif self.async_save:
+            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), after_publish=self._retention_after(step, snap))
+            with self._mu:
+                self._in_flight.append((step, handle))
+        else:
+            self._run_sync(step, snap)
+        return True
+
+    def _save_two_tiers(self, step: int, snap: Snapshot) -> None:
+        """Commits `snap` on the local tier (in the background unless `async_save=False`)
+        and queues its replication, in `save` order on every process."""
+        tiers = self._tiers
+        assert tiers is not None
+        if self.async_save:
+            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), runner=tiers.run_local)
+            with self._mu:
+                self._in_flight.append((step, handle))
+            tiers.enqueue(step, snap.generation, snap.overwrite, handle)
+            return
+        t0 = time.perf_counter()
+        try:
+            tiers.run_local(snap)
+        except BaseException as e:
+            with self._mu:
+                self._last_error = f"step {step}: {type(e).__name__}: {e}"
+            raise
+        tiers.enqueue(step, snap.generation, snap.overwrite).result()
+        with self._mu:
+            self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
+        self._raise_pending()
+
+    def _run_sync(self, step: int, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        try:
+            run_background(snap, self._retention_after(step, snap))
+        except BaseException as e:
+            with self._mu:
+                self._last_error = f"step {step}: {type(e).__name__}: {e}"
+            raise
+        with self._mu:
+            self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
+            self._last["write_bytes_per_s"] = _write_rate(snap)
+
+    def _retention_after(self, step: int, snap: Snapshot | None = None) -> Callable[[], object] | None:
+        """The callback process 0 runs after committing `step`, before telling the others:
+        retention, then (given the save's `snap`) its after-commit phases into the journal
+        (`_timeline`); the two-tier replication's durable commits pass no snapshot."""
+        if not self._is_primary:
+            return None
+
+        def after_commit() -> None:
+            start = time.time()
+            try:
+                self._apply_retention(protect={step})
+            finally:
+                if snap is not None:
+                    phases = {"retention": (start, time.time())}
+                    if "commit" in snap.phases_unix_s:
+                        phases["commit"] = snap.phases_unix_s["commit"]
+                    _tools.append_journal(self.storage, self.directory, step=step, generation=snap.generation,
+                                             phases_unix_s=phases)
+
+        return after_commit
+
+    def _wait_for_room(self) -> None:
+        while True:
+            with self._mu:
+                self._in_flight = [(s, h) for s, h in self._in_flight if not h.done()]
+                if len(self._in_flight) < self.max_saves_in_flight:
+                    return
+                oldest = self._in_flight[0][1]
+            oldest.join()
+
+    def wait_until_finished(self) -> None:
+        """Blocks until every save in flight is committed.
+
+        Raises:
+          CheckpointError: a background save failed (the error is raised once).
+        """
+        with self._mu:
+            handles = [h for _, h in self._in_flight]
+        for h in handles:
+            h.join()
+        with self._mu:
+            self._in_flight = []
+        if self._tiers is not None:
+            self._tiers.wait_all()
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Waits for saves in flight, releases the directory lock; raises a pending error."""
+        if self._closed:
+            return
+        try:
+            self.wait_until_finished()
+        finally:
+            self._closed = True
+            self._deleter.shutdown(wait=True)
+            if self._tiers is not None:
+                self._tiers.close()
+            self._buffers = HostBufferPool()
+            if self._release_lock is not None:
+                self._release_lock()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the caller's exception with a background one
+            try:
+                self.close()
+            except Exception as e:
+                log.error("while closing after an exception: %s", e)
+
+    # --- retention ----------------------------------------------------------------------
+
+    def _metrics(self, step: int, folders: Mapping[int, str]) -> dict:
+        if step not in self._metrics_cache:
+            try:
+                meta = read_metadata(self.storage, self._read_path(step, folders))
+                self._metrics_cache[step] = dict(meta.user_metadata.get("metrics", {}))
+            except CheckpointError:
+                self._metrics_cache[step] = {}
+        return self._metrics_cache[step]
+
+    def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
+        folders = _commit.committed_folders(self.storage, self.directory)  # one listing for steps and metrics
+        steps = list(folders)
+        if not steps:
+            return []
+        metrics = {s: self._metrics(s, folders) for s in steps}
+        kept = set(self.keep.keep(steps, metrics)) | {steps[-1]} | set(protect)
+        with self._mu:
+            kept |= {s for s, h in self._in_flight if not h.done()}
+        removed = [s for s in steps if s not in kept]
+        for s in removed:
+            # Unpublishing is instant; removing the bytes (a GiB takes a while) runs on
+            # the deleter thread, so it does not delay the commit being announced.
+            leftover = _commit.unpublish_step(self.storage, self.directory, s)
+            self._deleter.submit(self._remove, leftover)
+            self._metrics_cache.pop(s, None)
+            log.info("retention removed step %d from %s", s, self.directory)
+        return removed
+
+    def _remove(self, path: str) -> None:
+        try:
+            self.storage.delete_tree(path)
+        except OSError as e:  # recovery removes it on a later first save
+            log.warning("could not remove %s: %s", path, e)
+
+    # --- restore ------------------------------------------------------------------------
+
+    def restore(
+        self,
+        step: int | None = None,
+        target: object = None,
+        *,
+        partial: bool = False,
+        missing: str = "error",
+        max_inflight_bytes: int | None = None,
+        stats: RestoreStats | None = None,
+        cooperative: bool = True,
+    ) -> PyTree:
+        """Restores `step` (default: the newest committed step) onto `target`.
+
+        Args:
+          step: the step, or None for `latest_step()`.
+          target, partial, missing, max_inflight_bytes, stats, cooperative: as for
+            `ckpt.restore` (`missing="keep_target"` keeps the target's values for
+            leaves the checkpoint lacks), whichever tier the step is read from.
+        Two tiers: `step=None` restores a step newer than the newest durable one only
+        when it is committed on the local tier of every process, with the same process
+        count and devices, and holds every chunk each process needs (the processes agree
+        through the coordination service); it is logged and its replication resumes.
+        Otherwise the newest durable step. A durable step whose local copy (same
+        generation) is on this process is read from there, the files missing locally
+        from `directory`; a local copy that fails its checksums is dropped for
+        `directory`. `status().last_restore_source` tells which. With a local tier,
+        restores never cooperate (`cooperative` is ignored): each process reads
+        node-local files, where sharing reads saves no shared-storage bandwidth, and a
+        process whose local copy is damaged falls back to `directory` on its own.
+
+        Raises:
+          CheckpointNotFoundError: no committed step (or not that one).
+
+        Multi-process: every process calls it.
+        """
+        if self._tiers is not None:
+            resume = None if self.read_only else self._resume_replication
+            tree, source, durable_bytes = self._tiers.restore(
+                None if step is None else _as_step(step), target, latest_durable=self.latest_step(),
+                durable_path=self._read_path, resume=resume, partial=partial, missing=missing,
+                max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=False,
+            )
+            with self._mu:
+                self._last_restore = (source, durable_bytes)
+            return tree
+        return _restore(
+            self._read_path(step), target, partial=partial, missing=missing, max_inflight_bytes=max_inflight_bytes,
+            stats=stats, cooperative=cooperative,
+        )
+
+    def _resume_replication(self, step: int, generation: str, overwrite: bool) -> None:
+        """After resuming from a local-only step: replicate it (the writer's lock first)."""
+        assert self._tiers is not None
+        self._ensure_writer()
+        self._tiers.enqueue(step, generation, overwrite)
+
+    def per_process_state(
+        self, step: int | None = None, *, process_index: int | None = None, all_processes: bool = False
+    ) -> object:
+        """The per-process state saved with `step` (default: the newest committed step).
+
+        As `ckpt.per_process_state`: this process's own record when the job has as
+        many processes as the save; otherwise pass `all_processes=True` (a list indexed
+        by the saving process) or `process_index=i`.
+
+        Raises:
+          CheckpointNotFoundError: no committed step (or not that one).
+          ProcessCountMismatchError: the process counts differ and no choice was given.
+
+        Multi-process: any process may call it alone.
+        """
+        from .._restore import per_process_state
+
+        return per_process_state(self._read_path(step), process_index, all_processes=all_processes)
+
+    # --- operations ---------------------------------------------------------------------
+
+    def status(self) -> ManagerStatus:
+        """The manager's current state (see `ManagerStatus`)."""
+        latest = self.latest_step()
+        tiers = self._tiers.status(latest) if self._tiers is not None else None
+        with self._mu:
+            in_flight = [s for s, h in self._in_flight if not h.done()]
+            requested = self._last_requested_step
+            if requested is None:
+                lag = 0
+            elif latest is None:
+                lag = requested
+            else:
+                lag = max(0, requested - latest)
+            return ManagerStatus(
+                latest_committed_step=latest,
+                step_in_flight=in_flight[-1] if in_flight else None,
+                commit_lag_steps=lag,
+                last_error=self._last_error,
+                last_snapshot_s=self._last["snapshot_s"],
+                last_wait_s=self._last["wait_s"],
+                last_write_s=self._last["write_s"],
+                last_commit_s=self._last["commit_s"],
+                last_write_bytes_per_s=self._last["write_bytes_per_s"],
+                latest_local_step=tiers.latest_local_step if tiers else None,
+                replication_lag_steps=tiers.replication_lag_steps if tiers else 0,
+                replication_lag_s=tiers.replication_lag_s if tiers else 0.0,
+                last_replication_error=tiers.last_replication_error if tiers else None,
+                waiting_for_replication=tiers.waiting_for_replication if tiers else False,
+                last_restore_source=self._last_restore[0],
+                last_restore_durable_bytes=self._last_restore[1],
+            )
+
+    def drill(self, mesh_shape: Sequence[int] | None = None, *, axis_names: Sequence[str] | None = None) -> DrillReport:
+        """The restore drill: restore the newest committed step onto a scratch mesh of the
+        local devices (or `mesh_shape`), verify every checksum, and time it.
+
+        Returns:
+          A `DrillReport` (restore_s, verify_s, bytes_read, bytes_needed,
+          read_amplification, step, ok, problems).
+        Raises:
+          CheckpointNotFoundError: no committed step.
+          ValueError: fewer local devices than `mesh_shape` needs.
+
+        Multi-process: any process may call it alone; it uses local devices only.
+        """
+        from .._tools import drill
+
+        return drill(self.directory, mesh_shape, axis_names=axis_names)
+
+    def recommend_interval(self, mtbf_s: float) -> float:
+        """The checkpoint interval that minimises expected lost time, in seconds.
+
+        Young's first-order optimum T = sqrt(2·δ·M) (Young 1974; Daly 2006), with δ the
+        measured blocking cost of a save (median `save` snapshot seconds of this
+        manager) and M the mean time between failures. Never shorter than the measured
+        time for a save to commit, since saves cannot overlap more than
+        `max_saves_in_flight`.
+
+        Args:
+          mtbf_s: mean time between failures of the whole job, seconds (> 0).
+        Returns:
+          Seconds between checkpoints.
+        Raises:
+          ValueError: no save has been measured yet, or `mtbf_s` <= 0.
+        """
+        if not mtbf_s > 0:
+            raise ValueError(f"mtbf_s must be > 0, got {mtbf_s!r}")
+        with self._mu:
+            history = sorted(self._snapshot_history_s)
+            commit_s = self._last["commit_s"]
+        if not history:
+            raise ValueError("no save measured yet: call save() at least once before recommend_interval()")
+        delta_s = history[len(history) // 2]
+        return max(math.sqrt(2.0 * delta_s * mtbf_s), commit_s or 0.0)

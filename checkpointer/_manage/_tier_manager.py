@@ -1,0 +1,340 @@
+"""The manager's local tier: local commits, the replication queue, retention per tier,
+and the choice of tier at restore (see `_tiers` for the layout and the protocols).
+
+One `LocalTier` per `CheckpointManager(local_directory=...)`, on every process. A save
+commits on the local tier in the background (`run_local`, the `AsyncSave` runner) and is
+queued for replication in the order of `save` calls (`enqueue`), so every process
+replicates the same steps in the same order. One worker replicates one step at a time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from .. import _commit, _coord, _storage
+from .._encoding import RestoreStats, chunk_keys
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._format import ArrayMetadata, PyTree, read_metadata
+from .._restore import resolve_tree, restore_from
+from .._save import Snapshot, _manifest, _release_host, write_snapshot
+from .._storage import Storage
+from . import _tiers
+from ._policies import KeepPolicy
+
+log = logging.getLogger("checkpointer")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierStatus:
+    """The two tiers' part of `ManagerStatus` (see there)."""
+
+    latest_local_step: int | None
+    replication_lag_steps: int
+    replication_lag_s: float
+    last_replication_error: str | None
+    waiting_for_replication: bool
+
+
+class LocalTier:
+    """This process's local tier of one manager.
+
+    Args:
+      local_directory: node-local folder (POSIX); this process uses `process-<i>/` in it.
+      durable: the durable tier's storage; directory: the manager's directory.
+      keep_local: retention of the local tier.
+      commit_timeout_s: how long replication waits for the other processes, seconds.
+      limiter: caps the replication's writes to the durable tier (`max_write_bytes_per_s`).
+      retention_after: step → the callback process 0 runs after the durable commit.
+      on_error: called with (step, error) when a replication fails.
+    """
+
+    def __init__(
+        self,
+        local_directory: str | os.PathLike,
+        durable: Storage,
+        directory: str,
+        *,
+        keep_local: KeepPolicy,
+        commit_timeout_s: float,
+        limiter: _storage.TokenBucket | None,
+        retention_after: Callable[[int], Callable[[], object] | None],
+        on_error: Callable[[int, BaseException], None],
+    ) -> None:
+        self.process_index = _coord.process_index()
+        self.storage, self.root = _tiers.local_root(local_directory, self.process_index)
+        if not self.storage.supports_rename:
+            raise ValueError(
+                f"local_directory must be a node-local POSIX folder (a local path), got {os.fspath(local_directory)!r}"
+            )
+        self.durable, self.directory = durable, directory
+        self.keep_local = keep_local
+        self.commit_timeout_s = commit_timeout_s
+        self.limiter = limiter
+        self._retention_after = retention_after
+        self._on_error = on_error
+        self._mu = threading.Lock()
+        self._retention_mu = threading.Lock()  # local commits and replications both apply it
+        self._queue = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-replicate")
+        self._jobs: dict[int, concurrent.futures.Future] = {}
+        self._attempts: dict[int, int] = {}
+        self.last_error: str | None = None
+        self.waiting = False
+        self._recovered = False
+
+    # --- local commit -------------------------------------------------------------------
+
+    def recover(self) -> list[str]:
+        """Removes this process's crashed local saves (its own root only; once)."""
+        if self._recovered:
+            return []
+        self.storage.makedirs(self.root)
+        self._recovered = True
+        return _commit.recover(self.storage, self.root)
+
+    def local_snapshot(self, snap: Snapshot) -> Snapshot:
+        """The snapshot of a save, redirected to this process's local tier."""
+        return dataclasses.replace(
+            snap, storage=self.storage, path=f"{self.root}/{snap.step}", writes_array_metadata=True, write_limiter=None,
+        )
+
+    def run_local(self, snap: Snapshot, after_publish: Callable[[], object] | None = None) -> None:
+        """Writes and commits `snap` (a `local_snapshot`) on the local tier (the
+        `AsyncSave` runner). Raises SaveError; a failed local save leaves nothing
+        committed locally and is not replicated."""
+        t0 = time.perf_counter()
+        try:
+            try:
+                record = write_snapshot(snap)
+            finally:
+                _release_host(snap)
+            n = snap.process_count
+            manifest = _manifest(snap, [record.bytes_written or 0 if i == snap.process_index else 0 for i in range(n)])
+            marker = _tiers.LocalMarker(
+                generation=snap.generation, process_index=snap.process_index, process_count=n,
+                device_ids=_tiers.own_device_ids(), overwrite=snap.overwrite, committed_unix_s=time.time(),
+            )
+            _tiers.commit_local(self.storage, snap.partial_path, snap.path, manifest, marker)
+        except BaseException:
+            try:
+                self.storage.delete_tree(snap.partial_path)
+            except OSError:
+                pass
+            raise
+        finally:
+            if snap.lock is not None:
+                snap.lock.release(remove=True)
+                snap.lock = None
+        snap.commit_s = time.perf_counter() - t0
+        log.info("step %s committed on the local tier %s (process %d)", snap.step, self.root, snap.process_index)
+        self.apply_retention()
+
+    # --- replication --------------------------------------------------------------------
+
+    def enqueue(self, step: int, generation: str, overwrite: bool, local_save=None) -> concurrent.futures.Future:
+        """Queues the replication of `step` after its local save (`local_save`, an
+        `AsyncSave`, or None when it is committed locally already)."""
+        with self._mu:
+            attempt = self._attempts[step] = self._attempts.get(step, -1) + 1
+            target = _tiers.ReplicationTarget(
+                step=step, local_path=f"{self.root}/{step}", durable_path=f"{self.directory}/{step}",
+                generation=generation, attempt=attempt, overwrite=overwrite,
+            )
+            job = self._queue.submit(self._replicate, target, local_save)
+            self._jobs[step] = job
+        return job
+
+    def _replicate(self, target: _tiers.ReplicationTarget, local_save) -> None:
+        if local_save is not None:
+            local_save.join()
+            if local_save.error is not None:  # surfaced by the manager; tell the others
+                coord = _coord.Coordinator(f"{target.generation}.replicate-{target.attempt}")
+                coord.report_error(f"the local save of step {target.step} failed: {local_save.error}")
+                return
+        try:
+            _tiers.replicate(
+                target, self.storage, self.durable, commit_timeout_s=self.commit_timeout_s, limiter=self.limiter,
+                after_publish=self._retention_after(target.step),
+            )
+        except BaseException as e:
+            with self._mu:
+                self.last_error = f"step {target.step}: {type(e).__name__}: {e}"
+            log.error("replicating step %d to %s failed: %s; the local step is kept", target.step, self.directory, e)
+            self._on_error(target.step, e)
+            return
+        log.info("step %d replicated and committed on %s", target.step, self.directory)
+        self.apply_retention()
+
+    def pending_steps(self) -> set[int]:
+        """Steps queued or being replicated."""
+        with self._mu:
+            return {s for s, j in self._jobs.items() if not j.done()}
+
+    def wait_for_room(self, step: int) -> float:
+        """Before saving `step`: waits while the local window (`keep_local`, counting
+        `step`) would have to drop a step still being replicated. Returns seconds waited."""
+        t0 = time.perf_counter()
+        while True:
+            with self._mu:
+                pending = {s: j for s, j in self._jobs.items() if not j.done()}
+            steps = sorted(set(self.local_steps()) | set(pending) | {step})
+            kept = self.keep_local.keep(steps, {s: {} for s in steps}) | {step}
+            blocking = [s for s in steps if s not in kept and s in pending]
+            if not blocking:
+                self.waiting = False
+                return time.perf_counter() - t0
+            self.waiting = True
+            log.info("the local tier is full of steps not yet durable: save of step %d waits for step %d", step, blocking[0])
+            concurrent.futures.wait([pending[blocking[0]]])
+
+    def wait_all(self) -> None:
+        """Waits until every queued replication has finished (committed or failed)."""
+        with self._mu:
+            jobs = list(self._jobs.values())
+        concurrent.futures.wait(jobs)
+
+    def close(self) -> None:
+        self.wait_all()
+        self._queue.shutdown(wait=True)
+
+    # --- retention ----------------------------------------------------------------------
+
+    def local_steps(self) -> list[int]:
+        """Steps committed on this process's local tier, ascending."""
+        return list(_tiers.local_steps(self.storage, self.root))
+
+    def apply_retention(self) -> list[int]:
+        """Removes local steps `keep_local` does not keep and that are durable (or older
+        than the newest durable step and not being replicated); the newest local step and
+        steps being replicated stay. Returns the steps removed."""
+        steps = self.local_steps()
+        if not steps:
+            return []
+        kept = self.keep_local.keep(steps, {s: {} for s in steps}) | {steps[-1]} | self.pending_steps()
+        durable_folders = _commit.committed_folders(self.durable, self.directory)
+        durable_steps = sorted(durable_folders)
+        latest_durable = durable_steps[-1] if durable_steps else None
+        removed = []
+        for s in steps:
+            if s in kept:
+                continue
+            marker = _tiers.read_marker(self.storage, f"{self.root}/{s}")
+            durable = s in durable_steps and marker is not None and (
+                _tiers.durable_generation(self.durable, self.directory, s, durable_folders) == marker.generation
+            )
+            if not durable and not (latest_durable is not None and s < latest_durable):
+                continue  # only here (its replication failed): kept
+            try:
+                _commit.delete_step(self.storage, self.root, s)
+            except OSError as e:
+                log.warning("could not remove local step %d from %s: %s", s, self.root, e)
+                continue
+            removed.append(s)
+            log.info("local retention removed step %d from %s", s, self.root)
+        return removed
+
+    def status(self, latest_durable: int | None) -> TierStatus:
+        steps = self.local_steps()
+        latest_local = steps[-1] if steps else None
+        lag_steps = 0 if latest_local is None else max(0, latest_local - (latest_durable if latest_durable is not None else -1))
+        if latest_durable is None and latest_local is not None:
+            lag_steps = latest_local
+        newer = [s for s in steps if latest_durable is None or s > latest_durable]
+        lag_s = 0.0
+        if newer:
+            marker = _tiers.read_marker(self.storage, f"{self.root}/{newer[0]}")
+            if marker is not None:
+                lag_s = max(0.0, time.time() - marker.committed_unix_s)
+        with self._mu:
+            return TierStatus(latest_local, lag_steps, lag_s, self.last_error, self.waiting)
+
+    # --- restore ------------------------------------------------------------------------
+
+    def _needed_keys(self, target: object, partial: bool, missing: str) -> Callable[[str], list[str] | None]:
+        """The chunk files this process's devices need of a local step: every file of
+        every box they hold, whether or not a cooperative restore would read it (after a
+        replica-parallel save a process holds only the chunks it wrote of a replicated
+        box, so such a step is not whole here and the durable tier is read)."""
+
+        def needed(path: str) -> list[str] | None:
+            try:
+                meta = read_metadata(self.storage, path)
+                resolved = resolve_tree(meta, target, partial=partial, process_index=self.process_index, missing=missing)
+            except CheckpointError:
+                return None
+            keys: list[str] = []
+            for leaf in resolved.leaves:
+                if leaf.target is not None and isinstance(leaf.meta, ArrayMetadata):
+                    keys.extend(chunk_keys(leaf.meta, [b for _, b in leaf.device_boxes]))
+            return keys
+
+        return needed
+
+    def restore(
+        self,
+        step: int | None,
+        target: object,
+        *,
+        latest_durable: int | None,
+        durable_path: Callable[[int], str],
+        resume: Callable[[int, str, bool], None] | None,
+        partial: bool,
+        missing: str,
+        max_inflight_bytes: int | None,
+        stats: RestoreStats | None,
+        cooperative: bool,
+    ) -> tuple[PyTree, str, int]:
+        """Restores from the local tier where it can (see `CheckpointManager.restore`).
+
+        Returns:
+          (tree, source, durable bytes read): source is "local" (every byte from this
+          process's local tier), "local+durable" or "durable".
+        """
+        if step is None:
+            proposal = _tiers.local_restore_proposal(self.storage, self.root, latest_durable, self._needed_keys(target, partial, missing))
+            votes = _tiers.agree(self.directory, proposal, self.commit_timeout_s)
+            if votes[0] != "-" and all(v == votes[0] for v in votes):
+                local_step, generation = votes[0].split()
+                step = int(local_step)
+                log.warning(
+                    "restoring step %d from the local tier: it is committed on the local tier of every process but not "
+                    "yet on %s (newest durable step: %s); it is replicated now", step, self.directory, latest_durable,
+                )
+                view = _tiers.TieredStorage(
+                    self.storage, f"{self.root}/{step}", self.durable, f"{self.directory}/{step}", durable_committed=False,
+                )
+                tree = restore_from(view, f"{self.directory}/{step}", target, partial=partial, missing=missing,
+                                    max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative)
+                if resume is not None:
+                    marker = _tiers.read_marker(self.storage, f"{self.root}/{step}")
+                    resume(step, generation, bool(marker and marker.overwrite))
+                return tree, "local", view.durable_bytes_read
+            if any(v != "-" for v in votes):
+                log.warning(
+                    "local steps newer than the newest durable step (%s) are not whole on every process (%s); "
+                    "restoring the newest durable step", latest_durable, votes,
+                )
+            if latest_durable is None:
+                raise CheckpointNotFoundError(f"no committed step in {self.directory} (nor on every process's local tier)")
+            step = latest_durable
+        path = durable_path(step)
+        marker = _tiers.read_marker(self.storage, f"{self.root}/{step}")
+        if marker is not None and marker.generation == _tiers.durable_generation(self.durable, self.directory, step):
+            view = _tiers.TieredStorage(self.storage, f"{self.root}/{step}", self.durable, path, durable_committed=True)
+            try:
+                tree = restore_from(view, path, target, partial=partial, missing=missing,
+                                    max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative)
+                only_local = view.durable_bytes_read == 0 and not view.used_durable_kvstore
+                return tree, ("local" if only_local else "local+durable"), view.durable_bytes_read
+            except CorruptCheckpointError as e:
+                log.warning("the local copy of step %d in %s is damaged (%s); reading it from %s", step, self.root, e, path)
+        stats = RestoreStats() if stats is None else stats
+        before = stats.bytes_read
+        tree = restore_from(self.durable, path, target, partial=partial, missing=missing,
+                            max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative)
+        return tree, "durable", stats.bytes_read - before

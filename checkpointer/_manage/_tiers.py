@@ -1,0 +1,523 @@
+"""Two tiers: a step commits on node-local storage first, then on the durable directory.
+
+```
+LOCAL/process-<i>/<step>/               committed on process i's local tier iff
+  arrays/<leaf>/zarr.json                 <step>/COMMITTED (its local marker) exists
+  arrays/<leaf>/c/...                     only the chunks process i wrote
+  processes/<i>.json                      its own record
+  manifest.json                           a copy of the manifest (its own bytes only)
+  COMMITTED                               local marker: generation, process count, devices
+LOCAL/process-<i>/<step>.partial-<g>/   a local save in flight or a crashed one
+```
+The local commit is per process and needs no other process: each writes its files, its
+record and the manifest copy into its partial folder, then the marker, then renames.
+Every process's local root is its own folder, so processes sharing one node-local disk
+never touch each other's files.
+
+Replication (`replicate`) copies a committed local step's files to the durable tier,
+each process only the files it wrote (process 0 also the `zarr.json` nodes), checks
+each copy by reading it back and comparing its crc32c with the local file's, writes
+its record last, and reports done through the coordination service. Process 0 then
+commits as a direct save does: manifest, `COMMITTED`, rename (POSIX). A failure on any
+process commits nothing.
+
+Reading: `TieredStorage` serves the files of a step from the local folder where they
+are and from the durable tier otherwise, counting the bytes read from the durable tier.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import crc32c
+
+from .. import _commit, _coord, _format, _storage
+from .._errors import CheckpointError, CorruptCheckpointError, SaveError
+from .._format import ZARR_JSON, ProcessRecord
+from .._storage import Reader, Storage, storage_for
+
+log = logging.getLogger("checkpointer")
+
+PROCESS_DIR_PREFIX = "process-"
+_COPY_THREADS = 8
+
+
+class ReplicationError(SaveError):
+    """Copying a committed local step to the durable tier, or committing it there, failed.
+
+    The local step is kept; nothing was committed on the durable tier.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalMarker:
+    """The content of a local step's marker (`<step>/COMMITTED` on the local tier).
+
+    Attributes:
+      generation: the save attempt (the same on every process and on the durable tier).
+      process_index: the process that wrote the local step.
+      process_count: processes of the job that saved it.
+      device_ids: ids of the devices of that process, ascending.
+      overwrite: the save replaces a committed durable step (`force=True`).
+      committed_unix_s: when the local step committed, seconds since the epoch.
+    """
+
+    generation: str
+    process_index: int
+    process_count: int
+    device_ids: tuple[int, ...]
+    overwrite: bool
+    committed_unix_s: float
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "device_ids": list(self.device_ids), "tier": "local"}
+
+    @staticmethod
+    def from_json(obj: object) -> LocalMarker | None:
+        """The marker, or None when `obj` is not a local marker (e.g. a durable one)."""
+        if not isinstance(obj, dict) or obj.get("tier") != "local":
+            return None
+        try:
+            return LocalMarker(
+                generation=str(obj["generation"]), process_index=int(obj["process_index"]),
+                process_count=int(obj["process_count"]), device_ids=tuple(int(d) for d in obj["device_ids"]),
+                overwrite=bool(obj.get("overwrite", False)), committed_unix_s=float(obj["committed_unix_s"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def local_root(local_directory: str | os.PathLike, process_index: int) -> tuple[Storage, str]:
+    """This process's own folder on the local tier: `<local_directory>/process-<i>`."""
+    storage, directory = storage_for(local_directory)
+    return storage, f"{directory}/{PROCESS_DIR_PREFIX}{process_index}"
+
+
+def own_device_ids() -> tuple[int, ...]:
+    """Ids of this process's devices, ascending (a local step restores on them only)."""
+    import jax
+
+    return tuple(sorted(d.id for d in jax.local_devices()))
+
+
+def read_marker(storage: Storage, path: str) -> LocalMarker | None:
+    """The local marker of the step folder `path`, or None (absent or not local)."""
+    try:
+        return LocalMarker.from_json(_format.loads(storage.read_file(f"{path}/{_format.COMMITTED}"), path))
+    except (FileNotFoundError, NotADirectoryError, CheckpointError):
+        return None
+
+
+def local_steps(storage: Storage, root: str) -> dict[int, str]:
+    """Step → folder of every step committed on this local root, ascending."""
+    return _commit.committed_folders(storage, root)
+
+
+def durable_generation(
+    storage: Storage, directory: str, step: int, folders: Mapping[int, str] | None = None
+) -> str | None:
+    """The generation of committed durable `step` (from its marker), or None. One
+    listing of `directory`, or none when `folders` (`_commit.committed_folders`) is
+    given."""
+    folders = _commit.committed_folders(storage, directory) if folders is None else folders
+    if step not in folders:
+        return None
+    path = f"{directory}/{folders[step]}"
+    try:
+        marker = _format.loads(storage.read_file(f"{path}/{_format.COMMITTED}"), path)
+    except (FileNotFoundError, NotADirectoryError, CheckpointError):
+        return None
+    return str(marker.get("generation")) if isinstance(marker, dict) else None
+
+
+# --- local commit ------------------------------------------------------------------------
+
+
+def commit_local(storage: Storage, partial: str, final: str, manifest: dict, marker: LocalMarker) -> None:
+    """Commits a local step whose files and record are in `partial`: the manifest copy,
+    the local marker, then the rename to `final` (an old `final` is moved aside first and
+    removed after: a local replacement is a `force=True` save)."""
+    storage.write_file(f"{partial}/{_format.MANIFEST}", _format.dumps(manifest))
+    storage.write_file(f"{partial}/{_format.COMMITTED}", _format.dumps(marker.to_json()))
+    old = None
+    if storage.exists(f"{final}/{_format.COMMITTED}") or storage.is_folder(final):
+        old = _format.deleting_name(final, marker.generation)
+        storage.rename(final, old)
+    storage.rename(partial, final)
+    storage.sync_dir(final.rsplit("/", 1)[0])
+    if old is not None:
+        storage.delete_tree(old)
+
+
+# --- replication -------------------------------------------------------------------------
+
+
+def _crc(data: bytes | memoryview) -> int:
+    return crc32c.crc32c(data)
+
+
+def _copy_verified(src: Storage, src_path: str, dst: Storage, dst_path: str, limiter) -> int:
+    """Copies one file and reads the copy back: its crc32c must equal the source's."""
+    data = src.read_file(src_path)
+    _storage.acquire(limiter, len(data))
+    dst.write_file(dst_path, data)
+    back = dst.read_file(dst_path)
+    if len(back) != len(data) or _crc(back) != _crc(data):
+        raise CorruptCheckpointError(
+            f"the copy of {src_path} at {dst_path} reads back as {len(back)} bytes with crc32c {_crc(back):#010x}, "
+            f"expected {len(data)} bytes with crc32c {_crc(data):#010x}; the durable tier corrupts writes"
+        )
+    return len(data)
+
+
+def files_to_replicate(storage: Storage, local_path: str, process_index: int) -> tuple[list[str], str]:
+    """What process `process_index` copies of its committed local step: the chunk files
+    of its record (process 0: and every `zarr.json`), then its record (returned apart:
+    it is copied last, as it says the process's files are durable)."""
+    record_name = _format.process_record_name(process_index)
+    raw = _format.loads(storage.read_file(f"{local_path}/{record_name}"), f"{local_path}/{record_name}")
+    record = ProcessRecord.from_json(raw, f"{local_path}/{record_name}")
+    keys = list(dict.fromkeys(c.key for c in record.chunks if c.data_bytes != 0))
+    if process_index == 0:
+        keys += [k for k in storage.list_files(local_path) if k == ZARR_JSON or k.endswith("/" + ZARR_JSON)]
+    return keys, record_name
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicationTarget:
+    """Where and how one committed local step is replicated.
+
+    Attributes:
+      step: the step.
+      local_path: its committed local folder.
+      durable_path: `<directory>/<step>` on the durable tier.
+      generation: the save attempt (names the durable partial folder).
+      attempt: the replication attempt of this step in this job (0, 1, ...): names the
+        coordination keys, which must never be reused.
+      overwrite: replace a committed durable step.
+    """
+
+    step: int
+    local_path: str
+    durable_path: str
+    generation: str
+    attempt: int
+    overwrite: bool
+
+
+def replicate(
+    target: ReplicationTarget,
+    local: Storage,
+    durable: Storage,
+    *,
+    commit_timeout_s: float,
+    limiter: _storage.TokenBucket | None = None,
+    after_publish: Callable[[], object] | None = None,
+) -> int:
+    """Copies this process's files of a committed local step to the durable tier and
+    takes part in the durable commit (process 0 commits).
+
+    Returns:
+      Bytes this process copied.
+    Raises:
+      ReplicationError: a copy, a read-back check or the commit failed, here or on
+        another process; nothing was committed on the durable tier.
+      CommitTimeoutError: a process did not report within `commit_timeout_s`.
+
+    Multi-process: every process calls it for the same steps in the same order.
+    """
+    pidx, pcount = _coord.process_index(), _coord.process_count()
+    coord = _coord.Coordinator(f"{target.generation}.replicate-{target.attempt}", timeout_s=commit_timeout_s)
+    strategy = _commit.strategy_for(durable)
+    root = strategy.write_path(target.durable_path, target.generation)
+    lock = None
+    copied = 0
+    try:
+        try:
+            keys, record_name = files_to_replicate(local, target.local_path, pidx)
+            parent = target.durable_path.rsplit("/", 1)[0]
+            durable.makedirs(parent)
+            if pidx == 0 and durable.supports_locks and root != target.durable_path:
+                lock = durable.lock(root + _commit.SAVE_LOCK_SUFFIX)  # recovery leaves it alone
+            for folder in sorted({f"{root}/{k}".rsplit("/", 1)[0] for k in [*keys, record_name]}):
+                durable.makedirs(folder)
+            with concurrent.futures.ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="checkpointer-replicate") as pool:
+                futures = [
+                    pool.submit(_copy_verified, local, f"{target.local_path}/{k}", durable, f"{root}/{k}", limiter)
+                    for k in keys
+                ]
+                copied = sum(f.result() for f in futures)
+            copied += _copy_verified(local, f"{target.local_path}/{record_name}", durable, f"{root}/{record_name}", None)
+        except BaseException as e:
+            coord.report_error(f"{type(e).__name__}: {e}")
+            _discard(durable, target, pidx, coord, commit_timeout_s)
+            if isinstance(e, CheckpointError):
+                raise ReplicationError(f"replicating step {target.step} to {target.durable_path} failed on process {pidx}: {e}") from e
+            raise ReplicationError(
+                f"replicating step {target.step} to {target.durable_path} failed on process {pidx}: "
+                f"{type(e).__name__}: {e}. The local step is kept; it is replicated again when the job restarts "
+                "and resumes from it"
+            ) from e
+        coord.report_done(str(copied))
+        if pidx != 0:
+            try:
+                coord.wait_commit()
+            except CheckpointError as e:
+                raise ReplicationError(f"step {target.step} was not committed on {target.durable_path}: {e}") from e
+            return copied
+        try:
+            summaries = coord.wait_all_done()
+            missing = [i for i in range(pcount) if not durable.exists(f"{root}/{_format.process_record_name(i)}")]
+            if missing:
+                raise SaveError(f"processes {missing} reported their files durable but {root} has no record of them")
+            manifest = _format.loads(local.read_file(f"{target.local_path}/{_format.MANIFEST}"), target.local_path)
+            if not isinstance(manifest, dict):
+                raise CorruptCheckpointError(f"{target.local_path}/{_format.MANIFEST} is not a JSON object")
+            if summaries:
+                manifest["process_bytes_written"] = [int(s) for s in summaries]
+            _commit.add_entry(durable, target.durable_path, target.generation)
+            durable.write_file(f"{root}/{_format.MANIFEST}", _format.dumps(manifest))
+            marker = {"generation": target.generation, "committed_unix_s": time.time()}
+            durable.write_file(f"{root}/{_format.COMMITTED}", _format.dumps(marker))
+            replaced = strategy.publish(root, target.durable_path, target.generation, overwrite=target.overwrite)
+        except BaseException as e:
+            coord.announce_commit(f"{type(e).__name__}: {e}")
+            _discard(durable, target, pidx, coord, commit_timeout_s)
+            if isinstance(e, ReplicationError):
+                raise
+            raise ReplicationError(f"committing step {target.step} on {target.durable_path} failed: {e}") from e
+        try:
+            strategy.finish_publish(target.durable_path, replaced)
+        except OSError as e:
+            log.warning("committed %s, but syncing its folder or removing the replaced step failed: %s", target.durable_path, e)
+        if after_publish is not None:
+            try:
+                after_publish()
+            except Exception as e:  # retention failures never undo a commit
+                log.warning("after committing %s: %s", target.durable_path, e)
+        coord.announce_commit("ok")
+        return copied
+    finally:
+        if lock is not None:
+            lock.release(remove=True)
+
+
+def _discard(durable: Storage, target: ReplicationTarget, pidx: int, coord, timeout_s: float) -> None:
+    """Process 0, after a failure: removes the durable partial folder (POSIX) once no
+    process writes into it any more; object stores leave it to recovery (no marker)."""
+    folder = _commit.strategy_for(durable).discard_path(target.durable_path, target.generation)
+    if pidx != 0 or folder is None:
+        return
+
+    def remove() -> None:
+        silent = coord.wait_all_reported(timeout_s)
+        if silent:
+            log.warning("processes %s never reported; leaving %s for garbage collection", silent, folder)
+            return
+        try:
+            durable.delete_tree(folder)
+        except OSError:
+            log.warning("could not remove %s after a failed replication", folder)
+
+    if coord.process_count == 1:
+        remove()
+    else:
+        threading.Thread(target=remove, name="checkpointer-replicate-abort", daemon=True).start()
+
+
+# --- restore -----------------------------------------------------------------------------
+
+
+_restore_round = itertools.count()
+
+
+def agree(directory: str, proposal: str, timeout_s: float) -> list[str]:
+    """Every process's `proposal` (a short text), in process order, through the
+    coordination service; one process: `[proposal]`.
+
+    Multi-process: every process calls it, the same number of times, in the same order.
+    """
+    n = next(_restore_round)
+    if _coord.process_count() == 1:
+        return [proposal]
+    client = _coord._client()
+    tag = hashlib.sha256(directory.encode()).hexdigest()[:12]
+    prefix = f"checkpointer/tiers/{tag}/restore-{n}"
+    client.key_value_set(f"{prefix}/{_coord.process_index()}", proposal)
+    return [
+        client.blocking_key_value_get(f"{prefix}/{i}", int(timeout_s * 1000))
+        for i in range(_coord.process_count())
+    ]
+
+
+class _CountingReader(Reader):
+    def __init__(self, inner: Reader, counter: Callable[[int], None]):
+        self._inner, self._count = inner, counter
+
+    def size(self) -> int | None:
+        return self._inner.size()
+
+    def read_into(self, offset: int, buffer: memoryview | bytearray) -> None:
+        self._count(len(buffer))
+        self._inner.read_into(offset, buffer)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class TieredStorage(Storage):
+    """Read-only view of one step: files present in the local folder come from there,
+    every other file from the durable tier.
+
+    Paths are durable paths under `durable_path`; `durable_bytes_read` counts the bytes
+    fetched from the durable tier (files and byte ranges). TensorStore (`kvstore_spec`)
+    reads from the durable tier (`used_durable_kvstore` tells), or from the local folder
+    when the step is not durable.
+    """
+
+    def __init__(self, local: Storage, local_path: str, durable: Storage, durable_path: str, *, durable_committed: bool):
+        self.local, self.local_path = local, local_path
+        self.durable, self.durable_path = durable, durable_path
+        self.durable_committed = durable_committed
+        self.cheap_size = local.cheap_size and durable.cheap_size
+        self.has_folders = durable.has_folders
+        self.durable_bytes_read = 0
+        self.used_durable_kvstore = False
+        self._mu = threading.Lock()
+
+    def _count(self, n: int) -> None:
+        with self._mu:
+            self.durable_bytes_read += n
+
+    def _where(self, path: str) -> tuple[Storage, str, bool]:
+        if path == self.durable_path or path.startswith(self.durable_path + "/"):
+            if self.durable_committed and path == f"{self.durable_path}/{_format.COMMITTED}":
+                # The durable marker, the same on every process (a cooperative restore
+                # compares it); the local one names this process. Not counted: no data.
+                return self.durable, path, True
+            local_path = self.local_path + path[len(self.durable_path):]
+            if self.local.exists(local_path):
+                return self.local, local_path, True
+        return self.durable, path, False
+
+    def kvstore_spec(self, path: str) -> dict:
+        if not self.durable_committed and path.startswith(self.durable_path):
+            return self.local.kvstore_spec(self.local_path + path[len(self.durable_path):])
+        # TensorStore's array reads (complex and sub-byte dtypes) go to the durable tier,
+        # uncounted: a local copy may lack chunks another process wrote, and TensorStore
+        # would read a missing chunk as fill values.
+        self.used_durable_kvstore = True
+        return self.durable.kvstore_spec(path)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        raise PermissionError(f"{path}: a tiered view is read-only")
+
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        if not self.durable_committed and path == f"{self.durable_path}/{_format.COMMITTED}":
+            # A local-only step: its local markers differ per process (index, devices,
+            # time); a cooperative restore compares markers, so every process sees the
+            # same one, naming the save by its generation (None if absent).
+            marker = read_marker(self.local, self.local_path)
+            if marker is None:
+                raise FileNotFoundError(path)
+            return _format.dumps({"generation": marker.generation, "tier": "local"})
+        storage, p, local = self._where(path)
+        data = storage.read_file(p, max_bytes)
+        if not local:
+            self._count(len(data))
+        return data
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        storage, p, local = self._where(path)
+        data = storage.read_range(p, offset, length)
+        if not local:
+            self._count(len(data))
+        return data
+
+    def open_reader(self, path: str) -> Reader:
+        storage, p, local = self._where(path)
+        reader = storage.open_reader(p)
+        return reader if local else _CountingReader(reader, self._count)
+
+    def size(self, path: str) -> int:
+        storage, p, _ = self._where(path)
+        return storage.size(p)
+
+    def exists(self, path: str) -> bool:
+        storage, p, local = self._where(path)
+        return local or storage.exists(p)
+
+    def is_folder(self, path: str) -> bool:
+        return self.durable.is_folder(path) or self._where(path)[2]
+
+    def list_dir(self, path: str) -> list[str]:
+        return self.durable.list_dir(path)
+
+    def list_files(self, path: str) -> list[str]:
+        return self.durable.list_files(path)
+
+    def delete_tree(self, path: str) -> None:
+        raise PermissionError(f"{path}: a tiered view is read-only")
+
+    def delete_file(self, path: str) -> None:
+        raise PermissionError(f"{path}: a tiered view is read-only")
+
+
+def local_restore_proposal(
+    storage: Storage, root: str, newer_than: int | None, needed_keys: Callable[[str], Sequence[str] | None]
+) -> str:
+    """This process's vote for resuming from a local-only step: `"<step> <generation>"`
+    of its newest local step newer than `newer_than` that it can restore whole (same
+    process count and devices, every chunk file the target needs present), or `"-"`."""
+    steps = [s for s in local_steps(storage, root) if newer_than is None or s > newer_than]
+    if not steps:
+        return "-"
+    step = steps[-1]
+    path = f"{root}/{step}"
+    marker = read_marker(storage, path)
+    if marker is None or marker.process_count != _coord.process_count() or marker.device_ids != own_device_ids():
+        return "-"
+    keys = needed_keys(path)
+    if keys is None or any(not storage.exists(f"{path}/{k}") for k in keys):
+        return "-"
+    return f"{step} {marker.generation}"
+
+
+# --- listing -----------------------------------------------------------------------------
+
+
+def local_listing(local_directory: str | os.PathLike, durable: Storage, directory: str) -> list[dict]:
+    """Every step folder on a local tier, of every process folder in it (`checkpointer ls
+    --local`): one dict per folder with `process`, `step`, `folder`, `state` ("durable":
+    committed locally and on `directory` with the same generation; "not durable":
+    committed locally only; "partial": a local save in flight or crashed), `generation`
+    and `size_bytes`. Reads only; takes no lock."""
+    storage, root = storage_for(local_directory)
+    durable_folders = _commit.committed_folders(durable, directory)
+    rows = []
+    for name in sorted(storage.list_dir(root)):
+        if not name.startswith(PROCESS_DIR_PREFIX) or not name[len(PROCESS_DIR_PREFIX):].isdigit():
+            continue
+        proc = f"{root}/{name}"
+        for e in _commit.entries(storage, proc):
+            marker = read_marker(storage, f"{proc}/{e.name}") if e.committed else None
+            if marker is None:
+                state = "partial"
+            elif durable_generation(durable, directory, e.step, durable_folders) == marker.generation:
+                state = "durable"
+            else:
+                state = "not durable"
+            rows.append({
+                "process": int(name[len(PROCESS_DIR_PREFIX):]), "step": e.step, "folder": f"{name}/{e.name}",
+                "state": state, "generation": marker.generation if marker else e.generation,
+                "size_bytes": storage.folder_bytes(f"{proc}/{e.name}"),
+            })
+    return rows

@@ -1,0 +1,173 @@
+"""`AsyncSave`: the handle of a save whose write and commit run on a background thread."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+
+from ._pipeline import Snapshot, run_background
+
+log = logging.getLogger("checkpointer")
+
+
+class _Outcome:
+    """What the handle's finalizer needs to know: text and flags only, never the error
+    object (its traceback reaches the handle and the manager, which the finalizer
+    registry would then keep alive forever)."""
+
+    def __init__(self, path: str, observed: bool):
+        self.path = path
+        self.error_text: str | None = None
+        self.finished_s: float | None = None
+        self.observed = observed  # a wait() raised it, or a manager reports it
+        self.abandoned = False  # the handle was garbage-collected
+        self.lock = threading.Lock()
+
+    def log_unobserved(self) -> None:
+        """Logs the failure at ERROR unless someone saw it already (call under `lock`)."""
+        if self.error_text is not None and not self.observed:
+            self.observed = True
+            log.error("save_async of %s failed and nobody called wait() on it: %s; nothing was committed",
+                      self.path, self.error_text)
+
+
+def _report_unobserved(outcome: _Outcome) -> None:
+    """The handle's finalizer (garbage collection, or interpreter exit after the
+    non-daemon save thread ended): a failure no `wait()` raised is logged at ERROR; a
+    save still running logs its own failure later."""
+    with outcome.lock:
+        outcome.abandoned = True
+        outcome.log_unobserved()
+
+
+def _run(
+    snap: Snapshot,
+    outcome: _Outcome,
+    after_publish: Callable[[], object] | None,
+    handle_ref: Callable[[], AsyncSave | None],
+    on_finish: Callable[[AsyncSave], None] | None,
+    runner: Callable[[Snapshot, Callable[[], object] | None], None],
+) -> None:
+    """The background thread: write and commit, then record the outcome."""
+    try:
+        runner(snap, after_publish)
+    except BaseException as e:  # surfaced by wait(), else logged (see _Outcome)
+        _finish(outcome, handle_ref, on_finish, e)
+    else:
+        _finish(outcome, handle_ref, on_finish, None)
+
+
+def _finish(
+    outcome: _Outcome,
+    handle_ref: Callable[[], AsyncSave | None],
+    on_finish: Callable[[AsyncSave], None] | None,
+    error: BaseException | None,
+) -> None:
+    # A frame of its own: the handle must not be a local of `_run`, whose frame the
+    # error's traceback keeps.
+    handle = handle_ref()
+    if handle is not None:
+        handle._error = error
+    with outcome.lock:
+        outcome.finished_s = time.monotonic()
+        if error is not None:
+            outcome.error_text = f"{type(error).__name__}: {error}"
+            if outcome.abandoned:
+                outcome.log_unobserved()
+    if on_finish is not None and handle is not None:
+        on_finish(handle)
+
+
+class AsyncSave:
+    """A save in flight. Created by `save_async` once the host snapshot is taken.
+
+    Two moments matter (as in `jax.experimental.array_serialization`): the snapshot,
+    after which the caller may donate or change the arrays (already past when you hold
+    this handle), and the commit, which `wait()` waits for.
+    """
+
+    def __init__(
+        self,
+        snap: Snapshot,
+        *,
+        on_finish: Callable[[AsyncSave], None] | None = None,
+        after_publish: Callable[[], object] | None = None,
+        runner: Callable[[Snapshot, Callable[[], object] | None], None] = run_background,
+    ) -> None:
+        self.snapshot = snap
+        self.path = snap.path
+        self.started_s = time.monotonic()
+        self._error: BaseException | None = None
+        # A manager's saves (on_finish given) are reported by the manager; a bare
+        # save_async's failure is logged if no wait() raised it by the time the handle
+        # is collected or the interpreter exits (after this non-daemon thread ended).
+        self._outcome = _Outcome(self.path, observed=on_finish is not None)
+        weakref.finalize(self, _report_unobserved, self._outcome)
+        # Not a daemon: the interpreter waits for it at exit, so a program that ends
+        # right after `save` (without `wait()` or `close()`) still commits its last save.
+        # The thread refers to the handle only weakly: the error's traceback keeps the
+        # thread's frames, and through them it must not keep the handle alive.
+        self._thread = threading.Thread(
+            target=_run, args=(snap, self._outcome, after_publish, weakref.ref(self), on_finish, runner),
+            name=f"checkpointer-save-{snap.generation}", daemon=False,
+        )
+        self._thread.start()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The background error once failed (None while running or when committed)."""
+        return self._error
+
+    @property
+    def finished_s(self) -> float | None:
+        """`time.monotonic()` when the background work ended, None while it runs."""
+        return self._outcome.finished_s
+
+    def done(self) -> bool:
+        """Whether the background work has finished (committed or failed)."""
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Waits until the background work has finished, without raising its error.
+
+        Args:
+          timeout: seconds to wait at most; None waits for as long as it takes.
+        Returns:
+          Whether it has finished (committed or failed; see `error`).
+
+        Multi-process: as `wait`.
+        """
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Blocks until committed.
+
+        Args:
+          timeout: seconds to wait at most; None waits for as long as it takes.
+        Raises:
+          TimeoutError: still running after `timeout` seconds (the save goes on).
+          CheckpointError (SaveError, CommitTimeoutError, ...): the background failed;
+            nothing was committed.
+
+        Multi-process: each process waits for its own part; process 0's wait returns
+        after the commit, the others' after process 0 announced it.
+        """
+        if not self.join(timeout):
+            raise TimeoutError(f"save of {self.path} still running after {timeout} s")
+        if self._error is not None:
+            with self._outcome.lock:
+                self._outcome.observed = True
+            raise self._error
+
+    @property
+    def commit_s(self) -> float | None:
+        """Seconds from the end of the snapshot to the end of the commit, once done."""
+        return None if self.finished_s is None else self.finished_s - self.started_s
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else ("failed" if self.error else "committed")
+        return f"AsyncSave({self.path!r}, {state})"

@@ -1,0 +1,61 @@
+"""The package's layout (issue 19): every module path that tests and configuration name
+exists (a list naming a moved module would make its check vacuous), and no module holds
+two concepts (600 lines at most). The import contracts themselves are import-linter's,
+run by `make lint`."""
+
+import importlib
+import importlib.util
+import pathlib
+import tomllib
+
+import pytest
+
+import checkpointer as ckpt
+from test_fresh_restore import NOT_FOR_RESTORE
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LIB = pathlib.Path(ckpt.__file__).resolve().parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _configured_module_paths() -> list[str]:
+    """Every module path pyproject.toml names: mypy's strict list, ruff's immutable calls
+    (module of the callable), the console script's module, import-linter's packages."""
+    paths = []
+    for override in PYPROJECT["tool"]["mypy"]["overrides"]:
+        paths += [m for m in override["module"] if m.startswith("checkpointer")]
+    calls = PYPROJECT["tool"]["ruff"]["lint"]["flake8-bugbear"]["extend-immutable-calls"]
+    paths += [c.rsplit(".", 1)[0] for c in calls]
+    paths += [v.split(":")[0] for v in PYPROJECT["project"]["scripts"].values()]
+    for contract in PYPROJECT["tool"]["importlinter"]["contracts"]:
+        for layer in contract.get("layers", ()):
+            paths += [f"checkpointer.{m.strip()}" for m in layer.split("|")]
+        paths += contract.get("source_modules", []) + contract.get("forbidden_modules", [])
+    return paths
+
+
+@pytest.mark.parametrize("module", sorted(set(_configured_module_paths()) | {m for m in NOT_FOR_RESTORE if m.startswith("checkpointer")}))
+def test_every_module_named_in_configuration_and_tests_exists(module):
+    assert importlib.util.find_spec(module) is not None, f"{module} is named in pyproject.toml or a test but does not exist"
+
+
+def test_immutable_calls_and_entry_point_name_real_objects():
+    for call in PYPROJECT["tool"]["ruff"]["lint"]["flake8-bugbear"]["extend-immutable-calls"]:
+        module, name = call.rsplit(".", 1)
+        assert hasattr(importlib.import_module(module), name), call
+    for target in PYPROJECT["project"]["scripts"].values():
+        module, name = target.split(":")
+        assert callable(getattr(importlib.import_module(module), name)), target
+
+
+def test_the_layers_contract_names_every_package_and_module():
+    (layers,) = [c for c in PYPROJECT["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+    named = {m.strip() for layer in layers["layers"] for m in layer.split("|")}
+    present = {p.name for p in LIB.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    present |= {p.stem for p in LIB.glob("*.py") if p.name != "__init__.py"}
+    assert named == present
+
+
+def test_no_module_is_over_600_lines():
+    long = {str(f.relative_to(LIB)): n for f in LIB.rglob("*.py") if (n := len(f.read_text().splitlines())) > 600}
+    assert not long, f"modules over 600 lines (a sign of two concepts in one): {long}"
