@@ -30,6 +30,7 @@ from .._errors import (
     MeshError,
     ShapeMismatchError,
     StructureMismatchError,
+    UsageError,
 )
 from .._storage import Storage, storage_for
 
@@ -52,10 +53,6 @@ path (params/dense/kernel) is matched too. SPEC is one entry per dimension,
 comma-separated: a mesh axis name, several joined with '+' for one dimension, or
 'none' / empty for None. Examples: "['params']*=data,model",
 '*opt_state*=data+model,none', '.step=' (replicated)."""
-
-
-class UsageError(Exception):
-    """A bad command line (exit status 2)."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -18,12 +18,19 @@ from typing import TYPE_CHECKING
 
 from .. import _commit, _coord, _encoding, _storage, _tools
 from .._encoding import RestoreStats
-from .._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
+from .._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    LockHeldByThisProcessError,
+    LockHeldError,
+    UnsupportedValueError,
+)
 from .._format import PyTree, metadata_json, metrics_json, read_metadata
 from .._memory import HostBufferPool
 from .._restore import restore as _restore
 from .._save import AsyncSave, Snapshot, run_background, take_snapshot
-from .._storage import LockHeldError, Storage, storage_for
+from .._storage import Storage, storage_for
 from . import _tier_manager
 from ._policies import KeepLatest, KeepPolicy
 
@@ -112,14 +119,10 @@ class _DirectoryLock:
         except LockHeldError as e:
             holder = (e.holder or "").strip()
             same = holder == _holder_text()
-            raise (_HeldByThisProcess if same else CheckpointError)(lock_conflict_message(directory, holder)) from None
+            raise (LockHeldByThisProcessError if same else CheckpointError)(lock_conflict_message(directory, holder)) from None
 
     def release(self) -> None:
         self._lock.release()
-
-
-class _HeldByThisProcess(CheckpointError):
-    """The writer's lock is held by another manager of this very process."""
 
 
 def _holder_text() -> str:
@@ -154,7 +157,7 @@ def _take_lock(storage: Storage, directory: str) -> _DirectoryLock:
     cycle), a garbage collection runs its finalizer and the lock is tried once more."""
     try:
         return _DirectoryLock(storage, directory)
-    except _HeldByThisProcess:
+    except LockHeldByThisProcessError:
         gc.collect()
     return _DirectoryLock(storage, directory)
 

@@ -26,7 +26,7 @@ import stat
 import threading
 from typing import TYPE_CHECKING
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, LockHeldError
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -54,18 +54,6 @@ _IOV_MAX = 1024
 
 # Longest holder note a lock file carries (`pid 123 on host`), bytes.
 _HOLDER_NOTE_BYTES = 200
-
-
-class LockHeldError(BlockingIOError):
-    """`FileLock.acquire(wait=False)` found the lock held by another process.
-
-    Attributes:
-      holder: the note the holder wrote into the lock file ("" when it wrote none).
-    """
-
-    def __init__(self, path: str, holder: str):
-        super().__init__(errno.EWOULDBLOCK, f"locked by {holder or 'unknown holder'}", path)
-        self.holder = holder
 
 
 class FileLock:
