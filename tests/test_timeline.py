@@ -16,7 +16,7 @@ import checkpointer as ckpt
 from checkpointer._cli import _main as _cli
 from checkpointer._commit import _directory
 from checkpointer._format._metadata import ProcessRecord
-from checkpointer._storage._backends import storage_for
+from checkpointer._storage._kvstore import storage_for
 from checkpointer._tools import _timeline
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v0.1.0"
