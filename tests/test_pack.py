@@ -18,7 +18,7 @@ import checkpointer as ckpt
 from checkpointer._encoding import _pack
 from checkpointer._encoding._leaf_plan import PACK_GAP_BYTES, coalesce_packed, plan_leaf
 from checkpointer._format._box import Box
-from checkpointer._format._layout import ArrayMetadata, PackedBox
+from checkpointer._format._leaves import ArrayMetadata, PackedBox
 
 
 def _json(path):
@@ -398,7 +398,7 @@ def test_the_rule_packs_small_whole_byte_chunks_only():
 
 
 def test_a_process_record_with_a_pack_round_trips_and_keeps_unknown_fields(tmp_path):
-    from checkpointer._format._layout import dumps_large, loads
+    from checkpointer._format._json import dumps_large, loads
     from checkpointer._format._metadata import ProcessRecord
 
     state = _state(2)

@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._storage import Storage, storage_for
-from . import _layout
+from . import _json, _layout, _leaves, _values
 from ._box import Box
-from ._layout import ArrayMetadata, ValueMetadata
+from ._leaves import ArrayMetadata, ValueMetadata
 from ._tree import check_leaf_path, keystrs, leaf_paths_of, rebuild
 
 DISTRIBUTION = "checkpointer"
@@ -148,7 +148,7 @@ class ChunkRecord:
       box: the chunk's region of the global array.
       file_bytes: size of the zarr shard file, bytes (JSON `"bytes"`).
       data_bytes: bytes of array data in the chunk (box size × itemsize).
-      data_crc32c: crc32c of the chunk's C-order bytes (`_layout.data_crc32c`).
+      data_crc32c: crc32c of the chunk's C-order bytes (`_zarr_arrays.data_crc32c`).
       extra: JSON fields this version does not know, kept as read.
     """
 
@@ -183,7 +183,7 @@ class PackedBoxRecord:
       box: the chunk's region of the global array.
       offset: where its C-order bytes start in the pack's chunk file, bytes.
       data_bytes: their length, bytes (box size × itemsize).
-      data_crc32c: crc32c of those bytes (`_layout.data_crc32c`).
+      data_crc32c: crc32c of those bytes (`_zarr_arrays.data_crc32c`).
       extra: JSON fields this version does not know, kept as read.
     """
 
@@ -322,7 +322,7 @@ class ProcessRecord:
         """Parses and validates a process record.
 
         Args:
-          obj: the parsed JSON (`_layout.loads`).
+          obj: the parsed JSON (`_json.loads`).
           where: the record's path, for messages.
         Raises:
           CorruptCheckpointError: not an object, `chunks` missing, or a field of the wrong type.
@@ -335,16 +335,16 @@ def read_process_record(storage: Storage, location: str) -> ProcessRecord:
 
     Raises:
       FileNotFoundError: no file at `location`.
-      CorruptCheckpointError: larger than `_layout.MAX_MANIFEST_BYTES`, not JSON, or
+      CorruptCheckpointError: larger than `_json.MAX_MANIFEST_BYTES`, not JSON, or
         not a valid record; names `location`.
     """
     try:
-        data = storage.read_file(location, max_bytes=_layout.MAX_MANIFEST_BYTES)
+        data = storage.read_file(location, max_bytes=_json.MAX_MANIFEST_BYTES)
     except OSError as e:
         if e.errno != errno.EFBIG:
             raise
-        raise CorruptCheckpointError(f"{location} is larger than {_layout.MAX_MANIFEST_BYTES} bytes") from e
-    return ProcessRecord.from_json(_layout.loads(data, location), location)
+        raise CorruptCheckpointError(f"{location} is larger than {_json.MAX_MANIFEST_BYTES} bytes") from e
+    return ProcessRecord.from_json(_json.loads(data, location), location)
 
 
 # --- manifest.json ---------------------------------------------------------------------------
@@ -373,7 +373,7 @@ def manifest_json(
       process_bytes_written: bytes of chunk files each process wrote, by process index.
       structure: the JSON tree structure (`_tree.describe`).
       arrays: the array leaves' metadata.
-      values: leaf path → `_layout.value_to_json` of each non-array leaf.
+      values: leaf path → `_values.value_to_json` of each non-array leaf.
       user_metadata: the `metadata=` dict.
       created_unix_s: the creation time, seconds since the epoch (default: now).
       save_phases_unix_s: process 0's phases before the manifest, name → (start, end)
@@ -500,7 +500,7 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     _require(_is_int(pcount) and pcount >= 1, f"process_count {pcount!r:.100} is invalid", where)
     pbytes = raw.get("process_bytes_written", [])
     _require(
-        isinstance(pbytes, list) and all(_is_int(b) and 0 <= b <= _layout.MAX_ARRAY_BYTES for b in pbytes),
+        isinstance(pbytes, list) and all(_is_int(b) and 0 <= b <= _leaves.MAX_ARRAY_BYTES for b in pbytes),
         "'process_bytes_written' is not a list of byte counts",
         where,
     )
@@ -516,9 +516,9 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
         check_leaf_path(path, where=where)
         _require(isinstance(entry, dict), f"leaf {path!r} is not an object", where)
         if entry.get("type") == "array":
-            leaves[path] = _layout.array_metadata_from_json(path, entry, where)
+            leaves[path] = _leaves.array_metadata_from_json(path, entry, where)
         elif entry.get("type") == "value":
-            leaves[path] = ValueMetadata(path, _layout.value_from_json(entry.get("value"), f"leaf {path!r} in {where}"))
+            leaves[path] = ValueMetadata(path, _values.value_from_json(entry.get("value"), f"leaf {path!r} in {where}"))
         else:
             raise CorruptCheckpointError(f"leaf {path!r} in {where} has unknown type {entry.get('type')!r}")
     ordered = leaf_paths_of(structure)
@@ -542,7 +542,7 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
     A hand-rolled parse (not `PackRecord.from_json`): it runs on every restore, over
     one entry per small chunk (5,000 for issue 15's 2,000 leaves)."""
     _require(isinstance(raw, list), "'packed' is not a list", where)
-    found: dict[str, list[_layout.PackedBox]] = {}
+    found: dict[str, list[_leaves.PackedBox]] = {}
     assert isinstance(raw, list)
     for i, pack in enumerate(raw):
         loc = f"packed[{i}]"
@@ -567,7 +567,7 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
                 ok = ok and type(o) is int and type(s) is int and 0 <= o < n and o % c == 0 and s == min(c, n - o)
                 size = size * s if ok else -1  # never `*=` a str or list from a hostile manifest
             _require(ok and nbytes == size, f"{loc} box {j} of leaf {leaf!r} does not fit the leaf's chunk grid or the pack's size", where)
-            found.setdefault(leaf, []).append(_layout.PackedBox(key, file_bytes, box, offset, nbytes, crc))
+            found.setdefault(leaf, []).append(_leaves.PackedBox(key, file_bytes, box, offset, nbytes, crc))
     for path, m in leaves.items():
         if isinstance(m, ArrayMetadata) and m.packed:
             boxes = found.get(path, [])
@@ -594,14 +594,14 @@ def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
         )
         raise CheckpointNotFoundError(f"no committed checkpoint at {path}: the commit marker {_layout.COMMITTED} is absent.{hint}")
     try:
-        data = storage.read_file(f"{path}/{_layout.MANIFEST}", max_bytes=_layout.MAX_MANIFEST_BYTES)
+        data = storage.read_file(f"{path}/{_layout.MANIFEST}", max_bytes=_json.MAX_MANIFEST_BYTES)
     except (FileNotFoundError, IsADirectoryError) as e:
         raise CorruptCheckpointError(f"{path} is marked committed but has no {_layout.MANIFEST} file") from e
     except OSError as e:
         if e.errno != errno.EFBIG:
             raise
-        raise CorruptCheckpointError(f"{path}/{_layout.MANIFEST} is larger than {_layout.MAX_MANIFEST_BYTES} bytes") from e
-    return parse_manifest(_layout.loads(data, f"{path}/{_layout.MANIFEST}"), path)
+        raise CorruptCheckpointError(f"{path}/{_layout.MANIFEST} is larger than {_json.MAX_MANIFEST_BYTES} bytes") from e
+    return parse_manifest(_json.loads(data, f"{path}/{_layout.MANIFEST}"), path)
 
 
 def metadata(path: str | os.PathLike) -> CheckpointMetadata:
