@@ -28,7 +28,8 @@ import checkpointer as ckpt
 from checkpointer._format import _json, _layout, _units
 from checkpointer._format._box import Box
 from checkpointer._format._leaves import ArrayMetadata, SavedSharding
-from checkpointer._format._metadata import ChunkRecord, ProcessRecord, manifest_json
+from checkpointer._format._manifest import manifest_json
+from checkpointer._format._records import ChunkRecord, ProcessRecord
 from checkpointer._format._tree import flatten
 from checkpointer._restore._plan import plan_leaf
 from checkpointer._restore._targets import named_shard_boxes

@@ -26,7 +26,8 @@ from checkpointer._format._layout import (
     partial_name,
 )
 from checkpointer._format._leaves import MAX_ARRAY_BYTES, ArrayMetadata, SavedSharding, array_metadata_from_json
-from checkpointer._format._metadata import ProcessRecord, library_version, manifest_json, parse_manifest
+from checkpointer._format._manifest import library_version, manifest_json, parse_manifest
+from checkpointer._format._records import ProcessRecord
 from checkpointer._format._shard_file import ShardFileLayout
 from checkpointer._format._units import format_bytes
 from checkpointer._format._values import value_from_json, value_to_json

@@ -399,7 +399,7 @@ def test_the_rule_packs_small_whole_byte_chunks_only():
 
 def test_a_process_record_with_a_pack_round_trips_and_keeps_unknown_fields(tmp_path):
     from checkpointer._format._json import dumps_large, loads
-    from checkpointer._format._metadata import ProcessRecord
+    from checkpointer._format._records import ProcessRecord
 
     state = _state(2)
     path = str(tmp_path / "1")

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import checkpointer as ckpt
 from checkpointer._cli import _main as _cli
 from checkpointer._commit import _directory
-from checkpointer._format._metadata import ProcessRecord
+from checkpointer._format._records import ProcessRecord
 from checkpointer._storage._kvstore import storage_for
 from checkpointer._tools import _timeline
 

@@ -24,20 +24,9 @@ from ._layout import (
     process_record_name,
 )
 from ._leaves import MAX_CHUNKS_PER_LEAF, ArrayMetadata, PackedBox, SavedSharding, ValueMetadata
-from ._metadata import (
-    CheckpointMetadata,
-    ChunkRecord,
-    PackedBoxRecord,
-    PackRecord,
-    ProcessRecord,
-    library_version,
-    manifest_json,
-    metadata,
-    parse_phases,
-    phases_json,
-    read_metadata,
-    read_process_record,
-)
+from ._manifest import library_version, manifest_json, metadata, read_metadata
+from ._metadata import CheckpointMetadata
+from ._records import ChunkRecord, PackedBoxRecord, PackRecord, ProcessRecord, parse_phases, phases_json, read_process_record
 from ._shard_file import ShardFileLayout
 from ._sharding import named_shard_boxes, spec_axes
 from ._tree import PyTree, describe, escape_key, flatten, rebuild
