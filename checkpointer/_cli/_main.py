@@ -623,20 +623,17 @@ def _cmd_gc(args, ui: _UI) -> int:
     lock = None
     if not args.dry_run:
         if storage.supports_locks:
-            from .._manage import _DirectoryLock
+            from .._manage import DirectoryLock
 
             try:
-                lock = _DirectoryLock(storage, directory)
+                lock = DirectoryLock(storage, directory)
             except CheckpointError as e:
                 raise CheckpointError(f"{e} (gc needs the directory to itself)") from e
         try:
-            done = set(_commit.recover(storage, directory))
-            _commit.repair(storage, directory)
-            actions = [(n, a) for n, a in actions if n in done]
-            steps = _commit.committed_steps(storage, directory)
-            doomed = steps[: -args.keep_latest] if args.keep_latest else []
-            for s in doomed:
-                _commit.delete_step(storage, directory, s)
+            keep = _manage.KeepLatest(args.keep_latest) if args.keep_latest else None
+            recovered, doomed = _manage.maintain(storage, directory, keep=keep)  # as a manager's writer does
+            actions = [(n, a) for n, a in actions if n in set(recovered)]
+            steps = sorted(set(_commit.committed_steps(storage, directory)) | set(doomed))
         finally:
             if lock is not None:
                 lock.release()
