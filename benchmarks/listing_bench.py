@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from s3server import running_s3_server
 
 from checkpointer._commit import _catalog, _directory
-from checkpointer._storage._backends import storage_for
+from checkpointer._storage._kvstore import storage_for
 
 
 def _timed(fn, runs: int) -> tuple[float, object]:

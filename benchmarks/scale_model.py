@@ -25,10 +25,11 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer._format import _layout as _format
+from checkpointer._format import _json, _layout, _units
 from checkpointer._format._box import Box
-from checkpointer._format._layout import ArrayMetadata, SavedSharding
-from checkpointer._format._metadata import ChunkRecord, ProcessRecord, manifest_json
+from checkpointer._format._leaves import ArrayMetadata, SavedSharding
+from checkpointer._format._manifest import manifest_json
+from checkpointer._format._records import ChunkRecord, ProcessRecord
 from checkpointer._format._tree import flatten
 from checkpointer._restore._plan import plan_leaf
 from checkpointer._restore._targets import named_shard_boxes
@@ -89,7 +90,7 @@ def _rss_mib() -> float:
 
 
 def _fmt(n: float) -> str:
-    return _format.format_bytes(int(n))
+    return _units.format_bytes(int(n))
 
 
 def save_side(mesh: AbstractMesh, processes: int):
@@ -113,7 +114,7 @@ def manifest_bytes(plan: ckpt.SavePlan, tree: dict, mesh: AbstractMesh) -> tuple
         process_bytes_written=[p.bytes_written for p in plan.processes], structure={}, arrays=list(metas.values()),
         values={}, user_metadata={},
     )
-    return len(_format.dumps(doc)), metas
+    return len(_json.dumps(doc)), metas
 
 
 def record_bytes(plan: ckpt.SavePlan, metas: dict[str, ArrayMetadata], pidx: int) -> int:
@@ -123,12 +124,12 @@ def record_bytes(plan: ckpt.SavePlan, metas: dict[str, ArrayMetadata], pidx: int
         for p, w in a.writes:
             if p == pidx:
                 chunks.append(ChunkRecord(
-                    leaf=a.leaf_path, key=_format.chunk_key(a.leaf_path, w.chunk_index), box=w.box,
+                    leaf=a.leaf_path, key=_layout.chunk_key(a.leaf_path, w.chunk_index), box=w.box,
                     file_bytes=m.layout.file_bytes,
                     data_bytes=w.box.size * m.dtype.itemsize, data_crc32c=0xFFFFFFFF,
                 ))
     rec = ProcessRecord(process_index=pidx, generation="g", chunks=tuple(chunks), bytes_written=0, snapshot_s=0.0, write_s=0.0)
-    return len(_format.dumps(rec.to_json()))
+    return len(_json.dumps(rec.to_json()))
 
 
 def restore_side(plan: ckpt.SavePlan, metas: dict[str, ArrayMetadata], target_mesh: AbstractMesh, processes: int, sample: list[int]):

@@ -3,10 +3,17 @@
 Every error derives from `CheckpointError`; each subclass also derives from the builtin
 that matches its meaning (as zarr-python does), so callers can catch either. Messages say
 what went wrong, where (leaf path, checkpoint path, process) and how to fix it.
+
+Every exception class of the package is defined here (tests/test_layout.py checks it),
+including the few outside the `CheckpointError` family that the front door does not
+export: `LockHeldError` (a `BlockingIOError` of the storage's lock), the manager's
+`LockHeldByThisProcessError`, the CLI's `UsageError` and the test harness's
+`ProcessesFailed` (an `AssertionError`).
 """
 
 from __future__ import annotations
 
+import errno
 import sys
 
 
@@ -75,6 +82,41 @@ class RestoreAgreementError(CheckpointError, RuntimeError):
     another path, save or target, one could not restore (its error is named), failed
     to read its share, or did not arrive in time. Raised on every process, before the
     exchange; the process that failed raises its own error instead."""
+
+
+class ReplicationError(SaveError):
+    """Copying a committed local step to the durable tier, or committing it there, failed.
+
+    The local step is kept; nothing was committed on the durable tier.
+    """
+
+
+class LockHeldByThisProcessError(CheckpointError):
+    """The writer's lock is held by another manager of this very process."""
+
+
+class LockHeldError(BlockingIOError):
+    """`FileLock.acquire(wait=False)` found the lock held by another process.
+
+    Attributes:
+      holder: the note the holder wrote into the lock file ("" when it wrote none).
+    """
+
+    def __init__(self, path: str, holder: str):
+        super().__init__(errno.EWOULDBLOCK, f"locked by {holder or 'unknown holder'}", path)
+        self.holder = holder
+
+
+class UsageError(Exception):
+    """A bad command line (exit status 2)."""
+
+
+class ProcessesFailed(AssertionError):
+    """The processes timed out (all were killed), or one ended with an unexpected status.
+
+    An `AssertionError`, so that pytest reports it as a test failure. The message holds
+    the tail of every process's stdout and stderr.
+    """
 
 
 def this_process() -> int | None:

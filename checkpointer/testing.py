@@ -42,6 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
+from ._errors import ProcessesFailed
+
 RECORD_PREFIX = "CHECKPOINTER_RECORD "  # `emit` prefixes each JSON record line with this
 TAIL_CHARS = 4000  # output shown per process when a job fails
 POLL_INTERVAL_S = 0.05
@@ -52,14 +54,6 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _T0_S = time.monotonic()
 _alive_lock_fd: int | None = None  # held for the life of a worker process (see `kill_job`)
-
-
-class ProcessesFailed(AssertionError):
-    """The processes timed out (all were killed), or one ended with an unexpected status.
-
-    An `AssertionError`, so that pytest reports it as a test failure. The message holds
-    the tail of every process's stdout and stderr.
-    """
 
 
 @dataclasses.dataclass(frozen=True)

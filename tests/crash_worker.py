@@ -24,7 +24,7 @@ from jax.sharding import (  # noqa: E402
 
 import checkpointer as ckpt  # noqa: E402
 from checkpointer._manage import _manager  # noqa: E402
-from checkpointer._storage import _backends as _storage
+from checkpointer._storage import _local as _storage
 
 directory, kill_point, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 hook, _, nth = kill_point.partition(":")

@@ -18,7 +18,7 @@ from checkpointer._commit import _catalog, _directory
 from checkpointer._errors import SaveError
 from checkpointer._format import _layout as _format
 from checkpointer._save import _pipeline as _save
-from checkpointer._storage._backends import KvStorage, storage_for
+from checkpointer._storage._kvstore import KvStorage, storage_for
 
 
 @pytest.fixture(scope="module")

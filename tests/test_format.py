@@ -14,33 +14,24 @@ from hypothesis import given, settings, strategies as st
 
 from checkpointer._errors import CorruptCheckpointError
 from checkpointer._format._box import Box
+from checkpointer._format._dtypes import dtype_kind, is_numeric_dtype, is_whole_byte_dtype
+from checkpointer._format._json import dumps, loads
 from checkpointer._format._layout import (
-    MAX_ARRAY_BYTES,
-    ArrayMetadata,
-    SavedSharding,
-    ShardFileLayout,
-    array_metadata_from_json,
     chunk_key,
-    data_crc32c,
     deleting_name,
-    dtype_kind,
-    dumps,
-    format_bytes,
     generation_time,
-    inner_chunk_shape,
-    is_numeric_dtype,
-    is_whole_byte_dtype,
-    loads,
     new_generation,
     parse_deleting_name,
     parse_partial_name,
     partial_name,
-    value_from_json,
-    value_to_json,
-    zarr_metadata,
-    zarr_spec,
 )
-from checkpointer._format._metadata import ProcessRecord, library_version, manifest_json, parse_manifest
+from checkpointer._format._leaves import MAX_ARRAY_BYTES, ArrayMetadata, SavedSharding, array_metadata_from_json
+from checkpointer._format._manifest import library_version, manifest_json, parse_manifest
+from checkpointer._format._records import ProcessRecord
+from checkpointer._format._shard_file import ShardFileLayout
+from checkpointer._format._units import format_bytes
+from checkpointer._format._values import value_from_json, value_to_json
+from checkpointer._format._zarr_arrays import data_crc32c, inner_chunk_shape, zarr_metadata, zarr_spec
 
 MIB = 1 << 20
 

@@ -182,7 +182,7 @@ def test_scatter_reads_through_a_kvstore_give_the_same_values(rows_layout, monke
 
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_scatter_read_fills_every_buffer_in_order_past_iov_max_and_raises_at_eof(tmp_path, where):
-    from checkpointer._storage._backends import storage_for
+    from checkpointer._storage._kvstore import storage_for
 
     data = bytes(range(256)) * 40  # 10240 bytes
     location = str(tmp_path / "f") if where == "local" else "memory://fresh_restore_scatter_unit/f"

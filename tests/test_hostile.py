@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer._format import _layout as _format
+from checkpointer._format import _json as _format_json
 
 # About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
 # are not packed here (tests/test_pack.py covers the packed layout).
@@ -211,7 +211,7 @@ def test_an_oversized_process_record_is_a_finding_of_verify_and_per_process_stat
     limit = os.path.getsize(f"{path}/manifest.json") + 10
     with open(f"{path}/processes/0.json", "a") as f:
         f.write(" " * (limit + 100))  # still valid JSON, but past the bound
-    monkeypatch.setattr(_format, "MAX_MANIFEST_BYTES", limit)
+    monkeypatch.setattr(_format_json, "MAX_MANIFEST_BYTES", limit)
     report = ckpt.verify(path)
     assert not report.ok and any("0.json is malformed" in p and f"larger than {limit} bytes" in p for p in report.problems)
     with pytest.raises(ckpt.CorruptCheckpointError, match=f"processes/0.json is larger than {limit} bytes"):
@@ -333,7 +333,7 @@ def test_absurd_but_self_consistent_shape_is_refused_before_allocating(victim):
 
 def test_oversized_manifest_is_refused_without_reading_it_all(victim, monkeypatch):
     path, manifest = victim
-    monkeypatch.setattr(_format, "MAX_MANIFEST_BYTES", 1000)
+    monkeypatch.setattr(_format_json, "MAX_MANIFEST_BYTES", 1000)
     with pytest.raises(ckpt.CorruptCheckpointError, match="larger than 1000 bytes"):
         ckpt.metadata(path)
 

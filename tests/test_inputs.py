@@ -20,9 +20,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import checkpointer as ckpt
 from checkpointer._encoding import _leaf_plan, _read
-from checkpointer._format import _layout as _format
+from checkpointer._format import _leaves, _shard_file, _zarr_arrays
 from checkpointer._format._box import Box
-from checkpointer._format._layout import ArrayMetadata
+from checkpointer._format._leaves import ArrayMetadata
 
 MESH_2x4 = ((2, 4), ("a", "b"))
 
@@ -103,7 +103,7 @@ def test_every_device_dtype_round_trips_bit_exact_or_is_refused_by_name(tmp_path
     src = _put(x, make_mesh(*MESH_2x4), P("a", "b"))
     held = np.asarray(src)  # what JAX holds (sub-byte types keep only their low bits)
     path = str(tmp_path / "1")
-    if name in _NOT_STORABLE and not _format.zarr_supports_dtype(dtype):
+    if name in _NOT_STORABLE and not _zarr_arrays.zarr_supports_dtype(dtype):
         with pytest.raises(ckpt.UnsupportedValueError, match=rf"leaf 'layer/x'.*dtype {name}.*astype") as e:
             ckpt.save(path, {"layer": {"x": src}})
         assert isinstance(e.value, TypeError)
@@ -125,7 +125,7 @@ def test_every_device_dtype_round_trips_bit_exact_or_is_refused_by_name(tmp_path
 
 
 def test_some_dtype_jax_has_is_not_storable_and_the_save_names_it(tmp_path):
-    if _format.zarr_supports_dtype(np.dtype(jnp.uint4)):
+    if _zarr_arrays.zarr_supports_dtype(np.dtype(jnp.uint4)):
         pytest.skip("this TensorStore stores uint4")
     tree = {"ok": jnp.ones(4), "deep": {"q": jnp.arange(4).astype(jnp.uint4)}}
     with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf 'deep/q' in .*/1: dtype uint4.*jnp.uint8"):
@@ -391,14 +391,14 @@ def test_long_1d_array_sharded_over_8(tmp_path):
 
 def test_a_3gib_shard_is_stored_in_small_inner_chunks():
     shard = (3 * 2**14, 2**14)  # float32: 3 GiB in one zarr shard file
-    inner = _format.inner_chunk_shape(shard, 4)
+    inner = _zarr_arrays.inner_chunk_shape(shard, 4)
     inner_bytes = math.prod(inner) * 4
     assert 512 << 10 <= inner_bytes <= 1 << 20 and all(s % i == 0 for s, i in zip(shard, inner))
     n_inner = math.prod(s // i for s, i in zip(shard, inner))
-    assert n_inner == 3 * 2**30 // inner_bytes <= _format.MAX_INNER_CHUNKS_PER_CHUNK
+    assert n_inner == 3 * 2**30 // inner_bytes <= _leaves.MAX_INNER_CHUNKS_PER_CHUNK
     # The file: inner chunks, each with its crc32c, then 16 bytes of index per inner chunk
     # and the index's crc32c. Offsets are u64: no 2/4 GiB limit in the format itself.
-    assert _format.ShardFileLayout(shard, inner, 4).file_bytes == 3 * 2**30 + n_inner * (4 + 16) + 4
+    assert _shard_file.ShardFileLayout(shard, inner, 4).file_bytes == 3 * 2**30 + n_inner * (4 + 16) + 4
     # Restoring it split 8 ways reads whole inner chunks only: the data, their crc32c and
     # each file's index, nothing else; every piece fetched is one inner chunk (<= 1 MiB)
     # or a run of adjacent ones of at most _read._MAX_RUN_BYTES.
@@ -421,13 +421,13 @@ def test_a_3gib_shard_is_stored_in_small_inner_chunks():
     ],
 )
 def test_shards_with_only_large_prime_factors_stay_under_the_inner_chunk_ceiling(shard, itemsize):
-    inner = _format.inner_chunk_shape(shard, itemsize)
+    inner = _zarr_arrays.inner_chunk_shape(shard, itemsize)
     assert all(s % i == 0 for s, i in zip(shard, inner))
-    assert INNER_MIN <= math.prod(inner) * itemsize <= _format.MAX_INNER_CHUNK_BYTES
-    assert math.prod(s // i for s, i in zip(shard, inner)) <= _format.MAX_INNER_CHUNKS_PER_CHUNK
+    assert INNER_MIN <= math.prod(inner) * itemsize <= _zarr_arrays.MAX_INNER_CHUNK_BYTES
+    assert math.prod(s // i for s, i in zip(shard, inner)) <= _leaves.MAX_INNER_CHUNKS_PER_CHUNK
 
 
-INNER_MIN = _format.INNER_CHUNK_MIN_BYTES
+INNER_MIN = _zarr_arrays.INNER_CHUNK_MIN_BYTES
 
 
 def test_reads_larger_than_one_system_call_returns_are_completed(tmp_path, monkeypatch):

@@ -355,7 +355,7 @@ def test_cli_output_into_a_pipe_closed_early_exits_quietly(tmp_path, json_mode):
 
 
 def test_ls_footer_tells_crashed_saves_from_saves_in_flight(tmp_path, capsys):
-    from checkpointer._storage._backends import LocalStorage
+    from checkpointer._storage._local import LocalStorage
 
     run = tmp_path / "run"
     ckpt.save(str(run / "1"), {"w": np.ones(2)})

@@ -1,8 +1,10 @@
 """The package's layout (issue 19): every module path that tests and configuration name
-exists (a list naming a moved module would make its check vacuous), and no module holds
-two concepts (600 lines at most). The import contracts themselves are import-linter's,
-run by `make lint`."""
+exists (a list naming a moved module would make its check vacuous), no module holds
+two concepts (600 lines at most), and every exception class is defined in `_errors.py`.
+The import contracts themselves are import-linter's, run by `make lint`."""
 
+import ast
+import builtins
 import importlib
 import importlib.util
 import pathlib
@@ -59,3 +61,29 @@ def test_the_layers_contract_names_every_package_and_module():
 def test_no_module_is_over_600_lines():
     long = {str(f.relative_to(LIB)): n for f in LIB.rglob("*.py") if (n := len(f.read_text().splitlines())) > 600}
     assert not long, f"modules over 600 lines (a sign of two concepts in one): {long}"
+
+
+def _exception_classes(files: list[pathlib.Path], known: set[str]) -> list[str]:
+    """`module.py: Class` for each class in `files` that derives, by its bases' names, from
+    one of `known` or from another class found so far (a subclass of a subclass)."""
+    classes = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, (ast.Name, ast.Attribute))}
+                classes.append((f"{f.relative_to(LIB)}: {node.name}", node.name, bases))
+    found: dict[str, str] = {}
+    while True:
+        new = {where: name for where, name, bases in classes if where not in found and bases & (known | set(found.values()))}
+        if not new:
+            return sorted(found)
+        found |= new
+
+
+def test_every_exception_class_is_defined_in_the_errors_module():
+    errors = LIB / "_errors.py"
+    builtin = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+    defined = [n.name for n in ast.walk(ast.parse(errors.read_text())) if isinstance(n, ast.ClassDef)]
+    assert len(_exception_classes([errors], builtin)) == len(defined) >= 15  # the check sees every class of `_errors`
+    elsewhere = _exception_classes([f for f in sorted(LIB.rglob("*.py")) if f != errors], builtin | set(defined))
+    assert not elsewhere, f"exception classes outside checkpointer/_errors.py: {elsewhere}"

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import checkpointer as ckpt
 from checkpointer._commit import _directory
 from checkpointer._save import _pipeline as _save
-from checkpointer._storage import _backends as _storage
+from checkpointer import _storage
 
 
 def _state(value=0.0):
@@ -341,7 +341,7 @@ def test_a_committed_partial_whose_save_holds_its_lock_is_not_listed_until_renam
     # Between its marker and its rename a save still holds `<partial>.lock`: a follower
     # must not start reading a folder that is about to move (it would see the step
     # vanish mid-read). Once the lock is gone (a crash), the marker makes it a step.
-    from checkpointer._storage import _backends as _storage
+    from checkpointer import _storage
 
     ckpt.save(f"{ckpt_dir}/3", _state(3))
     partial = f"{ckpt_dir}/3.partial-20260101000000-cafef00d"

@@ -14,7 +14,7 @@ import pytest
 import checkpointer as ckpt
 from checkpointer._cli import _main as _cli
 from checkpointer._commit import _directory
-from checkpointer._storage import _backends as _storage
+from checkpointer._storage import _kvstore as _storage
 
 
 def _tree(value: float = 0.0) -> dict:

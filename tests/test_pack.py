@@ -18,7 +18,7 @@ import checkpointer as ckpt
 from checkpointer._encoding import _pack
 from checkpointer._encoding._leaf_plan import PACK_GAP_BYTES, coalesce_packed, plan_leaf
 from checkpointer._format._box import Box
-from checkpointer._format._layout import ArrayMetadata, PackedBox
+from checkpointer._format._leaves import ArrayMetadata, PackedBox
 
 
 def _json(path):
@@ -251,7 +251,7 @@ def test_verify_names_every_leaf_a_missing_pack_loses(tmp_path, lost):
 @pytest.mark.parametrize("how", ["renamed", "removed"])
 def test_a_step_deleted_while_its_pack_is_read_is_not_found(tmp_path, monkeypatch, how):
     from checkpointer._commit import _directory
-    from checkpointer._storage import _backends as _storage
+    from checkpointer import _storage
 
     run = str(tmp_path / "run")
     ckpt.save(f"{run}/1", {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
@@ -285,7 +285,7 @@ def test_a_truncated_pack_is_refused_before_reading(tmp_path):
 def test_a_pack_that_cannot_be_read_names_the_leaves_in_the_read(tmp_path, monkeypatch):
     """On storage without a cheap size check (object stores) a truncated pack fails at
     its read: the error names the leaf, not only the pack file."""
-    from checkpointer._storage import _backends as _storage
+    from checkpointer import _storage
 
     path = str(tmp_path / "1")
     ckpt.save(path, {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
@@ -398,8 +398,8 @@ def test_the_rule_packs_small_whole_byte_chunks_only():
 
 
 def test_a_process_record_with_a_pack_round_trips_and_keeps_unknown_fields(tmp_path):
-    from checkpointer._format._layout import dumps_large, loads
-    from checkpointer._format._metadata import ProcessRecord
+    from checkpointer._format._json import dumps_large, loads
+    from checkpointer._format._records import ProcessRecord
 
     state = _state(2)
     path = str(tmp_path / "1")

@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from checkpointer._encoding._leaf_plan import ChunkRead, PeerPiece, RestorePlan, plan_leaf
 from checkpointer._format._box import Box, row_slabs
-from checkpointer._format._layout import ArrayMetadata, SavedSharding
+from checkpointer._format._leaves import ArrayMetadata, SavedSharding
 from checkpointer._format._sharding import named_shard_boxes
 from checkpointer._restore._plan import build_plan, exchange_spec
 from checkpointer._restore._targets import LeafTarget, ResolvedLeaf, ResolvedTarget

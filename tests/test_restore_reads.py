@@ -178,7 +178,7 @@ def test_a_bug_in_the_reader_is_not_reported_as_a_damaged_checkpoint(big, monkey
 def test_shard_file_layout_matches_the_files_tensorstore_writes(tmp_path):
     import crc32c
 
-    from checkpointer._format._layout import ShardFileLayout
+    from checkpointer._format._shard_file import ShardFileLayout
 
     x = np.arange(512 * 256, dtype=np.int32).astype(np.int16).reshape(512, 256)  # chunks of 64 KiB
     ckpt.save(str(tmp_path / "1"), {"x": jax.device_put(x, NamedSharding(make_mesh((2, 2), ("a", "b")), P("a", "b")))})

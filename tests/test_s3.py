@@ -27,7 +27,7 @@ from s3server import running_s3_server  # noqa: E402
 import checkpointer as ckpt  # noqa: E402
 from checkpointer._cli import _main as _cli  # noqa: E402
 from checkpointer._commit import _directory
-from checkpointer._storage._backends import KvStorage, s3_spec, storage_for  # noqa: E402
+from checkpointer._storage._kvstore import KvStorage, s3_spec, storage_for  # noqa: E402
 
 
 @pytest.fixture(scope="session")

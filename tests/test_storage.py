@@ -16,16 +16,11 @@ import pytest
 import tensorstore as ts
 
 from checkpointer._commit._strategies import MarkerCommit, RenameCommit, strategy_for
-from checkpointer._errors import CheckpointExistsError
+from checkpointer._errors import CheckpointExistsError, LockHeldError
 from checkpointer._format import _layout as _format
-from checkpointer._storage._backends import (
-    FileLock,
-    KvStorage,
-    LocalStorage,
-    LockHeldError,
-    storage_for,
-    ts_context,
-)
+from checkpointer._storage._contract import FileLock
+from checkpointer._storage._kvstore import KvStorage, storage_for, ts_context
+from checkpointer._storage._local import LocalStorage
 
 
 class StorageTests:

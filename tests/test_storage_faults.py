@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import checkpointer as ckpt
 from checkpointer._encoding import _read
 from checkpointer._save import _pipeline as _save
-from checkpointer._storage._backends import LocalStorage
+from checkpointer._storage._local import LocalStorage
 
 # About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
 # are not packed here (tests/test_pack.py covers the packed layout).

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import checkpointer as ckpt
 from checkpointer._cli import _main as _cli
 from checkpointer._manage import _tiers
-from checkpointer._storage import _backends as _storage
+from checkpointer._storage import _local as _storage
 
 CRASH_WORKER = os.path.join(os.path.dirname(__file__), "tiers_crash_worker.py")
 

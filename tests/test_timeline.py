@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import checkpointer as ckpt
 from checkpointer._cli import _main as _cli
 from checkpointer._commit import _directory
-from checkpointer._format._metadata import ProcessRecord
-from checkpointer._storage._backends import storage_for
+from checkpointer._format._records import ProcessRecord
+from checkpointer._storage._kvstore import storage_for
 from checkpointer._tools import _timeline
 
 FIXTURE = Path(__file__).parent / "fixtures" / "v0.1.0"

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from . import _layout
+from . import _json, _layout
 from ._tree import key_entry_str
 
 if TYPE_CHECKING:
@@ -92,6 +92,6 @@ def write_group_nodes(storage: Storage, root: str, structure: dict, array_paths:
     from .._storage import ts_context
 
     kv = ts.KvStore.open(storage.kvstore_spec(root), context=ts_context()).result()
-    futures = [kv.write(rel, _layout.dumps(node)) for rel, node in group_nodes(structure, array_paths).items()]
+    futures = [kv.write(rel, _json.dumps(node)) for rel, node in group_nodes(structure, array_paths).items()]
     for f in futures:
         f.result()

@@ -1,84 +1,33 @@
-"""`CheckpointManager`: steps in a directory, async saves, retention, status."""
+"""`CheckpointManager`: steps in a directory, the writer's lock, async saves, retention,
+restore from either tier, status. Listing and following steps: `_reader`."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import gc
 import logging
-import math
 import operator
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from .. import _commit, _coord, _encoding, _storage, _tools
 from .._encoding import RestoreStats
-from .._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError, UnsupportedValueError
+from .._errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from .._format import PyTree, metadata_json, metrics_json, read_metadata
 from .._memory import HostBufferPool
 from .._restore import restore as _restore
 from .._save import AsyncSave, Snapshot, run_background, take_snapshot
-from .._storage import LockHeldError, Storage, storage_for
+from .._storage import storage_for
 from . import _tier_manager
+from ._lock import DirectoryLock, take_lock
+from ._maintenance import maintain
 from ._policies import KeepLatest, KeepPolicy
-
-if TYPE_CHECKING:
-    from .._tools import DrillReport
+from ._status import StatusReporting
 
 log = logging.getLogger("checkpointer")
-
-
-@dataclasses.dataclass(frozen=True)
-class ManagerStatus:
-    """A manager's state, for logs and dashboards.
-
-    Attributes:
-      latest_committed_step: newest committed step, or None.
-      step_in_flight: the step being written in the background, or None.
-      commit_lag_steps: steps between the newest step handed to `save` and the newest
-        committed one (0 when everything is committed).
-      last_error: the background error not yet raised, or the last one raised, as text.
-      last_snapshot_s: seconds `save` blocked for the last host snapshot.
-      last_wait_s: seconds the last `save` waited for the previous save to finish.
-      last_write_s: seconds the last finished save spent writing.
-      last_commit_s: seconds from the last finished save's snapshot to its commit.
-      last_write_bytes_per_s: this process's write throughput of the last finished save
-        (bytes written / `last_write_s`), bytes per second.
-      latest_local_step: two tiers: the newest step committed on this process's local
-        tier (None without a local tier, or when it holds none).
-      replication_lag_steps: two tiers: `latest_local_step` minus the newest durable
-        step (0 when the durable tier is up to date).
-      replication_lag_s: two tiers: seconds since the oldest local step newer than the
-        newest durable step committed locally (0.0 when none is).
-      last_replication_error: two tiers: the last failed replication, as text.
-      waiting_for_replication: two tiers: a `save` is waiting because the local window
-        (`keep_local`) is full of steps not yet durable.
-      last_restore_source: two tiers: where this process's last `restore` read from:
-        "local", "local+durable" or "durable" (None before the first).
-      last_restore_durable_bytes: bytes that restore fetched from the durable tier.
-    """
-
-    latest_committed_step: int | None
-    step_in_flight: int | None
-    commit_lag_steps: int
-    last_error: str | None
-    last_snapshot_s: float | None
-    last_wait_s: float | None
-    last_write_s: float | None
-    last_commit_s: float | None
-    last_write_bytes_per_s: float | None = None
-    latest_local_step: int | None = None
-    replication_lag_steps: int = 0
-    replication_lag_s: float = 0.0
-    last_replication_error: str | None = None
-    waiting_for_replication: bool = False
-    last_restore_source: str | None = None
-    last_restore_durable_bytes: int | None = None
 
 
 def _as_step(step: object) -> int:
@@ -97,69 +46,7 @@ def _write_rate(snap: Snapshot) -> float | None:
     return snap.bytes_written / snap.write_s if snap.write_s > 0 and snap.bytes_written else None
 
 
-class _DirectoryLock:
-    """An advisory `flock` on `DIR/.checkpointer.lock` held by process 0 of the writer.
-
-    Taken on the first operation that writes or deletes (not by readers), so a second
-    writer on the same directory (same machine) fails at once instead of deleting the
-    first one's steps. The kernel drops the lock when the process dies, so a crashed
-    job never leaves a stale lock. Needs `storage.supports_locks`.
-    """
-
-    def __init__(self, storage: Storage, directory: str) -> None:
-        try:
-            self._lock = storage.lock(f"{directory}/{_commit.LOCK_NAME}", wait=False, holder=_holder_text())
-        except LockHeldError as e:
-            holder = (e.holder or "").strip()
-            same = holder == _holder_text()
-            raise (_HeldByThisProcess if same else CheckpointError)(lock_conflict_message(directory, holder)) from None
-
-    def release(self) -> None:
-        self._lock.release()
-
-
-class _HeldByThisProcess(CheckpointError):
-    """The writer's lock is held by another manager of this very process."""
-
-
-def _holder_text() -> str:
-    """What the lock file says about its holder: `pid <n> on <host>`."""
-    return f"pid {os.getpid()} on {os.uname().nodename}"
-
-
-def lock_conflict_message(directory: str, holder: str) -> str:
-    """Why the writer's lock of `directory` cannot be taken, and how to free it.
-
-    `holder` is the lock file's content (`pid <n> on <host>`); when it names this very
-    process, the other writer is another `CheckpointManager` object (or `gc`) of ours.
-    """
-    if holder == _holder_text():
-        return (
-            f"another CheckpointManager in this same process (pid {os.getpid()}) holds the writer's lock of "
-            f"{directory}: it saved or cleaned up there and was neither closed nor garbage-collected. Call close() "
-            "on that manager (or `del` every reference to it, e.g. the variable of a notebook cell you ran again); "
-            "a manager that only reads (listing, restore, wait_for_step) needs no lock: "
-            "CheckpointManager(..., read_only=True)."
-        )
-    return (
-        f"another CheckpointManager is using {directory} ({holder or 'unknown holder'}) as writer; two managers "
-        "writing one directory would delete each other's steps. Close the other one, use another directory, or "
-        "open this one with read_only=True to only read (listing, restore, following new steps)."
-    )
-
-
-def _take_lock(storage: Storage, directory: str) -> _DirectoryLock:
-    """The writer's lock. If this very process holds it through a manager nobody refers
-    to any more (a notebook cell run twice: the old manager may sit in a reference
-    cycle), a garbage collection runs its finalizer and the lock is tried once more."""
-    try:
-        return _DirectoryLock(storage, directory)
-    except _HeldByThisProcess:
-        gc.collect()
-    return _DirectoryLock(storage, directory)
-
-
-class CheckpointManager:
+class CheckpointManager(StatusReporting):
     """Saves steps of a training run into `directory`, keeps what the policy says.
 
     Args:
@@ -243,7 +130,7 @@ class CheckpointManager:
         self.max_saves_in_flight = max_saves_in_flight
         self.read_only = bool(read_only)
         self._is_primary = _coord.process_index() == 0
-        self._lock: _DirectoryLock | None = None
+        self._lock: DirectoryLock | None = None
         self._release_lock: weakref.finalize | None = None
         self._writer_ready = False
         self._mu = threading.Lock()
@@ -287,12 +174,11 @@ class CheckpointManager:
         self.storage.makedirs(self.directory)
         if self._is_primary:
             if self.storage.supports_locks and self._lock is None:
-                self._lock = _take_lock(self.storage, self.directory)
+                self._lock = take_lock(self.storage, self.directory)
                 # Released on close(), on garbage collection and at interpreter exit;
                 # the finalizer holds the lock object only, never the manager.
                 self._release_lock = weakref.finalize(self, self._lock.release)
-            done = _commit.recover(self.storage, self.directory)
-            _commit.repair(self.storage, self.directory)  # object stores: the step catalog
+            done, _ = maintain(self.storage, self.directory)
         if self._tiers is not None:  # every process: its own local root
             done += self._tiers.recover()
         self._writer_ready = True
@@ -318,92 +204,6 @@ class CheckpointManager:
             live = frozenset(h.snapshot.generation for _, h in self._in_flight if not h.done())
             steps = frozenset(s for s, h in self._in_flight if not h.done())
         return _commit.recover(self.storage, self.directory, live_generations=live, live_steps=steps)
-
-    # --- listing ------------------------------------------------------------------------
-
-    def all_steps(self) -> list[int]:
-        """Committed steps, ascending (never an uncommitted folder)."""
-        return _commit.committed_steps(self.storage, self.directory)
-
-    def latest_step(self) -> int | None:
-        """The newest committed step, or None when there is none."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
-
-    def wait_for_step(self, after: int | None = None, *, timeout_s: float | None = None, poll_s: float = 1.0) -> int | None:
-        """Waits until a committed step newer than `after` exists and returns the newest.
-
-        Like Orbax's `wait_for_new_checkpoint`: an evaluation job calls it with the last
-        step it evaluated. Takes no lock; the directory is listed every `poll_s`.
-
-        Args:
-          after: a step, or None to accept any committed step.
-          timeout_s: give up after this many seconds (None: wait for as long as it takes).
-          poll_s: seconds between listings (> 0).
-        Returns:
-          The newest committed step (> `after`), or None if none appeared in time.
-
-        Multi-process: any process may call it alone.
-        """
-        if not poll_s > 0:
-            raise ValueError(f"poll_s must be > 0 seconds, got {poll_s!r}")
-        deadline = None if timeout_s is None else time.monotonic() + float(timeout_s)
-        while True:
-            latest = self.latest_step()
-            if latest is not None and (after is None or latest > after):
-                return latest
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return None
-            time.sleep(poll_s if deadline is None else min(poll_s, deadline - now))
-
-    def follow(self, after: int | None = None, *, timeout_s: float | None = None, poll_s: float = 1.0) -> Iterator[int]:
-        """Yields committed steps newer than `after`, oldest first, as they appear.
-
-        Like TensorFlow's `checkpoints_iterator`, but every new step is yielded (not just
-        the newest), in ascending order; the directory is listed again before each one,
-        so a step that retention removed meanwhile is skipped. A step yielded may still
-        be removed by retention before it is restored: `restore` then raises
-        `CheckpointNotFoundError` (never returns a mix or reports damage); skip it.
-
-        Args:
-          after: yield only steps > `after` (None: every committed step, from the oldest).
-          timeout_s: stop once no new step appeared for this many seconds (None: never).
-          poll_s: seconds between listings while waiting (> 0).
-        Yields:
-          Step numbers, strictly increasing.
-
-        Multi-process: any process may call it alone; takes no lock and deletes nothing.
-        """
-        last = after
-        while True:
-            step = self.wait_for_step(last, timeout_s=timeout_s, poll_s=poll_s)
-            if step is None:
-                return
-            newer = [s for s in self.all_steps() if last is None or s > last]
-            step = newer[0] if newer else step
-            last = step
-            yield step
-
-    def step_path(self, step: int) -> str:
-        """The checkpoint path of `step`."""
-        return f"{self.directory}/{int(step)}"
-
-    def _read_path(self, step: int | None, folders: Mapping[int, str] | None = None) -> str:
-        """Where committed `step` (None: the newest) is read from: `step_path(step)`, or
-        the committed partial folder of a save that crashed before its rename (until the
-        writer's recovery renames it into place). One listing, or none when `folders`
-        (`_commit.committed_folders`) is given.
-
-        Raises:
-          CheckpointNotFoundError: `step` is None and no step is committed.
-        """
-        folders = _commit.committed_folders(self.storage, self.directory) if folders is None else folders
-        if step is None:
-            if not folders:
-                raise CheckpointNotFoundError(f"no committed step in {self.directory}")
-            step = max(folders)
-        return f"{self.directory}/{folders.get(int(step), str(int(step)))}"
 
     # --- errors -------------------------------------------------------------------------
 
@@ -650,22 +450,16 @@ class CheckpointManager:
         return self._metrics_cache[step]
 
     def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
-        folders = _commit.committed_folders(self.storage, self.directory)  # one listing for steps and metrics
-        steps = list(folders)
-        if not steps:
-            return []
-        metrics = {s: self._metrics(s, folders) for s in steps}
-        kept = set(self.keep.keep(steps, metrics)) | {steps[-1]} | set(protect)
-        with self._mu:
-            kept |= {s for s, h in self._in_flight if not h.done()}
-        removed = [s for s in steps if s not in kept]
+        def in_flight() -> set[int]:
+            with self._mu:
+                return {s for s, h in self._in_flight if not h.done()} | set(protect)
+
+        # Removing the bytes of an unpublished step (a GiB takes a while) runs on the
+        # deleter thread, so it does not delay the commit being announced.
+        _, removed = maintain(self.storage, self.directory, recover=False, keep=self.keep, metrics=self._metrics,
+                              protect=in_flight, remove=lambda path: self._deleter.submit(self._remove, path))
         for s in removed:
-            # Unpublishing is instant; removing the bytes (a GiB takes a while) runs on
-            # the deleter thread, so it does not delay the commit being announced.
-            leftover = _commit.unpublish_step(self.storage, self.directory, s)
-            self._deleter.submit(self._remove, leftover)
             self._metrics_cache.pop(s, None)
-            log.info("retention removed step %d from %s", s, self.directory)
         return removed
 
     def _remove(self, path: str) -> None:
@@ -731,99 +525,3 @@ class CheckpointManager:
         assert self._tiers is not None
         self._ensure_writer()
         self._tiers.enqueue(step, generation, overwrite)
-
-    def per_process_state(
-        self, step: int | None = None, *, process_index: int | None = None, all_processes: bool = False
-    ) -> object:
-        """The per-process state saved with `step` (default: the newest committed step).
-
-        As `ckpt.per_process_state`: this process's own record when the job has as
-        many processes as the save; otherwise pass `all_processes=True` (a list indexed
-        by the saving process) or `process_index=i`.
-
-        Raises:
-          CheckpointNotFoundError: no committed step (or not that one).
-          ProcessCountMismatchError: the process counts differ and no choice was given.
-
-        Multi-process: any process may call it alone.
-        """
-        from .._restore import per_process_state
-
-        return per_process_state(self._read_path(step), process_index, all_processes=all_processes)
-
-    # --- operations ---------------------------------------------------------------------
-
-    def status(self) -> ManagerStatus:
-        """The manager's current state (see `ManagerStatus`)."""
-        latest = self.latest_step()
-        tiers = self._tiers.status(latest) if self._tiers is not None else None
-        with self._mu:
-            in_flight = [s for s, h in self._in_flight if not h.done()]
-            requested = self._last_requested_step
-            if requested is None:
-                lag = 0
-            elif latest is None:
-                lag = requested
-            else:
-                lag = max(0, requested - latest)
-            return ManagerStatus(
-                latest_committed_step=latest,
-                step_in_flight=in_flight[-1] if in_flight else None,
-                commit_lag_steps=lag,
-                last_error=self._last_error,
-                last_snapshot_s=self._last["snapshot_s"],
-                last_wait_s=self._last["wait_s"],
-                last_write_s=self._last["write_s"],
-                last_commit_s=self._last["commit_s"],
-                last_write_bytes_per_s=self._last["write_bytes_per_s"],
-                latest_local_step=tiers.latest_local_step if tiers else None,
-                replication_lag_steps=tiers.replication_lag_steps if tiers else 0,
-                replication_lag_s=tiers.replication_lag_s if tiers else 0.0,
-                last_replication_error=tiers.last_replication_error if tiers else None,
-                waiting_for_replication=tiers.waiting_for_replication if tiers else False,
-                last_restore_source=self._last_restore[0],
-                last_restore_durable_bytes=self._last_restore[1],
-            )
-
-    def drill(self, mesh_shape: Sequence[int] | None = None, *, axis_names: Sequence[str] | None = None) -> DrillReport:
-        """The restore drill: restore the newest committed step onto a scratch mesh of the
-        local devices (or `mesh_shape`), verify every checksum, and time it.
-
-        Returns:
-          A `DrillReport` (restore_s, verify_s, bytes_read, bytes_needed,
-          read_amplification, step, ok, problems).
-        Raises:
-          CheckpointNotFoundError: no committed step.
-          ValueError: fewer local devices than `mesh_shape` needs.
-
-        Multi-process: any process may call it alone; it uses local devices only.
-        """
-        from .._tools import drill
-
-        return drill(self.directory, mesh_shape, axis_names=axis_names)
-
-    def recommend_interval(self, mtbf_s: float) -> float:
-        """The checkpoint interval that minimises expected lost time, in seconds.
-
-        Young's first-order optimum T = sqrt(2·δ·M) (Young 1974; Daly 2006), with δ the
-        measured blocking cost of a save (median `save` snapshot seconds of this
-        manager) and M the mean time between failures. Never shorter than the measured
-        time for a save to commit, since saves cannot overlap more than
-        `max_saves_in_flight`.
-
-        Args:
-          mtbf_s: mean time between failures of the whole job, seconds (> 0).
-        Returns:
-          Seconds between checkpoints.
-        Raises:
-          ValueError: no save has been measured yet, or `mtbf_s` <= 0.
-        """
-        if not mtbf_s > 0:
-            raise ValueError(f"mtbf_s must be > 0, got {mtbf_s!r}")
-        with self._mu:
-            history = sorted(self._snapshot_history_s)
-            commit_s = self._last["commit_s"]
-        if not history:
-            raise ValueError("no save measured yet: call save() at least once before recommend_interval()")
-        delta_s = history[len(history) // 2]
-        return max(math.sqrt(2.0 * delta_s * mtbf_s), commit_s or 0.0)

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 import crc32c
 
 from .. import _commit, _coord, _format, _storage
-from .._errors import CheckpointError, CorruptCheckpointError, SaveError
+from .._errors import CheckpointError, CorruptCheckpointError, ReplicationError, SaveError
 from .._format import ZARR_JSON, ProcessRecord
 from .._storage import Reader, Storage, storage_for
 
@@ -48,13 +48,6 @@ log = logging.getLogger("checkpointer")
 
 PROCESS_DIR_PREFIX = "process-"
 _COPY_THREADS = 8
-
-
-class ReplicationError(SaveError):
-    """Copying a committed local step to the durable tier, or committing it there, failed.
-
-    The local step is kept; nothing was committed on the durable tier.
-    """
 
 
 @dataclasses.dataclass(frozen=True)

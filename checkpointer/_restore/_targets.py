@@ -1,19 +1,13 @@
 """Restore targets (pure): what each leaf becomes, and which box each device holds.
 
-Owns everything between a user's target tree and the restore planner: matching target
-leaves to stored leaves (`match`), resolving one target leaf into a `LeafTarget` (shape,
-dtype cast, sharding; `resolve_target`), and assigning the target's per-device boxes to
+Owns everything between a user's target tree and the restore planner: the target tree
+matched to the stored leaves and resolved per leaf (`resolve_tree`; the matching rule is
+`_matching.match`), one target leaf resolved into a `LeafTarget` (shape, dtype cast,
+sharding; `resolve_target`), and assigning the target's per-device boxes to
 processes (`device_boxes`, from a device→process mapping, so `plan_restore`, the CLI
 and the drill plan for any process count with the same code). The default targets of
 `checkpointer plan` and the drill live in `_default_targets`. No I/O; devices are only
 read from the target's shardings.
-
-Matching rule (`match`): a target leaf whose leaf path is stored is read; a None target
-leaf over a stored subtree is skipped with `partial=True` and an error naming both
-otherwise; a target leaf the checkpoint lacks is kept as it is with
-`missing="keep_target"` (a concrete value only) and an error otherwise; a stored leaf
-the target lacks is an error unless `partial=True`. Messages name leaves by key string
-(`jax.tree_util.keystr`).
 
 Device→process rule (`device_boxes`): by default each device belongs to its own
 `process_index`; with `processes=P` the target mesh's devices are spread over P
@@ -25,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, TypeGuard
 
 import jax
@@ -39,10 +33,10 @@ from .._errors import (
     InvalidTargetError,
     MeshError,
     ShapeMismatchError,
-    StructureMismatchError,
     where,
 )
-from .._format import ArrayMetadata, Box, CheckpointMetadata, ValueMetadata, flatten, named_shard_boxes, spec_axes
+from .._format import ArrayMetadata, Box, CheckpointMetadata, ValueMetadata, named_shard_boxes, spec_axes
+from ._matching import match
 
 # --- one leaf -------------------------------------------------------------------------------
 
@@ -61,10 +55,6 @@ class LeafTarget:
     sharding: jax.sharding.Sharding | None
     shape: tuple[int, ...]
     dtype: np.dtype | None
-
-
-def _is_target_leaf(x: object) -> bool:
-    return x is None or isinstance(x, (jax.ShapeDtypeStruct, jax.Array, jax.sharding.Sharding, np.ndarray))
 
 
 def _check_cast(meta: ArrayMetadata, dtype, path: str) -> np.dtype | None:
@@ -384,9 +374,6 @@ class ResolvedLeaf:
     all_boxes: tuple[tuple[int, int, Box], ...] = ()
 
 
-MISSING_CHOICES = ("error", "keep_target")
-
-
 @dataclasses.dataclass(frozen=True)
 class ResolvedTarget:
     """A target tree matched to a checkpoint for one process.
@@ -409,149 +396,6 @@ class ResolvedTarget:
     kept: Mapping[str, object] = dataclasses.field(default_factory=dict)
     order: tuple[str, ...] = ()
     kept_keystrs: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Match:
-    """A target tree paired with a checkpoint's leaves (`match`).
-
-    Attributes:
-      treedef: the target's tree structure, or None ("rebuild from the manifest").
-      pairs: `(leaf path, stored metadata, target leaf)` of the leaves to read, in target order.
-      kept: leaf path → target leaf returned as it is (see `ResolvedTarget.kept`).
-      order: every target leaf path, in target order.
-      kept_keystrs: the kept leaves' key strings.
-    """
-
-    treedef: object | None
-    pairs: list[tuple[str, ArrayMetadata | ValueMetadata, object]]
-    kept: dict[str, object]
-    order: tuple[str, ...]
-    kept_keystrs: tuple[str, ...]
-
-
-def _is_concrete_value(x: object) -> bool:
-    """A target leaf that can stand for itself in the restored tree."""
-    return x is None or isinstance(x, (jax.Array, np.ndarray, bool, int, float, complex, str, np.generic))
-
-
-def _under(prefix: str, paths: Sequence[str]) -> list[str]:
-    """The leaf paths strictly below `prefix` (every path is below the root `""`)."""
-    return [p for p in paths if p != prefix and (prefix == "" or p.startswith(prefix + "/"))]
-
-
-def match(meta: CheckpointMetadata, target: object, *, partial: bool, path: str, missing: str = "error") -> Match:
-    """Pairs target leaves with stored leaves.
-
-    Rules, per target leaf path: in the checkpoint → read. None where the checkpoint
-    holds a subtree → kept as None with `partial=True`, else an error that says so.
-    Absent from the checkpoint → kept as it is with `missing="keep_target"` (it must
-    be a concrete value: a `jax.Array`, numpy array, scalar or None), else an error.
-    Saved leaves absent from the target → an error unless `partial=True`.
-
-    Raises:
-      StructureMismatchError: leaf paths differ (names, as `jax.tree_util.keystr`
-        prints them, the missing and extra leaves and the fix); a None target leaf over
-        a saved subtree without `partial=True` (names both).
-      InvalidTargetError: with `missing="keep_target"`, a target-only leaf that is
-        abstract (a ShapeDtypeStruct or a Sharding): a value is needed.
-      ValueError: `missing` is not one of `MISSING_CHOICES`.
-    """
-    if missing not in MISSING_CHOICES:
-        raise ValueError(f"missing={missing!r}: expected one of {', '.join(repr(c) for c in MISSING_CHOICES)}")
-    if target is None:
-        return Match(None, [(p, m, None) for p, m in meta.leaves.items()], {}, (), ())
-    flat = flatten_target(target)
-    names = {p: jax.tree_util.keystr(kp) for (p, _), (kp, _) in zip(
-        flat, jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0])}
-    saved = list(meta.leaves)
-    inner = {q.rsplit("/", i)[0] for q in saved for i in range(1, q.count("/") + 1)}  # the saved subtrees' paths
-    pairs: list[tuple[str, ArrayMetadata | ValueMetadata, object]] = []
-    kept: dict[str, object] = {}
-    covered: set[str] = set()
-    missing_paths: list[str] = []
-    none_over_subtree: list[tuple[str, list[str]]] = []
-    abstract_kept: list[str] = []
-    for p, leaf in flat:
-        if p in meta.leaves:
-            pairs.append((p, meta.leaves[p], leaf))
-            covered.add(p)
-            continue
-        below = _under(p, saved) if leaf is None and (p == "" or p in inner) else []
-        if below:
-            covered.update(below)
-            if partial:
-                kept[p] = None
-            else:
-                none_over_subtree.append((p, below))
-        elif missing == "keep_target":
-            if _is_concrete_value(leaf):
-                kept[p] = leaf
-            else:
-                abstract_kept.append(p)
-        else:
-            missing_paths.append(p)
-    if none_over_subtree:
-        lines = [f"the target does not match the checkpoint {path}:"]
-        for p, below in none_over_subtree:
-            shown = _show([meta.keystr(b) for b in below], 3)
-            lines.append(
-                f"  the target has None at {_name(names[p])} where the checkpoint holds a subtree of {len(below)} "
-                f"leaves ({shown})"
-            )
-        lines.append(
-            "A None target leaf stands for one array or value, not a subtree. Pass the abstract subtree there "
-            "(e.g. jax.eval_shape(tx.init, params) for an optimizer state), or pass partial=True to skip it "
-            "(it comes back as None)."
-        )
-        raise StructureMismatchError("\n".join(lines))
-    if abstract_kept:
-        raise InvalidTargetError(
-            f"missing='keep_target': the target leaves {_show([_name(names[p]) for p in abstract_kept])} are not in "
-            f"the checkpoint {path} and are abstract (a ShapeDtypeStruct or Sharding), so there is no value to keep. "
-            "Give those leaves a value (initialise them, e.g. the new head's jax.Array), or remove them from the target."
-        )
-    extra = [p for p in saved if p not in covered] if not partial else []
-    if missing_paths or extra:
-        msg = [f"the target tree does not match the checkpoint {path}:"]
-        if missing_paths:
-            msg.append(
-                f"  in the target but not in the checkpoint ({len(missing_paths)}): "
-                f"{_show([_name(names[p]) for p in missing_paths])}"
-            )
-            holders = dict.fromkeys(q for p in missing_paths[:10] for q in saved if q == "" or p.startswith(q + "/"))
-            for holder in list(holders)[:3]:
-                m = meta.leaves[holder]
-                what = f"the value {m.value!r:.40}" if isinstance(m, ValueMetadata) else f"an array {m.shape}"
-                msg.append(f"  the checkpoint holds one leaf, {what}, at {_name(meta.keystr(holder))}, where the target has a subtree")
-        if extra:
-            msg.append(f"  in the checkpoint but not in the target ({len(extra)}): {_show([_name(meta.keystr(p)) for p in extra])}")
-        fixes = ["Fix the target's structure (ckpt.metadata(path).tree shows the saved one)"]
-        if extra and not missing_paths:
-            fixes.append("or pass partial=True to restore a subset")
-        if missing_paths and not extra:
-            fixes.append("or, to keep the target's own values for leaves the checkpoint lacks (fine-tuning a new "
-                         "head), pass missing='keep_target'")
-        msg.append(", ".join(fixes) + ".")
-        raise StructureMismatchError("\n".join(msg))
-    treedef = jax.tree_util.tree_structure(target, is_leaf=_is_target_leaf)
-    kept_names = tuple(names[p] for p in kept)
-    return Match(treedef, pairs, kept, tuple(p for p, _ in flat), kept_names)
-
-
-def _name(keystr: str) -> str:
-    """A key string for messages; the root leaf's empty one is shown as `<root>`."""
-    return keystr or "<root>"
-
-
-def flatten_target(target: object) -> list[tuple[str, object]]:
-    """(leaf path, target leaf) pairs; ShapeDtypeStructs, arrays, shardings and None are leaves."""
-    return flatten(target, is_leaf=_is_target_leaf)
-
-
-def _show(paths: list[str], n: int = 10) -> str:
-    shown = ", ".join(paths[:n])
-    return shown + (f", ... ({len(paths) - n} more)" if len(paths) > n else "")
 
 
 def resolve_tree(

@@ -1,0 +1,61 @@
+"""`gc`: the maintenance of a manager's writer (`_manage.maintain`: crashed saves removed
+or rolled forward, then `--keep-latest` retention), under the directory's writer's
+lock; `--dry-run` only shows what it would do."""
+
+from __future__ import annotations
+
+from .. import _commit, _manage
+from .._errors import CheckpointError
+from ._inputs import _lock_holder, _open_dir
+from ._ui import _UI
+
+
+def _cmd_gc(args, ui: _UI) -> int:
+    storage, directory = _open_dir(args.directory)
+    holder = _lock_holder(storage, directory)
+    if holder and not args.dry_run:
+        raise CheckpointError(
+            f"a CheckpointManager is using {directory} ({holder}); gc would race its saves. Run gc after it closes "
+            "(a manager also removes crashed saves itself on its first save)"
+        )
+    actions = _commit.plan_recovery(storage, directory)
+    rolled = [n for n, a in actions if a == "roll forward"]
+    steps = sorted(set(_commit.committed_steps(storage, directory)) | {int(n.split(".", 1)[0]) for n in rolled})
+    lock = None
+    if not args.dry_run:
+        if storage.supports_locks:
+            from .._manage import DirectoryLock
+
+            try:
+                lock = DirectoryLock(storage, directory)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e} (gc needs the directory to itself)") from e
+        try:
+            keep = _manage.KeepLatest(args.keep_latest) if args.keep_latest else None
+            recovered, doomed = _manage.maintain(storage, directory, keep=keep)  # as a manager's writer does
+            actions = [(n, a) for n, a in actions if n in set(recovered)]
+            steps = sorted(set(_commit.committed_steps(storage, directory)) | set(doomed))
+        finally:
+            if lock is not None:
+                lock.release()
+    else:
+        doomed = steps[: -args.keep_latest] if args.keep_latest else []
+    kept = [s for s in steps if s not in doomed]
+    verb = {"remove": "would remove" if args.dry_run else "removed",
+            "roll forward": "would roll forward" if args.dry_run else "rolled forward"}
+    if ui.json_mode:
+        ui.json({"directory": directory, "dry_run": args.dry_run,
+                 "removed_partial": [n for n, a in actions if a == "remove"],
+                 "rolled_forward": [n for n, a in actions if a == "roll forward"],
+                 "removed_steps": doomed, "kept_steps": kept})
+        return 0
+    rows = [(verb[a], n, "crashed or replaced save" if a == "remove" else "committed, not yet renamed") for n, a in actions]
+    rows += [("would remove" if args.dry_run else "removed", str(s), f"beyond the newest {args.keep_latest}") for s in doomed]
+    if rows:
+        ui.table(["action", "folder", "why"], rows, title=f"{directory}{' (dry run)' if args.dry_run else ''}")
+    else:
+        ui.line(f"{directory}: nothing to remove{' (dry run)' if args.dry_run else ''}")
+    ui.line(f"kept steps: {', '.join(map(str, kept)) or 'none'}")
+    if holder:
+        ui.line(f"A CheckpointManager holds this directory ({holder}): gc without --dry-run would refuse to run.")
+    return 0

@@ -1,0 +1,255 @@
+"""`manifest.json`, written by process 0 at commit: `manifest_json` writes it beside
+`parse_manifest`, which validates it into a `CheckpointMetadata`; `metadata` /
+`read_metadata` read a committed checkpoint's manifest.
+
+The parser never fails on a field it does not know (format changes are additive): it
+ignores it. Needs no devices: a checkpoint saved by 8 processes × 4 devices is described
+on a laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import importlib.metadata
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._storage import Storage, storage_for
+from . import _json, _layout, _leaves, _values
+from ._box import Box
+from ._leaves import ArrayMetadata, ValueMetadata
+from ._metadata import CheckpointMetadata
+from ._records import PackRecord, phases_json
+from ._tree import check_leaf_path, keystrs, leaf_paths_of, rebuild
+
+DISTRIBUTION = "checkpointer"
+
+
+@functools.cache
+def library_version() -> str:
+    """The installed checkpointer's version (`importlib.metadata`), recorded in each
+    manifest; `"0+unknown"` when the package runs from a source tree without being
+    installed (a local version label, so it sorts below every release)."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def manifest_json(
+    *,
+    step: int | None,
+    generation: str,
+    process_count: int,
+    process_bytes_written: Sequence[int],
+    structure: dict,
+    arrays: Sequence[ArrayMetadata],
+    values: Mapping[str, dict],
+    user_metadata: Mapping,
+    created_unix_s: float | None = None,
+    save_phases_unix_s: Mapping[str, tuple[float, float]] | None = None,
+    packed: Sequence[PackRecord] = (),
+) -> dict:
+    """The manifest of DESIGN.md's format_version 1 (what `parse_manifest` reads).
+
+    Args:
+      step: the training step, or None.
+      generation: the save attempt.
+      process_count: processes that saved.
+      process_bytes_written: bytes of chunk files each process wrote, by process index.
+      structure: the JSON tree structure (`_tree.describe`).
+      arrays: the array leaves' metadata.
+      values: leaf path → `_values.value_to_json` of each non-array leaf.
+      user_metadata: the `metadata=` dict.
+      created_unix_s: the creation time, seconds since the epoch (default: now).
+      save_phases_unix_s: process 0's phases before the manifest, name → (start, end)
+        in seconds since the epoch (`{"wait": ...}`: from its own record to every
+        process's "durable" report); stored as `"save_phases_unix_s"` when given
+        (additive: readers ignore it, `_timeline` draws it).
+      packed: every process's pack index (`ProcessRecord.packed`), stored as
+        `"packed"` when there is one (additive; see `_pack`).
+    """
+    import jax
+
+    leaves = {m.path: m.to_json() for m in arrays}
+    leaves.update({p: {"type": "value", "value": v} for p, v in values.items()})
+    out: dict[str, object] = {
+        "format_version": _layout.FORMAT_VERSION,
+        "step": step,
+        "generation": generation,
+        "created_unix_s": time.time() if created_unix_s is None else created_unix_s,
+        "process_count": process_count,
+        "process_bytes_written": list(process_bytes_written),
+        "structure": structure,
+        "leaves": leaves,
+        "user_metadata": user_metadata,
+        "library_version": library_version(),
+        "jax_version": jax.__version__,
+    }
+    if save_phases_unix_s is not None:
+        out["save_phases_unix_s"] = phases_json(save_phases_unix_s)
+    if packed:
+        out["packed"] = [p.to_json() for p in packed]
+    return out
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _require(cond: bool, what: str, where: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"manifest of {where}: {what}")
+
+
+def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
+    """Validates a parsed manifest; every failure is a `CorruptCheckpointError`."""
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(f"manifest of {where}: not a JSON object")
+    version = raw.get("format_version")
+    if not _is_int(version) or version != _layout.FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{where} has format_version {version!r}; this library reads format_version "
+            f"{_layout.FORMAT_VERSION}. Upgrade checkpointer to read newer checkpoints."
+        )
+    step = raw.get("step")
+    _require(step is None or _is_int(step), f"step {step!r:.100} is not an int", where)
+    leaves_raw = raw.get("leaves")
+    if not isinstance(leaves_raw, dict):
+        raise CorruptCheckpointError(f"manifest of {where}: 'leaves' is not an object")
+    structure = raw.get("structure")
+    if not isinstance(structure, dict):
+        raise CorruptCheckpointError(f"manifest of {where}: 'structure' is not an object")
+    user_metadata = raw.get("user_metadata", {})
+    _require(isinstance(user_metadata, dict), "'user_metadata' is not an object", where)
+    pcount = raw.get("process_count", 1)
+    _require(_is_int(pcount) and pcount >= 1, f"process_count {pcount!r:.100} is invalid", where)
+    pbytes = raw.get("process_bytes_written", [])
+    _require(
+        isinstance(pbytes, list) and all(_is_int(b) and 0 <= b <= _leaves.MAX_ARRAY_BYTES for b in pbytes),
+        "'process_bytes_written' is not a list of byte counts",
+        where,
+    )
+    created = raw.get("created_unix_s", 0.0)
+    _require(
+        (isinstance(created, (int, float)) and not isinstance(created, bool)) and math.isfinite(created),
+        "'created_unix_s' is not a number",
+        where,
+    )
+
+    leaves: dict[str, ArrayMetadata | ValueMetadata] = {}
+    for path, entry in leaves_raw.items():
+        check_leaf_path(path, where=where)
+        _require(isinstance(entry, dict), f"leaf {path!r} is not an object", where)
+        if entry.get("type") == "array":
+            leaves[path] = _leaves.array_metadata_from_json(path, entry, where)
+        elif entry.get("type") == "value":
+            leaves[path] = ValueMetadata(path, _values.value_from_json(entry.get("value"), f"leaf {path!r} in {where}"))
+        else:
+            raise CorruptCheckpointError(f"leaf {path!r} in {where} has unknown type {entry.get('type')!r}")
+    ordered = leaf_paths_of(structure)
+    _require(sorted(ordered) == sorted(leaves), "the tree structure and the leaves disagree", where)
+    _attach_pack_boxes(raw.get("packed", []), leaves, where)
+    names = keystrs(structure)
+    leaves = {p: dataclasses.replace(leaves[p], keystr=names[p]) for p in ordered}
+    tree = rebuild(structure, lambda p: leaves[p], where=where)
+    return CheckpointMetadata(
+        path=where, step=step, format_version=version, tree=tree, leaves=leaves, user_metadata=user_metadata,
+        process_count=pcount, process_bytes_written=tuple(pbytes), created_unix_s=float(created),
+        library_version=str(raw.get("library_version", "")), jax_version=str(raw.get("jax_version", "")),
+        structure=structure,
+    )
+
+
+def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetadata], where: str) -> None:
+    """Parses the manifest's `packed` section and sets each packed leaf's `pack_boxes`
+    (in place); every chunk of a packed leaf must be in exactly one pack, in bounds.
+
+    A hand-rolled parse (not `PackRecord.from_json`): it runs on every restore, over
+    one entry per small chunk (5,000 for issue 15's 2,000 leaves)."""
+    _require(isinstance(raw, list), "'packed' is not a list", where)
+    found: dict[str, list[_leaves.PackedBox]] = {}
+    assert isinstance(raw, list)
+    for i, pack in enumerate(raw):
+        loc = f"packed[{i}]"
+        _require(isinstance(pack, dict) and isinstance(pack.get("key"), str) and isinstance(pack.get("boxes"), list),
+                 f"{loc} is not an object with 'key' and 'boxes'", where)
+        key, file_bytes = pack["key"], pack.get("bytes")
+        _require(_is_int(file_bytes) and file_bytes >= 4, f"{loc}: 'bytes' {file_bytes!r:.100} is not a size", where)
+        check_leaf_path(key, where=where)
+        for j, b in enumerate(pack["boxes"]):
+            try:
+                leaf, (origin, shape), offset, nbytes, crc = b["leaf"], b["box"], b["offset"], b["data_bytes"], b["data_crc32c"]
+                box = Box(tuple(origin), tuple(shape))
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
+                raise CorruptCheckpointError(f"manifest of {where}: {loc} box {j} is malformed ({e})") from e
+            m = leaves.get(leaf) if isinstance(leaf, str) else None
+            _require(isinstance(m, ArrayMetadata) and m.packed, f"{loc} box {j}: {leaf!r:.100} is not a packed array leaf", where)
+            assert isinstance(m, ArrayMetadata)
+            ok = type(offset) is int and type(nbytes) is int and type(crc) is int and offset >= 0 and crc >= 0
+            ok = ok and len(box.origin) == len(box.shape) == len(m.shape) and offset + nbytes <= file_bytes - 4
+            size = m.dtype.itemsize
+            for o, s, c, n in zip(box.origin, box.shape, m.chunk_shape, m.shape):
+                ok = ok and type(o) is int and type(s) is int and 0 <= o < n and o % c == 0 and s == min(c, n - o)
+                size = size * s if ok else -1  # never `*=` a str or list from a hostile manifest
+            _require(ok and nbytes == size, f"{loc} box {j} of leaf {leaf!r} does not fit the leaf's chunk grid or the pack's size", where)
+            found.setdefault(leaf, []).append(_leaves.PackedBox(key, file_bytes, box, offset, nbytes, crc))
+    for path, m in leaves.items():
+        if isinstance(m, ArrayMetadata) and m.packed:
+            boxes = found.get(path, [])
+            n_chunks = math.prod(-(-s // c) for s, c in zip(m.shape, m.chunk_shape)) if math.prod(m.shape) else 0
+            _require(len({b.box for b in boxes}) == len(boxes) == n_chunks,
+                     f"packed leaf {path!r} has {len(boxes)} boxes in the packs, expected one per chunk ({n_chunks})", where)
+            leaves[path] = dataclasses.replace(m, pack_boxes=tuple(sorted(boxes, key=lambda b: b.box.origin)))
+
+
+def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
+    """Reads the manifest of the committed checkpoint at `path`.
+
+    Raises:
+      CheckpointNotFoundError: no commit marker at `path`.
+      CorruptCheckpointError: the manifest is missing or malformed.
+    """
+    if not storage.exists(f"{path}/{_layout.COMMITTED}"):
+        parent, name = path.rstrip("/").rsplit("/", 1)
+        partials = [n for n in storage.list_dir(parent) if (_layout.parse_partial_name(n) or ("",))[0] == name]
+        hint = (
+            f" Found uncommitted save attempts {partials}: they crashed or are still writing, and are not checkpoints."
+            if partials
+            else " Check the path, or list committed steps with `checkpointer ls DIR`."
+        )
+        raise CheckpointNotFoundError(f"no committed checkpoint at {path}: the commit marker {_layout.COMMITTED} is absent.{hint}")
+    try:
+        data = storage.read_file(f"{path}/{_layout.MANIFEST}", max_bytes=_json.MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, IsADirectoryError) as e:
+        raise CorruptCheckpointError(f"{path} is marked committed but has no {_layout.MANIFEST} file") from e
+    except OSError as e:
+        if e.errno != errno.EFBIG:
+            raise
+        raise CorruptCheckpointError(f"{path}/{_layout.MANIFEST} is larger than {_json.MAX_MANIFEST_BYTES} bytes") from e
+    return parse_manifest(_json.loads(data, f"{path}/{_layout.MANIFEST}"), path)
+
+
+def metadata(path: str | os.PathLike) -> CheckpointMetadata:
+    """Returns the metadata of the committed checkpoint at `path`.
+
+    Reads only `manifest.json`; needs no devices, whatever mesh saved the checkpoint.
+
+    Args:
+      path: a checkpoint path (local, `file://`, `memory://`, `gs://`, `s3://`).
+    Returns:
+      A `CheckpointMetadata` (step, per-leaf shape/dtype/chunking/saved sharding, user
+      metadata, process count, versions).
+    Raises:
+      CheckpointNotFoundError: `path` has no commit marker.
+      CorruptCheckpointError: the manifest is malformed.
+
+    Multi-process: any process may call it alone.
+    """
+    storage, path = storage_for(path)
+    return read_metadata(storage, path)

@@ -1,0 +1,191 @@
+"""The TensorStore kvstore backend (`memory://`, `gs://`, `s3://`; no rename: the commit
+marker alone publishes a save), the S3 spec from the standard environment variables,
+and `storage_for`, which picks the backend of a location."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from typing import TYPE_CHECKING
+
+from .._errors import CheckpointError
+from ._contract import Reader, Storage, _too_large
+from ._local import LocalStorage
+
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+
+_TS_LOCK = threading.Lock()
+_ts_context: list[ts.Context] = []
+
+
+def ts_context() -> ts.Context:
+    """The one TensorStore context of the process, so that `memory://` locations opened
+    twice see the same bytes and cache/concurrency limits are shared. Made on first use:
+    tensorstore is imported only when a kvstore or a zarr array is opened (a restore of
+    local files never needs it)."""
+    with _TS_LOCK:
+        if not _ts_context:
+            import tensorstore as ts
+
+            _ts_context.append(ts.Context())
+        return _ts_context[0]
+
+
+class _KvReader(Reader):
+    """Byte-range reads through TensorStore's kvstore (one request each)."""
+
+    def __init__(self, storage: KvStorage, path: str):
+        self._storage, self._path = storage, path
+
+    def size(self) -> None:
+        return None  # a kvstore read returns no object size: finding it costs a download
+
+    def read_into(self, offset: int, buffer: memoryview | bytearray) -> None:
+        view = memoryview(buffer).cast("B")
+        data = self._storage.read_range(self._path, offset, len(view))
+        if len(data) != len(view):
+            raise EOFError(f"short read: {len(data)} of {len(view)} bytes at offset {offset}")
+        view[:] = data
+
+
+class KvStorage(Storage):
+    """Any TensorStore kvstore URL. No rename: the commit marker alone publishes a save."""
+
+    def __init__(self, scheme_root: str, spec: str | dict | None = None):
+        import tensorstore as ts  # lazily: see `ts_context`
+        self._root = scheme_root  # e.g. "memory://", "s3://bucket/"
+        self._spec = spec  # a JSON spec replaces the URL (it may carry context resources)
+        self._kv = ts.KvStore.open(scheme_root if spec is None else spec, context=ts_context()).result()
+
+    def _key(self, path: str) -> str:
+        if not path.startswith(self._root):
+            raise CheckpointError(f"{path} is not under {self._root}")
+        return path[len(self._root) :].lstrip("/")
+
+    def kvstore_spec(self, path: str) -> dict:
+        spec = dict(self._spec) if isinstance(self._spec, dict) else self._kv.spec().to_json()
+        spec["path"] = spec.get("path", "") + self._key(path).rstrip("/") + "/"
+        return spec
+
+    def write_file(self, path: str, data: bytes) -> None:
+        self._kv.write(self._key(path), data).result()
+
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        r = self._kv.read(self._key(path)).result()
+        if r.state != "value":
+            raise FileNotFoundError(errno.ENOENT, "no such object", path)
+        if max_bytes is not None and len(r.value) > max_bytes:
+            raise _too_large(path, max_bytes)
+        return bytes(r.value)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        try:
+            r = self._kv.read(self._key(path), byte_range=slice(offset, offset + length)).result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            # The object ends before `offset + length`: return what is there, as pread does.
+            return self.read_file(path)[offset : offset + length]
+        if r.state != "value":
+            raise FileNotFoundError(errno.ENOENT, "no such object", path)
+        return bytes(r.value)
+
+    def open_reader(self, path: str) -> Reader:
+        self._key(path)  # a path outside this store fails now, not at the first read
+        return _KvReader(self, path)
+
+    def size(self, path: str) -> int:
+        r = self._kv.read(self._key(path)).result()
+        if r.state == "value":
+            return len(r.value)
+        if self.is_folder(path):
+            raise IsADirectoryError(errno.EISDIR, "a key prefix, not an object", path)
+        raise FileNotFoundError(errno.ENOENT, "no such object", path)
+
+    def exists(self, path: str) -> bool:
+        return self._kv.read(self._key(path)).result().state == "value"
+
+    def is_folder(self, path: str) -> bool:
+        return bool(self.list_files(path))
+
+    def list_dir(self, path: str) -> list[str]:
+        import tensorstore as ts  # lazily: see `ts_context`
+        prefix = self._key(path).rstrip("/")
+        prefix = prefix + "/" if prefix else ""
+        key_range = ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()
+        keys = self._kv.list(key_range).result()
+        names = {k.decode()[len(prefix) :].split("/", 1)[0] for k in keys}
+        return sorted(n for n in names if n)
+
+    def list_files(self, path: str) -> list[str]:
+        import tensorstore as ts  # lazily: see `ts_context`
+        prefix = self._key(path).rstrip("/")
+        prefix = prefix + "/" if prefix else ""
+        key_range = ts.KvStore.KeyRange(prefix, prefix[:-1] + "0") if prefix else ts.KvStore.KeyRange()
+        return sorted(k.decode()[len(prefix) :] for k in self._kv.list(key_range).result())
+
+    def delete_file(self, path: str) -> None:
+        import tensorstore as ts  # lazily: see `ts_context`
+        self._kv.delete_range(ts.KvStore.KeyRange(self._key(path), self._key(path) + "\x00")).result()
+
+    def delete_tree(self, path: str) -> None:
+        import tensorstore as ts  # lazily: see `ts_context`
+        prefix = self._key(path).rstrip("/") + "/"
+        self._kv.delete_range(ts.KvStore.KeyRange(prefix, prefix[:-1] + "0")).result()
+
+
+def s3_spec(bucket: str) -> dict:
+    """The kvstore spec of an S3 bucket, with the endpoint from the environment.
+
+    TensorStore's `s3` driver does not read `AWS_ENDPOINT_URL`: without an `endpoint`
+    in the spec it addresses `https://<bucket>.s3.amazonaws.com`. So the standard
+    variables go into the spec here: `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` as
+    `endpoint` (path-style requests `<endpoint>/<bucket>/<key>`, http or https), and
+    with an endpoint `AWS_REGION` / `AWS_DEFAULT_REGION` as `aws_region` (the region
+    used in request signatures; TensorStore asks the endpoint when it is absent).
+    Credentials come from TensorStore's default AWS chain (`AWS_ACCESS_KEY_ID` /
+    `AWS_SECRET_ACCESS_KEY` / `AWS_SESSION_TOKEN`, then `~/.aws`, ECS, EC2 metadata);
+    when the key variables are set, the spec names the `environment` provider, the one
+    the chain would pick anyway, which spares the chain's error logs about absent
+    profile files.
+    """
+    spec: dict = {"driver": "s3", "bucket": bucket}
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        spec["aws_credentials"] = {"type": "environment"}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        spec["endpoint"] = endpoint.rstrip("/")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            spec["aws_region"] = region
+    return spec
+
+
+def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
+    """Returns the backend for `location` and the location normalised for it.
+
+    Args:
+      location: a local path, `file://` URL or a TensorStore kvstore URL.
+    Raises:
+      CheckpointError: the URL scheme is one TensorStore cannot open.
+    """
+    loc = os.fspath(location)
+    loc = loc.removeprefix("file://")
+    if "://" not in loc:
+        return LocalStorage(), os.path.abspath(loc)
+    scheme, rest = loc.split("://", 1)
+    if scheme == "memory":
+        return KvStorage("memory://"), loc.rstrip("/")
+    if scheme in ("gs", "s3"):
+        bucket = rest.split("/", 1)[0]
+        root = f"{scheme}://{bucket}/"
+        try:
+            return KvStorage(root, s3_spec(bucket) if scheme == "s3" else None), loc.rstrip("/")
+        except ValueError as e:
+            raise CheckpointError(f"cannot open {root}: {e}") from e
+    raise CheckpointError(
+        f"unsupported location {loc!r}: use a local path or a file://, memory://, gs:// or s3:// URL"
+    )
