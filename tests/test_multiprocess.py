@@ -322,8 +322,8 @@ def test_processes_that_disagree_raise_within_seconds_and_write_nothing(tmp_path
     msgs = {case: got[0][case]["message"] for case in DISAGREEMENTS}
     assert f"{tmp_path}/steps/1 (step 1)" in msgs["steps"] and f"{tmp_path}/steps/2 (step 2)" in msgs["steps"]
     assert f"{tmp_path}/dir-0/1" in msgs["directories"] and f"{tmp_path}/dir-1/1" in msgs["directories"]
-    assert "leaf 'w'" in msgs["trees"] and "float32[8, 4]" in msgs["trees"] and "float32[16, 4]" in msgs["trees"]
-    assert "leaf 'epoch'" in msgs["values"] and "process 0: 1" in msgs["values"] and "process 1: 2" in msgs["values"]
+    assert "leaf ['w']" in msgs["trees"] and "float32[8, 4]" in msgs["trees"] and "float32[16, 4]" in msgs["trees"]
+    assert "leaf ['epoch']" in msgs["values"] and "process 0: 1" in msgs["values"] and "process 1: 2" in msgs["values"]
     assert got[1]["values"]["message"] == msgs["values"]  # every process gets the same verdict
     # Nothing was written for any disagreement: no commit marker, no partial folder.
     for case_dir in ("steps", "dir-0", "dir-1", "trees", "values", "refused", "refused0"):

@@ -3,7 +3,7 @@
 crashed, being deleted).
 """
 
-from ._agreement import _MAX_SHOWN, DEFAULT_AGREEMENT_TIMEOUT_S, _canonical, _groups, _procs, agree, next_ticket, proposal, refuse
+from ._agreement import DEFAULT_AGREEMENT_TIMEOUT_S, agree, next_ticket, proposal, refuse
 from ._catalog import add_entry
 from ._directory import (
     LOCK_NAME,
@@ -22,4 +22,4 @@ from ._directory import (
 )
 from ._strategies import strategy_for
 
-__all__ = ['DEFAULT_AGREEMENT_TIMEOUT_S', 'LOCK_NAME', 'SAVE_JOURNAL', 'SAVE_LOCK_SUFFIX', 'StepEntry', '_MAX_SHOWN', '_canonical', '_groups', '_procs', 'add_entry', 'agree', 'committed_folders', 'committed_steps', 'delete_step', 'entries', 'foreign_entries', 'next_ticket', 'plan_recovery', 'proposal', 'recover', 'refuse', 'repair', 'strategy_for', 'unpublish_step']
+__all__ = ['DEFAULT_AGREEMENT_TIMEOUT_S', 'LOCK_NAME', 'SAVE_JOURNAL', 'SAVE_LOCK_SUFFIX', 'StepEntry', 'add_entry', 'agree', 'committed_folders', 'committed_steps', 'delete_step', 'entries', 'foreign_entries', 'next_ticket', 'plan_recovery', 'proposal', 'recover', 'refuse', 'repair', 'strategy_for', 'unpublish_step']
