@@ -355,3 +355,15 @@ def test_evaluation_process_follows_a_writer_with_retention(tmp_path):
     assert set(outcomes.values()) <= {"exact", "not found"}, outcomes
     assert sum(o == "exact" for o in outcomes.values()) >= 8 and outcomes[steps] == "exact", outcomes
     results[1].record("done")
+
+
+# --- 9. every meeting of the processes is one rendezvous round, deleted once finished ------
+
+
+@pytest.mark.multiprocess
+def test_finished_rounds_leave_no_keys_in_the_coordination_service(tmp_path):
+    results = run_processes(WORKERS / "rounds_worker.py", 2, 4, {"directory": str(tmp_path)}, timeout_s=180)
+    recs = [r.record("rounds") for r in results]
+    assert recs[0]["refused_type"] == "SaveAgreementError" and recs[1]["refused_type"] == "UnsupportedValueError", recs
+    assert recs[0]["leftover"] == [], recs[0]
+    assert ckpt.verify(str(tmp_path / "run" / "1")).ok

@@ -9,7 +9,7 @@ background thread (see `_async.py`):
    replica-parallel split) to fresh host buffers.
 2. `write_snapshot` (any thread): writes the chunks into `<path>.partial-<generation>/`,
    durably (TensorStore's file driver fsyncs), then `processes/<i>.json`.
-3. `commit` (any thread): the commit protocol of DESIGN.md, through `Coordinator`.
+3. the commit (any thread): the commit protocol of DESIGN.md, `_commit.Commit`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tensorstore as ts
 
 from .. import _commit, _coord, _encoding, _format, _memory, _storage
 from .._commit import SAVE_LOCK_SUFFIX
-from .._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementError, SaveError, UnsupportedValueError, where
+from .._errors import CheckpointExistsError, SaveAgreementError, SaveError, UnsupportedValueError, where
 from .._format import (
     ZARR_JSON,
     ArrayMetadata,
@@ -350,7 +350,7 @@ def take_snapshot(
         if not agreed:  # the others must not wait for us: tell them why we are out
             _commit.refuse(ticket, os.fspath(path), e)
         else:  # agreed, then failed copying: process 0 stops waiting for our shards
-            _coord.Coordinator(agreed[0], timeout_s=commit_timeout_s).report_error(f"{type(e).__name__}: {e}")
+            _commit.commit_round(agreed[0], os.fspath(path), commit_timeout_s).refuse(e)
         raise
 
 
@@ -447,7 +447,8 @@ def _take_snapshot(
     return snap
 
 
-def _open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool):
+def open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool) -> Any:
+    """Opens (`create`: creates) the zarr array of one leaf in the write path (a TensorStore future)."""
     kvstore = snap.storage.kvstore_spec(f"{snap.write_path}/{_format.array_dir(meta.path)}")
     return ts.open(_format.zarr_spec(kvstore, meta, mode="create" if create else "write"), context=ts_context())
 
@@ -517,7 +518,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
                 for w, host in zip(leaf.plan.writes, leaf.host):
                     pack.add(leaf.meta, w.box, host)
         unpacked = [leaf for leaf in snap.arrays if not leaf.meta.packed]
-        opened = [(leaf, _open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in unpacked]
+        opened = [(leaf, open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in unpacked]
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in unpacked])
         pack_done = None
@@ -572,123 +573,26 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         raise SaveError(f"writing {root} failed (process {snap.process_index}): {type(e).__name__}: {e}") from e
 
 
-def _manifest(snap: Snapshot, process_bytes: list[int]) -> dict:
-    packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.pack_index, snap.process_count) if (
-        any(leaf.meta.packed for leaf in snap.arrays)) else []
-    return manifest_json(
-        step=snap.step, generation=snap.generation, process_count=snap.process_count,
-        process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
-        values=snap.values, user_metadata=snap.user_metadata,
-        save_phases_unix_s={k: v for k, v in snap.phases_unix_s.items() if k == "wait"} or None,
-        packed=packed,
+def manifest_bytes(snap: Snapshot, process_bytes: list[int]) -> bytes:
+    """The manifest of `snap` (`process_bytes`: bytes written per process), encoded."""
+    with _memory.paused():
+        packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.pack_index, snap.process_count) if (
+            any(leaf.meta.packed for leaf in snap.arrays)) else []
+        return _format.dumps_large(manifest_json(
+            step=snap.step, generation=snap.generation, process_count=snap.process_count,
+            process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
+            values=snap.values, user_metadata=snap.user_metadata,
+            save_phases_unix_s={k: v for k, v in snap.phases_unix_s.items() if k == "wait"} or None,
+            packed=packed,
+        ))
+
+
+def committer(snap: Snapshot) -> _commit.Commit:
+    """The commit of `snap` by every process of the job (`_commit.Commit`)."""
+    return _commit.Commit(
+        snap.storage, snap.path, snap.generation, overwrite=snap.overwrite,
+        round=_commit.commit_round(snap.generation, snap.path, snap.commit_timeout_s),
     )
-
-
-def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], object] | None = None) -> None:
-    """Runs the commit protocol; returns once the checkpoint is committed on every process.
-
-    `after_publish` runs on process 0 after the commit and before the other processes
-    are told (the manager's retention), so when `save` returns anywhere, retention of
-    that step is done too. Its errors are logged, never raised: the commit stands.
-
-    Raises:
-      CommitTimeoutError, SaveError: nothing was committed.
-    """
-    t0, reported = time.perf_counter(), time.time()
-    coord = _coord.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
-    coord.report_done(str(record.bytes_written))
-    if snap.process_index != 0:
-        coord.wait_commit()
-        snap.commit_s = time.perf_counter() - t0
-        return
-    try:
-        summaries = coord.wait_all_done()
-        all_durable = time.time()
-        snap.phases_unix_s["wait"] = (reported, all_durable)
-        process_bytes = [int(s) for s in summaries] if summaries else [snap.bytes_written]
-        _check_records(snap)
-        _commit.add_entry(snap.storage, snap.path, snap.generation)  # before the marker
-        _publish(snap, process_bytes)
-        snap.phases_unix_s["commit"] = (all_durable, time.time())
-    except BaseException as e:
-        coord.announce_commit(f"{type(e).__name__}: {e}")
-        raise
-    if after_publish is not None:
-        try:
-            after_publish()
-        except Exception as e:  # retention failures must not undo a commit
-            log.warning("after committing %s: %s", snap.path, e)
-    coord.announce_commit("ok")
-    snap.commit_s = time.perf_counter() - t0
-
-
-def _check_records(snap: Snapshot) -> None:
-    """Process 0, before committing: every process's record is in this save's folder.
-
-    A process that reported done for this generation but wrote elsewhere (saves called
-    in different orders) must not yield a committed checkpoint with missing shards.
-    """
-    missing = [
-        i for i in range(snap.process_count)
-        if not snap.storage.exists(f"{snap.write_path}/{_format.process_record_name(i)}")
-    ]
-    if missing:
-        raise SaveError(
-            f"processes {missing} reported their shards durable but {snap.write_path} has no record of them; "
-            "nothing was committed. Every process must call save with the same paths in the same order."
-        )
-
-
-def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
-    storage, root, final = snap.storage, snap.write_path, snap.path
-    strategy = _commit.strategy_for(storage)
-    try:
-        with _memory.paused():
-            manifest = _format.dumps_large(_manifest(snap, process_bytes))
-        storage.write_file(f"{root}/{_format.MANIFEST}", manifest)
-        marker = _format.dumps({"generation": snap.generation, "committed_unix_s": time.time()})
-        storage.write_file(f"{root}/{_format.COMMITTED}", marker)
-        replaced = strategy.publish(root, final, snap.generation, overwrite=snap.overwrite)
-    except CheckpointExistsError:
-        raise
-    except OSError as e:
-        raise SaveError(f"committing {final} failed (process {snap.process_index}): {e}") from e
-    # Committed: from here on a failure is logged, never raised (a SaveError means that
-    # nothing was committed). A leftover `.deleting-` folder is removed by recovery/gc.
-    try:
-        strategy.finish_publish(final, replaced)
-    except OSError as e:
-        log.warning("committed %s, but syncing its folder or removing the replaced checkpoint failed: %s", final, e)
-
-
-def abort(snap: Snapshot, coord: _coord.Coordinator, *, timed_out: bool = False) -> None:
-    """Best-effort removal of this save's partial folder after a failure (process 0).
-
-    With several processes, the removal waits on a daemon thread until every process
-    has reported (ok or error, up to the commit timeout), so that no one is still
-    writing into the folder it removes, while the error reaches the caller at once. A
-    process that never reports leaves the folder to garbage collection, unless the
-    failure itself was the commit timeout (`timed_out`): processes silent for that long
-    are taken for dead and the folder is removed at once.
-    """
-    folder = _commit.strategy_for(snap.storage).discard_path(snap.path, snap.generation)
-    if snap.process_index != 0 or folder is None:
-        return
-
-    def remove() -> None:
-        silent = [] if timed_out else coord.wait_all_reported(snap.commit_timeout_s)
-        if silent:
-            log.warning("processes %s never reported; leaving %s for garbage collection", silent, folder)
-            return
-        try:
-            snap.storage.delete_tree(folder)
-        except OSError:
-            log.warning("could not remove %s after a failed save", folder)
-
-    if snap.process_count == 1 or timed_out:
-        remove()
-    else:
-        threading.Thread(target=remove, name=f"checkpointer-abort-{snap.generation}", daemon=True).start()
 
 
 def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_coord.DEFAULT_COMMIT_TIMEOUT_S,
@@ -704,7 +608,8 @@ def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_t
     return snap
 
 
-def _release_host(snap: Snapshot) -> None:
+def release_host(snap: Snapshot) -> None:
+    """Frees (or returns to its pool) the host copies of `snap`: its bytes are durable."""
     for leaf in snap.arrays:
         if snap.buffers is not None and leaf.host:
             snap.buffers.give_back(leaf.host)
@@ -717,24 +622,29 @@ def run_background(
     *,
     write: Callable[[Snapshot], ProcessRecord] | None = None,
 ) -> None:
-    """`write` (default `write_snapshot`) then commit; on failure tells the others,
-    cleans up, re-raises."""
-    coord = _coord.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
+    """`write` (default `write_snapshot`) then the commit sequence of `_commit.Commit`
+    (`after_publish` runs on process 0 after the commit, before the others are told: the
+    manager's retention); on failure tells the others, cleans up, re-raises.
+
+    Raises:
+      CommitTimeoutError, SaveError: nothing was committed.
+    """
+    commit = committer(snap)
     try:
         try:
             record = (write or write_snapshot)(snap)
         except BaseException as e:
-            coord.report_error(f"{type(e).__name__}: {e}")
-            abort(snap, coord)
+            commit.fail(e)
             raise
-        _release_host(snap)  # the bytes are durable: free (or recycle) host memory
-        try:
-            commit(snap, record, after_publish)
-        except BaseException as e:
-            abort(snap, coord, timed_out=isinstance(e, CommitTimeoutError))
-            raise
+        release_host(snap)  # the bytes are durable: free (or recycle) host memory
+        t0 = time.perf_counter()
+        commit.run(
+            record.bytes_written, lambda process_bytes: manifest_bytes(snap, process_bytes), after_publish=after_publish,
+            phases=snap.phases_unix_s,
+        )
+        snap.commit_s = time.perf_counter() - t0
     finally:
-        _release_host(snap)
+        release_host(snap)
         if snap.lock is not None:
             snap.lock.release(remove=True)
             snap.lock = None

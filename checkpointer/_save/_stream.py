@@ -185,7 +185,7 @@ def _write_leaf(
 ) -> list[ChunkRecord]:
     root = snap.write_path
     try:
-        store = _pipeline._open_for_write(snap, meta, create=True).result()
+        store = _pipeline.open_for_write(snap, meta, create=True).result()
     except Exception as e:
         raise SaveError(f"{where(leaf=meta.path, path=root)}: cannot create the zarr array: {e}") from e
     out: list[ChunkRecord] = []
