@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import checkpointer as ckpt
 from checkpointer._cli import _main as _cli
 from checkpointer._commit import _catalog, _directory
+from checkpointer._commit._publish import Commit
 from checkpointer._errors import SaveError
 from checkpointer._format import _layout as _format
-from checkpointer._save import _pipeline as _save
 from checkpointer._storage._kvstore import KvStorage, storage_for
 
 
@@ -93,15 +93,15 @@ def test_the_entry_is_written_before_the_marker_so_no_commit_lacks_one(run_dir, 
 def test_a_crash_between_entry_and_marker_lists_nothing_and_repair_keeps_the_rest(run_dir, monkeypatch):
     with ckpt.CheckpointManager(run_dir, async_save=False) as mgr:
         mgr.save(1, _state(1))
-        real_publish = _save._publish
+        real_publish = Commit._publish
 
-        def crash(snap, process_bytes):
+        def crash(commit, manifest, process_bytes, marker):
             raise SaveError("simulated crash after the catalog entry, before the marker")
 
-        monkeypatch.setattr(_save, "_publish", crash)
+        monkeypatch.setattr(Commit, "_publish", crash)
         with pytest.raises(SaveError, match="simulated crash"):
             mgr.save(2, _state(2))
-        monkeypatch.setattr(_save, "_publish", real_publish)
+        monkeypatch.setattr(Commit, "_publish", real_publish)
         storage, directory = mgr.storage, mgr.directory
         assert _entries(storage, directory) == [1, 2]  # an entry without marker ...
         assert mgr.all_steps() == [1] == _truth(storage, directory)  # ... is ignored

@@ -122,3 +122,24 @@ def test_a_process_that_cannot_restore_makes_every_process_raise(saved):
             assert missing["type"] == "RestoreAgreementError", missing
             assert "process 1: CheckpointNotFoundError" in missing["message"] and missing["elapsed_s"] < 20, missing
         assert cases["again"]["type"] is None, cases["again"]
+
+
+def test_cooperative_restore_agreement_names_the_differing_leaf(saved):
+    """Processes that restore onto different targets are told which leaf differs (its
+    key string) and how on each process (dtype, shape, spec, mesh), not a digest; the
+    other leaves, equal everywhere, are not named, and every process gets one message."""
+    args = {
+        "path": saved["path"],
+        "targets": [_target("before", [2, 4], ["data", "model"], REPLICATED)],
+        "cases": ["other_target"],
+    }
+    results = run_processes(WORKERS / "coop_restore_worker.py", 2, 4, args, timeout_s=180)
+    cases = [next(x for x in r.records if x["event"] == "case") for r in results]
+    assert all(c["type"] == "RestoreAgreementError" for c in cases), cases
+    message = cases[0]["message"]
+    assert cases[1]["message"] == message  # process 0's verdict, on every process
+    assert saved["path"] in message and "different targets" in message, message
+    assert "leaf ['w']:" in message, message
+    assert "process 0: float32[1024, 1024] P() over mesh (data=2, model=4)" in message, message
+    assert "process 1: float32[1024, 1024] P('model',) over mesh (data=2, model=4)" in message, message
+    assert "['emb']" not in message and "['b']" not in message and "digest" not in message, message

@@ -1,68 +1,117 @@
-"""The coordination service's polling, with a fake key-value client (no processes)."""
+"""The one commit sequence (`_commit.Commit`) across processes, with threads playing the
+processes over a fake key-value store (no JAX processes): reports, records, publication,
+the announcement, and what every process raises when one fails or is silent."""
 
+import json
+import os
+import pathlib
 import time
 
 import pytest
+from test_rendezvous import FakeKV, _run, _wait_deleted
 
 import checkpointer as ckpt
-from checkpointer._coord import _distributed
+from checkpointer._commit import Commit, commit_round
+from checkpointer._format import process_record_name
+from checkpointer._storage import LocalStorage
 
 
-class _FakeClient:
-    """`key_value_dir_get` of a dict; `arrivals[n]` lands before the n-th poll."""
-
-    def __init__(self, arrivals=(), fail_polls=()):
-        self.kv: dict[str, str] = {}
-        self.arrivals = list(arrivals)
-        self.fail_polls = set(fail_polls)
-        self.polls = 0
-
-    def key_value_dir_get(self, prefix):
-        n, self.polls = self.polls, self.polls + 1
-        if n < len(self.arrivals):
-            self.kv.update(self.arrivals[n])
-        if n in self.fail_polls:
-            raise RuntimeError("coordination service unreachable")
-        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+def _commit(kv, path, i, n, timeout_s=5.0):
+    r = commit_round("g1", path, timeout_s)
+    r.index, r.count, r._client = i, n, kv
+    return Commit(LocalStorage(), path, "g1", overwrite=False, round=r)
 
 
-def _coordinator(client, process_count, timeout_s=5.0):
-    coord = _distributed.Coordinator("g1", timeout_s=timeout_s)
-    coord.process_count, coord._client = process_count, client
-    return coord
+def _write_records(commit, processes):
+    os.makedirs(f"{commit.write_path}/processes", exist_ok=True)
+    for i in processes:
+        with open(f"{commit.write_path}/{process_record_name(i)}", "w") as f:
+            f.write("{}")
 
 
-def test_poll_reports_waits_until_done_and_skips_foreign_keys():
-    client = _FakeClient(arrivals=[{"x/0": "a"}, {"x/other": "?", "y/1": "b"}, {"x/1": "c"}], fail_polls=[1])
-    reports = _distributed.poll_reports(client, "x/", time.monotonic() + 5, lambda r: len(r) == 2)
-    assert reports == {0: "a", 1: "c"} and client.polls == 3  # the unreachable poll read as no reports
+def test_process_0_commits_with_every_process_bytes_and_the_others_return_after(tmp_path):
+    kv, path = FakeKV(), str(tmp_path / "7")
+    seen = []
+
+    def body(i):
+        c = _commit(kv, path, i, 2)
+        _write_records(c, [i])
+        c.run(10 * (i + 1), lambda pb: seen.append(pb) or json.dumps({"process_bytes_written": pb}).encode())
+        return os.path.exists(f"{path}/COMMITTED")  # committed before anyone returns
+
+    assert _run(2, body, delays={0: 0.2}) == [("ok", True), ("ok", True)]
+    assert seen == [[10, 20]] and sorted(os.listdir(tmp_path)) == ["7"]
+    assert json.loads(pathlib.Path(f"{path}/COMMITTED").read_text())["generation"] == "g1"
+    assert _wait_deleted(kv, "commit/g1") == []
 
 
-def test_poll_reports_returns_what_it_has_at_the_deadline():
-    client = _FakeClient(arrivals=[{"x/0": "a"}])
-    assert _distributed.poll_reports(client, "x/", time.monotonic() + 0.05, lambda r: False) == {0: "a"}
+def test_a_process_error_fails_the_commit_at_once_on_every_process(tmp_path):
+    kv, path = FakeKV(), str(tmp_path / "7")
+
+    def body(i):
+        c = _commit(kv, path, i, 3, timeout_s=30)
+        if i == 2:
+            c.fail(OSError("disk full"))
+            return "failed"
+        _write_records(c, [i])
+        c.run(1, lambda pb: b"{}")
+
+    t0 = time.monotonic()
+    got = _run(3, body)
+    assert time.monotonic() - t0 < 10
+    message = f"process 2 failed to write its shards of {path}: OSError: disk full\nNothing was committed."
+    assert got == [("SaveError", message), ("SaveError", message), ("ok", "failed")]
+    deadline = time.monotonic() + 5  # process 0 removes the partial folder once every process reported
+    while os.listdir(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert os.listdir(tmp_path) == []
 
 
-def test_wait_all_done_returns_summaries_in_process_order():
-    client = _FakeClient(arrivals=[{"checkpointer/g1/done/1": "ok:20"}, {"checkpointer/g1/done/0": "ok:10"}])
-    assert _coordinator(client, 2).wait_all_done() == ["10", "20"]
+def test_silent_processes_are_named_at_the_timeout(tmp_path):
+    kv, path = FakeKV(), str(tmp_path / "7")
+    c = _commit(kv, path, 0, 3, timeout_s=0.1)
+    _write_records(c, [0])
+    with pytest.raises(ckpt.CommitTimeoutError, match=r"processes \[1, 2\] did not report done within 0.1 s \(commit_timeout_s\)"):
+        c.run(1, lambda pb: b"{}")
+    assert os.listdir(tmp_path) == []  # taken for dead: the folder goes at once
 
 
-def test_wait_all_done_raises_a_reported_error_without_waiting_for_the_rest():
-    client = _FakeClient(arrivals=[{"checkpointer/g1/done/2": "error:OSError: disk full"}])
-    with pytest.raises(ckpt.SaveError, match="process 2 failed to write its shards: OSError: disk full"):
-        _coordinator(client, 3).wait_all_done()
-    assert client.polls == 1
+def test_a_failed_publication_is_announced_to_the_others(tmp_path):
+    kv, path = FakeKV(), str(tmp_path / "7")
+    ckpt.save(path, {"x": 1})  # committed meanwhile by another save
+
+    def body(i):
+        c = _commit(kv, path, i, 2)
+        _write_records(c, [i])
+        c.run(1, lambda pb: b"{}")
+
+    got = _run(2, body)
+    assert got[0][0] == "CheckpointExistsError" and "was committed by another save" in got[0][1]
+    assert got[1][0] == "SaveError" and got[1][1].startswith(f"process 0 could not commit {path}: CheckpointExistsError:")
 
 
-def test_wait_all_done_names_the_silent_processes_at_the_timeout():
-    client = _FakeClient(arrivals=[{"checkpointer/g1/done/0": "ok:1"}])
-    with pytest.raises(ckpt.CommitTimeoutError, match=r"processes \[1, 2\] did not report"):
-        _coordinator(client, 3, timeout_s=0.05).wait_all_done()
+def test_a_missing_record_commits_nothing(tmp_path):
+    kv, path = FakeKV(), str(tmp_path / "7")
+
+    def body(i):
+        c = _commit(kv, path, i, 2)
+        _write_records(c, [0])  # process 1 wrote elsewhere (saves called in another order)
+        c.run(1, lambda pb: b"{}")
+
+    got = _run(2, body)
+    assert got[0][0] == "SaveError" and got[1] == ("SaveError", f"process 0 could not commit {path}: SaveError: {got[0][1]}"), got
+    assert "processes [1] reported their shards durable but" in got[0][1] and "nothing was committed" in got[0][1]
+    assert not os.path.exists(path)
 
 
-def test_wait_all_reported_counts_errors_as_reports():
-    client = _FakeClient(arrivals=[{"checkpointer/g1/done/0": "error:boom", "checkpointer/g1/done/2": "ok:1"}])
-    assert _coordinator(client, 3).wait_all_reported(0.05) == [1]
-    client.kv["checkpointer/g1/done/1"] = "ok:1"
-    assert _coordinator(client, 3).wait_all_reported(5) == []
+def test_alone_it_commits_without_any_store(tmp_path):
+    path = str(tmp_path / "7")
+    c = Commit(LocalStorage(), path, "g1", overwrite=True, process_index=3)
+    _write_records(c, [3])
+    c.run(5, lambda pb: json.dumps(pb).encode(), marker={"generation": "g1", "tier": "local"})
+    assert json.loads(pathlib.Path(f"{path}/manifest.json").read_text()) == [5]
+    assert json.loads(pathlib.Path(f"{path}/COMMITTED").read_text()) == {"generation": "g1", "tier": "local"}
+    c2 = Commit(LocalStorage(), path, "g2", overwrite=True, process_index=3)
+    _write_records(c2, [3])
+    c2.run(6, lambda pb: b"{}")  # a replacement is atomic: old moved aside, then removed
+    assert json.loads(pathlib.Path(f"{path}/COMMITTED").read_text())["generation"] == "g2" and os.listdir(tmp_path) == ["7"]

@@ -322,8 +322,8 @@ def test_processes_that_disagree_raise_within_seconds_and_write_nothing(tmp_path
     msgs = {case: got[0][case]["message"] for case in DISAGREEMENTS}
     assert f"{tmp_path}/steps/1 (step 1)" in msgs["steps"] and f"{tmp_path}/steps/2 (step 2)" in msgs["steps"]
     assert f"{tmp_path}/dir-0/1" in msgs["directories"] and f"{tmp_path}/dir-1/1" in msgs["directories"]
-    assert "leaf 'w'" in msgs["trees"] and "float32[8, 4]" in msgs["trees"] and "float32[16, 4]" in msgs["trees"]
-    assert "leaf 'epoch'" in msgs["values"] and "process 0: 1" in msgs["values"] and "process 1: 2" in msgs["values"]
+    assert "leaf ['w']" in msgs["trees"] and "float32[8, 4]" in msgs["trees"] and "float32[16, 4]" in msgs["trees"]
+    assert "leaf ['epoch']" in msgs["values"] and "process 0: 1" in msgs["values"] and "process 1: 2" in msgs["values"]
     assert got[1]["values"]["message"] == msgs["values"]  # every process gets the same verdict
     # Nothing was written for any disagreement: no commit marker, no partial folder.
     for case_dir in ("steps", "dir-0", "dir-1", "trees", "values", "refused", "refused0"):
@@ -355,3 +355,15 @@ def test_evaluation_process_follows_a_writer_with_retention(tmp_path):
     assert set(outcomes.values()) <= {"exact", "not found"}, outcomes
     assert sum(o == "exact" for o in outcomes.values()) >= 8 and outcomes[steps] == "exact", outcomes
     results[1].record("done")
+
+
+# --- 9. every meeting of the processes is one rendezvous round, deleted once finished ------
+
+
+@pytest.mark.multiprocess
+def test_finished_rounds_leave_no_keys_in_the_coordination_service(tmp_path):
+    results = run_processes(WORKERS / "rounds_worker.py", 2, 4, {"directory": str(tmp_path)}, timeout_s=180)
+    recs = [r.record("rounds") for r in results]
+    assert recs[0]["refused_type"] == "SaveAgreementError" and recs[1]["refused_type"] == "UnsupportedValueError", recs
+    assert recs[0]["leftover"] == [], recs[0]
+    assert ckpt.verify(str(tmp_path / "run" / "1")).ok

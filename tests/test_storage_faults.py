@@ -110,9 +110,9 @@ class _Opened:
 def _inject(monkeypatch, where, code):
     """Makes one storage operation of a save fail with OSError(`code`)."""
     if where in ("create_array", "chunk_write"):
-        real = _save._open_for_write
+        real = _save.open_for_write
         exc = ValueError(f"{errno.errorcode[code]}: injected: {os.strerror(code)}") if where == "create_array" else _os_error(code, "chunk")
-        monkeypatch.setattr(_save, "_open_for_write", lambda *a, **k: _Opened(real(*a, **k), exc, where == "create_array"))
+        monkeypatch.setattr(_save, "open_for_write", lambda *a, **k: _Opened(real(*a, **k), exc, where == "create_array"))
         return
     method, suffix = {
         "makedirs": ("makedirs", ""),

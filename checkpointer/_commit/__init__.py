@@ -1,9 +1,10 @@
-"""The commit protocol: the agreement before anything is written, the commit strategies
-(rename or marker), the step catalog, and a directory's step folders (committed, partial,
-crashed, being deleted).
+"""The commit protocol: the agreement before anything is written, the one commit sequence
+(reports, records, catalog entry, manifest, marker, publication, announcement), the commit
+strategies (rename or marker), the step catalog, and a directory's step folders
+(committed, partial, crashed, being deleted).
 """
 
-from ._agreement import _MAX_SHOWN, DEFAULT_AGREEMENT_TIMEOUT_S, _canonical, _groups, _procs, agree, next_ticket, proposal, refuse
+from ._agreement import DEFAULT_AGREEMENT_TIMEOUT_S, agree, next_ticket, proposal, refuse
 from ._catalog import add_entry
 from ._directory import (
     LOCK_NAME,
@@ -20,6 +21,7 @@ from ._directory import (
     repair,
     unpublish_step,
 )
+from ._publish import Commit, commit_round
 from ._strategies import strategy_for
 
-__all__ = ['DEFAULT_AGREEMENT_TIMEOUT_S', 'LOCK_NAME', 'SAVE_JOURNAL', 'SAVE_LOCK_SUFFIX', 'StepEntry', '_MAX_SHOWN', '_canonical', '_groups', '_procs', 'add_entry', 'agree', 'committed_folders', 'committed_steps', 'delete_step', 'entries', 'foreign_entries', 'next_ticket', 'plan_recovery', 'proposal', 'recover', 'refuse', 'repair', 'strategy_for', 'unpublish_step']
+__all__ = ['Commit', 'DEFAULT_AGREEMENT_TIMEOUT_S', 'LOCK_NAME', 'SAVE_JOURNAL', 'SAVE_LOCK_SUFFIX', 'StepEntry', 'add_entry', 'agree', 'commit_round', 'committed_folders', 'committed_steps', 'delete_step', 'entries', 'foreign_entries', 'next_ticket', 'plan_recovery', 'proposal', 'recover', 'refuse', 'repair', 'strategy_for', 'unpublish_step']

@@ -1,6 +1,8 @@
-"""Coordination of processes through the key-value store of JAX's distributed runtime.
+"""Coordination of processes through the key-value store of JAX's distributed runtime:
+the job's processes and the one rendezvous (`Round`) every meeting of them uses.
 """
 
-from ._distributed import DEFAULT_COMMIT_TIMEOUT_S, Coordinator, _client, poll_reports, process_count, process_index
+from ._distributed import DEFAULT_COMMIT_TIMEOUT_S, process_count, process_index
+from ._rendezvous import MAX_SHOWN, Details, Round, canonical, error_text, groups, procs, refusals
 
-__all__ = ['Coordinator', 'DEFAULT_COMMIT_TIMEOUT_S', '_client', 'poll_reports', 'process_count', 'process_index']
+__all__ = ['DEFAULT_COMMIT_TIMEOUT_S', 'Details', 'MAX_SHOWN', 'Round', 'canonical', 'error_text', 'groups', 'process_count', 'process_index', 'procs', 'refusals']

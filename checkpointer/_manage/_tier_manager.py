@@ -22,7 +22,7 @@ from .._encoding import RestoreStats, chunk_keys
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import resolve_tree, restore_from
-from .._save import Snapshot, _manifest, _release_host, write_snapshot
+from .._save import Snapshot, manifest_bytes, release_host, write_snapshot
 from .._storage import Storage
 from . import _tiers
 from ._policies import KeepPolicy
@@ -105,27 +105,28 @@ class LocalTier:
 
     def run_local(self, snap: Snapshot, after_publish: Callable[[], object] | None = None) -> None:
         """Writes and commits `snap` (a `local_snapshot`) on the local tier (the
-        `AsyncSave` runner). Raises SaveError; a failed local save leaves nothing
-        committed locally and is not replicated."""
+        `AsyncSave` runner): the commit sequence of `_commit.Commit` for this process
+        alone, with a manifest copy of its own bytes and the local marker. Raises
+        SaveError; a failed local save leaves nothing committed locally and is not
+        replicated."""
         t0 = time.perf_counter()
+        commit = _commit.Commit(self.storage, snap.path, snap.generation, overwrite=True, process_index=snap.process_index)
         try:
             try:
                 record = write_snapshot(snap)
+            except BaseException as e:
+                commit.fail(e)
+                raise
             finally:
-                _release_host(snap)
+                release_host(snap)
             n = snap.process_count
-            manifest = _manifest(snap, [record.bytes_written or 0 if i == snap.process_index else 0 for i in range(n)])
+            own = [record.bytes_written or 0 if i == snap.process_index else 0 for i in range(n)]
             marker = _tiers.LocalMarker(
                 generation=snap.generation, process_index=snap.process_index, process_count=n,
                 device_ids=_tiers.own_device_ids(), overwrite=snap.overwrite, committed_unix_s=time.time(),
             )
-            _tiers.commit_local(self.storage, snap.partial_path, snap.path, manifest, marker)
-        except BaseException:
-            try:
-                self.storage.delete_tree(snap.partial_path)
-            except OSError:
-                pass
-            raise
+            # A local replacement (the same step saved again) is always atomic: overwrite=True.
+            commit.run(record.bytes_written, lambda _: manifest_bytes(snap, own), marker=marker.to_json())
         finally:
             if snap.lock is not None:
                 snap.lock.release(remove=True)
@@ -153,8 +154,10 @@ class LocalTier:
         if local_save is not None:
             local_save.join()
             if local_save.error is not None:  # surfaced by the manager; tell the others
-                coord = _coord.Coordinator(f"{target.generation}.replicate-{target.attempt}")
-                coord.report_error(f"the local save of step {target.step} failed: {local_save.error}")
+                _tiers.refuse_replication(
+                    target, self.durable, f"the local save of step {target.step} failed: {local_save.error}",
+                    commit_timeout_s=self.commit_timeout_s,
+                )
                 return
         try:
             _tiers.replicate(
@@ -296,8 +299,11 @@ class LocalTier:
           process's local tier), "local+durable" or "durable".
         """
         if step is None:
-            proposal = _tiers.local_restore_proposal(self.storage, self.root, latest_durable, self._needed_keys(target, partial, missing))
-            votes = _tiers.agree(self.directory, proposal, self.commit_timeout_s)
+            needed = self._needed_keys(target, partial, missing)
+            votes = _tiers.agree(
+                self.directory, lambda: _tiers.local_restore_proposal(self.storage, self.root, latest_durable, needed),
+                self.commit_timeout_s,
+            )
             if votes[0] != "-" and all(v == votes[0] for v in votes):
                 local_step, generation = votes[0].split()
                 step = int(local_step)

@@ -31,16 +31,16 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import itertools
+import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import crc32c
 
 from .. import _commit, _coord, _format, _storage
-from .._errors import CheckpointError, CorruptCheckpointError, ReplicationError, SaveError
+from .._errors import CheckpointError, CorruptCheckpointError, ReplicationError, RestoreAgreementError
 from .._format import ZARR_JSON, ProcessRecord
 from .._storage import Reader, Storage, storage_for
 
@@ -131,25 +131,6 @@ def durable_generation(
     return str(marker.get("generation")) if isinstance(marker, dict) else None
 
 
-# --- local commit ------------------------------------------------------------------------
-
-
-def commit_local(storage: Storage, partial: str, final: str, manifest: dict, marker: LocalMarker) -> None:
-    """Commits a local step whose files and record are in `partial`: the manifest copy,
-    the local marker, then the rename to `final` (an old `final` is moved aside first and
-    removed after: a local replacement is a `force=True` save)."""
-    storage.write_file(f"{partial}/{_format.MANIFEST}", _format.dumps(manifest))
-    storage.write_file(f"{partial}/{_format.COMMITTED}", _format.dumps(marker.to_json()))
-    old = None
-    if storage.exists(f"{final}/{_format.COMMITTED}") or storage.is_folder(final):
-        old = _format.deleting_name(final, marker.generation)
-        storage.rename(final, old)
-    storage.rename(partial, final)
-    storage.sync_dir(final.rsplit("/", 1)[0])
-    if old is not None:
-        storage.delete_tree(old)
-
-
 # --- replication -------------------------------------------------------------------------
 
 
@@ -206,6 +187,21 @@ class ReplicationTarget:
     overwrite: bool
 
 
+def _commit_of(target: ReplicationTarget, durable: Storage, commit_timeout_s: float) -> _commit.Commit:
+    """The durable commit of a replication: the direct save's commit sequence, its round
+    keyed `<generation>.replicate-<attempt>` (never reused)."""
+    name = f"{target.generation}.replicate-{target.attempt}"
+    what = f"the replication of step {target.step} to {target.durable_path} (generation {target.generation}, attempt {target.attempt})"
+    round_ = _commit.commit_round(name, target.durable_path, commit_timeout_s, what=what)
+    return _commit.Commit(durable, target.durable_path, target.generation, overwrite=target.overwrite, round=round_)
+
+
+def refuse_replication(target: ReplicationTarget, durable: Storage, reason: str, *, commit_timeout_s: float) -> None:
+    """Tells the other processes that this process will not replicate `target` (its
+    local save failed), so they fail at once; nothing is committed."""
+    _commit_of(target, durable, commit_timeout_s).fail(reason)
+
+
 def replicate(
     target: ReplicationTarget,
     local: Storage,
@@ -216,21 +212,20 @@ def replicate(
     after_publish: Callable[[], object] | None = None,
 ) -> int:
     """Copies this process's files of a committed local step to the durable tier and
-    takes part in the durable commit (process 0 commits).
+    takes part in the durable commit (`_commit.Commit`: process 0 commits).
 
     Returns:
       Bytes this process copied.
     Raises:
       ReplicationError: a copy, a read-back check or the commit failed, here or on
-        another process; nothing was committed on the durable tier.
-      CommitTimeoutError: a process did not report within `commit_timeout_s`.
+        another process (a process that did not report within `commit_timeout_s`
+        included); nothing was committed on the durable tier.
 
     Multi-process: every process calls it for the same steps in the same order.
     """
-    pidx, pcount = _coord.process_index(), _coord.process_count()
-    coord = _coord.Coordinator(f"{target.generation}.replicate-{target.attempt}", timeout_s=commit_timeout_s)
-    strategy = _commit.strategy_for(durable)
-    root = strategy.write_path(target.durable_path, target.generation)
+    pidx = _coord.process_index()
+    commit = _commit_of(target, durable, commit_timeout_s)
+    root = commit.write_path
     lock = None
     copied = 0
     try:
@@ -250,8 +245,7 @@ def replicate(
                 copied = sum(f.result() for f in futures)
             copied += _copy_verified(local, f"{target.local_path}/{record_name}", durable, f"{root}/{record_name}", None)
         except BaseException as e:
-            coord.report_error(f"{type(e).__name__}: {e}")
-            _discard(durable, target, pidx, coord, commit_timeout_s)
+            commit.fail(e)
             if isinstance(e, CheckpointError):
                 raise ReplicationError(f"replicating step {target.step} to {target.durable_path} failed on process {pidx}: {e}") from e
             raise ReplicationError(
@@ -259,71 +253,24 @@ def replicate(
                 f"{type(e).__name__}: {e}. The local step is kept; it is replicated again when the job restarts "
                 "and resumes from it"
             ) from e
-        coord.report_done(str(copied))
-        if pidx != 0:
-            try:
-                coord.wait_commit()
-            except CheckpointError as e:
-                raise ReplicationError(f"step {target.step} was not committed on {target.durable_path}: {e}") from e
-            return copied
-        try:
-            summaries = coord.wait_all_done()
-            missing = [i for i in range(pcount) if not durable.exists(f"{root}/{_format.process_record_name(i)}")]
-            if missing:
-                raise SaveError(f"processes {missing} reported their files durable but {root} has no record of them")
-            manifest = _format.loads(local.read_file(f"{target.local_path}/{_format.MANIFEST}"), target.local_path)
-            if not isinstance(manifest, dict):
+
+        def manifest(process_bytes: list[int]) -> bytes:
+            """The local copy of the manifest, with every process's bytes written."""
+            raw = _format.loads(local.read_file(f"{target.local_path}/{_format.MANIFEST}"), target.local_path)
+            if not isinstance(raw, dict):
                 raise CorruptCheckpointError(f"{target.local_path}/{_format.MANIFEST} is not a JSON object")
-            if summaries:
-                manifest["process_bytes_written"] = [int(s) for s in summaries]
-            _commit.add_entry(durable, target.durable_path, target.generation)
-            durable.write_file(f"{root}/{_format.MANIFEST}", _format.dumps(manifest))
-            marker = {"generation": target.generation, "committed_unix_s": time.time()}
-            durable.write_file(f"{root}/{_format.COMMITTED}", _format.dumps(marker))
-            replaced = strategy.publish(root, target.durable_path, target.generation, overwrite=target.overwrite)
-        except BaseException as e:
-            coord.announce_commit(f"{type(e).__name__}: {e}")
-            _discard(durable, target, pidx, coord, commit_timeout_s)
-            if isinstance(e, ReplicationError):
-                raise
-            raise ReplicationError(f"committing step {target.step} on {target.durable_path} failed: {e}") from e
+            return _format.dumps({**raw, "process_bytes_written": process_bytes} if len(process_bytes) > 1 else raw)
+
         try:
-            strategy.finish_publish(target.durable_path, replaced)
-        except OSError as e:
-            log.warning("committed %s, but syncing its folder or removing the replaced step failed: %s", target.durable_path, e)
-        if after_publish is not None:
-            try:
-                after_publish()
-            except Exception as e:  # retention failures never undo a commit
-                log.warning("after committing %s: %s", target.durable_path, e)
-        coord.announce_commit("ok")
+            commit.run(copied, manifest, after_publish=after_publish)
+        except Exception as e:
+            if pidx != 0:
+                raise ReplicationError(f"step {target.step} was not committed on {target.durable_path}: {e}") from e
+            raise ReplicationError(f"committing step {target.step} on {target.durable_path} failed: {e}") from e
         return copied
     finally:
         if lock is not None:
             lock.release(remove=True)
-
-
-def _discard(durable: Storage, target: ReplicationTarget, pidx: int, coord, timeout_s: float) -> None:
-    """Process 0, after a failure: removes the durable partial folder (POSIX) once no
-    process writes into it any more; object stores leave it to recovery (no marker)."""
-    folder = _commit.strategy_for(durable).discard_path(target.durable_path, target.generation)
-    if pidx != 0 or folder is None:
-        return
-
-    def remove() -> None:
-        silent = coord.wait_all_reported(timeout_s)
-        if silent:
-            log.warning("processes %s never reported; leaving %s for garbage collection", silent, folder)
-            return
-        try:
-            durable.delete_tree(folder)
-        except OSError:
-            log.warning("could not remove %s after a failed replication", folder)
-
-    if coord.process_count == 1:
-        remove()
-    else:
-        threading.Thread(target=remove, name="checkpointer-replicate-abort", daemon=True).start()
 
 
 # --- restore -----------------------------------------------------------------------------
@@ -332,23 +279,35 @@ def _discard(durable: Storage, target: ReplicationTarget, pidx: int, coord, time
 _restore_round = itertools.count()
 
 
-def agree(directory: str, proposal: str, timeout_s: float) -> list[str]:
-    """Every process's `proposal` (a short text), in process order, through the
-    coordination service; one process: `[proposal]`.
+def agree(directory: str, propose: Callable[[], str], timeout_s: float) -> list[str]:
+    """Every process's vote (`propose()`, a short text), in process order: one round of
+    the rendezvous (keys `checkpointer/tiers/<hash of directory>/restore-<n>/`); one
+    process: `[propose()]`. A process whose `propose` raises refuses the round and raises
+    its error; the others raise RestoreAgreementError naming it.
 
     Multi-process: every process calls it, the same number of times, in the same order.
     """
     n = next(_restore_round)
-    if _coord.process_count() == 1:
-        return [proposal]
-    client = _coord._client()
     tag = hashlib.sha256(directory.encode()).hexdigest()[:12]
-    prefix = f"checkpointer/tiers/{tag}/restore-{n}"
-    client.key_value_set(f"{prefix}/{_coord.process_index()}", proposal)
-    return [
-        client.blocking_key_value_get(f"{prefix}/{i}", int(timeout_s * 1000))
-        for i in range(_coord.process_count())
-    ]
+
+    def decide(got: Mapping[int, dict]) -> str | None:
+        refused = _coord.refusals(got)
+        lines = [f"  process {i}: {text}" for i, text in sorted(refused.items())]
+        return "\n".join([f"the choice of tier to restore from {directory} failed on {len(refused)} process(es):", *lines]) if lines else None
+
+    vote = _coord.Round(
+        f"tiers/{tag}/restore-{n}", decide=decide, timeout_s=timeout_s, error=RestoreAgreementError,
+        what=f"the choice of tier to restore from {directory} (restore #{n})", timeout_name="commit_timeout_s",
+        hint="Every process of a manager with a local directory must call restore the same number of times, in the "
+             "same order.",
+    )
+    try:
+        mine = propose()
+    except BaseException as e:
+        vote.refuse(e)
+        raise
+    payload = vote.agree({"vote": mine}, outcome=lambda got: json.dumps([got[i].get("vote") for i in sorted(got)]))
+    return [str(v) for v in json.loads(payload)]
 
 
 class _CountingReader(Reader):

@@ -325,31 +325,6 @@ def restore_from(
 _NOT_SHARED = object()  # `_restore_cooperative`: no box is shared, restore plainly
 
 
-def _target_description(resolved: ResolvedTarget, partial: bool, missing: str) -> list[object]:
-    """What every process of a cooperative restore must have equal: the options, the
-    target leaves kept rather than read, and per leaf the result shape, dtype and global
-    sharding (mesh devices, axes, spec, memory kind)."""
-    out: list[object] = [
-        {"partial": partial, "missing": missing, "cooperative": True, "kept": list(resolved.kept_keystrs)}
-    ]
-    for leaf in resolved.leaves:
-        lt = leaf.target
-        if lt is None:
-            out.append([leaf.path, "value"])
-            continue
-        s = lt.sharding
-        where_: object
-        if s is None:
-            where_ = "host"
-        elif isinstance(s, NamedSharding):
-            where_ = {"mesh": [list(s.mesh.axis_names), list(s.mesh.axis_sizes), [d.id for d in s.mesh.devices.flat]],
-                      "spec": str(s.spec), "memory_kind": s.memory_kind}
-        else:
-            where_ = repr(s)
-        out.append([leaf.path, list(lt.shape), str(lt.dtype) if lt.dtype is not None else None, where_])
-    return out
-
-
 def _restore_cooperative(
     storage: Storage,
     path: str,
@@ -382,8 +357,7 @@ def _restore_cooperative(
     if not plan.cooperative:
         return _NOT_SHARED
     ticket = _agreement.next_ticket()
-    digest = _agreement.digest(_target_description(resolved, partial, missing))
-    _agreement.agree(ticket, path, before.decode("utf-8", "replace"), digest)
+    _agreement.agree(ticket, path, before.decode("utf-8", "replace"), _agreement.target_description(resolved, partial, missing))
     stats.attempts += 1
     stats.plan = plan
     try:

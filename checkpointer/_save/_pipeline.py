@@ -9,30 +9,28 @@ background thread (see `_async.py`):
    replica-parallel split) to fresh host buffers.
 2. `write_snapshot` (any thread): writes the chunks into `<path>.partial-<generation>/`,
    durably (TensorStore's file driver fsyncs), then `processes/<i>.json`.
-3. `commit` (any thread): the commit protocol of DESIGN.md, through `Coordinator`.
+3. the commit (any thread): the commit protocol of DESIGN.md, `_commit.Commit`.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeGuard
+from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
 from .. import _commit, _coord, _encoding, _format, _memory, _storage
 from .._commit import SAVE_LOCK_SUFFIX
-from .._errors import CheckpointExistsError, CommitTimeoutError, SaveAgreementError, SaveError, UnsupportedValueError, where
+from .._errors import CheckpointExistsError, SaveAgreementError, SaveError, UnsupportedValueError, where
 from .._format import (
     ZARR_JSON,
     ArrayMetadata,
@@ -40,7 +38,6 @@ from .._format import (
     ChunkRecord,
     PackRecord,
     ProcessRecord,
-    SavedSharding,
     describe,
     flatten,
     manifest_json,
@@ -49,7 +46,8 @@ from .._format import (
 )
 from .._memory import HostBufferPool, copy_to_host
 from .._storage import FileLock, Storage, storage_for, ts_context
-from ._plan import ChunkWrite, LeafAssignment, LeafShards, LeafWritePlan, ShardInfo, plan_writes
+from ._leaves import ArrayLeaf, chunk_data, describe_array, is_array
+from ._plan import LeafAssignment, LeafWritePlan, plan_writes
 
 log = logging.getLogger("checkpointer")
 
@@ -106,79 +104,6 @@ class Snapshot:
         return _commit.strategy_for(self.storage).write_path(self.path, self.generation)
 
 
-def _is_array(x: object) -> TypeGuard[jax.Array | np.ndarray]:
-    return isinstance(x, (jax.Array, np.ndarray))
-
-
-def _saved_sharding(arr: jax.Array) -> SavedSharding:
-    s = arr.sharding
-    shard_shape = tuple(s.shard_shape(arr.shape))
-    n = len(s.device_set)
-    if isinstance(s, jax.sharding.NamedSharding):
-        spec = tuple(tuple(p) if isinstance(p, tuple) else p for p in s.spec)
-        return SavedSharding("named", tuple(s.mesh.axis_names), tuple(s.mesh.devices.shape), spec, shard_shape, n)
-    if isinstance(s, jax.sharding.SingleDeviceSharding):
-        return SavedSharding("single_device", (), (), (), shard_shape, n)
-    return SavedSharding("other", (), (), (), shard_shape, n)
-
-
-# Longest name of one folder on common file systems (ext4, xfs, tmpfs, APFS), bytes.
-_MAX_NAME_BYTES = 255
-
-
-def _check_storable(leaf_path: str, dtype: np.dtype, path: str) -> None:
-    """Raises UnsupportedValueError unless the format can hold an array leaf of `dtype`."""
-    dtype = np.dtype(dtype)
-    if not _format.is_numeric_dtype(dtype) or dtype.hasobject:
-        raise UnsupportedValueError(
-            f"{where(leaf=leaf_path, path=path)}: dtype {dtype} cannot be stored; convert it to a numeric or bool array"
-        )
-    if not _format.zarr_supports_dtype(dtype):
-        try:
-            wider = "int8" if ml_dtypes.iinfo(dtype).min < 0 else "uint8"
-        except (ValueError, TypeError):
-            wider = "float32"
-        raise UnsupportedValueError(
-            f"{where(leaf=leaf_path, path=path)}: dtype {dtype} has no zarr v3 data type in TensorStore, so it "
-            f"cannot be stored. Save it as a wider dtype (x.astype(jnp.{wider})) and convert it back after restoring"
-        )
-    for part in _format.array_dir(leaf_path).split("/"):
-        if len(part.encode()) > _MAX_NAME_BYTES:
-            raise UnsupportedValueError(
-                f"{where(leaf=leaf_path, path=path)}: the escaped key {part[:40]!r}... is {len(part.encode())} bytes, "
-                f"longer than the {_MAX_NAME_BYTES} bytes a file or folder name may have; shorten the key "
-                "(non-ASCII characters take 6 to 12 bytes each once escaped)"
-            )
-
-
-def _global_shards(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[ShardInfo, ...]:
-    """Every device's shard on every process, from the sharding's full device→index map
-    (the same on every process); replica ids numbered in device order, as JAX does."""
-    seen: dict[Box, int] = {}
-    out = []
-    device: Any  # no Device stubs
-    for device, index in sharding.devices_indices_map(shape).items():
-        box = Box.from_index(index, shape)
-        rid = seen.get(box, 0)
-        seen[box] = rid + 1
-        out.append(ShardInfo(box, device.id, device.process_index, rid))
-    return tuple(out)
-
-
-@dataclasses.dataclass
-class _ArrayLeaf:
-    """One array leaf between the planning passes: the planner's input and what the
-    metadata and the copies need."""
-
-    shards: LeafShards
-    dtype: np.dtype
-    saved: SavedSharding | None
-    key_impl: str | None
-    kind: str
-    by_device: dict  # device id -> the shard's data (jax.Array or numpy)
-    plan_key: tuple  # (leaf path, sharding or None, shape, itemsize): what the plan depends on
-
-
 # The last few trees' plans: a training loop saves the same tree with the same shardings
 # every time, and planning a large tree on many devices takes seconds (docs/SCALE.md).
 _PLAN_CACHE: collections.OrderedDict[tuple, tuple[LeafAssignment, ...]] = collections.OrderedDict()
@@ -186,7 +111,7 @@ _PLAN_CACHE_SIZE = 4
 _PLAN_CACHE_LOCK = threading.Lock()
 
 
-def _plan_tree(described: list[_ArrayLeaf]) -> tuple[LeafAssignment, ...]:
+def _plan_tree(described: list[ArrayLeaf]) -> tuple[LeafAssignment, ...]:
     """`plan_writes` of the tree, reused while the leaf paths, shardings, shapes and
     dtypes stay the same (the plan depends on nothing else)."""
     key = tuple(d.plan_key for d in described)
@@ -201,58 +126,6 @@ def _plan_tree(described: list[_ArrayLeaf]) -> tuple[LeafAssignment, ...]:
         while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
             _PLAN_CACHE.popitem(last=False)
     return plan
-
-
-def _describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: str, cache: dict) -> _ArrayLeaf:
-    """The planner's input for one array leaf; `cache` holds global shards by (sharding, shape)."""
-    if isinstance(arr, np.ndarray):
-        _check_storable(leaf_path, arr.dtype, path)
-        if not arr.dtype.isnative:  # e.g. '>f4': store (and checksum) the native-order bytes
-            arr = arr.astype(arr.dtype.newbyteorder("="))
-        shape = arr.shape
-        # A host array is process 0's (processes may hold different values).
-        spec = LeafShards(leaf_path, shape, arr.dtype.itemsize, shape, (ShardInfo(Box.whole(shape), -1, 0, 0),))
-        return _ArrayLeaf(spec, arr.dtype, None, None, "numpy", {-1: arr}, (leaf_path, None, shape, arr.dtype.itemsize))
-    if arr.is_deleted():
-        raise UnsupportedValueError(
-            f"{where(leaf=leaf_path, path=path, process=pidx)}: the array was deleted (donated to a jitted "
-            "function?); save the state before donating it"
-        )
-    key_impl = None
-    saved = _saved_sharding(arr)
-    if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
-        key_impl = str(jax.random.key_impl(arr))
-        arr = jax.random.key_data(arr)
-    dtype = np.dtype(arr.dtype)
-    _check_storable(leaf_path, dtype, path)
-    shape = tuple(arr.shape)
-    key = (arr.sharding, shape)
-    if key not in cache:
-        cache[key] = _global_shards(arr.sharding, shape)
-    spec = LeafShards(leaf_path, shape, dtype.itemsize, tuple(arr.sharding.shard_shape(shape)), cache[key])
-    by_device = {s.device.id: s.data for s in arr.addressable_shards}
-    return _ArrayLeaf(spec, dtype, saved, key_impl, "jax", by_device, (leaf_path, arr.sharding, shape, dtype.itemsize))
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _slice_in_dim(x: jax.Array, start, size: int, axis: int) -> jax.Array:
-    # `start` is traced: one compilation per (shard shape, dtype, chunk length, axis),
-    # not one per chunk offset.
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
-
-
-def _chunk_data(leaf: _ArrayLeaf, w: ChunkWrite):
-    """The data of one planned chunk: the device's shard, or the slice of it the plan
-    names (cut on the device, so only the chunk's bytes are copied to host)."""
-    data = leaf.by_device[w.device_id]
-    if w.shard_box is None:
-        return data
-    rel = w.box.relative_to(w.shard_box)
-    cut = [d for d, (sl, n) in enumerate(zip(rel, data.shape)) if (sl.start, sl.stop) != (0, n)]
-    if not isinstance(data, jax.Array) or len(cut) != 1:
-        return data[rel]
-    d = cut[0]
-    return _slice_in_dim(data, rel[d].start, rel[d].stop - rel[d].start, d)
 
 
 def _committed(storage: Storage, path: str) -> bool:
@@ -350,7 +223,7 @@ def take_snapshot(
         if not agreed:  # the others must not wait for us: tell them why we are out
             _commit.refuse(ticket, os.fspath(path), e)
         else:  # agreed, then failed copying: process 0 stops waiting for our shards
-            _coord.Coordinator(agreed[0], timeout_s=commit_timeout_s).report_error(f"{type(e).__name__}: {e}")
+            _commit.commit_round(agreed[0], os.fspath(path), commit_timeout_s).refuse(e)
         raise
 
 
@@ -389,12 +262,12 @@ def _take_snapshot(
         per_process_state = _check_per_process_state(per_process_state, path, pidx)
     leaves = flatten(tree)
     entries: dict[str, dict] = {}  # leaf path -> manifest entry, in tree order (the agreement's digest)
-    described: list[_ArrayLeaf] = []
+    described: list[ArrayLeaf] = []
     values: dict[str, dict] = {}
     cache: dict = {}
     for leaf_path, leaf in leaves:
-        if _is_array(leaf):
-            described.append(_describe_array(leaf_path, leaf, pidx, path, cache))
+        if is_array(leaf):
+            described.append(describe_array(leaf_path, leaf, pidx, path, cache))
             entries[leaf_path] = {}  # filled in below, keeping tree order
             continue
         value = _format.value_to_json(leaf)
@@ -417,9 +290,9 @@ def _take_snapshot(
             d.kind, packed=_encoding.packs_leaf(d.shards.shape, plan.chunk_shape, d.dtype, pack_bytes),
         )
         arrays.append(LeafSnapshot(meta, plan, []))
-        device_data.append([_chunk_data(d, w) for w in plan.writes])
+        device_data.append([chunk_data(d, w) for w in plan.writes])
         entries[meta.path] = meta.to_json()
-    structure = describe(tree, _is_array)
+    structure = describe(tree, is_array)
     # Wait for the computations that produce the leaves (JAX dispatches asynchronously: a
     # save right after training steps waits for them here), so that the timeline's
     # `snapshot` is the agreement and the copy, and this wait is its own phase.
@@ -447,7 +320,8 @@ def _take_snapshot(
     return snap
 
 
-def _open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool):
+def open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool) -> Any:
+    """Opens (`create`: creates) the zarr array of one leaf in the write path (a TensorStore future)."""
     kvstore = snap.storage.kvstore_spec(f"{snap.write_path}/{_format.array_dir(meta.path)}")
     return ts.open(_format.zarr_spec(kvstore, meta, mode="create" if create else "write"), context=ts_context())
 
@@ -517,7 +391,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
                 for w, host in zip(leaf.plan.writes, leaf.host):
                     pack.add(leaf.meta, w.box, host)
         unpacked = [leaf for leaf in snap.arrays if not leaf.meta.packed]
-        opened = [(leaf, _open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in unpacked]
+        opened = [(leaf, open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in unpacked]
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in unpacked])
         pack_done = None
@@ -572,123 +446,26 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         raise SaveError(f"writing {root} failed (process {snap.process_index}): {type(e).__name__}: {e}") from e
 
 
-def _manifest(snap: Snapshot, process_bytes: list[int]) -> dict:
-    packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.pack_index, snap.process_count) if (
-        any(leaf.meta.packed for leaf in snap.arrays)) else []
-    return manifest_json(
-        step=snap.step, generation=snap.generation, process_count=snap.process_count,
-        process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
-        values=snap.values, user_metadata=snap.user_metadata,
-        save_phases_unix_s={k: v for k, v in snap.phases_unix_s.items() if k == "wait"} or None,
-        packed=packed,
+def manifest_bytes(snap: Snapshot, process_bytes: list[int]) -> bytes:
+    """The manifest of `snap` (`process_bytes`: bytes written per process), encoded."""
+    with _memory.paused():
+        packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.pack_index, snap.process_count) if (
+            any(leaf.meta.packed for leaf in snap.arrays)) else []
+        return _format.dumps_large(manifest_json(
+            step=snap.step, generation=snap.generation, process_count=snap.process_count,
+            process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
+            values=snap.values, user_metadata=snap.user_metadata,
+            save_phases_unix_s={k: v for k, v in snap.phases_unix_s.items() if k == "wait"} or None,
+            packed=packed,
+        ))
+
+
+def committer(snap: Snapshot) -> _commit.Commit:
+    """The commit of `snap` by every process of the job (`_commit.Commit`)."""
+    return _commit.Commit(
+        snap.storage, snap.path, snap.generation, overwrite=snap.overwrite,
+        round=_commit.commit_round(snap.generation, snap.path, snap.commit_timeout_s),
     )
-
-
-def commit(snap: Snapshot, record: ProcessRecord, after_publish: Callable[[], object] | None = None) -> None:
-    """Runs the commit protocol; returns once the checkpoint is committed on every process.
-
-    `after_publish` runs on process 0 after the commit and before the other processes
-    are told (the manager's retention), so when `save` returns anywhere, retention of
-    that step is done too. Its errors are logged, never raised: the commit stands.
-
-    Raises:
-      CommitTimeoutError, SaveError: nothing was committed.
-    """
-    t0, reported = time.perf_counter(), time.time()
-    coord = _coord.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
-    coord.report_done(str(record.bytes_written))
-    if snap.process_index != 0:
-        coord.wait_commit()
-        snap.commit_s = time.perf_counter() - t0
-        return
-    try:
-        summaries = coord.wait_all_done()
-        all_durable = time.time()
-        snap.phases_unix_s["wait"] = (reported, all_durable)
-        process_bytes = [int(s) for s in summaries] if summaries else [snap.bytes_written]
-        _check_records(snap)
-        _commit.add_entry(snap.storage, snap.path, snap.generation)  # before the marker
-        _publish(snap, process_bytes)
-        snap.phases_unix_s["commit"] = (all_durable, time.time())
-    except BaseException as e:
-        coord.announce_commit(f"{type(e).__name__}: {e}")
-        raise
-    if after_publish is not None:
-        try:
-            after_publish()
-        except Exception as e:  # retention failures must not undo a commit
-            log.warning("after committing %s: %s", snap.path, e)
-    coord.announce_commit("ok")
-    snap.commit_s = time.perf_counter() - t0
-
-
-def _check_records(snap: Snapshot) -> None:
-    """Process 0, before committing: every process's record is in this save's folder.
-
-    A process that reported done for this generation but wrote elsewhere (saves called
-    in different orders) must not yield a committed checkpoint with missing shards.
-    """
-    missing = [
-        i for i in range(snap.process_count)
-        if not snap.storage.exists(f"{snap.write_path}/{_format.process_record_name(i)}")
-    ]
-    if missing:
-        raise SaveError(
-            f"processes {missing} reported their shards durable but {snap.write_path} has no record of them; "
-            "nothing was committed. Every process must call save with the same paths in the same order."
-        )
-
-
-def _publish(snap: Snapshot, process_bytes: list[int]) -> None:
-    storage, root, final = snap.storage, snap.write_path, snap.path
-    strategy = _commit.strategy_for(storage)
-    try:
-        with _memory.paused():
-            manifest = _format.dumps_large(_manifest(snap, process_bytes))
-        storage.write_file(f"{root}/{_format.MANIFEST}", manifest)
-        marker = _format.dumps({"generation": snap.generation, "committed_unix_s": time.time()})
-        storage.write_file(f"{root}/{_format.COMMITTED}", marker)
-        replaced = strategy.publish(root, final, snap.generation, overwrite=snap.overwrite)
-    except CheckpointExistsError:
-        raise
-    except OSError as e:
-        raise SaveError(f"committing {final} failed (process {snap.process_index}): {e}") from e
-    # Committed: from here on a failure is logged, never raised (a SaveError means that
-    # nothing was committed). A leftover `.deleting-` folder is removed by recovery/gc.
-    try:
-        strategy.finish_publish(final, replaced)
-    except OSError as e:
-        log.warning("committed %s, but syncing its folder or removing the replaced checkpoint failed: %s", final, e)
-
-
-def abort(snap: Snapshot, coord: _coord.Coordinator, *, timed_out: bool = False) -> None:
-    """Best-effort removal of this save's partial folder after a failure (process 0).
-
-    With several processes, the removal waits on a daemon thread until every process
-    has reported (ok or error, up to the commit timeout), so that no one is still
-    writing into the folder it removes, while the error reaches the caller at once. A
-    process that never reports leaves the folder to garbage collection, unless the
-    failure itself was the commit timeout (`timed_out`): processes silent for that long
-    are taken for dead and the folder is removed at once.
-    """
-    folder = _commit.strategy_for(snap.storage).discard_path(snap.path, snap.generation)
-    if snap.process_index != 0 or folder is None:
-        return
-
-    def remove() -> None:
-        silent = [] if timed_out else coord.wait_all_reported(snap.commit_timeout_s)
-        if silent:
-            log.warning("processes %s never reported; leaving %s for garbage collection", silent, folder)
-            return
-        try:
-            snap.storage.delete_tree(folder)
-        except OSError:
-            log.warning("could not remove %s after a failed save", folder)
-
-    if snap.process_count == 1 or timed_out:
-        remove()
-    else:
-        threading.Thread(target=remove, name=f"checkpointer-abort-{snap.generation}", daemon=True).start()
 
 
 def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_coord.DEFAULT_COMMIT_TIMEOUT_S,
@@ -704,7 +481,8 @@ def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_t
     return snap
 
 
-def _release_host(snap: Snapshot) -> None:
+def release_host(snap: Snapshot) -> None:
+    """Frees (or returns to its pool) the host copies of `snap`: its bytes are durable."""
     for leaf in snap.arrays:
         if snap.buffers is not None and leaf.host:
             snap.buffers.give_back(leaf.host)
@@ -717,24 +495,29 @@ def run_background(
     *,
     write: Callable[[Snapshot], ProcessRecord] | None = None,
 ) -> None:
-    """`write` (default `write_snapshot`) then commit; on failure tells the others,
-    cleans up, re-raises."""
-    coord = _coord.Coordinator(snap.generation, timeout_s=snap.commit_timeout_s)
+    """`write` (default `write_snapshot`) then the commit sequence of `_commit.Commit`
+    (`after_publish` runs on process 0 after the commit, before the others are told: the
+    manager's retention); on failure tells the others, cleans up, re-raises.
+
+    Raises:
+      CommitTimeoutError, SaveError: nothing was committed.
+    """
+    commit = committer(snap)
     try:
         try:
             record = (write or write_snapshot)(snap)
         except BaseException as e:
-            coord.report_error(f"{type(e).__name__}: {e}")
-            abort(snap, coord)
+            commit.fail(e)
             raise
-        _release_host(snap)  # the bytes are durable: free (or recycle) host memory
-        try:
-            commit(snap, record, after_publish)
-        except BaseException as e:
-            abort(snap, coord, timed_out=isinstance(e, CommitTimeoutError))
-            raise
+        release_host(snap)  # the bytes are durable: free (or recycle) host memory
+        t0 = time.perf_counter()
+        commit.run(
+            record.bytes_written, lambda process_bytes: manifest_bytes(snap, process_bytes), after_publish=after_publish,
+            phases=snap.phases_unix_s,
+        )
+        snap.commit_s = time.perf_counter() - t0
     finally:
-        _release_host(snap)
+        release_host(snap)
         if snap.lock is not None:
             snap.lock.release(remove=True)
             snap.lock = None

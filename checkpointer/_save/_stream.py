@@ -43,6 +43,7 @@ from .._format import (
 )
 from .._storage import storage_for
 from . import _pipeline
+from ._leaves import check_storable
 from ._plan import LeafWritePlan, chunk_shape_for
 
 log = logging.getLogger("checkpointer")
@@ -130,7 +131,7 @@ def save_leaf_by_leaf(
     for leaf_path, leaf in flatten(tree, is_leaf=lambda x: x is None or _is_source(x)):
         if _is_source(leaf):
             dtype = np.dtype(leaf.dtype)
-            _pipeline._check_storable(leaf_path, dtype, path)
+            check_storable(leaf_path, dtype, path)
             chunk = chunk_shape_of(tuple(leaf.shape), tuple(leaf.shard_shape), dtype.itemsize)
             inner = _format.inner_chunk_shape(chunk, dtype.itemsize) if chunk else ()
             n_chunks = math.prod(-(-s // c) for s, c in zip(leaf.shape, chunk)) if chunk else 1
@@ -185,7 +186,7 @@ def _write_leaf(
 ) -> list[ChunkRecord]:
     root = snap.write_path
     try:
-        store = _pipeline._open_for_write(snap, meta, create=True).result()
+        store = _pipeline.open_for_write(snap, meta, create=True).result()
     except Exception as e:
         raise SaveError(f"{where(leaf=meta.path, path=root)}: cannot create the zarr array: {e}") from e
     out: list[ChunkRecord] = []

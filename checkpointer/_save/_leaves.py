@@ -1,0 +1,146 @@
+"""A tree's array leaves as the save planner sees them: whether the format can store a
+leaf, its saved sharding, every device's shard on every process (from the sharding's
+global device map), and the data of one planned chunk (a device-side slice of a shard
+for replica-parallel splits, so only the chunk's bytes are copied to the host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, TypeGuard
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from .. import _format
+from .._errors import UnsupportedValueError, where
+from .._format import Box, SavedSharding
+from ._plan import ChunkWrite, LeafShards, ShardInfo
+
+
+def is_array(x: object) -> TypeGuard[jax.Array | np.ndarray]:
+    """Whether a leaf is an array leaf (a jax.Array or a host numpy array)."""
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _saved_sharding(arr: jax.Array) -> SavedSharding:
+    s = arr.sharding
+    shard_shape = tuple(s.shard_shape(arr.shape))
+    n = len(s.device_set)
+    if isinstance(s, jax.sharding.NamedSharding):
+        spec = tuple(tuple(p) if isinstance(p, tuple) else p for p in s.spec)
+        return SavedSharding("named", tuple(s.mesh.axis_names), tuple(s.mesh.devices.shape), spec, shard_shape, n)
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        return SavedSharding("single_device", (), (), (), shard_shape, n)
+    return SavedSharding("other", (), (), (), shard_shape, n)
+
+
+# Longest name of one folder on common file systems (ext4, xfs, tmpfs, APFS), bytes.
+_MAX_NAME_BYTES = 255
+
+
+def check_storable(leaf_path: str, dtype: np.dtype, path: str) -> None:
+    """Raises UnsupportedValueError unless the format can hold an array leaf of `dtype`."""
+    dtype = np.dtype(dtype)
+    if not _format.is_numeric_dtype(dtype) or dtype.hasobject:
+        raise UnsupportedValueError(
+            f"{where(leaf=leaf_path, path=path)}: dtype {dtype} cannot be stored; convert it to a numeric or bool array"
+        )
+    if not _format.zarr_supports_dtype(dtype):
+        try:
+            wider = "int8" if ml_dtypes.iinfo(dtype).min < 0 else "uint8"
+        except (ValueError, TypeError):
+            wider = "float32"
+        raise UnsupportedValueError(
+            f"{where(leaf=leaf_path, path=path)}: dtype {dtype} has no zarr v3 data type in TensorStore, so it "
+            f"cannot be stored. Save it as a wider dtype (x.astype(jnp.{wider})) and convert it back after restoring"
+        )
+    for part in _format.array_dir(leaf_path).split("/"):
+        if len(part.encode()) > _MAX_NAME_BYTES:
+            raise UnsupportedValueError(
+                f"{where(leaf=leaf_path, path=path)}: the escaped key {part[:40]!r}... is {len(part.encode())} bytes, "
+                f"longer than the {_MAX_NAME_BYTES} bytes a file or folder name may have; shorten the key "
+                "(non-ASCII characters take 6 to 12 bytes each once escaped)"
+            )
+
+
+def _global_shards(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[ShardInfo, ...]:
+    """Every device's shard on every process, from the sharding's full device→index map
+    (the same on every process); replica ids numbered in device order, as JAX does."""
+    seen: dict[Box, int] = {}
+    out = []
+    device: Any  # no Device stubs
+    for device, index in sharding.devices_indices_map(shape).items():
+        box = Box.from_index(index, shape)
+        rid = seen.get(box, 0)
+        seen[box] = rid + 1
+        out.append(ShardInfo(box, device.id, device.process_index, rid))
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class ArrayLeaf:
+    """One array leaf between the planning passes: the planner's input and what the
+    metadata and the copies need."""
+
+    shards: LeafShards
+    dtype: np.dtype
+    saved: SavedSharding | None
+    key_impl: str | None
+    kind: str
+    by_device: dict  # device id -> the shard's data (jax.Array or numpy)
+    plan_key: tuple  # (leaf path, sharding or None, shape, itemsize): what the plan depends on
+
+
+def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: str, cache: dict) -> ArrayLeaf:
+    """The planner's input for one array leaf; `cache` holds global shards by (sharding, shape)."""
+    if isinstance(arr, np.ndarray):
+        check_storable(leaf_path, arr.dtype, path)
+        if not arr.dtype.isnative:  # e.g. '>f4': store (and checksum) the native-order bytes
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        shape = arr.shape
+        # A host array is process 0's (processes may hold different values).
+        spec = LeafShards(leaf_path, shape, arr.dtype.itemsize, shape, (ShardInfo(Box.whole(shape), -1, 0, 0),))
+        return ArrayLeaf(spec, arr.dtype, None, None, "numpy", {-1: arr}, (leaf_path, None, shape, arr.dtype.itemsize))
+    if arr.is_deleted():
+        raise UnsupportedValueError(
+            f"{where(leaf=leaf_path, path=path, process=pidx)}: the array was deleted (donated to a jitted "
+            "function?); save the state before donating it"
+        )
+    key_impl = None
+    saved = _saved_sharding(arr)
+    if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
+        key_impl = str(jax.random.key_impl(arr))
+        arr = jax.random.key_data(arr)
+    dtype = np.dtype(arr.dtype)
+    check_storable(leaf_path, dtype, path)
+    shape = tuple(arr.shape)
+    key = (arr.sharding, shape)
+    if key not in cache:
+        cache[key] = _global_shards(arr.sharding, shape)
+    spec = LeafShards(leaf_path, shape, dtype.itemsize, tuple(arr.sharding.shard_shape(shape)), cache[key])
+    by_device = {s.device.id: s.data for s in arr.addressable_shards}
+    return ArrayLeaf(spec, dtype, saved, key_impl, "jax", by_device, (leaf_path, arr.sharding, shape, dtype.itemsize))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _slice_in_dim(x: jax.Array, start, size: int, axis: int) -> jax.Array:
+    # `start` is traced: one compilation per (shard shape, dtype, chunk length, axis),
+    # not one per chunk offset.
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def chunk_data(leaf: ArrayLeaf, w: ChunkWrite):
+    """The data of one planned chunk: the device's shard, or the slice of it the plan
+    names (cut on the device, so only the chunk's bytes are copied to host)."""
+    data = leaf.by_device[w.device_id]
+    if w.shard_box is None:
+        return data
+    rel = w.box.relative_to(w.shard_box)
+    cut = [d for d, (sl, n) in enumerate(zip(rel, data.shape)) if (sl.start, sl.stop) != (0, n)]
+    if not isinstance(data, jax.Array) or len(cut) != 1:
+        return data[rel]
+    d = cut[0]
+    return _slice_in_dim(data, rel[d].start, rel[d].stop - rel[d].start, d)
