@@ -5,14 +5,17 @@ The import contracts themselves are import-linter's, run by `make lint`."""
 
 import ast
 import builtins
+import dataclasses
 import importlib
 import importlib.util
+import inspect
 import pathlib
 import tomllib
 
 import pytest
 
 import checkpointer as ckpt
+from checkpointer._save._options import SaveOptions
 from test_fresh_restore import NOT_FOR_RESTORE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -87,3 +90,18 @@ def test_every_exception_class_is_defined_in_the_errors_module():
     assert len(_exception_classes([errors], builtin)) == len(defined) >= 15  # the check sees every class of `_errors`
     elsewhere = _exception_classes([f for f in sorted(LIB.rglob("*.py")) if f != errors], builtin | set(defined))
     assert not elsewhere, f"exception classes outside checkpointer/_errors.py: {elsewhere}"
+
+
+def _keywords(fn) -> set[str]:
+    return {n for n, p in inspect.signature(fn).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+def test_save_signatures_keywords_equal_the_save_options_fields():
+    fields = {f.name for f in dataclasses.fields(SaveOptions)}
+    assert _keywords(ckpt.save) == fields
+    assert _keywords(ckpt.save_async) == fields
+    # The manager takes the save-wide ones at construction and the per-step ones in
+    # save() (`force` is `overwrite`; `metrics` go into `metadata`).
+    per_step = {"metadata", "per_process_state"}
+    assert fields - per_step - {"overwrite"} <= _keywords(ckpt.CheckpointManager.__init__)
+    assert per_step <= _keywords(ckpt.CheckpointManager.save)

@@ -19,7 +19,7 @@ from .._errors import CheckpointError, CheckpointExistsError, UnsupportedValueEr
 from .._format import PyTree, metadata_json, metrics_json, read_metadata
 from .._memory import HostBufferPool
 from .._restore import restore as _restore
-from .._save import AsyncSave, Snapshot, run_background, take_snapshot
+from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
 from .._storage import storage_for
 from . import _tier_manager
 from ._lock import DirectoryLock, take_lock
@@ -303,12 +303,12 @@ class CheckpointManager(StatusReporting):
             self._tiers.wait_for_room(step)
         wait_s = time.perf_counter() - t0
         self._raise_pending()
-        snap = take_snapshot(
-            self.step_path(step), tree, metadata=user_metadata, overwrite=force, step=step,
-            commit_timeout_s=self.commit_timeout_s, buffers=self._buffers,
+        options = SaveOptions(
+            metadata=user_metadata, overwrite=force, commit_timeout_s=self.commit_timeout_s,
             agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
             pack_small_leaves_bytes=self._pack_bytes,
         )
+        snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers)
         snap.write_limiter = self._write_limiter
         if self._tiers is not None:
             snap = self._tiers.local_snapshot(snap)

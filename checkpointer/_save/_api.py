@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from .. import _commit, _coord, _storage
 from .._memory import shared_pool
 from ._async import AsyncSave
+from ._options import SaveOptions
 from ._pipeline import save_sync, take_snapshot
 
 
@@ -63,11 +64,8 @@ def save(
     non-array values too), as its n-th save when the others make their n-th; each
     writes only its devices' `replica_id == 0` shards; process 0 commits.
     """
-    save_sync(
-        path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s,
-        agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
-        write_limiter=_storage.limiter_for(max_write_bytes_per_s), pack_small_leaves_bytes=pack_small_leaves_bytes,
-    )
+    options = SaveOptions(metadata, overwrite, commit_timeout_s, agreement_timeout_s, per_process_state, max_write_bytes_per_s, pack_small_leaves_bytes)
+    save_sync(path, tree, options, step=_step_from_path(path))
 
 
 def save_async(
@@ -99,11 +97,8 @@ def save_async(
 
     Multi-process: as `save`.
     """
+    options = SaveOptions(metadata, overwrite, commit_timeout_s, agreement_timeout_s, per_process_state, max_write_bytes_per_s, pack_small_leaves_bytes)
     limiter = _storage.limiter_for(max_write_bytes_per_s)  # raises before the snapshot
-    snap = take_snapshot(
-        path, tree, metadata=metadata, overwrite=overwrite, step=_step_from_path(path), commit_timeout_s=commit_timeout_s,
-        agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
-        pack_small_leaves_bytes=pack_small_leaves_bytes, buffers=shared_pool(),
-    )
+    snap = take_snapshot(path, tree, options, step=_step_from_path(path), buffers=shared_pool())
     snap.write_limiter = limiter
     return AsyncSave(snap)

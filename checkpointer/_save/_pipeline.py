@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -47,8 +47,10 @@ from .._format import (
 from .._memory import HostBufferPool, copy_to_host
 from .._storage import FileLock, Storage, storage_for, ts_context
 from ._leaves import ArrayLeaf, chunk_data, describe_array, is_array
+from ._options import SaveOptions
 from ._plan import LeafAssignment, LeafWritePlan, plan_writes
 
+_DEFAULT_OPTIONS = SaveOptions()
 log = logging.getLogger("checkpointer")
 
 
@@ -181,18 +183,14 @@ def _check_target_folder(storage: Storage, path: str, pidx: int) -> None:
 def take_snapshot(
     path: str | os.PathLike,
     tree: object,
+    options: SaveOptions = _DEFAULT_OPTIONS,
     *,
-    metadata: Mapping | None = None,
-    overwrite: bool = False,
     step: int | None = None,
-    commit_timeout_s: float = _coord.DEFAULT_COMMIT_TIMEOUT_S,
     buffers: HostBufferPool | None = None,
-    agreement_timeout_s: float = _commit.DEFAULT_AGREEMENT_TIMEOUT_S,
-    per_process_state: object = None,
-    pack_small_leaves_bytes: int | None = None,
 ) -> Snapshot:
     """Plans the save, agrees on it with the other processes, and copies this process's
-    shards to host memory (blocking).
+    shards to host memory (blocking). `options` as `ckpt.save`'s keyword arguments
+    (`max_write_bytes_per_s` is the writer's: `Snapshot.write_limiter`).
 
     The host buffers are real copies, never views of device buffers: once this returns
     the caller may donate, delete or overwrite the arrays. With `buffers`, the copies
@@ -212,18 +210,14 @@ def take_snapshot(
     agreed: list[str] = []
     try:
         with _memory.paused():  # many small objects: no full collections over the heap meanwhile
-            return _take_snapshot(
-                ticket, agreed, path, tree, metadata=metadata, overwrite=overwrite, step=step,
-                commit_timeout_s=commit_timeout_s, buffers=buffers, agreement_timeout_s=agreement_timeout_s,
-                per_process_state=per_process_state, pack_bytes=_encoding.check_threshold(pack_small_leaves_bytes),
-            )
+            return _take_snapshot(ticket, agreed, path, tree, options, step=step, buffers=buffers)
     except BaseException as e:
         if isinstance(e, SaveAgreementError):
             raise
         if not agreed:  # the others must not wait for us: tell them why we are out
             _commit.refuse(ticket, os.fspath(path), e)
         else:  # agreed, then failed copying: process 0 stops waiting for our shards
-            _commit.commit_round(agreed[0], os.fspath(path), commit_timeout_s).refuse(e)
+            _commit.commit_round(agreed[0], os.fspath(path), options.commit_timeout_s).refuse(e)
         raise
 
 
@@ -239,25 +233,15 @@ def _check_per_process_state(value: object, path: str, pidx: int) -> object:
 
 
 def _take_snapshot(
-    ticket: int,
-    agreed: list[str],
-    path,
-    tree,
-    *,
-    metadata,
-    overwrite,
-    step,
-    commit_timeout_s,
-    buffers,
-    agreement_timeout_s,
-    per_process_state,
-    pack_bytes,
+    ticket: int, agreed: list[str], path, tree, options: SaveOptions, *, step: int | None, buffers: HostBufferPool | None
 ) -> Snapshot:
+    overwrite, per_process_state = options.overwrite, options.per_process_state
+    pack_bytes = _encoding.check_threshold(options.pack_small_leaves_bytes)
     t0, wall0 = time.perf_counter(), time.time()
     storage, path = storage_for(path)
     pidx, pcount = _coord.process_index(), _coord.process_count()
     check_target(storage, path, pidx, overwrite)
-    user_metadata = metadata_json(metadata, path)
+    user_metadata = metadata_json(options.metadata, path)
     if per_process_state is not None:
         per_process_state = _check_per_process_state(per_process_state, path, pidx)
     leaves = flatten(tree)
@@ -303,7 +287,7 @@ def _take_snapshot(
     # Process 0 clears an object store's old step content only once all agreed.
     clear = (lambda: _commit.strategy_for(storage).prepare_overwrite(path)) if pidx == 0 else None
     generation = _commit.agree(
-        ticket, _commit.proposal(path, step, structure, entries), timeout_s=agreement_timeout_s, before_verdict=clear,
+        ticket, _commit.proposal(path, step, structure, entries), timeout_s=options.agreement_timeout_s, before_verdict=clear,
     )
     agreed.append(generation)
 
@@ -313,7 +297,7 @@ def _take_snapshot(
     snap = Snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
-        overwrite=overwrite, commit_timeout_s=commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
+        overwrite=overwrite, commit_timeout_s=options.commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
     )
     snap.snapshot_s = time.perf_counter() - t0  # the whole blocking call, the wait for the arrays included
     snap.phases_unix_s.update(snap_phases, snapshot=(ready, time.time()))
@@ -468,15 +452,11 @@ def committer(snap: Snapshot) -> _commit.Commit:
     )
 
 
-def save_sync(path, tree, *, metadata=None, overwrite=False, step=None, commit_timeout_s=_coord.DEFAULT_COMMIT_TIMEOUT_S,
-              agreement_timeout_s=_commit.DEFAULT_AGREEMENT_TIMEOUT_S, per_process_state=None,
-              write_limiter: _storage.TokenBucket | None = None,
-              pack_small_leaves_bytes: int | None = None) -> Snapshot:
+def save_sync(path: str | os.PathLike, tree: object, options: SaveOptions, *, step: int | None = None) -> Snapshot:
     """take_snapshot, write_snapshot and commit on the caller's thread."""
-    snap = take_snapshot(path, tree, metadata=metadata, overwrite=overwrite, step=step, commit_timeout_s=commit_timeout_s,
-                         agreement_timeout_s=agreement_timeout_s, per_process_state=per_process_state,
-                         pack_small_leaves_bytes=pack_small_leaves_bytes)
-    snap.write_limiter = write_limiter
+    limiter = _storage.limiter_for(options.max_write_bytes_per_s)  # raises before the snapshot
+    snap = take_snapshot(path, tree, options, step=step)
+    snap.write_limiter = limiter
     run_background(snap)
     return snap
 
