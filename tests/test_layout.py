@@ -105,3 +105,37 @@ def test_save_signatures_keywords_equal_the_save_options_fields():
     per_step = {"metadata", "per_process_state"}
     assert fields - per_step - {"overwrite"} <= _keywords(ckpt.CheckpointManager.__init__)
     assert per_step <= _keywords(ckpt.CheckpointManager.save)
+
+
+def _modules_of_the_package() -> set[str]:
+    """Every module and package as the map names it: `_pkg/_mod`, `_pkg/`, `_mod`."""
+    out = {"__init__"}
+    for f in LIB.rglob("*.py"):
+        rel = f.relative_to(LIB)
+        if len(rel.parts) == 1:
+            if rel.name != "__init__.py":
+                out.add(rel.stem)
+        elif rel.name == "__init__.py":
+            out.add(f"{rel.parts[0]}/")
+        else:
+            out.add(f"{rel.parts[0]}/{rel.stem}")
+    return out
+
+
+def _map_rows(markdown: str, heading: str) -> set[str]:
+    section = markdown[markdown.index(heading):]
+    table = section[section.index("| package / module |"):]
+    rows = set()
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cell = line.split("|")[1].strip().strip("*").strip("`")
+        rows.add(cell)
+    return rows
+
+
+@pytest.mark.parametrize("doc, heading", [("docs/DESIGN-decisions.md", "## Module map"), ("README.md", "## Code layout")])
+def test_the_module_map_names_every_module(doc, heading):
+    rows = _map_rows((ROOT / doc).read_text(), heading)
+    modules = _modules_of_the_package()
+    assert rows == modules, f"{doc}: missing {sorted(modules - rows)}, not in the package {sorted(rows - modules)}"
