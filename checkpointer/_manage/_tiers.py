@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import crc32c
 
-from .. import _commit, _coord, _format, _storage
+from .. import _commit, _coord, _encoding, _format, _storage
 from .._errors import CheckpointError, CorruptCheckpointError, SaveError
 from .._format import ZARR_JSON, ProcessRecord
 from .._storage import Reader, Storage, storage_for
@@ -179,16 +179,17 @@ def _copy_verified(src: Storage, src_path: str, dst: Storage, dst_path: str, lim
 
 
 def files_to_replicate(storage: Storage, local_path: str, process_index: int) -> tuple[list[str], str]:
-    """What process `process_index` copies of its committed local step: the chunk files
-    of its record (process 0: and every `zarr.json`), then its record (returned apart:
+    """What process `process_index` copies of its committed local step: the files of
+    its record, as each encoding names them (chunk files; its pack and the pack's
+    `zarr.json`), process 0 also every `zarr.json`, then its record (returned apart:
     it is copied last, as it says the process's files are durable)."""
     record_name = _format.process_record_name(process_index)
     raw = _format.loads(storage.read_file(f"{local_path}/{record_name}"), f"{local_path}/{record_name}")
     record = ProcessRecord.from_json(raw, f"{local_path}/{record_name}")
-    keys = list(dict.fromkeys(c.key for c in record.chunks if c.data_bytes != 0))
+    keys = _encoding.replicated_files(record)  # each encoding's files of this record (a pack: its zarr.json too)
     if process_index == 0:
         keys += [k for k in storage.list_files(local_path) if k == ZARR_JSON or k.endswith("/" + ZARR_JSON)]
-    return keys, record_name
+    return list(dict.fromkeys(keys)), record_name
 
 
 @dataclasses.dataclass(frozen=True)
