@@ -114,7 +114,7 @@ class LocalTier:
             finally:
                 _release_host(snap)
             n = snap.process_count
-            manifest = _manifest(snap, [record.bytes_written or 0 if i == snap.process_index else 0 for i in range(n)])
+            manifest = _manifest(snap, [record.bytes_written or 0 if i == snap.process_index else 0 for i in range(n)], own_pack_only=True)
             marker = _tiers.LocalMarker(
                 generation=snap.generation, process_index=snap.process_index, process_count=n,
                 device_ids=_tiers.own_device_ids(), overwrite=snap.overwrite, committed_unix_s=time.time(),

@@ -192,6 +192,19 @@ def files_to_replicate(storage: Storage, local_path: str, process_index: int) ->
     return list(dict.fromkeys(keys)), record_name
 
 
+def with_every_pack(manifest: dict, durable: Storage, root: str, process_count: int) -> None:
+    """Process 0 at the durable commit: the local manifest copy indexes its own pack only
+    (`packed_processes`); the durable one indexes every process's, from their records
+    in `root` (each process copied its own)."""
+    if manifest.pop("packed_processes", None) is None or not any(
+            isinstance(e, dict) and e.get("packed") for e in manifest.get("leaves", {}).values()):
+        return
+    packs = _encoding.packs_of_save(durable, root, -1, None, process_count)
+    manifest.pop("packed", None)
+    if packs:
+        manifest["packed"] = [p.to_json() for p in packs]
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplicationTarget:
     """Where and how one committed local step is replicated.
@@ -282,6 +295,7 @@ def replicate(
             manifest = _format.loads(local.read_file(f"{target.local_path}/{_format.MANIFEST}"), target.local_path)
             if not isinstance(manifest, dict):
                 raise CorruptCheckpointError(f"{target.local_path}/{_format.MANIFEST} is not a JSON object")
+            with_every_pack(manifest, durable, root, pcount)
             if summaries:
                 manifest["process_bytes_written"] = [int(s) for s in summaries]
             _commit.add_entry(durable, target.durable_path, target.generation)
@@ -400,9 +414,11 @@ class TieredStorage(Storage):
 
     def _where(self, path: str) -> tuple[Storage, str, bool]:
         if path == self.durable_path or path.startswith(self.durable_path + "/"):
-            if self.durable_committed and path == f"{self.durable_path}/{_format.COMMITTED}":
+            if self.durable_committed and path in (f"{self.durable_path}/{_format.COMMITTED}", f"{self.durable_path}/{_format.MANIFEST}"):
                 # The durable marker, the same on every process (a cooperative restore
-                # compares it); the local one names this process. Not counted: no data.
+                # compares it); the local one names this process. The durable manifest
+                # indexes every process's pack; the local copy only its own. Not
+                # counted: no data.
                 return self.durable, path, True
             local_path = self.local_path + path[len(self.durable_path):]
             if self.local.exists(local_path):
