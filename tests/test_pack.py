@@ -590,3 +590,47 @@ def test_cooperative_plan_reads_each_packed_byte_once_in_all(tmp_path, capsys):
         assert main(["plan", path, "--mesh", "8", "--processes", "2", "--process-index", str(i), "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert doc["bytes_read"] == 256 << 10 and doc["bytes_received"] == 256 << 10, doc
+
+
+def test_crc32c_of_pieces_combines_to_the_whole():
+    import crc32c
+
+    from checkpointer._encoding import _crc
+
+    data = np.random.default_rng(4).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    cuts = [0, 1, 1000, 1 << 20, (2 << 20) + 7, len(data)]
+    pieces = [(crc32c.crc32c(data[a:b]), b - a) for a, b in zip(cuts, cuts[1:])]
+    assert _crc.combine_all(pieces) == crc32c.crc32c(data)
+    assert _crc.combine(crc32c.crc32c(b"ab"), crc32c.crc32c(b""), 0) == crc32c.crc32c(b"ab")
+
+
+def test_a_cooperative_share_splits_a_packed_chunk_only_into_contiguous_pieces():
+    import crc32c
+
+    from checkpointer._encoding import check_pieces
+    from checkpointer._encoding._leaf_plan import RestorePlan
+    from checkpointer._encoding._packed import PackedEncoding, shared_chunks
+
+    data = np.arange(64, dtype=np.float32).tobytes()
+    key = "packed/process-0/c/0"
+    meta = ArrayMetadata("w", (8, 8), np.dtype(np.float32), (8, 8), (8, 8), None, packed=True,
+                         pack_boxes=(PackedBox(key, 1000, Box((0, 0), (8, 8)), 100, 256, crc32c.crc32c(data)),))
+    enc = PackedEncoding()
+    rows = {Box((0, 0), (4, 8)): frozenset({0}), Box((4, 0), (4, 8)): frozenset({1, 2})}
+    [shared] = shared_chunks(meta, rows).values()
+    assert shared.pieces == ((100, 128, 0), (228, 128, 1))  # the lowest holder's crc32c counts
+    lp = enc.plan_share(meta, [(0, Box((0, 0), (4, 8)))], rows, 0)
+    [read] = lp.boxes[0].packed
+    assert (read.offset, read.nbytes, read.crc32c) == (100, 128, None) and lp.bytes_read == 128 and lp.shared == (shared,)
+    # After the exchange every process checks the chunk from the pieces' crc32c.
+    plan = RestorePlan("/ckpt/1", 0, (lp,))
+    halves = np.array([crc32c.crc32c(data[:128]), crc32c.crc32c(data[128:])], np.uint32)
+    check_pieces(plan, halves, "/ckpt/1")
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'w' in /ckpt/1: packed bytes 100..356 of .* processes \[0, 1\]: crc32c mismatch"):
+        check_pieces(plan, halves ^ np.array([0, 1], np.uint32), "/ckpt/1")
+    # Column halves are strided in the chunk: not split, each process reads it whole.
+    cols = {Box((0, 0), (8, 4)): frozenset({0}), Box((0, 4), (8, 4)): frozenset({1})}
+    assert shared_chunks(meta, cols) == {}
+    lp = enc.plan_share(meta, [(0, Box((0, 0), (8, 4)))], cols, 0)
+    [read] = lp.boxes[0].packed
+    assert (read.offset, read.nbytes, read.crc32c) == (100, 256, crc32c.crc32c(data)) and lp.shared == ()
