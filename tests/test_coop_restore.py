@@ -6,6 +6,7 @@ and a PRNG key array, all but the first saved replicated) is saved once by this
 process; the workers in `mp_workers/coop_restore_worker.py` restore it.
 """
 
+import shutil
 import sys
 
 import jax
@@ -143,3 +144,35 @@ def test_cooperative_restore_agreement_names_the_differing_leaf(saved):
     assert "process 0: float32[1024, 1024] P() over mesh (data=2, model=4)" in message, message
     assert "process 1: float32[1024, 1024] P('model',) over mesh (data=2, model=4)" in message, message
     assert "['emb']" not in message and "['b']" not in message and "digest" not in message, message
+
+
+def test_cooperative_restore_of_a_replicated_packed_leaf_reads_each_packed_byte_once_in_all(tmp_path):
+    """A 512 KiB packed leaf (one chunk, replicated) restored replicated over 2 processes:
+    each reads its half of the chunk's bytes and receives the other half; the chunk's
+    crc32c is checked after the exchange from the halves', so a damaged byte in either
+    half fails the restore on both processes, naming the leaf."""
+    values = _common.packed_values()
+    path = str(tmp_path / "1")
+    ckpt.save(path, values, pack_small_leaves_bytes=512 << 10)
+    assert ckpt.metadata(path).arrays["w"].packed
+    damaged = str(tmp_path / "damaged" / "1")
+    shutil.copytree(path, damaged)
+    (box,) = ckpt.metadata(damaged).arrays["w"].pack_boxes
+    with open(f"{damaged}/{box.key}", "r+b") as f:  # a byte of the second half: process 1's piece
+        f.seek(box.offset + box.nbytes * 3 // 4)
+        byte = f.read(1)
+        f.seek(box.offset + box.nbytes * 3 // 4)
+        f.write(bytes([byte[0] ^ 0x01]))
+    cases = [{"name": "intact", "path": path}, {"name": "damaged", "path": damaged}]
+    results = run_processes(WORKERS / "coop_packed_worker.py", 2, 4, {"cases": cases}, timeout_s=180)
+    nbytes = values["w"].nbytes
+    for r in results:
+        intact = next(x for x in r.records if x.get("name") == "intact")
+        assert intact["event"] == "restored" and intact["mismatches"] == [], intact
+        assert intact["cooperative"] and intact["shared"] >= 1, intact
+        # Half of 'w' each (the small leaf, 128 bytes, adds its own half), as planned.
+        assert intact["bytes_read"] == intact["plan_bytes_read"] == (nbytes + values["small"].nbytes) // 2, intact
+        assert intact["bytes_received"] == (nbytes + values["small"].nbytes) // 2, intact
+        bad = next(x for x in r.records if x.get("name") == "damaged")
+        assert bad["event"] == "failed" and bad["type"] == "CorruptCheckpointError", bad
+        assert "leaf 'w'" in bad["message"] and "crc32c mismatch" in bad["message"] and "processes [0, 1]" in bad["message"], bad

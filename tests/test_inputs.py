@@ -19,7 +19,7 @@ from conftest import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import checkpointer as ckpt
-from checkpointer._encoding import _leaf_plan, _read
+from checkpointer._encoding import _read, plan_leaf
 from checkpointer._format import _leaves, _shard_file, _zarr_arrays
 from checkpointer._format._box import Box
 from checkpointer._format._leaves import ArrayMetadata
@@ -404,7 +404,7 @@ def test_a_3gib_shard_is_stored_in_small_inner_chunks():
     # or a run of adjacent ones of at most _read._MAX_RUN_BYTES.
     meta = ArrayMetadata("w", (2 * shard[0], shard[1]), np.dtype(np.float32), shard, inner, None)
     boxes = [(d, Box((d * shard[0] // 4, 0), (shard[0] // 4, shard[1]))) for d in range(8)]
-    plan = _leaf_plan.plan_leaf(meta, boxes)
+    plan = plan_leaf(meta, boxes)
     assert plan.bytes_needed == 6 * 2**30
     n_reads = sum(len(b.reads) for b in plan.boxes)
     assert n_reads == 8

@@ -15,8 +15,8 @@ from conftest import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer._encoding import _pack
-from checkpointer._encoding._leaf_plan import PACK_GAP_BYTES, coalesce_packed, plan_leaf
+from checkpointer._encoding import _pack, plan_leaf
+from checkpointer._encoding._leaf_plan import PACK_GAP_BYTES, coalesce_packed
 from checkpointer._format._box import Box
 from checkpointer._format._leaves import ArrayMetadata, PackedBox
 
@@ -490,3 +490,147 @@ def test_the_readme_zarr_recipe_for_packed_leaves_runs_as_written(tmp_path):
     assert len(chunks) == 100
     for i in range(100):
         np.testing.assert_array_equal(chunks[f"norms/{i}", (0,)], np.full(256, i, np.float32))
+
+
+# --- seams: damage, the index's copies, the cooperative share (issue 19 item 4) -------------
+
+
+@pytest.mark.parametrize("damage", ["truncated", "damaged"])
+def test_a_damaged_or_truncated_pack_fails_the_leaves_whose_bytes_are_gone(tmp_path, damage):
+    """Leaves share a pack file, not a fate: restore names the leaves whose packed bytes
+    are cut off or fail their crc32c, and the others still restore."""
+    tree = {"other": np.arange(16, dtype=np.float32), "w": np.arange(4096, dtype=np.float32), "z": np.ones(64, np.int32)}
+    path = str(tmp_path / "1")
+    ckpt.save(path, tree)
+    boxes = {b["leaf"]: b for b in _json(f"{path}/manifest.json")["packed"][0]["boxes"]}
+    assert boxes["other"]["offset"] < boxes["w"]["offset"] < boxes["z"]["offset"]
+    pack = f"{path}/packed/process-0/c/0"
+    with open(pack, "r+b") as f:
+        if damage == "truncated":
+            f.truncate(1280)  # inside 'w': 'other' is whole, 'w' and 'z' are gone
+            expected = rf"leaf 'w' in {path}: pack file packed/process-0/c/0 has 1280 bytes, expected \d+ .*'z'.*verify"
+        else:
+            for leaf in ("w", "z"):
+                f.seek(boxes[leaf]["offset"] + 8)
+                f.write(b"\xff\xff\xff\xff")
+            expected = rf"leaf 'w' in {path}: packed bytes .* crc32c mismatch.*'z'.*verify"
+    with pytest.raises(ckpt.CorruptCheckpointError, match=expected) as raised:
+        ckpt.restore(path)
+    assert "'other'" not in str(raised.value)
+    out = ckpt.restore(path, {"other": None}, partial=True)
+    np.testing.assert_array_equal(out["other"], tree["other"])
+
+
+def test_verify_reports_a_pack_whose_size_disagrees_with_the_manifest(tmp_path, caplog):
+    """The file is whole but the manifest's `bytes` is wrong: verify says so; restore
+    reads every leaf (each checked by its crc32c) and warns."""
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    manifest = _json(f"{path}/manifest.json")
+    size = manifest["packed"][0]["bytes"]
+    manifest["packed"][0]["bytes"] = size + 8  # every box still fits: the manifest parses
+    with open(f"{path}/manifest.json", "w") as f:
+        json.dump(manifest, f)
+    report = ckpt.verify(path)
+    assert not report.ok
+    assert any(f"pack packed/process-0/c/0 has {size} bytes, the manifest's 'packed' index says {size + 8}" in p
+               for p in report.problems), report.problems
+    _assert_equal(ckpt.restore(path, _target(state)), state)
+    assert any(f"has {size} bytes, expected {size + 8}" in r.getMessage() for r in caplog.records), caplog.records
+    # Cut one byte more than the manifest allows for: the last leaf's bytes are gone.
+    with open(f"{path}/packed/process-0/c/0", "r+b") as f:
+        f.truncate(size - 5)
+    assert any(f"has {size - 5} bytes" in p for p in ckpt.verify(path).problems)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=f"has {size - 5} bytes, expected {size + 8}"):
+        ckpt.restore(path, _target(state))
+
+
+@pytest.mark.parametrize("copy", ["record", "attributes"])
+def test_verify_names_the_copy_and_the_entry_of_a_pack_index_that_disagrees(tmp_path, copy):
+    """The manifest's `packed` index is the truth; the writer's record and the pack's
+    zarr.json attributes (what zarr-python users read) must agree with it."""
+    state = _state(2)
+    path = str(tmp_path / "1")
+    ckpt.save(path, state)
+    assert ckpt.verify(path).ok
+    if copy == "record":
+        where, raw = f"{path}/processes/0.json", _json(f"{path}/processes/0.json")
+        entries, name, field = raw["packed"]["boxes"], "processes/0.json", "data_crc32c"
+    else:
+        where, raw = f"{path}/packed/process-0/zarr.json", _json(f"{path}/packed/process-0/zarr.json")
+        entries, name, field = raw["attributes"]["checkpointer"]["packed_index"], "packed/process-0/zarr.json", "offset"
+    entry = next(b for b in entries if b["leaf"] == "mat/1" and b["box"][0] == [0, 16])
+    entry[field] += 4
+    with open(where, "w") as f:
+        json.dump(raw, f)
+    report = ckpt.verify(path)
+    assert not report.ok
+    [problem] = [p for p in report.problems if name in p]
+    assert "'mat/1'" in problem and "[0, 16]" in problem and f"{field} {entry[field]}" in problem, problem
+    assert "manifest" in problem, problem
+
+
+def test_cooperative_plan_reads_each_packed_byte_once_in_all(tmp_path, capsys):
+    """A 512 KiB replicated packed leaf (one chunk), planned for 2 processes: each reads
+    its half of the chunk's bytes and receives the other half."""
+    from checkpointer._cli._main import main
+
+    w = np.arange(128 * 1024, dtype=np.float32).reshape(256, 512)
+    path = str(tmp_path / "1")
+    ckpt.save(path, {"w": w}, pack_small_leaves_bytes=512 << 10)
+    assert ckpt.metadata(path).arrays["w"].packed
+    mesh = jax.sharding.AbstractMesh((8,), ("d",))
+    target = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh, P()))}
+    for i in range(2):
+        plan = ckpt.plan_restore(path, target, process_index=i, processes=2)
+        assert plan.cooperative and plan.bytes_needed == 512 << 10
+        assert plan.bytes_read == 256 << 10 and plan.bytes_received == 256 << 10, (plan.bytes_read, plan.bytes_received)
+        assert plan.read_amplification == 0.5
+        assert main(["plan", path, "--mesh", "8", "--processes", "2", "--process-index", str(i), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["bytes_read"] == 256 << 10 and doc["bytes_received"] == 256 << 10, doc
+
+
+def test_crc32c_of_pieces_combines_to_the_whole():
+    import crc32c
+
+    from checkpointer._encoding import _crc
+
+    data = np.random.default_rng(4).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    cuts = [0, 1, 1000, 1 << 20, (2 << 20) + 7, len(data)]
+    pieces = [(crc32c.crc32c(data[a:b]), b - a) for a, b in zip(cuts, cuts[1:])]
+    assert _crc.combine_all(pieces) == crc32c.crc32c(data)
+    assert _crc.combine(crc32c.crc32c(b"ab"), crc32c.crc32c(b""), 0) == crc32c.crc32c(b"ab")
+
+
+def test_a_cooperative_share_splits_a_packed_chunk_only_into_contiguous_pieces():
+    import crc32c
+
+    from checkpointer._encoding import check_pieces
+    from checkpointer._encoding._leaf_plan import RestorePlan
+    from checkpointer._encoding._packed import PackedEncoding, shared_chunks
+
+    data = np.arange(64, dtype=np.float32).tobytes()
+    key = "packed/process-0/c/0"
+    meta = ArrayMetadata("w", (8, 8), np.dtype(np.float32), (8, 8), (8, 8), None, packed=True,
+                         pack_boxes=(PackedBox(key, 1000, Box((0, 0), (8, 8)), 100, 256, crc32c.crc32c(data)),))
+    enc = PackedEncoding()
+    rows = {Box((0, 0), (4, 8)): frozenset({0}), Box((4, 0), (4, 8)): frozenset({1, 2})}
+    [shared] = shared_chunks(meta, rows).values()
+    assert shared.pieces == ((100, 128, 0), (228, 128, 1))  # the lowest holder's crc32c counts
+    lp = enc.plan_share(meta, [(0, Box((0, 0), (4, 8)))], rows, 0)
+    [read] = lp.boxes[0].packed
+    assert (read.offset, read.nbytes, read.crc32c) == (100, 128, None) and lp.bytes_read == 128 and lp.shared == (shared,)
+    # After the exchange every process checks the chunk from the pieces' crc32c.
+    plan = RestorePlan("/ckpt/1", 0, (lp,))
+    halves = np.array([crc32c.crc32c(data[:128]), crc32c.crc32c(data[128:])], np.uint32)
+    check_pieces(plan, halves, "/ckpt/1")
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'w' in /ckpt/1: packed bytes 100..356 of .* processes \[0, 1\]: crc32c mismatch"):
+        check_pieces(plan, halves ^ np.array([0, 1], np.uint32), "/ckpt/1")
+    # Column halves are strided in the chunk: not split, each process reads it whole.
+    cols = {Box((0, 0), (8, 4)): frozenset({0}), Box((0, 4), (8, 4)): frozenset({1})}
+    assert shared_chunks(meta, cols) == {}
+    lp = enc.plan_share(meta, [(0, Box((0, 0), (8, 4)))], cols, 0)
+    [read] = lp.boxes[0].packed
+    assert (read.offset, read.nbytes, read.crc32c) == (100, 256, crc32c.crc32c(data)) and lp.shared == ()

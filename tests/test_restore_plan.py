@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
-from checkpointer._encoding._leaf_plan import ChunkRead, PeerPiece, RestorePlan, plan_leaf
+from checkpointer._encoding import plan_leaf
+from checkpointer._encoding._leaf_plan import ChunkRead, PeerPiece, RestorePlan
 from checkpointer._format._box import Box, row_slabs
 from checkpointer._format._leaves import ArrayMetadata, SavedSharding
 from checkpointer._format._sharding import named_shard_boxes

@@ -6,6 +6,7 @@ marker; `all_steps()` lists the durable tier only.
 """
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -83,7 +84,7 @@ def test_restore_from_intact_local_copy_reads_no_durable_chunk_bytes(dirs, monke
     )
 
     def note(path):
-        if path.startswith(durable + "/") and "/arrays/" in path:
+        if path.startswith(durable + "/") and ("/arrays/" in path or "/packed/" in path):  # chunk files or packs
             opened.append(path)
 
     def counting(real):
@@ -105,6 +106,7 @@ def test_restore_from_intact_local_copy_reads_no_durable_chunk_bytes(dirs, monke
     assert opened == []
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # damages a per-leaf chunk file (packs: tests/test_encodings.py)
 def test_damaged_local_copy_is_read_from_durable(dirs):
     durable, local = dirs
     with ckpt.CheckpointManager(durable, local_directory=local) as mngr:
@@ -146,7 +148,7 @@ def _fail_durable_chunk_writes(monkeypatch, durable):
     real_write = _storage.LocalStorage.write_file
 
     def write_file(self, path, data):
-        if path.startswith(durable + "/") and "/arrays/" in path:
+        if path.startswith(durable + "/") and ("/arrays/" in path or "/packed/" in path):  # chunk files or packs
             raise OSError(errno.ENOSPC, "No space left on device", path)
         return real_write(self, path, data)
 
@@ -288,7 +290,7 @@ def test_replication_to_s3_commits_with_the_marker(s3, tmp_path):
     keys = s3.keys(bucket, "run/")
     assert "run/2/COMMITTED" in keys and "run/2/manifest.json" in keys and "run/2/processes/0.json" in keys
     assert "run/1/COMMITTED" not in keys  # durable retention (keep=KeepLatest(1))
-    assert any(k.startswith("run/2/arrays/w/c/") for k in keys)
+    assert any(k.startswith(("run/2/arrays/w/c/", "run/2/packed/process-0/c/")) for k in keys)
     shutil.rmtree(local)
     with ckpt.CheckpointManager(durable, local_directory=local) as mngr:
         _check(mngr.restore(None, _target()), 2)
@@ -333,6 +335,7 @@ def test_sigkill_during_replication_then_node_loss_resumes_from_previous_durable
         assert mngr.all_steps() == [1, 2]
 
 
+@pytest.mark.usefixtures("unpacked_layout")  # a packed complex leaf is read from its pack, not by TensorStore
 def test_tensorstore_path_leaves_read_from_durable_and_say_so(dirs):
     durable, local = dirs
     c = (np.arange(12) + 1j * np.arange(12)).astype(np.complex64).reshape(3, 4)  # not on the byte-range path
@@ -343,3 +346,52 @@ def test_tensorstore_path_leaves_read_from_durable_and_say_so(dirs):
         _check(restored, 1)
         np.testing.assert_array_equal(restored["c"], c)
         assert mngr.status().last_restore_source == "local+durable"
+
+
+def _small_state(step):
+    mesh = make_mesh((2, 4), ("a", "b"))
+    return {
+        "w": jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step, NamedSharding(mesh, P("a", "b"))),
+        "norm": jax.device_put(np.full(256, step, np.float32), NamedSharding(mesh, P())),  # 1 KiB
+        "big": jax.device_put(np.ones((64, 64), np.float32) * step, NamedSharding(mesh, P())),  # 16 KiB
+        "step": step,
+    }
+
+
+def _packed_leaves(path):
+    return sorted(p for p, m in ckpt.metadata(path).arrays.items() if m.packed)
+
+
+def test_two_tiers_pack_small_leaves_like_a_direct_save(dirs):
+    durable, local = dirs
+    with ckpt.CheckpointManager(durable, local_directory=local) as mngr:
+        mngr.save(1, _small_state(1))
+        mngr.wait_until_finished()
+    ckpt.save(os.path.join(os.path.dirname(durable), "direct", "1"), _small_state(1))
+    assert _packed_leaves(f"{durable}/1") == _packed_leaves(os.path.join(os.path.dirname(durable), "direct", "1")) == ["big", "norm", "w"]
+    for root in (f"{durable}/1", f"{local}/process-0/1"):
+        assert os.path.isfile(f"{root}/packed/process-0/c/0") and os.path.isfile(f"{root}/packed/process-0/zarr.json"), root
+    assert not os.path.exists(f"{durable}/1/arrays/w")
+    assert ckpt.verify(f"{durable}/1").ok
+    with open(f"{durable}/1/manifest.json") as f:
+        manifest = json.load(f)
+    assert "packed_processes" not in manifest and len(manifest["packed"]) == 1
+    with open(f"{local}/process-0/1/manifest.json") as f:
+        assert json.load(f)["packed_processes"] == [0]  # the local copy indexes its own pack
+    _check(ckpt.restore(f"{durable}/1", dict(_target(), norm=None, big=None)), 1)
+    with ckpt.CheckpointManager(durable, local_directory=local) as mngr:
+        out = mngr.restore(None, dict(_target(), norm=None, big=None))
+        _check(out, 1)
+        np.testing.assert_array_equal(out["norm"], np.full(256, 1, np.float32))
+        assert mngr.status().last_restore_source == "local"
+
+
+@pytest.mark.parametrize("threshold, packed", [(2048, ["norm", "w"]), (0, [])])
+def test_two_tiers_honour_pack_small_leaves_bytes(dirs, threshold, packed):
+    durable, local = dirs
+    with ckpt.CheckpointManager(durable, local_directory=local, pack_small_leaves_bytes=threshold) as mngr:
+        mngr.save(1, _small_state(1))
+        mngr.wait_until_finished()
+        _check(mngr.restore(None, dict(_target(), norm=None, big=None)), 1)
+    assert _packed_leaves(f"{durable}/1") == packed
+    assert ckpt.verify(f"{durable}/1").ok

@@ -1,5 +1,6 @@
 """Two tiers with two JAX processes: each keeps its own local tier (`process-<i>/`)."""
 
+import os
 import shutil
 
 import pytest
@@ -13,6 +14,13 @@ def test_two_processes_restore_bit_exactly_when_one_local_tier_is_wiped(tmp_path
     for r in run_processes(WORKERS / "tiers_worker.py", 2, 4, args, timeout_s=300):
         saved = r.record("saved")
         assert saved["all_steps"] == [1, 2] and saved["local_step"] == 2, r.describe()
+    # Every process replicated its own files, its pack (and the pack's zarr.json) among them;
+    # the durable manifest indexes every process's pack.
+    import checkpointer as ckpt
+
+    report = ckpt.verify(f"{durable}/2")
+    assert report.ok, report.problems
+    assert os.path.isfile(f"{durable}/2/packed/process-1/zarr.json")
     shutil.rmtree(f"{local}/process-1")  # process 1's node was replaced
     results = run_processes(WORKERS / "tiers_worker.py", 2, 4, dict(args, phase="restore"), timeout_s=300)
     restored = [r.record("restored") for r in results]
@@ -42,7 +50,7 @@ def test_a_local_only_step_split_by_replica_parallel_writes_is_not_whole_and_the
 
 @pytest.mark.slow
 def test_two_processes_restore_bit_exactly_when_one_local_copy_fails_its_checksums(tmp_path):
-    # A bit flipped in one of process 1's local chunk files: process 1 alone falls back
+    # A bit flipped in one of process 1's local chunk files (or its pack): process 1 alone falls back
     # to the durable tier, process 0 keeps reading its local copy, and nobody waits on
     # the other (restores with a local tier never cooperate).
     import glob
@@ -52,7 +60,8 @@ def test_two_processes_restore_bit_exactly_when_one_local_copy_fails_its_checksu
     args = {"directory": durable, "local": local, "phase": "save", "steps": [1, 2]}
     for r in run_processes(WORKERS / "tiers_worker.py", 2, 4, args, timeout_s=300):
         assert r.record("saved")["local_step"] == 2, r.describe()
-    chunks = sorted(p for p in glob.glob(f"{local}/process-1/2/arrays/**/c/**", recursive=True) if os.path.isfile(p))
+    data_files = [f"{local}/process-1/2/arrays/**/c/**", f"{local}/process-1/2/packed/*/c/0"]  # chunk files, its pack
+    chunks = sorted(p for pattern in data_files for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     assert chunks, "process 1 wrote no chunk to its local tier"
     with open(chunks[0], "r+b") as f:
         first = f.read(1)

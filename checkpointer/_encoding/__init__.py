@@ -1,10 +1,24 @@
-"""Stored-leaf encodings (a leaf in its own zarr array; small leaves packed per process):
-per-leaf read plans, checked reads of planned byte ranges, writing and reading packs.
+"""Stored-leaf encodings: one interface (`LeafEncoding`) per way a leaf's chunks are
+stored (its own zarr array; packed into its writers' packs), the registry `ENCODINGS`
+and `encoding_of`, and the operations that dispatch through it; per-leaf read plans,
+checked reads of planned byte ranges, writing and reading packs.
 """
 
-from ._leaf_plan import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan, chunk_keys, plan_leaf
-from ._pack import PACKED, PackWriter, array_name, check_pack_files, check_threshold, packs_leaf, packs_of_save, restore_packed
-from ._read import RestoreStats, check_chunk_files, fast_path_supported, open_zarr_array, read_box
-from ._registry import region_reader
+from ._base import LeafEncoding, ReadContext, VerifyContext
+from ._crc import check_pieces, piece_values
+from ._leaf_plan import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan, SharedChunk
+from ._pack import PACKED, PackWriter, array_name, check_threshold, packs_leaf, packs_of_save
+from ._read import RestoreStats
+from ._registry import (
+    ENCODINGS,
+    by_encoding,
+    check_files,
+    encoding_of,
+    files,
+    plan_leaf,
+    region_reader,
+    replicated_files,
+    start_restore,
+)
 
-__all__ = ['BoxRead', 'ChunkRead', 'LeafRestorePlan', 'PACKED', 'PackWriter', 'PeerPiece', 'RestorePlan', 'RestoreStats', 'array_name', 'check_chunk_files', 'check_pack_files', 'check_threshold', 'chunk_keys', 'fast_path_supported', 'open_zarr_array', 'packs_leaf', 'packs_of_save', 'plan_leaf', 'read_box', 'region_reader', 'restore_packed']
+__all__ = ['BoxRead', 'ChunkRead', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'PACKED', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'SharedChunk', 'VerifyContext', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'encoding_of', 'files', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'region_reader', 'replicated_files', 'start_restore']

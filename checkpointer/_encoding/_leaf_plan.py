@@ -19,13 +19,12 @@ inner chunks adjacent in the file into one read. No device work and no I/O here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from .. import _format
-from .._errors import CorruptCheckpointError, where
 from .._format import ArrayMetadata, Box, cell_box, grid_cells, row_slabs
 
 
@@ -70,18 +69,22 @@ class ChunkRead:
 class PackedRead:
     """The part of one packed chunk (`_pack`) a target box needs: a byte range of a pack.
 
-    The whole chunk's bytes are read (its crc32c covers them all; packed chunks are
-    small by definition), then `box` is copied out of them.
+    Usually the whole chunk's bytes are read (its crc32c covers them all; packed chunks
+    are small by definition), then `box` is copied out of them. In a cooperative plan a
+    chunk that several processes need may be split among them (`SharedChunk`): each
+    reads only its piece, a contiguous part of the chunk's bytes, whose crc32c is checked
+    with the others' after the exchange (`crc32c` None).
 
     Attributes:
       key: the pack's chunk file, relative to the checkpoint path.
       file_bytes: the size that file must have, bytes.
-      offset: where the chunk's bytes start in the file, bytes.
+      offset: where the bytes read start in the file, bytes.
       nbytes: their length, bytes.
-      crc32c: their crc32c (from the manifest).
-      chunk_box: the chunk's region of the global array.
-      box: the region read from it (target ∩ chunk).
-      local_box: `box` in the chunk's own coordinates.
+      crc32c: their crc32c (from the manifest); None for a piece of a shared chunk.
+      chunk_box: the region of the global array the bytes read hold (C order): the
+        chunk's, or the piece's.
+      box: the region read from it (target ∩ chunk_box).
+      local_box: `box` in `chunk_box`'s own coordinates.
       dest: `box`'s origin relative to the destination box (or slab).
     """
 
@@ -89,11 +92,34 @@ class PackedRead:
     file_bytes: int
     offset: int
     nbytes: int
-    crc32c: int
+    crc32c: int | None
     chunk_box: Box
     box: Box
     local_box: Box
     dest: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedChunk:
+    """A stored chunk whose bytes several processes read in pieces (a cooperative plan):
+    no process holds all of them, so its crc32c is checked after the exchange, from every
+    piece's crc32c (`_crc.combine`), on every process alike.
+
+    Attributes:
+      key: the file, relative to the checkpoint path.
+      offset: where the chunk's bytes start in it, bytes.
+      nbytes: their length, bytes.
+      crc32c: their crc32c (from the manifest).
+      pieces: `(offset in the file, bytes, reader)` of each piece, ascending and
+        back to back; `reader` is the process whose crc32c of the piece counts (the
+        lowest of those that read it).
+    """
+
+    key: str
+    offset: int
+    nbytes: int
+    crc32c: int
+    pieces: tuple[tuple[int, int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,14 +130,14 @@ class PackRun:
       key: the pack's chunk file, relative to the checkpoint path.
       offset: the first byte read.
       nbytes: bytes read (gaps between the chunks included).
-      boxes: the distinct packed chunks in it, `(offset, nbytes, crc32c, leaf path)`,
-        ascending.
+      boxes: the distinct packed byte ranges in it, `(offset, nbytes, crc32c, leaf
+        path)`, ascending; crc32c None for a piece of a shared chunk.
     """
 
     key: str
     offset: int
     nbytes: int
-    boxes: tuple[tuple[int, int, int, str], ...]
+    boxes: tuple[tuple[int, int, int | None, str], ...]
 
 
 # Neighbouring packed chunks are read in one run across gaps up to this size, and a run
@@ -131,9 +157,10 @@ def coalesce_packed(reads: Iterable[tuple[str, PackedRead]]) -> tuple[PackRun, .
       the previous run when the gap is at most `PACK_GAP_BYTES` and the run stays
       within 16 MiB (a larger chunk is a run of its own).
     """
-    distinct = sorted({(r.key, r.offset, r.nbytes, r.crc32c, leaf) for leaf, r in reads})
+    # Sorted by file and offset only: a piece's crc32c is None.
+    distinct = sorted({(r.key, r.offset, r.nbytes, r.crc32c, leaf) for leaf, r in reads}, key=lambda d: (d[0], d[1], d[2], d[4]))
     runs: list[PackRun] = []
-    cur: list[tuple[int, int, int, str]] = []
+    cur: list[tuple[int, int, int | None, str]] = []
     key, start, end = "", 0, 0
     for k, off, n, crc, leaf in distinct:
         if cur and k == key and off - end <= PACK_GAP_BYTES and off + n - start <= _PACK_RUN_BYTES:
@@ -213,6 +240,9 @@ class LeafRestorePlan:
       target_boxes: in a cooperative plan, this process's unique target boxes.
       received: in a cooperative plan, the regions of `target_boxes` other processes
         read and this process receives from them.
+      shared: in a cooperative plan, the leaf's chunks that processes read in pieces
+        (`SharedChunk`), all of them, the same on every process; checked after the
+        exchange.
     """
 
     leaf_path: str
@@ -222,6 +252,7 @@ class LeafRestorePlan:
     exchange_spec: PartitionSpec | None = None
     target_boxes: tuple[Box, ...] = ()
     received: tuple[PeerPiece, ...] = ()
+    shared: tuple[SharedChunk, ...] = ()
 
     @property
     def bytes_needed(self) -> int:
@@ -377,25 +408,19 @@ def _slabs(meta: ArrayMetadata, box: Box, device_ids: tuple[int, ...], slab_byte
     )
 
 
-def plan_leaf(
-    meta: ArrayMetadata, device_boxes: Mapping[int, Box] | Sequence[tuple[int, Box]], *, slab_bytes: int | None = None
+def plan_array_leaf(
+    meta: ArrayMetadata, by_box: Mapping[Box, Sequence[int]], *, slab_bytes: int | None = None
 ) -> LeafRestorePlan:
-    """Plans the reads of one leaf for this process's devices.
+    """Plans the reads of a leaf stored as its own zarr array (`plan_leaf`'s, for that encoding).
 
     Args:
       meta: the stored leaf (shape, dtype, chunk and inner chunk shapes).
-      device_boxes: `(device_id, target box)` pairs of this process's devices.
+      by_box: each unique target box → the devices that hold it.
       slab_bytes: host-memory bound of one read, bytes: a box larger than it is also
         planned as slabs (`BoxRead.slabs`). None: no slabs.
     Returns:
       One `BoxRead` per unique box, in box order.
     """
-    items = device_boxes.items() if isinstance(device_boxes, Mapping) else device_boxes
-    by_box: dict[Box, list[int]] = {}
-    for device_id, box in items:
-        by_box.setdefault(box, []).append(device_id)
-    if meta.packed:
-        return _plan_packed_leaf(meta, by_box)
     boxes = []
     itemsize = meta.dtype.itemsize
     for box in sorted(by_box):
@@ -405,44 +430,10 @@ def plan_leaf(
     return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes))
 
 
-def _plan_packed_leaf(meta: ArrayMetadata, by_box: Mapping[Box, list[int]]) -> LeafRestorePlan:
-    """`plan_leaf` of a packed leaf: each box from the packed chunks it intersects."""
-    chunks = {b.box.origin: b for b in meta.pack_boxes}  # by origin: a tuple hashes faster than a Box
-    itemsize = meta.dtype.itemsize
-    boxes = []
-    zeros = (0,) * len(meta.shape)
-    for box in sorted(by_box):
-        pb = chunks.get(box.origin)
-        if pb is not None and pb.box.shape == box.shape:  # the target box is a saved chunk (same sharding): one read, no cutting
-            read = PackedRead(pb.key, pb.file_bytes, pb.offset, pb.nbytes, pb.crc32c, box, box, Box(zeros, box.shape), zeros)
-            boxes.append(BoxRead(box, tuple(sorted(by_box[box])), (), box.size * itemsize, packed=(read,)))
-            continue
-        reads = []
-        for cell in grid_cells(box, meta.chunk_shape):
-            chunk_box = cell_box(cell, meta.chunk_shape, meta.shape)
-            region = box.intersect(chunk_box)
-            if region is None:
-                continue
-            pb = chunks.get(chunk_box.origin)
-            if pb is None or pb.box != chunk_box:
-                raise CorruptCheckpointError(
-                    f"{where(leaf=meta.path)}: the chunk at {chunk_box.origin} of a packed leaf is in no pack "
-                    "(the manifest's 'packed' index lacks it)"
-                )
-            local = Box(tuple(o - c for o, c in zip(region.origin, chunk_box.origin)), region.shape)
-            dest = tuple(o - b for o, b in zip(region.origin, box.origin))
-            reads.append(PackedRead(pb.key, pb.file_bytes, pb.offset, pb.nbytes, pb.crc32c, chunk_box, region, local, dest))
-        boxes.append(BoxRead(box, tuple(sorted(by_box[box])), (), box.size * itemsize, packed=tuple(reads)))
-    return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes))
-
-
-def chunk_keys(meta: ArrayMetadata, boxes: Sequence[Box]) -> Iterator[str]:
-    """The keys of the zarr shard files `boxes` need, lazily, each once per box (for a
-    file check ahead of planning: a huge declared shape is refused at its first file);
-    for a packed leaf, the pack files (each once)."""
-    if meta.packed:
-        yield from dict.fromkeys(b.key for b in meta.pack_boxes)
-        return
-    for box in sorted(set(boxes)):
-        for chunk in grid_cells(box, meta.chunk_shape):
-            yield _format.chunk_key(meta.path, chunk)
+def by_box(device_boxes: Mapping[int, Box] | Iterable[tuple[int, Box]]) -> dict[Box, list[int]]:
+    """`(device id, box)` pairs grouped: each unique box → its devices."""
+    items = device_boxes.items() if isinstance(device_boxes, Mapping) else device_boxes
+    out: dict[Box, list[int]] = {}
+    for device_id, box in items:
+        out.setdefault(box, []).append(device_id)
+    return out

@@ -26,11 +26,10 @@ Packed leaves have no zarr array of their own: they are described in the manifes
 every leaf (shape, dtype, chunk shape, saved sharding), and read as
 `zarr.open_array(f"{path}/packed/process-0")[off:off + n].view(dtype).reshape(box shape)`.
 
-The restore planner (`_restore_plan`) turns each packed chunk a target box needs into a
-`PackedRead` (a byte range of the pack's file) and coalesces neighbouring ranges into
-`PackRun`s; `restore_packed` here runs them and places every packed leaf with one
-`jax.make_array_from_callback` (each device its own host copy: never one host buffer
-aliased across devices).
+This module is the pack itself: the rule, the names, writing it, the index of a save,
+and reading planned byte ranges of it (`read_runs`, `assemble_box`). The encoding's
+operations (plans, the cooperative share, file checks, restore, verify, export, the two
+tiers) are `_packed.PackedEncoding`'s.
 """
 
 from __future__ import annotations
@@ -41,20 +40,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import crc32c
-import jax
 import numpy as np
-from jax.sharding import NamedSharding
 
 from .. import _errors, _format
 from .._errors import CorruptCheckpointError, where
 from .._format import ArrayMetadata, Box, ChunkRecord, PackedBoxRecord, PackRecord, is_whole_byte_dtype
 from .._storage import Storage, ts_context
-from ._leaf_plan import BoxRead, LeafRestorePlan, PackRun, coalesce_packed, plan_leaf
-from ._read import RestoreStats, check_file_size
+from ._leaf_plan import BoxRead, PackRun
 
 PACKED = "packed"
 DEFAULT_PACK_BYTES = 256 << 10
-_CRC_BYTES = 4
+CRC_BYTES = 4
 
 
 def array_name(process_index: int) -> str:
@@ -165,7 +161,7 @@ class PackWriter:
             attrs.append(boxes[-1].to_json() | {"dtype": _format.dtype_name(meta.dtype)})
             offset += raw.size
         name = array_name(self.process_index)
-        record = PackRecord(array=name, key=chunk_key(self.process_index), file_bytes=nbytes + _CRC_BYTES, boxes=tuple(boxes))
+        record = PackRecord(array=name, key=chunk_key(self.process_index), file_bytes=nbytes + CRC_BYTES, boxes=tuple(boxes))
         attributes = {"checkpointer": {"packed_index": attrs, "layout": "C-order little-endian bytes of each box at offset"}}
         spec = {
             "driver": "zarr3",
@@ -215,36 +211,39 @@ def _read_pack_index(storage: Storage, location: str) -> PackRecord | None:
     return None if packed is None else PackRecord.from_json(packed, f"{location}: packed")
 
 
-# --- restore -------------------------------------------------------------------------------
+# --- reads ---------------------------------------------------------------------------------
 
 
-def check_pack_files(storage: Storage, path: str, metas: Sequence[ArrayMetadata]) -> None:
-    """Checks that the pack files these packed leaves use exist with the size the
-    manifest gives (local files only, one `stat` per pack).
+def gone_leaves(boxes: Sequence[tuple[int, int, str]], size: int | None) -> list[str]:
+    """The leaves of `(offset, nbytes, leaf)` byte ranges that a pack file of `size`
+    bytes (None: missing) cuts off, in order, each once."""
+    return list(dict.fromkeys(leaf for offset, nbytes, leaf in boxes if size is None or offset + nbytes > size))
+
+
+def name_leaves(leaves: Sequence[str], shown: int = 3) -> str:
+    """`'a'`, `'a' and 'b'`, `'a', 'b', 'c' and 4 more leaves`, for messages."""
+    names = [repr(leaf) for leaf in leaves[:shown]]
+    rest = len(leaves) - len(names)
+    if rest:
+        return f"{', '.join(names)} and {rest} more leaves"
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def read_runs(
+    storage: Storage, path: str, runs: Sequence[PackRun], stats: Any, piece_crcs: dict[tuple[str, int], int] | None = None
+) -> dict[tuple[str, int], memoryview]:
+    """Executes planned `PackRun`s: (pack key, offset) of every byte range in them →
+    its bytes, crc32c checked (a piece of a shared chunk, crc32c None: its crc32c goes
+    into `piece_crcs`, checked after the exchange).
 
     Raises:
-      CorruptCheckpointError: a pack file is missing or of another size.
-    """
-    if not storage.cheap_size:
-        return
-    sizes: dict[str, tuple[int, str]] = {}
-    for m in metas:
-        for b in m.pack_boxes:
-            sizes.setdefault(b.key, (b.file_bytes, m.path))
-    process = _errors.this_process()
-    for key, (expected, leaf) in sizes.items():
-        check_file_size(storage, path, key, expected, f"{where(leaf=leaf, path=path, process=process)}: pack file {key}")
-
-
-def read_runs(storage: Storage, path: str, runs: Sequence[PackRun], stats: Any) -> dict[tuple[str, int], memoryview]:
-    """Executes planned `PackRun`s: (pack key, offset) of every packed chunk in them →
-    its bytes, crc32c checked.
-
-    Raises:
-      CorruptCheckpointError: a read fails or a checksum does not match; names the pack.
+      CorruptCheckpointError: a read fails (naming the leaves whose bytes it cut off)
+        or checksums do not match (naming every damaged leaf of the runs).
     """
     out: dict[tuple[str, int], memoryview] = {}
     readers: dict[str, Any] = {}
+    process = _errors.this_process()
+    damaged: list[tuple[str, str]] = []
     try:
         for run in runs:
             try:
@@ -254,10 +253,16 @@ def read_runs(storage: Storage, path: str, runs: Sequence[PackRun], stats: Any) 
                 buf = np.empty(run.nbytes, np.uint8)
                 reader.read_into(run.offset, buf.data)
             except (OSError, EOFError) as e:
-                leaves = list(dict.fromkeys(leaf for *_, leaf in run.boxes))
+                size = None
+                try:
+                    size = readers[run.key].size() if run.key in readers else None
+                except (OSError, EOFError):
+                    pass
+                leaves = gone_leaves([(o, n, leaf) for o, n, _, leaf in run.boxes], size) or [leaf for *_, leaf in run.boxes]
+                leaves = list(dict.fromkeys(leaves))
                 others = f" (and {len(leaves) - 1} other leaves packed next to it)" if len(leaves) > 1 else ""
                 raise CorruptCheckpointError(
-                    f"{where(leaf=leaves[0], path=path, process=_errors.this_process())}: pack file {run.key}, bytes {run.offset}..{run.offset + run.nbytes}{others}, "
+                    f"{where(leaf=leaves[0], path=path, process=process)}: pack file {run.key}, bytes {run.offset}..{run.offset + run.nbytes}{others}, "
                     f"cannot be read: {e}. Run `checkpointer verify {path}`."
                 ) from e
             # Counted as planned: the packed chunks' bytes (`LeafRestorePlan.bytes_read`),
@@ -267,16 +272,24 @@ def read_runs(storage: Storage, path: str, runs: Sequence[PackRun], stats: Any) 
             for offset, nbytes, crc, leaf in run.boxes:
                 data = view[offset - run.offset : offset - run.offset + nbytes]
                 computed = crc32c.crc32c(data)
-                if computed != crc:
-                    raise CorruptCheckpointError(
-                        f"{where(leaf=leaf, path=path, process=_errors.this_process())}: packed bytes {offset}..{offset + nbytes} of {run.key}: crc32c "
-                        f"mismatch (stored {crc:#010x}, the bytes read give {computed:#010x}): the data is damaged. "
-                        f"Run `checkpointer verify {path}` for a full report."
-                    )
+                if crc is None:
+                    assert piece_crcs is not None, "a piece of a shared chunk outside a cooperative restore"
+                    piece_crcs[(run.key, offset)] = computed
+                elif computed != crc:
+                    damaged.append((leaf, f"bytes {offset}..{offset + nbytes} of {run.key}: crc32c mismatch (stored {crc:#010x}, "
+                                          f"the bytes read give {computed:#010x})"))
                 out[(run.key, offset)] = data
     finally:
         for r in readers.values():
             r.close()
+    if damaged:
+        leaves = list(dict.fromkeys(leaf for leaf, _ in damaged))
+        first = damaged[0][1]
+        raise CorruptCheckpointError(
+            f"{where(leaf=leaves[0], path=path, process=process)}: packed {first}: the data is damaged"
+            + (f"; so are the packed bytes of {name_leaves(leaves[1:])}" if len(leaves) > 1 else "")
+            + f". Run `checkpointer verify {path}` for a full report; restore the other leaves with partial=True."
+        )
     return out
 
 
@@ -297,37 +310,10 @@ def assemble_box(meta: ArrayMetadata, box_read: BoxRead, data: dict[tuple[str, i
     return out
 
 
-def _place_per_device(meta: ArrayMetadata, sharding: jax.sharding.Sharding, hosts: dict[Box, np.ndarray]) -> jax.Array:
-    """`place` for a target in another memory kind (e.g. pinned_host): one put per device."""
-    shape = meta.shape
-    index: Any = sharding.addressable_devices_indices_map(shape)
-    pieces = [
-        jax.device_put(hosts[Box.from_index(idx, shape)].copy(), jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind))
-        for d, idx in sorted(index.items(), key=lambda kv: kv[0].id)
-    ]
-    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
-
-
-def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:
-    """`_read.region_reader` of a packed leaf: `read(box)` returns the leaf's values in
-    `box` (a fresh array), from the packed chunks it intersects.
-
-    Raises (from `read`):
-      CorruptCheckpointError: a pack read failed or a checksum does not match.
-    """
-    stats = RestoreStats()
-
-    def read(box: Box) -> np.ndarray:
-        b = plan_leaf(meta, [(-1, box)]).boxes[0]
-        return assemble_box(meta, b, read_runs(storage, path, coalesce_packed((meta.path, p) for p in b.packed), stats))
-
-    return read
-
-
 _MISALIGN_BYTES = 8
 
 
-def _unadoptable(host: np.ndarray) -> np.ndarray:
+def unadoptable(host: np.ndarray) -> np.ndarray:
     """`host`'s values in a buffer that starts 8 bytes past a 64-byte boundary.
 
     XLA's CPU client adopts a suitably aligned host buffer without copying, and
@@ -345,89 +331,8 @@ def _unadoptable(host: np.ndarray) -> np.ndarray:
 
 
 def _empty_unadoptable(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array laid out as `_unadoptable` returns them."""
+    """An uninitialised array laid out as `unadoptable` returns them."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + 64 + _MISALIGN_BYTES, np.uint8)
     start = (-raw.ctypes.data) % 64 + _MISALIGN_BYTES
     return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def place(meta: ArrayMetadata, sharding: jax.sharding.Sharding, hosts: dict[Box, np.ndarray]) -> jax.Array:
-    """The global array of one leaf on `sharding` from its host boxes (one per unique
-    target box of this process's devices), in one `jax.make_array_from_callback`.
-
-    Every device gets its own copy of its box (`_unadoptable`): never one host buffer
-    aliased across devices, which donation would corrupt.
-    """
-    shape = meta.shape
-    by_origin = {b.origin: _unadoptable(h) for b, h in hosts.items()}
-
-    def piece(index: tuple[slice, ...] | None) -> np.ndarray:
-        # A shard's origin names its box (JAX indices are unit-step slices, None = 0).
-        return by_origin[tuple(sl.start or 0 for sl in index or ())]
-
-    if sharding.memory_kind not in (None, "device"):
-        return _place_per_device(meta, sharding, hosts)
-    return jax.make_array_from_callback(shape, sharding, piece)
-
-
-def restore_packed(
-    storage: Storage, path: str, leaves: Sequence[tuple[ArrayMetadata, Any, LeafRestorePlan]], budget: Any,
-    stats: Any, copies_in_flight: int,
-) -> dict[str, object]:
-    """Restores packed leaves as planned: reads their packed chunks in coalesced runs,
-    assembles each target box and places each leaf on its target with one call.
-
-    Args:
-      leaves: `(meta, target, plan)` of each packed leaf (`_targets.LeafTarget`,
-        `LeafRestorePlan`), in target order.
-      budget: the restore's host-memory budget (`_restore._Budget`): leaves are taken
-        in batches of at most its limit / `copies_in_flight` bytes (at least one leaf).
-      stats: the restore's `RestoreStats`.
-    Returns:
-      leaf path → a `jax.Array` on the target's sharding (PRNG keys wrapped), a numpy
-      array for a host target, or for a leaf with an exchange (cooperative plan) the
-      global array of its exchange layout (raw key data; `_restore._exchange` reshards).
-    Raises:
-      CorruptCheckpointError: a pack read failed or a checksum does not match.
-    """
-    out: dict[str, object] = {}
-    limit = max(1, budget.limit // copies_in_flight)
-    batch: list[tuple[ArrayMetadata, Any, LeafRestorePlan]] = []
-    batch_bytes = 0
-    for item in leaves:
-        n = item[2].bytes_needed
-        if batch and batch_bytes + n > limit:
-            _restore_batch(storage, path, batch, budget, batch_bytes * copies_in_flight, stats, out)
-            batch, batch_bytes = [], 0
-        batch.append(item)
-        batch_bytes += n
-    if batch:
-        _restore_batch(storage, path, batch, budget, batch_bytes * copies_in_flight, stats, out)
-    return out
-
-
-def _restore_batch(storage, path, batch, budget, cost, stats, out) -> None:
-    budget.acquire(cost)
-    try:
-        runs = coalesce_packed((lp.leaf_path, p) for _, _, lp in batch for b in lp.boxes for p in b.packed)
-        data = read_runs(storage, path, runs, stats)
-        for meta, lt, lp in batch:
-            hosts: dict[Box, np.ndarray] = {}
-            for b in lp.boxes:
-                host = assemble_box(meta, b, data)
-                if lt.dtype is not None:
-                    with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
-                        host = host.astype(lt.dtype)
-                hosts[b.box] = host
-            if lt.sharding is None:
-                arr: Any = hosts[Box.whole(meta.shape)]
-            elif lp.exchange_spec is not None:  # cooperative: the exchange layout; `_restore._exchange` reshards and wraps
-                s = lt.sharding
-                out[meta.path] = place(meta, NamedSharding(s.mesh, lp.exchange_spec, memory_kind=s.memory_kind), hosts)
-                continue
-            else:
-                arr = place(meta, lt.sharding, hosts)
-            out[meta.path] = jax.random.wrap_key_data(arr, impl=meta.key_impl) if meta.key_impl is not None else arr
-    finally:
-        budget.release(cost)

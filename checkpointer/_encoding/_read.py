@@ -34,7 +34,7 @@ from .._errors import CorruptCheckpointError, where
 from .._format import ArrayMetadata, Box, ShardFileLayout, is_whole_byte_dtype
 from .._memory import host_buffer
 from .._storage import Storage, ts_context
-from ._leaf_plan import BoxRead, ChunkRead, RestorePlan, plan_leaf
+from ._leaf_plan import BoxRead, ChunkRead, RestorePlan, plan_array_leaf
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -321,7 +321,7 @@ def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[
     """
     if fast_path_supported(meta.dtype):
         stats = RestoreStats()
-        return lambda box: read_box(storage, path, meta, plan_leaf(meta, [(-1, box)]).boxes[0], None, stats)
+        return lambda box: read_box(storage, path, meta, plan_array_leaf(meta, {box: [-1]}).boxes[0], None, stats)
     try:
         store = open_zarr_array(storage, path, meta).result()
     except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing

@@ -1,15 +1,95 @@
-"""The stored-leaf encodings: a leaf in its own zarr array, or packed into its writer's
-pack. Operations that differ by encoding dispatch here, once."""
+"""The registry of stored-leaf encodings, and the operations that dispatch through it.
+
+`ENCODINGS` lists every encoding (`_base.LeafEncoding`); `encoding_of(meta)` is the one
+that stores a leaf. The functions below are what the other packages call: each groups
+leaves by encoding, in registry order, and calls the encoding's method.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .._format import ArrayMetadata, Box
+from .._errors import CorruptCheckpointError
+from .._format import ArrayMetadata, Box, ProcessRecord
 from .._storage import Storage
-from . import _pack, _read
+from ._base import Item, LeafEncoding, ReadContext
+from ._leaf_plan import LeafRestorePlan, by_box
+from ._packed import PackedEncoding
+from ._zarr_array import ZarrArrayEncoding
+
+ENCODINGS: tuple[LeafEncoding, ...] = (ZarrArrayEncoding(), PackedEncoding())
+
+
+def encoding_of(meta: ArrayMetadata) -> LeafEncoding:
+    """The encoding that stores `meta`.
+
+    Raises:
+      CorruptCheckpointError: no encoding stores it (a manifest entry of a later release).
+    """
+    for encoding in ENCODINGS:
+        if encoding.stores(meta):
+            return encoding
+    raise CorruptCheckpointError(f"leaf {meta.path!r}: no stored-leaf encoding of this release reads it; upgrade checkpointer")
+
+
+def by_encoding(metas: Iterable[ArrayMetadata]) -> list[tuple[LeafEncoding, list[ArrayMetadata]]]:
+    """`metas` grouped by encoding, in registry order (each group in the given order)."""
+    return [(enc, group) for enc, group in _grouped(metas, lambda m: m) if group]
+
+
+def _grouped(items, meta_of) -> list:
+    groups: dict[int, list] = {id(e): [] for e in ENCODINGS}
+    for item in items:
+        groups[id(encoding_of(meta_of(item)))].append(item)
+    return [(e, groups[id(e)]) for e in ENCODINGS]
+
+
+def plan_leaf(
+    meta: ArrayMetadata, device_boxes: Mapping[int, Box] | Sequence[tuple[int, Box]], *, slab_bytes: int | None = None
+) -> LeafRestorePlan:
+    """Plans the reads of one leaf for this process's devices (`LeafEncoding.plan`).
+
+    Args:
+      meta: the stored leaf.
+      device_boxes: `(device_id, target box)` pairs of this process's devices.
+      slab_bytes: host-memory bound of one read, bytes (slabs where the encoding has them).
+    Returns:
+      One `BoxRead` per unique box, in box order.
+    """
+    return encoding_of(meta).plan(meta, by_box(device_boxes), slab_bytes=slab_bytes)
+
+
+def files(meta: ArrayMetadata, boxes: Iterable[Box]) -> Iterator[tuple[str, int]]:
+    """The files (key, expected bytes) holding `boxes` of the leaf (`LeafEncoding.files`)."""
+    return encoding_of(meta).files(meta, boxes)
+
+
+def check_files(storage: Storage, path: str, leaves: Sequence[tuple[ArrayMetadata, Sequence[Box]]]) -> None:
+    """Checks the files holding these leaves' boxes before reading (`LeafEncoding.check_files`).
+
+    Raises:
+      CorruptCheckpointError: naming the leaves whose bytes are missing or cut off.
+    """
+    for enc, group in _grouped(leaves, lambda lb: lb[0]):
+        if group:
+            enc.check_files(storage, path, group)
+
+
+def start_restore(storage: Storage, path: str, items: Sequence[Item], ctx: ReadContext) -> Callable[[], dict[str, object]]:
+    """Starts every leaf's reads, encoding by encoding in registry order (those on worker
+    threads first), and returns the function that waits for all of them: leaf path →
+    its value (`LeafEncoding.start_restore`)."""
+    finishers = [enc.start_restore(storage, path, group, ctx) for enc, group in _grouped(items, lambda it: it[0]) if group]
+
+    def finish() -> dict[str, object]:
+        out: dict[str, object] = {}
+        for f in finishers:
+            out.update(f())
+        return out
+
+    return finish
 
 
 def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:
@@ -20,4 +100,10 @@ def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[
       CorruptCheckpointError: stored bytes are missing, truncated or fail a checksum;
         names the leaf and the checkpoint path.
     """
-    return (_pack.region_reader if meta.packed else _read.region_reader)(storage, path, meta)
+    return encoding_of(meta).region_reader(storage, path, meta)
+
+
+def replicated_files(record: ProcessRecord) -> list[str]:
+    """Every file of a process's record it copies to the durable tier, each once
+    (`LeafEncoding.replicated_files`, every encoding)."""
+    return list(dict.fromkeys(k for enc in ENCODINGS for k in enc.replicated_files(record)))

@@ -54,6 +54,7 @@ def manifest_json(
     created_unix_s: float | None = None,
     save_phases_unix_s: Mapping[str, tuple[float, float]] | None = None,
     packed: Sequence[PackRecord] = (),
+    packed_processes: Sequence[int] | None = None,
 ) -> dict:
     """The manifest of DESIGN.md's format_version 1 (what `parse_manifest` reads).
 
@@ -73,6 +74,9 @@ def manifest_json(
         (additive: readers ignore it, `_timeline` draws it).
       packed: every process's pack index (`ProcessRecord.packed`), stored as
         `"packed"` when there is one (additive; see `_pack`).
+      packed_processes: None (a committed checkpoint's manifest: `packed` is every
+        process's). A list: the processes whose packs `packed` holds, the others'
+        chunks are not indexed (a two-tier local copy; stored as `"packed_processes"`).
     """
     import jax
 
@@ -95,6 +99,8 @@ def manifest_json(
         out["save_phases_unix_s"] = phases_json(save_phases_unix_s)
     if packed:
         out["packed"] = [p.to_json() for p in packed]
+    if packed_processes is not None:
+        out["packed_processes"] = list(packed_processes)
     return out
 
 
@@ -154,7 +160,7 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
             raise CorruptCheckpointError(f"leaf {path!r} in {where} has unknown type {entry.get('type')!r}")
     ordered = leaf_paths_of(structure)
     _require(sorted(ordered) == sorted(leaves), "the tree structure and the leaves disagree", where)
-    _attach_pack_boxes(raw.get("packed", []), leaves, where)
+    _attach_pack_boxes(raw.get("packed", []), leaves, where, complete="packed_processes" not in raw)
     names = keystrs(structure)
     leaves = {p: dataclasses.replace(leaves[p], keystr=names[p]) for p in ordered}
     tree = rebuild(structure, lambda p: leaves[p], where=where)
@@ -166,9 +172,10 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     )
 
 
-def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetadata], where: str) -> None:
+def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetadata], where: str, complete: bool = True) -> None:
     """Parses the manifest's `packed` section and sets each packed leaf's `pack_boxes`
-    (in place); every chunk of a packed leaf must be in exactly one pack, in bounds.
+    (in place); every chunk of a packed leaf must be in exactly one pack, in bounds
+    (`complete=False`, a local tier's copy indexing its own process's pack: at most one).
 
     A hand-rolled parse (not `PackRecord.from_json`): it runs on every restore, over
     one entry per small chunk (5,000 for issue 15's 2,000 leaves)."""
@@ -203,7 +210,7 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
         if isinstance(m, ArrayMetadata) and m.packed:
             boxes = found.get(path, [])
             n_chunks = math.prod(-(-s // c) for s, c in zip(m.shape, m.chunk_shape)) if math.prod(m.shape) else 0
-            _require(len({b.box for b in boxes}) == len(boxes) == n_chunks,
+            _require(len({b.box for b in boxes}) == len(boxes) and (len(boxes) == n_chunks or not complete and len(boxes) <= n_chunks),
                      f"packed leaf {path!r} has {len(boxes)} boxes in the packs, expected one per chunk ({n_chunks})", where)
             leaves[path] = dataclasses.replace(m, pack_boxes=tuple(sorted(boxes, key=lambda b: b.box.origin)))
 

@@ -75,8 +75,8 @@ class CheckpointManager(StatusReporting):
       keep_local: retention of the local tier (default: the newest step). A local step
         not yet durable is never removed: a save that would need to remove one waits for
         its replication (`status().waiting_for_replication`).
-      pack_small_leaves_bytes: as for `save` (0: every leaf its own zarr array). With
-        a `local_directory` nothing is packed.
+      pack_small_leaves_bytes: as for `save` (0: every leaf its own zarr array), on
+        both tiers alike.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -118,9 +118,8 @@ class CheckpointManager(StatusReporting):
         if not isinstance(save_interval_steps, int) or save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}")
         self._write_limiter = _storage.limiter_for(max_write_bytes_per_s)
-        # Two tiers replicate each process's own files and commit a per-process
-        # manifest locally: packs are not replicated yet, so a local tier never packs.
-        self._pack_bytes = 0 if local_directory is not None else _encoding.check_threshold(pack_small_leaves_bytes)
+        # Two tiers pack as a direct save does: each process replicates its own pack.
+        self._pack_bytes = _encoding.check_threshold(pack_small_leaves_bytes)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
         self.save_interval_steps = save_interval_steps

@@ -17,8 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from .. import _commit, _coord, _storage
-from .._encoding import RestoreStats, chunk_keys
+from .. import _commit, _coord, _encoding, _storage
+from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import resolve_tree, restore_from
@@ -126,7 +126,7 @@ class LocalTier:
                 device_ids=_tiers.own_device_ids(), overwrite=snap.overwrite, committed_unix_s=time.time(),
             )
             # A local replacement (the same step saved again) is always atomic: overwrite=True.
-            commit.run(record.bytes_written, lambda _: manifest_bytes(snap, own), marker=marker.to_json())
+            commit.run(record.bytes_written, lambda _: manifest_bytes(snap, own, own_pack_only=True), marker=marker.to_json())
         finally:
             if snap.lock is not None:
                 snap.lock.release(remove=True)
@@ -259,10 +259,12 @@ class LocalTier:
     # --- restore ------------------------------------------------------------------------
 
     def _needed_keys(self, target: object, partial: bool, missing: str) -> Callable[[str], list[str] | None]:
-        """The chunk files this process's devices need of a local step: every file of
-        every box they hold, whether or not a cooperative restore would read it (after a
+        """The files this process's devices need of a local step: every file of every
+        box they hold, whether or not a cooperative restore would read it (after a
         replica-parallel save a process holds only the chunks it wrote of a replicated
-        box, so such a step is not whole here and the durable tier is read)."""
+        box, so such a step is not whole here and the durable tier is read; a local
+        manifest indexes only its own process's pack, so a packed chunk written by
+        another process makes the step not whole here either)."""
 
         def needed(path: str) -> list[str] | None:
             try:
@@ -271,9 +273,12 @@ class LocalTier:
             except CheckpointError:
                 return None
             keys: list[str] = []
-            for leaf in resolved.leaves:
-                if leaf.target is not None and isinstance(leaf.meta, ArrayMetadata):
-                    keys.extend(chunk_keys(leaf.meta, [b for _, b in leaf.device_boxes]))
+            try:
+                for leaf in resolved.leaves:
+                    if leaf.target is not None and isinstance(leaf.meta, ArrayMetadata):
+                        keys.extend(k for k, _ in _encoding.files(leaf.meta, [b for _, b in leaf.device_boxes]))
+            except CheckpointError:  # e.g. a packed chunk another process wrote: not in this copy's index
+                return None
             return keys
 
         return needed

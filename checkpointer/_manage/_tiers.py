@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import crc32c
 
-from .. import _commit, _coord, _format, _storage
+from .. import _commit, _coord, _encoding, _format, _storage
 from .._errors import CheckpointError, CorruptCheckpointError, ReplicationError, RestoreAgreementError
 from .._format import ZARR_JSON, ProcessRecord
 from .._storage import Reader, Storage, storage_for
@@ -153,16 +153,30 @@ def _copy_verified(src: Storage, src_path: str, dst: Storage, dst_path: str, lim
 
 
 def files_to_replicate(storage: Storage, local_path: str, process_index: int) -> tuple[list[str], str]:
-    """What process `process_index` copies of its committed local step: the chunk files
-    of its record (process 0: and every `zarr.json`), then its record (returned apart:
+    """What process `process_index` copies of its committed local step: the files of
+    its record, as each encoding names them (chunk files; its pack and the pack's
+    `zarr.json`), process 0 also every `zarr.json`, then its record (returned apart:
     it is copied last, as it says the process's files are durable)."""
     record_name = _format.process_record_name(process_index)
     raw = _format.loads(storage.read_file(f"{local_path}/{record_name}"), f"{local_path}/{record_name}")
     record = ProcessRecord.from_json(raw, f"{local_path}/{record_name}")
-    keys = list(dict.fromkeys(c.key for c in record.chunks if c.data_bytes != 0))
+    keys = _encoding.replicated_files(record)  # each encoding's files of this record (a pack: its zarr.json too)
     if process_index == 0:
         keys += [k for k in storage.list_files(local_path) if k == ZARR_JSON or k.endswith("/" + ZARR_JSON)]
-    return keys, record_name
+    return list(dict.fromkeys(keys)), record_name
+
+
+def with_every_pack(manifest: dict, durable: Storage, root: str, process_count: int) -> None:
+    """Process 0 at the durable commit: the local manifest copy indexes its own pack only
+    (`packed_processes`); the durable one indexes every process's, from their records
+    in `root` (each process copied its own)."""
+    if manifest.pop("packed_processes", None) is None or not any(
+            isinstance(e, dict) and e.get("packed") for e in manifest.get("leaves", {}).values()):
+        return
+    packs = _encoding.packs_of_save(durable, root, -1, None, process_count)
+    manifest.pop("packed", None)
+    if packs:
+        manifest["packed"] = [p.to_json() for p in packs]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,10 +269,12 @@ def replicate(
             ) from e
 
         def manifest(process_bytes: list[int]) -> bytes:
-            """The local copy of the manifest, with every process's bytes written."""
+            """The local copy of the manifest, with every process's bytes written and
+            (`with_every_pack`) every process's pack indexed."""
             raw = _format.loads(local.read_file(f"{target.local_path}/{_format.MANIFEST}"), target.local_path)
             if not isinstance(raw, dict):
                 raise CorruptCheckpointError(f"{target.local_path}/{_format.MANIFEST} is not a JSON object")
+            with_every_pack(raw, durable, root, _coord.process_count())
             return _format.dumps({**raw, "process_bytes_written": process_bytes} if len(process_bytes) > 1 else raw)
 
         try:
@@ -351,9 +367,11 @@ class TieredStorage(Storage):
 
     def _where(self, path: str) -> tuple[Storage, str, bool]:
         if path == self.durable_path or path.startswith(self.durable_path + "/"):
-            if self.durable_committed and path == f"{self.durable_path}/{_format.COMMITTED}":
+            if self.durable_committed and path in (f"{self.durable_path}/{_format.COMMITTED}", f"{self.durable_path}/{_format.MANIFEST}"):
                 # The durable marker, the same on every process (a cooperative restore
-                # compares it); the local one names this process. Not counted: no data.
+                # compares it); the local one names this process. The durable manifest
+                # indexes every process's pack; the local copy only its own. Not
+                # counted: no data.
                 return self.durable, path, True
             local_path = self.local_path + path[len(self.durable_path):]
             if self.local.exists(local_path):

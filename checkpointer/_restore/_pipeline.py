@@ -1,52 +1,39 @@
 """Restore execution: run the restore plan, read, place on devices.
 
-`_targets` resolves the target and assigns device boxes, `_restore_plan` plans the reads;
-this module only executes: it checks that the chunk files the plan needs exist with the
-right size (before anything is allocated), then reads, per unique target box of its own
-devices, the byte ranges the plan names (through `_read`), and puts the result on every
-local device that holds that box, within `max_inflight_bytes` of host memory.
+`_targets` resolves the target and assigns device boxes, `_plan` plans the reads; this
+module only executes: it checks that the files the plan needs exist with the right size
+(before anything is allocated), then has each leaf's encoding (`_encoding.encoding_of`)
+read the byte ranges the plan names and put them on every local device that holds
+them, within `max_inflight_bytes` of host memory; a cooperative restore then exchanges
+the shares and checks the chunks read in pieces.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import _encoding, _format, _memory
-from .._encoding import BoxRead, LeafRestorePlan, RestorePlan, RestoreStats, chunk_keys
+from .._encoding import ReadContext, RestorePlan, RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, DTypeMismatchError, where
 from .._format import ArrayMetadata, CheckpointMetadata, PyTree, ValueMetadata, read_metadata, rebuild
 from .._storage import Storage, storage_for
 from . import _agreement
 from ._plan import build_plan
-from ._targets import LeafTarget, ResolvedTarget, resolve_tree
-
-if TYPE_CHECKING:
-    import tensorstore as ts
+from ._targets import ResolvedTarget, resolve_tree
 
 log = logging.getLogger("checkpointer")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
 _COPIES_IN_FLIGHT = 3
-
-
-def _check_stored(store: ts.TensorStore, meta: ArrayMetadata, path: str) -> None:
-    if tuple(store.shape) != meta.shape or np.dtype(store.dtype.numpy_dtype) != meta.dtype:
-        raise CorruptCheckpointError(
-            f"{where(leaf=meta.path, path=path)}: zarr.json says {tuple(store.shape)} {store.dtype.numpy_dtype}, "
-            f"the manifest says {meta.shape} {meta.dtype}"
-        )
 
 
 class _Budget:
@@ -66,123 +53,7 @@ class _Budget:
             self.cv.notify_all()
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _update(buf: jax.Array, piece: jax.Array, offsets: tuple[int, ...]) -> jax.Array:
-    return jax.lax.dynamic_update_slice(buf, piece, offsets)
-
-
-def _read_host(
-    storage: Storage, path: str, meta: ArrayMetadata, b: BoxRead, store: ts.TensorStore | None,
-    pool: concurrent.futures.Executor | None, stats: RestoreStats, pidx: int,
-) -> np.ndarray:
-    if b.box.size == 0:
-        return np.zeros(b.box.shape, meta.dtype)
-    if store is None:
-        return _encoding.read_box(storage, path, meta, b, pool, stats)
-    try:
-        return store[b.box.slices()].read().result()
-    except ValueError as e:  # TensorStore reports missing, truncated and checksum-failing data as ValueError
-        raise CorruptCheckpointError(
-            f"{where(leaf=meta.path, path=path, process=pidx)}: reading box {b.box} failed: {e}. "
-            f"Run `checkpointer verify {path}` for a full report."
-        ) from e
-
-
-def _read_leaf(
-    storage: Storage, path: str, meta: ArrayMetadata, lt: LeafTarget, lp: LeafRestorePlan, budget: _Budget, pidx: int,
-    pool: concurrent.futures.Executor | None, stats: RestoreStats,
-) -> dict[int, object]:
-    """Reads every unique box of one leaf as planned and puts it on the devices that hold it.
-
-    Returns {device id: single-device jax.Array}, or {-1: numpy array} for a host target.
-    Host memory in use stays within the budget: a box is read, cast, put on its
-    devices and dropped before the next one; a box the plan split into slabs is read
-    slab by slab into a donated device buffer.
-
-    Only damage is reported as CorruptCheckpointError (missing, truncated or
-    checksum-failing data, from `_read` or TensorStore); any other exception is a bug
-    or a device failure and propagates as itself.
-    """
-    store = None
-    if not _encoding.fast_path_supported(meta.dtype):
-        try:
-            store = _encoding.open_zarr_array(storage, path, meta).result()
-        except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
-            raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path, process=pidx)}: cannot open the zarr array: {e}") from e
-        _check_stored(store, meta, path)
-    # Where each device's piece goes: the device, in the target's memory kind (so a
-    # target in pinned_host memory gets host-offloaded arrays).
-    devices: dict[int, jax.sharding.Sharding] = {}
-    if lt.sharding is not None:
-        addressable: set[Any] = lt.sharding.addressable_devices  # Any: jaxlib has no stubs for Device
-        memory_kind = lt.sharding.memory_kind
-        devices = {d.id: jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in addressable}
-    dtype = lt.dtype if lt.dtype is not None else meta.dtype
-    out: dict[int, object] = {}
-    for b in lp.boxes:
-        bufs = None
-        for slab in b.slabs or (b,):
-            # A slab in flight costs up to three copies of its bytes in host memory: the
-            # file reads, the assembled host box and (on CPU) the device staging copy.
-            cost = slab.bytes_needed * _COPIES_IN_FLIGHT
-            budget.acquire(cost)
-            try:
-                host = _read_host(storage, path, meta, slab, store, pool, stats, pidx)
-                if lt.dtype is not None:
-                    with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
-                        host = host.astype(lt.dtype)
-                if lt.sharding is None:
-                    out[-1] = host
-                elif not b.slabs:
-                    # The first device may adopt the host buffer without a copy (CPU);
-                    # every other device gets its own copy, so that donating one
-                    # device's buffer can never change another's.
-                    first, *rest = b.device_ids
-                    out[first] = jax.device_put(host, devices[first])
-                    for d in rest:
-                        out[d] = jax.device_put(out[first], devices[d])
-                else:
-                    if bufs is None:
-                        bufs = {d: jnp.zeros(b.box.shape, dtype, device=devices[d]) for d in b.device_ids}
-                    offsets = tuple(s.start for s in slab.box.relative_to(b.box))
-                    for d in b.device_ids:
-                        bufs[d] = _update(bufs[d], jax.device_put(host, devices[d]), offsets)
-                        bufs[d].block_until_ready()
-                del host
-            finally:
-                budget.release(cost)
-        if bufs is not None:
-            out.update(bufs)
-    return out
-
-
-def _assemble(
-    meta: ArrayMetadata, lt: LeafTarget, placed: dict[int, Any], exchange_spec: PartitionSpec | None = None
-) -> object:
-    """The leaf's global array from its single-device pieces: on the target sharding,
-    or (`exchange_spec` given) the raw stored array in the exchange layout over the
-    target's mesh, for `_exchange`."""
-    if lt.sharding is None:
-        out = placed[-1]
-    else:
-        sharding = lt.sharding
-        if exchange_spec is not None:
-            assert isinstance(sharding, NamedSharding)
-            sharding = NamedSharding(sharding.mesh, exchange_spec, memory_kind=sharding.memory_kind)
-        addressable: set[Any] = lt.sharding.addressable_devices  # Any: jaxlib has no stubs for Device
-        devices = sorted(addressable, key=lambda d: d.id)
-        out = jax.make_array_from_single_device_arrays(meta.shape, sharding, [placed[d.id] for d in devices])
-        if exchange_spec is not None:
-            return out  # wrapped as a key (if it is one) after the exchange
-    return jax.random.wrap_key_data(out, impl=meta.key_impl) if meta.key_impl is not None else out
-
-
 _T = TypeVar("_T")
-
-
-def _with_x64(x64: bool, fn: Callable[..., _T], *args: object) -> _T:
-    with jax.enable_x64(x64):
-        return fn(*args)
 
 
 def _check_device_dtype(meta: ArrayMetadata, dtype: np.dtype, path: str) -> None:
@@ -361,7 +232,7 @@ def _restore_cooperative(
     stats.attempts += 1
     stats.plan = plan
     try:
-        results = _read_all(storage, path, resolved, plan, budget, stats)
+        results, piece_crcs = _read_all(storage, path, resolved, plan, budget, stats)
     except BaseException as e:
         _agreement.refuse(ticket, path, e, phase="read")
         if _marker(storage, path) is None and isinstance(e, (CorruptCheckpointError, OSError)):
@@ -369,7 +240,7 @@ def _restore_cooperative(
         raise
     _agreement.report_read(ticket, path)
     t0 = time.perf_counter()
-    _exchange(resolved, plan, results)
+    pieces = _exchange(resolved, plan, results, _encoding.piece_values(plan, piece_crcs))
     stats.exchange_s = time.perf_counter() - t0
     stats.bytes_received = plan.bytes_received
     after = _marker(storage, path)
@@ -379,6 +250,7 @@ def _restore_cooperative(
         raise CheckpointError(
             f"{path} was replaced (overwrite=True) while it was being restored cooperatively; restore it again"
         )
+    _encoding.check_pieces(plan, pieces, path)  # chunks read in pieces by several processes, alike on every process
     return _finish(meta, resolved, path, results)
 
 
@@ -391,19 +263,14 @@ def _marker(storage: Storage, path: str) -> bytes | None:
 
 
 def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
-    """Checks that every zarr shard file this process's devices need exists with its
-    planned size, before the plan is built or anything is allocated: a damaged or
-    hostile manifest declaring a huge shape is refused at its first file (one `stat`
-    each). A cooperative plan reads a subset of these files."""
-    packed = []
-    for leaf in resolved.leaves:
-        if leaf.target is not None and isinstance(leaf.meta, ArrayMetadata):
-            if leaf.meta.packed:
-                packed.append(leaf.meta)
-                continue
-            keys = chunk_keys(leaf.meta, [b for _, b in leaf.device_boxes])
-            _encoding.check_chunk_files(storage, path, leaf.meta, keys)
-    _encoding.check_pack_files(storage, path, packed)
+    """Checks that every file this process's devices need exists with its planned size,
+    before the plan is built or anything is allocated: a damaged or hostile manifest
+    declaring a huge shape is refused at its first file (one `stat` each). A
+    cooperative plan reads a subset of these files."""
+    _encoding.check_files(storage, path, [
+        (leaf.meta, [b for _, b in leaf.device_boxes])
+        for leaf in resolved.leaves if leaf.target is not None and isinstance(leaf.meta, ArrayMetadata)
+    ])
 
 
 def _prepare(
@@ -456,7 +323,7 @@ def _restore_once(
 ) -> PyTree:
     meta, resolved, plan, budget = _prepare(storage, path, target, partial, missing, max_inflight_bytes, stats)
     stats.plan = plan
-    results = _read_all(storage, path, resolved, plan, budget, stats)
+    results, _ = _read_all(storage, path, resolved, plan, budget, stats)
     return _finish(meta, resolved, path, results)
 
 
@@ -471,62 +338,78 @@ def _finish(meta: CheckpointMetadata, resolved: ResolvedTarget, path: str, resul
 
 def _read_all(
     storage: Storage, path: str, resolved: ResolvedTarget, plan: RestorePlan, budget: _Budget, stats: RestoreStats
-) -> dict[str, object]:
+) -> tuple[dict[str, object], dict[tuple[str, int], int]]:
     """Runs the plan: every leaf path -> its value, a `jax.Array` on the target's sharding,
     a numpy array, or, for a leaf with an exchange, the global array of its exchange layout
-    (`_exchange` reshards those)."""
-    pidx = plan.process_index
+    (`_exchange` reshards those); and the crc32c of the pieces of shared chunks read."""
     leaf_plans = {lp.leaf_path: lp for lp in plan.leaves}
     results: dict[str, object] = {}
-    # The worker threads place arrays on devices: they must see the caller's
-    # jax_enable_x64 (a `with jax.enable_x64(...)` block is thread-local).
-    # (Config declares its flags at runtime, hence the ignore.)
-    read_leaf = functools.partial(_with_x64, jax.config.jax_enable_x64, _read_leaf)  # type: ignore[attr-defined]
-
+    items = []
+    for leaf in resolved.leaves:
+        m, lt = leaf.meta, leaf.target
+        if isinstance(m, ValueMetadata):
+            results[leaf.path] = m.value
+            continue
+        assert lt is not None, "resolve_tree gives every array leaf a target"
+        items.append((m, lt, leaf_plans[leaf.path]))
     workers = max(4, 2 * (os.cpu_count() or 2))
     with concurrent.futures.ThreadPoolExecutor(workers) as leaf_pool, concurrent.futures.ThreadPoolExecutor(workers) as chunk_pool:
-        pending = []
-        packed = []
-        for leaf in resolved.leaves:
-            m, lt = leaf.meta, leaf.target
-            if isinstance(m, ValueMetadata):
-                results[leaf.path] = m.value
-                continue
-            assert lt is not None, "resolve_tree gives every array leaf a target"
-            if m.packed:  # small leaves: read from the packs and placed in one batch, below
-                packed.append((m, lt, leaf_plans[leaf.path]))
-                continue
-            future = leaf_pool.submit(read_leaf, storage, path, m, lt, leaf_plans[leaf.path], budget, pidx, chunk_pool, stats)
-            pending.append((leaf.path, m, lt, future))
-        if packed:
-            with _memory.paused():
-                results.update(_encoding.restore_packed(storage, path, packed, budget, stats, _COPIES_IN_FLIGHT))
-        for leaf_path, m, lt, future in pending:
-            results[leaf_path] = _assemble(m, lt, future.result(), leaf_plans[leaf_path].exchange_spec)
-    return results
+        # The worker threads place arrays on devices: they must see the caller's
+        # jax_enable_x64 (a `with jax.enable_x64(...)` block is thread-local).
+        # (Config declares its flags at runtime, hence the ignore.)
+        ctx = ReadContext(budget, stats, plan.process_index, _COPIES_IN_FLIGHT, leaf_pool, chunk_pool,
+                          x64=jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+        results.update(_encoding.start_restore(storage, path, items, ctx)())
+    return results, ctx.piece_crcs
 
 
-def _exchange(resolved: ResolvedTarget, plan: RestorePlan, results: dict[str, object]) -> None:
+def _exchange(resolved: ResolvedTarget, plan: RestorePlan, results: dict[str, object], pieces: np.ndarray) -> np.ndarray:
     """Reshards every leaf read in its exchange layout onto its target, in one JAX
-    program (collectives over the device interconnect: gloo on CPU, NCCL on GPUs).
+    program (collectives over the device interconnect: gloo on CPU, NCCL on GPUs), and
+    gathers every process's `pieces` (crc32c of pieces of shared chunks, `piece_values`)
+    with it; returns their XOR over processes (every piece's crc32c).
 
     Multi-process: collective; every process runs it with the same leaves, in order.
     """
     names = [lp.leaf_path for lp in plan.leaves if lp.exchange_spec is not None]
     if not names:
-        return
+        return pieces
     targets = {leaf.path: leaf for leaf in resolved.leaves}
     shardings = []
     for name in names:
         lt = targets[name].target
         assert lt is not None and lt.sharding is not None
         shardings.append(lt.sharding)
+    inputs = [results[n] for n in names]
+    if pieces.size:
+        first = shardings[0]
+        assert isinstance(first, NamedSharding) and isinstance(first.mesh, jax.sharding.Mesh), "a cooperative target is on a Mesh"
+        mesh = first.mesh
+        rows, everywhere = _pieces_array(mesh, pieces)
+        inputs.append(rows)
+        shardings.append(everywhere)
     # Waited for, so that `RestoreStats.exchange_s` is the exchange's time, not its dispatch.
-    out = jax.block_until_ready(jax.jit(_identity, out_shardings=tuple(shardings))(tuple(results[n] for n in names)))
+    out = jax.block_until_ready(jax.jit(_identity, out_shardings=tuple(shardings))(tuple(inputs)))
     for name, arr in zip(names, out):
         meta = targets[name].meta
         assert isinstance(meta, ArrayMetadata)
         results[name] = jax.random.wrap_key_data(arr, impl=meta.key_impl) if meta.key_impl is not None else arr
+    if not pieces.size:
+        return pieces
+    return np.bitwise_xor.reduce(np.asarray(out[-1].addressable_data(0)), axis=0)
+
+
+def _pieces_array(mesh: jax.sharding.Mesh, pieces: np.ndarray) -> tuple[jax.Array, NamedSharding]:
+    """A global uint32 array of one row per device of `mesh`: this process's `pieces` in
+    the row of its first device, zeros elsewhere; and the replicated sharding that
+    gathers it."""
+    shape = (mesh.devices.size, pieces.size)
+    sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+    rows: Any = sharding.addressable_devices_indices_map(shape)
+    mine = min(idx[0].start or 0 for idx in rows.values())
+    zeros = np.zeros((1, pieces.size), np.uint32)
+    arr = jax.make_array_from_callback(shape, sharding, lambda idx: pieces[None] if idx and (idx[0].start or 0) == mine else zeros)
+    return arr, NamedSharding(mesh, PartitionSpec())
 
 
 def _identity(xs: _T) -> _T:

@@ -8,14 +8,17 @@ the target's `NamedSharding` into an *exchange layout* (`exchange_spec`): the ta
 PartitionSpec with the unused mesh axes that span processes added to a dimension they
 divide, so every device's exchange box lies inside its target box and the processes
 that shared a box now hold disjoint pieces of it. Each process reads only its
-devices' exchange boxes (`LeafRestorePlan.boxes`, each `BoxRead.receivers` naming the
+devices' exchange boxes, as its leaf's encoding plans its share (`LeafEncoding.plan_share`:
+a packed chunk several exchange boxes cut is read in pieces, one per process, its
+crc32c checked after the exchange) (`LeafRestorePlan.boxes`, each `BoxRead.receivers` naming the
 processes that need those bytes too); the executor assembles them into a global array
 of the exchange layout and reshards it onto the target with JAX, so the pieces a
 process needs but did not read (`LeafRestorePlan.received`, each with its reader) come
 from its peers over the device interconnect. Rules: only axes of size > 1 along which
 the owning process changes are added (an axis inside one process saves no storage
 read), each to the dimension with the largest per-device extent it divides (ties:
-the first); a leaf where no such axis divides a dimension, a host target, a target
+the first; the first it divides where the leaf's encoding wants shares contiguous in
+C order, as packed leaves do); a leaf where no such axis divides a dimension, a host target, a target
 that is not a `NamedSharding` or lives in host memory keeps the plain plan. PRNG key
 data is split along the key array's own dimensions only.
 """
@@ -28,13 +31,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .._encoding import LeafRestorePlan, PeerPiece, RestorePlan, plan_leaf
+from .._encoding import LeafRestorePlan, PeerPiece, RestorePlan, encoding_of, plan_leaf
 from .._format import ArrayMetadata, Box, named_shard_boxes, spec_axes
 from ._targets import ResolvedLeaf, ResolvedTarget
 
 
 def exchange_spec(
-    shape: Sequence[int], mesh_shape: Mapping[str, int], spec: PartitionSpec, owners: Sequence[int]
+    shape: Sequence[int], mesh_shape: Mapping[str, int], spec: PartitionSpec, owners: Sequence[int], *, major_first: bool = False
 ) -> PartitionSpec | None:
     """The exchange layout of a target that several processes share (module docstring).
 
@@ -43,6 +46,8 @@ def exchange_spec(
       mesh_shape: the target mesh's axis name → size, in axis order.
       spec: the target's PartitionSpec.
       owners: the process of every mesh device, in row-major mesh order.
+      major_first: add each axis to the first dimension it divides instead (the
+        leaf's encoding asks for shares contiguous in C order: `LeafEncoding.contiguous_shares`).
     Returns:
       `spec` with the unused, process-spanning mesh axes added (each as the minor axis
       of the dimension with the largest per-device extent it divides), or None when no
@@ -61,7 +66,7 @@ def exchange_spec(
         best = None
         for d, n in enumerate(shape):
             extent = n // int(np.prod([mesh_shape[a] for a in entries[d]], dtype=np.int64))
-            if extent % size == 0 and extent >= size and (best is None or extent > best[1]):
+            if extent % size == 0 and extent >= size and (best is None or extent > best[1] and not major_first):
                 best = (d, extent)
         if best is not None:
             entries[best[0]].append(name)
@@ -81,7 +86,8 @@ def _cooperative_leaf(leaf: ResolvedLeaf, process_index: int, slab_bytes: int | 
     owners = [p for _, p, _ in leaf.all_boxes]
     if len(set(owners)) < 2:
         return None
-    spec = exchange_spec(lt.shape, s.mesh.shape, s.spec, owners)
+    encoding = encoding_of(meta)
+    spec = exchange_spec(lt.shape, s.mesh.shape, s.spec, owners, major_first=encoding.contiguous_shares)
     if spec is None:
         return None
     key_tail = meta.shape[len(lt.shape) :]
@@ -92,7 +98,8 @@ def _cooperative_leaf(leaf: ResolvedLeaf, process_index: int, slab_bytes: int | 
         holders.setdefault(piece, set()).add(p)
         needs.setdefault(target, set()).add(p)
     mine = [(d, piece) for (d, p, _), piece in zip(leaf.all_boxes, pieces) if p == process_index]
-    plain = plan_leaf(meta, mine, slab_bytes=slab_bytes)
+    shares = {piece: frozenset(procs) for piece, procs in holders.items()}
+    plain = encoding.plan_share(meta, mine, shares, process_index, slab_bytes=slab_bytes)
     boxes = []
     for b in plain.boxes:
         receivers = sorted({q for t, procs in needs.items() if b.box.intersect(t) is not None for q in procs} - {process_index})
@@ -106,7 +113,7 @@ def _cooperative_leaf(leaf: ResolvedLeaf, process_index: int, slab_bytes: int | 
             inter = piece.intersect(t)
             if inter is not None:
                 received.append(PeerPiece(inter, min(procs)))
-    return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes), spec, targets, tuple(received))
+    return dataclasses.replace(plain, boxes=tuple(boxes), exchange_spec=spec, target_boxes=targets, received=tuple(received))
 
 
 def build_plan(

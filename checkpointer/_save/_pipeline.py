@@ -430,17 +430,23 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         raise SaveError(f"writing {root} failed (process {snap.process_index}): {type(e).__name__}: {e}") from e
 
 
-def manifest_bytes(snap: Snapshot, process_bytes: list[int]) -> bytes:
-    """The manifest of `snap` (`process_bytes`: bytes written per process), encoded."""
+def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: bool = False) -> bytes:
+    """The manifest of `snap` (`process_bytes`: bytes written per process), encoded.
+    `own_pack_only` (a local tier's copy, written before the other processes' records
+    exist): its `packed` index holds this process's pack alone, and says so
+    (`packed_processes`)."""
     with _memory.paused():
-        packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.pack_index, snap.process_count) if (
-            any(leaf.meta.packed for leaf in snap.arrays)) else []
+        if own_pack_only:
+            packed = [snap.pack_index] if snap.pack_index is not None else []
+        else:
+            packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.pack_index, snap.process_count) if (
+                any(leaf.meta.packed for leaf in snap.arrays)) else []
         return _format.dumps_large(manifest_json(
             step=snap.step, generation=snap.generation, process_count=snap.process_count,
             process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
             values=snap.values, user_metadata=snap.user_metadata,
             save_phases_unix_s={k: v for k, v in snap.phases_unix_s.items() if k == "wait"} or None,
-            packed=packed,
+            packed=packed, packed_processes=[snap.process_index] if own_pack_only else None,
         ))
 
 

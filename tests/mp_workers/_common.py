@@ -109,6 +109,17 @@ def same_bits(a, b) -> bool:
 # --- a replicated state (cooperative restore) ----------------------------------------------
 
 
+def packed_values() -> dict:
+    """The global numpy value of each leaf of the packed cooperative-restore test
+    (`coop_packed_worker.py`): a 512 KiB float32 matrix and a small int16 vector."""
+    import numpy as np
+
+    return {
+        "w": np.arange(256 * 512, dtype=np.float32).reshape(256, 512) * 0.5,
+        "small": np.arange(64, dtype=np.int16),
+    }
+
+
 def replicated_values() -> dict:
     """The global numpy value of each array leaf of the cooperative-restore tests; "key"
     is the key data (uint32, trailing dimension 2) of a threefry PRNG key array."""

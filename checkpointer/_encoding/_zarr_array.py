@@ -1,0 +1,235 @@
+"""The encoding of a leaf stored as its own zarr v3 array (`arrays/<leaf>/`): one zarr
+shard file per chunk, inner chunks and the shard index each with a crc32c.
+
+Plans are per inner chunk (`_leaf_plan`), reads fetch the planned byte ranges and check
+every inner chunk (`_read`); what the byte-range reader does not decode (complex and
+sub-byte dtypes, big-endian hosts) goes through TensorStore's array layer. Each leaf is
+read on a worker thread, box by box (or slab by slab), and put on the devices that
+hold each box.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .. import _errors, _format
+from .._errors import CorruptCheckpointError, where
+from .._format import ArrayMetadata, Box, ProcessRecord, cell_box, grid_cells
+from .._storage import Storage
+from . import _read
+from ._base import Item, LeafEncoding, ReadContext, VerifyContext
+from ._leaf_plan import BoxRead, LeafRestorePlan, plan_array_leaf
+
+if TYPE_CHECKING:
+    import tensorstore as ts
+
+
+def _check_stored(store: ts.TensorStore, meta: ArrayMetadata, path: str) -> None:
+    if tuple(store.shape) != meta.shape or np.dtype(store.dtype.numpy_dtype) != meta.dtype:
+        raise CorruptCheckpointError(
+            f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: zarr.json says {tuple(store.shape)} "
+            f"{store.dtype.numpy_dtype}, the manifest says {meta.shape} {meta.dtype}. Run `checkpointer verify {path}`."
+        )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _update(buf: jax.Array, piece: jax.Array, offsets: tuple[int, ...]) -> jax.Array:
+    return jax.lax.dynamic_update_slice(buf, piece, offsets)
+
+
+def _read_host(storage: Storage, path: str, meta: ArrayMetadata, b: BoxRead, store: ts.TensorStore | None, ctx: ReadContext) -> np.ndarray:
+    if b.box.size == 0:
+        return np.zeros(b.box.shape, meta.dtype)
+    if store is None:
+        return _read.read_box(storage, path, meta, b, ctx.chunk_pool, ctx.stats)
+    try:
+        return store[b.box.slices()].read().result()
+    except ValueError as e:  # TensorStore reports missing, truncated and checksum-failing data as ValueError
+        raise CorruptCheckpointError(
+            f"{where(leaf=meta.path, path=path, process=ctx.process_index)}: reading box {b.box} failed: {e}. "
+            f"Run `checkpointer verify {path}` for a full report."
+        ) from e
+
+
+def _read_leaf(storage: Storage, path: str, meta: ArrayMetadata, lt: Any, lp: LeafRestorePlan, ctx: ReadContext) -> dict[int, object]:
+    """Reads every unique box of one leaf as planned and puts it on the devices that hold it.
+
+    Returns {device id: single-device jax.Array}, or {-1: numpy array} for a host target.
+    Host memory in use stays within the budget: a box is read, cast, put on its
+    devices and dropped before the next one; a box the plan split into slabs is read
+    slab by slab into a donated device buffer.
+
+    Only damage is reported as CorruptCheckpointError (missing, truncated or
+    checksum-failing data, from `_read` or TensorStore); any other exception is a bug
+    or a device failure and propagates as itself.
+    """
+    store = None
+    if not _read.fast_path_supported(meta.dtype):
+        try:
+            store = _read.open_zarr_array(storage, path, meta).result()
+        except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
+            raise CorruptCheckpointError(
+                f"{where(leaf=meta.path, path=path, process=ctx.process_index)}: cannot open the zarr array: {e}. "
+                f"Run `checkpointer verify {path}`."
+            ) from e
+        _check_stored(store, meta, path)
+    # Where each device's piece goes: the device, in the target's memory kind (so a
+    # target in pinned_host memory gets host-offloaded arrays).
+    devices: dict[int, jax.sharding.Sharding] = {}
+    if lt.sharding is not None:
+        addressable: set[Any] = lt.sharding.addressable_devices  # Any: jaxlib has no stubs for Device
+        memory_kind = lt.sharding.memory_kind
+        devices = {d.id: jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in addressable}
+    dtype = lt.dtype if lt.dtype is not None else meta.dtype
+    out: dict[int, object] = {}
+    for b in lp.boxes:
+        bufs = None
+        for slab in b.slabs or (b,):
+            # A slab in flight costs up to three copies of its bytes in host memory: the
+            # file reads, the assembled host box and (on CPU) the device staging copy.
+            cost = slab.bytes_needed * ctx.copies_in_flight
+            ctx.budget.acquire(cost)
+            try:
+                host = _read_host(storage, path, meta, slab, store, ctx)
+                if lt.dtype is not None:
+                    with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
+                        host = host.astype(lt.dtype)
+                if lt.sharding is None:
+                    out[-1] = host
+                elif not b.slabs:
+                    # The first device may adopt the host buffer without a copy (CPU);
+                    # every other device gets its own copy, so that donating one
+                    # device's buffer can never change another's.
+                    first, *rest = b.device_ids
+                    out[first] = jax.device_put(host, devices[first])
+                    for d in rest:
+                        out[d] = jax.device_put(out[first], devices[d])
+                else:
+                    if bufs is None:
+                        bufs = {d: jnp.zeros(b.box.shape, dtype, device=devices[d]) for d in b.device_ids}
+                    offsets = tuple(s.start for s in slab.box.relative_to(b.box))
+                    for d in b.device_ids:
+                        bufs[d] = _update(bufs[d], jax.device_put(host, devices[d]), offsets)
+                        bufs[d].block_until_ready()
+                del host
+            finally:
+                ctx.budget.release(cost)
+        if bufs is not None:
+            out.update(bufs)
+    return out
+
+
+def _assemble(meta: ArrayMetadata, lt: Any, placed: dict[int, Any], exchange_spec: PartitionSpec | None = None) -> object:
+    """The leaf's global array from its single-device pieces: on the target sharding,
+    or (`exchange_spec` given) the raw stored array in the exchange layout over the
+    target's mesh, for the exchange."""
+    if lt.sharding is None:
+        out = placed[-1]
+    else:
+        sharding = lt.sharding
+        if exchange_spec is not None:
+            assert isinstance(sharding, NamedSharding)
+            sharding = NamedSharding(sharding.mesh, exchange_spec, memory_kind=sharding.memory_kind)
+        addressable: set[Any] = lt.sharding.addressable_devices  # Any: jaxlib has no stubs for Device
+        devices = sorted(addressable, key=lambda d: d.id)
+        out = jax.make_array_from_single_device_arrays(meta.shape, sharding, [placed[d.id] for d in devices])
+        if exchange_spec is not None:
+            return out  # wrapped as a key (if it is one) after the exchange
+    return jax.random.wrap_key_data(out, impl=meta.key_impl) if meta.key_impl is not None else out
+
+
+_T = TypeVar("_T")
+
+
+def _with_x64(x64: bool, fn: Callable[..., _T], *args: object) -> _T:
+    with jax.enable_x64(x64):
+        return fn(*args)
+
+
+class ZarrArrayEncoding(LeafEncoding):
+    """A leaf in its own zarr v3 array (`sharding_indexed` + `crc32c`), one zarr shard
+    file per chunk."""
+
+    name = "zarr_array"
+
+    def stores(self, meta: ArrayMetadata) -> bool:
+        return not meta.packed
+
+    def plan(self, meta: ArrayMetadata, by_box: Mapping[Box, Sequence[int]], *, slab_bytes: int | None = None) -> LeafRestorePlan:
+        return plan_array_leaf(meta, by_box, slab_bytes=slab_bytes)
+
+    def plan_share(
+        self, meta: ArrayMetadata, mine: Sequence[tuple[int, Box]], holders: Mapping[Box, frozenset[int]],
+        process_index: int, *, slab_bytes: int | None = None,
+    ) -> LeafRestorePlan:
+        # Exchange boxes of different processes are disjoint: each reads the inner
+        # chunks of its own (an inner chunk two boxes cut is read by both: the grain).
+        by_box: dict[Box, list[int]] = {}
+        for d, box in mine:
+            by_box.setdefault(box, []).append(d)
+        return plan_array_leaf(meta, by_box, slab_bytes=slab_bytes)
+
+    def files(self, meta: ArrayMetadata, boxes: Iterable[Box]) -> Iterator[tuple[str, int]]:
+        size = meta.layout.file_bytes
+        seen: set[str] = set()
+        for box in sorted(set(boxes)):
+            for chunk in grid_cells(box, meta.chunk_shape):
+                key = _format.chunk_key(meta.path, chunk)
+                if key not in seen:
+                    seen.add(key)
+                    yield key, size
+
+    def check_files(self, storage: Storage, path: str, leaves: Sequence[tuple[ArrayMetadata, Sequence[Box]]]) -> None:
+        for meta, boxes in leaves:
+            _read.check_chunk_files(storage, path, meta, (key for key, _ in self.files(meta, boxes)))
+
+    def start_restore(self, storage: Storage, path: str, items: Sequence[Item], ctx: ReadContext) -> Callable[[], dict[str, object]]:
+        read_leaf = functools.partial(_with_x64, ctx.x64, _read_leaf)
+        if ctx.leaf_pool is None:
+            done = {m.path: _assemble(m, lt, read_leaf(storage, path, m, lt, lp, ctx), lp.exchange_spec) for m, lt, lp in items}
+            return lambda: done
+        futures = [(m, lt, lp, ctx.leaf_pool.submit(read_leaf, storage, path, m, lt, lp, ctx)) for m, lt, lp in items]
+
+        def finish() -> dict[str, object]:
+            return {m.path: _assemble(m, lt, f.result(), lp.exchange_spec) for m, lt, lp, f in futures}
+
+        return finish
+
+    def chunk_count(self, meta: ArrayMetadata) -> int:
+        return math.prod(-(-s // c) for s, c in zip(meta.shape, meta.chunk_shape)) if math.prod(meta.shape) else 0
+
+    def verify(self, storage: Storage, path: str, metas: Sequence[ArrayMetadata], ctx: VerifyContext) -> None:
+        """Decodes every chunk through TensorStore (which checks the crc32c of each inner
+        chunk and of each shard index) and compares it with its writer's record."""
+        for m in metas:
+            store = None
+            for cell in grid_cells(Box.whole(m.shape), m.chunk_shape):
+                key, n = _format.chunk_key(m.path, cell), 0
+                try:
+                    if store is None:
+                        store = _read.open_zarr_array(storage, path, m).result()
+                    data = store[cell_box(cell, m.chunk_shape, m.shape).slices()].read().result()
+                    n = data.nbytes
+                    rec = ctx.chunks.get(key)
+                    if rec is None:
+                        ctx.problems.append(f"leaf {m.path!r}: chunk {key} is not in any process record")
+                    elif rec.data_crc32c != _format.data_crc32c(data):
+                        ctx.problems.append(f"leaf {m.path!r}: chunk {key} decodes to bytes whose crc32c differs from the writer's record")
+                except Exception as e:  # every failure is a finding, keep going
+                    ctx.problems.append(f"leaf {m.path!r}: chunk {key}: {str(e).splitlines()[0]}")
+                ctx.done(1, n)
+
+    def region_reader(self, storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:
+        return _read.region_reader(storage, path, meta)
+
+    def replicated_files(self, record: ProcessRecord) -> list[str]:
+        pack = record.packed.key if record.packed is not None else None
+        return list(dict.fromkeys(c.key for c in record.chunks if c.data_bytes != 0 and c.key != pack))
