@@ -22,7 +22,7 @@ import checkpointer as ckpt
 from checkpointer import _format
 from checkpointer._encoding import ENCODINGS, LeafEncoding, encoding_of
 from checkpointer._format._box import Box
-from checkpointer._storage._backends import storage_for
+from checkpointer._storage._kvstore import storage_for
 
 
 def _zarr_byte(path, meta):
