@@ -12,9 +12,11 @@ import inspect
 import pathlib
 import tomllib
 
+import numpy as np
 import pytest
 
 import checkpointer as ckpt
+from checkpointer._restore._options import RestoreOptions
 from checkpointer._save._options import SaveOptions
 from test_fresh_restore import NOT_FOR_RESTORE
 
@@ -139,3 +141,22 @@ def test_the_module_map_names_every_module(doc, heading):
     rows = _map_rows((ROOT / doc).read_text(), heading)
     modules = _modules_of_the_package()
     assert rows == modules, f"{doc}: missing {sorted(modules - rows)}, not in the package {sorted(rows - modules)}"
+
+
+def test_restore_signatures_keywords_equal_the_restore_options_fields():
+    from checkpointer._restore._pipeline import restore_from
+
+    fields = {f.name for f in dataclasses.fields(RestoreOptions)}
+    assert _keywords(ckpt.restore) == fields
+    assert _keywords(ckpt.CheckpointManager.restore) == fields
+    assert _keywords(ckpt.plan_restore) == fields - {"stats"} | {"process_index", "processes"}
+    assert list(inspect.signature(restore_from).parameters) == ["storage", "path", "target", "options"]
+
+
+def test_restore_options_check_their_values_once_for_every_entry_point(tmp_path):
+    path = str(tmp_path / "1")
+    ckpt.save(path, {"w": np.arange(4.0)})
+    for bad in ({"max_inflight_bytes": 0}, {"max_inflight_bytes": True}, {"cooperative": "yes"}):
+        for call in (lambda: ckpt.restore(path, **bad), lambda: ckpt.plan_restore(path, None, **bad)):
+            with pytest.raises(ValueError, match=next(iter(bad))):
+                call()

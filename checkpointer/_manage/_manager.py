@@ -4,6 +4,7 @@ restore from either tier, status. Listing and following steps: `_reader`."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import operator
 import os
@@ -18,7 +19,7 @@ from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
 from .._format import PyTree, metadata_json, metrics_json, read_metadata
 from .._memory import HostBufferPool
-from .._restore import restore as _restore
+from .._restore import RestoreOptions, restore_from
 from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
 from .._storage import storage_for
 from . import _tier_manager
@@ -504,20 +505,18 @@ class CheckpointManager(StatusReporting):
 
         Multi-process: every process calls it.
         """
+        options = RestoreOptions(partial, missing, max_inflight_bytes, stats, cooperative)
         if self._tiers is not None:
             resume = None if self.read_only else self._resume_replication
             tree, source, durable_bytes = self._tiers.restore(
-                None if step is None else _as_step(step), target, latest_durable=self.latest_step(),
-                durable_path=self._read_path, resume=resume, partial=partial, missing=missing,
-                max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=False,
+                None if step is None else _as_step(step), target, dataclasses.replace(options, cooperative=False),
+                latest_durable=self.latest_step(), durable_path=self._read_path, resume=resume,
             )
             with self._mu:
                 self._last_restore = (source, durable_bytes)
             return tree
-        return _restore(
-            self._read_path(step), target, partial=partial, missing=missing, max_inflight_bytes=max_inflight_bytes,
-            stats=stats, cooperative=cooperative,
-        )
+        storage, path = storage_for(self._read_path(step))
+        return restore_from(storage, path, target, options)
 
     def _resume_replication(self, step: int, generation: str, overwrite: bool) -> None:
         """After resuming from a local-only step: replicate it (the writer's lock first)."""

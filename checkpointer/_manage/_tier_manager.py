@@ -21,7 +21,7 @@ from .. import _commit, _coord, _encoding, _storage
 from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
-from .._restore import resolve_tree, restore_from
+from .._restore import RestoreOptions, resolve_tree, restore_from
 from .._save import Snapshot, manifest_bytes, release_host, write_snapshot
 from .._storage import Storage
 from . import _tiers
@@ -287,15 +287,11 @@ class LocalTier:
         self,
         step: int | None,
         target: object,
+        options: RestoreOptions,
         *,
         latest_durable: int | None,
         durable_path: Callable[[int], str],
         resume: Callable[[int, str, bool], None] | None,
-        partial: bool,
-        missing: str,
-        max_inflight_bytes: int | None,
-        stats: RestoreStats | None,
-        cooperative: bool,
     ) -> tuple[PyTree, str, int]:
         """Restores from the local tier where it can (see `CheckpointManager.restore`).
 
@@ -304,7 +300,7 @@ class LocalTier:
           process's local tier), "local+durable" or "durable".
         """
         if step is None:
-            needed = self._needed_keys(target, partial, missing)
+            needed = self._needed_keys(target, options.partial, options.missing)
             votes = _tiers.agree(
                 self.directory, lambda: _tiers.local_restore_proposal(self.storage, self.root, latest_durable, needed),
                 self.commit_timeout_s,
@@ -319,8 +315,7 @@ class LocalTier:
                 view = _tiers.TieredStorage(
                     self.storage, f"{self.root}/{step}", self.durable, f"{self.directory}/{step}", durable_committed=False,
                 )
-                tree = restore_from(view, f"{self.directory}/{step}", target, partial=partial, missing=missing,
-                                    max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative)
+                tree = restore_from(view, f"{self.directory}/{step}", target, options)
                 if resume is not None:
                     marker = _tiers.read_marker(self.storage, f"{self.root}/{step}")
                     resume(step, generation, bool(marker and marker.overwrite))
@@ -338,14 +333,14 @@ class LocalTier:
         if marker is not None and marker.generation == _tiers.durable_generation(self.durable, self.directory, step):
             view = _tiers.TieredStorage(self.storage, f"{self.root}/{step}", self.durable, path, durable_committed=True)
             try:
-                tree = restore_from(view, path, target, partial=partial, missing=missing,
-                                    max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative)
+                tree = restore_from(view, path, target, options)
                 only_local = view.durable_bytes_read == 0 and not view.used_durable_kvstore
                 return tree, ("local" if only_local else "local+durable"), view.durable_bytes_read
             except CorruptCheckpointError as e:
                 log.warning("the local copy of step %d in %s is damaged (%s); reading it from %s", step, self.root, e, path)
-        stats = RestoreStats() if stats is None else stats
-        before = stats.bytes_read
-        tree = restore_from(self.durable, path, target, partial=partial, missing=missing,
-                            max_inflight_bytes=max_inflight_bytes, stats=stats, cooperative=cooperative)
-        return tree, "durable", stats.bytes_read - before
+        if options.stats is None:
+            options = dataclasses.replace(options, stats=RestoreStats())
+        assert options.stats is not None
+        before = options.stats.bytes_read
+        tree = restore_from(self.durable, path, target, options)
+        return tree, "durable", options.stats.bytes_read - before

@@ -2,8 +2,9 @@
 and its agreement, per-process state.
 """
 
+from ._options import RestoreOptions
 from ._pipeline import plan_restore, restore, restore_from
 from ._process_state import per_process_state
 from ._targets import resolve_target, resolve_tree
 
-__all__ = ['per_process_state', 'plan_restore', 'resolve_target', 'resolve_tree', 'restore', 'restore_from']
+__all__ = ['RestoreOptions', 'per_process_state', 'plan_restore', 'resolve_target', 'resolve_tree', 'restore', 'restore_from']

@@ -27,9 +27,11 @@ from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoin
 from .._format import ArrayMetadata, CheckpointMetadata, PyTree, ValueMetadata, read_metadata, rebuild
 from .._storage import Storage, storage_for
 from . import _agreement
+from ._options import RestoreOptions
 from ._plan import build_plan
 from ._targets import ResolvedTarget, resolve_tree
 
+_DEFAULT_OPTIONS = RestoreOptions()
 log = logging.getLogger("checkpointer")
 
 DEFAULT_MAX_INFLIGHT_BYTES = 1 << 30
@@ -133,39 +135,22 @@ def restore(
     target; they agree through the coordination service before reading and after
     (a process that cannot restore makes every process raise), then exchange.
     """
+    options = RestoreOptions(partial, missing, max_inflight_bytes, stats, cooperative)
     storage, path = storage_for(path)
-    return restore_from(
-        storage, path, target, partial=partial, missing=missing, max_inflight_bytes=max_inflight_bytes,
-        stats=stats, cooperative=cooperative,
-    )
+    return restore_from(storage, path, target, options)
 
 
-def restore_from(
-    storage: Storage,
-    path: str,
-    target: object = None,
-    *,
-    partial: bool = False,
-    missing: str = "error",
-    max_inflight_bytes: int | None = None,
-    stats: RestoreStats | None = None,
-    cooperative: bool = True,
-) -> PyTree:
+def restore_from(storage: Storage, path: str, target: object = None, options: RestoreOptions = _DEFAULT_OPTIONS) -> PyTree:
     """`restore` of `path` read through `storage` (the two tiers' view of a step, see
-    `_tiers.TieredStorage`). Arguments, result and errors as for `restore`.
+    `_tiers.TieredStorage`), `options` its keyword arguments. Result and errors as for
+    `restore`.
 
     Multi-process: as `restore`.
     """
-    if max_inflight_bytes is not None and (
-        isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 1
-    ):
-        raise ValueError(f"max_inflight_bytes must be a positive int (bytes) or None, got {max_inflight_bytes!r}")
-    if not isinstance(cooperative, bool):
-        raise ValueError(f"cooperative must be True or False, got {cooperative!r}")
-    stats = RestoreStats() if stats is None else stats
+    stats = RestoreStats() if options.stats is None else options.stats
     t0 = time.perf_counter()
-    if cooperative and jax.process_count() > 1:
-        result = _restore_cooperative(storage, path, target, partial, missing, max_inflight_bytes, stats)
+    if options.cooperative and jax.process_count() > 1:
+        result = _restore_cooperative(storage, path, target, options, stats)
         if result is not _NOT_SHARED:
             stats.elapsed_s = time.perf_counter() - t0
             return result
@@ -176,7 +161,7 @@ def restore_from(
         before = _marker(storage, path)
         try:
             stats.attempts += 1
-            result, ok = _restore_once(storage, path, target, partial, missing, max_inflight_bytes, stats), True
+            result, ok = _restore_once(storage, path, target, options, stats), True
         except (CorruptCheckpointError, OSError):
             # Files that vanish under the reader (the folder renamed away by retention,
             # then removed) surface as either; only the marker tells damage from deletion.
@@ -196,15 +181,7 @@ def restore_from(
 _NOT_SHARED = object()  # `_restore_cooperative`: no box is shared, restore plainly
 
 
-def _restore_cooperative(
-    storage: Storage,
-    path: str,
-    target: object,
-    partial: bool,
-    missing: str,
-    max_inflight_bytes: int | None,
-    stats: RestoreStats,
-) -> PyTree:
+def _restore_cooperative(storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats) -> PyTree:
     """The collective restore (see `restore`); `_NOT_SHARED` when no box is shared.
 
     Round 1 (agree on path, commit marker and target) before any chunk is read; round
@@ -218,9 +195,7 @@ def _restore_cooperative(
     try:
         if before is None:
             raise CheckpointNotFoundError(f"no committed checkpoint at {path} (process {pidx}): its commit marker is absent")
-        meta, resolved, plan, budget = _prepare(
-            storage, path, target, partial, missing, max_inflight_bytes, stats, cooperative=True
-        )
+        meta, resolved, plan, budget = _prepare(storage, path, target, options, stats, cooperative=True)
     except BaseException as e:
         # The others may be about to cooperate on this restore: let them fail at once.
         _agreement.refuse(_agreement.next_ticket(), path, e)
@@ -228,7 +203,7 @@ def _restore_cooperative(
     if not plan.cooperative:
         return _NOT_SHARED
     ticket = _agreement.next_ticket()
-    _agreement.agree(ticket, path, before.decode("utf-8", "replace"), _agreement.target_description(resolved, partial, missing))
+    _agreement.agree(ticket, path, before.decode("utf-8", "replace"), _agreement.target_description(resolved, options.partial, options.missing))
     stats.attempts += 1
     stats.plan = plan
     try:
@@ -274,28 +249,19 @@ def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
 
 
 def _prepare(
-    storage: Storage,
-    path: str,
-    target: object,
-    partial: bool,
-    missing: str,
-    max_inflight_bytes: int | None,
-    stats: RestoreStats,
-    *,
-    cooperative: bool = False,
+    storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats, *, cooperative: bool = False
 ) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
     """Reads the manifest, resolves the target and plans this process's reads (no chunk I/O)."""
     with _memory.paused():  # many small objects: no full collections over the heap meanwhile
-        return _prepare_paused(storage, path, target, partial, missing, max_inflight_bytes, stats, cooperative)
+        return _prepare_paused(storage, path, target, options, stats, cooperative)
 
 
 def _prepare_paused(
-    storage: Storage, path: str, target: object, partial: bool, missing: str, max_inflight_bytes: int | None,
-    stats: RestoreStats, cooperative: bool,
+    storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats, cooperative: bool
 ) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
-    resolved = resolve_tree(meta, target, partial=partial, process_index=pidx, missing=missing, cooperative=cooperative)
+    resolved = resolve_tree(meta, target, partial=options.partial, process_index=pidx, missing=options.missing, cooperative=cooperative)
     stats.kept_from_target = resolved.kept_keystrs
     if resolved.kept_keystrs:
         log.info(
@@ -307,21 +273,13 @@ def _prepare_paused(
         if lt is not None and lt.sharding is not None and isinstance(m, ArrayMetadata) and m.key_impl is None:
             _check_device_dtype(m, lt.dtype if lt.dtype is not None else m.dtype, path)
     _check_files(storage, path, resolved)
-    budget = _Budget(max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES)
+    budget = _Budget(options.max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES)
     plan = build_plan(resolved, path, slab_bytes=budget.limit // _COPIES_IN_FLIGHT, cooperative=cooperative)
     return meta, resolved, plan, budget
 
 
-def _restore_once(
-    storage: Storage,
-    path: str,
-    target: object,
-    partial: bool,
-    missing: str,
-    max_inflight_bytes: int | None,
-    stats: RestoreStats,
-) -> PyTree:
-    meta, resolved, plan, budget = _prepare(storage, path, target, partial, missing, max_inflight_bytes, stats)
+def _restore_once(storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats) -> PyTree:
+    meta, resolved, plan, budget = _prepare(storage, path, target, options, stats)
     stats.plan = plan
     results, _ = _read_all(storage, path, resolved, plan, budget, stats)
     return _finish(meta, resolved, path, results)
@@ -454,12 +412,13 @@ def plan_restore(
 
     Multi-process: pure; any process may call it alone.
     """
+    options = RestoreOptions(partial, missing, max_inflight_bytes, None, cooperative)
     storage, path = storage_for(path)
     meta = read_metadata(storage, path)
     pidx = jax.process_index() if process_index is None else process_index
-    coop = cooperative and (jax.process_count() if processes is None else processes) > 1
+    coop = options.cooperative and (jax.process_count() if processes is None else processes) > 1
     resolved = resolve_tree(
-        meta, target, partial=partial, process_index=pidx, processes=processes, missing=missing, cooperative=coop
+        meta, target, partial=options.partial, process_index=pidx, processes=processes, missing=options.missing, cooperative=coop
     )
-    slab_bytes = (max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES) // _COPIES_IN_FLIGHT
+    slab_bytes = (options.max_inflight_bytes or DEFAULT_MAX_INFLIGHT_BYTES) // _COPIES_IN_FLIGHT
     return build_plan(resolved, path, slab_bytes=slab_bytes, cooperative=coop)
