@@ -139,3 +139,18 @@ def test_the_readme_snippet_of_the_managers_questions_runs_as_written(tmp_path):
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (the README's own snippet)
     assert scope["best"] == 2
     assert scope["steps"] == [2, 3]
+
+
+@pytest.mark.multiprocess
+def test_every_process_gets_the_same_answers_and_deletes_together(tmp_path):
+    from multiprocess import WORKERS, describe_all, run_processes
+
+    d = tmp_path / "run"
+    results = run_processes(WORKERS / "questions_worker.py", 2, 1, {"directory": str(d)}, timeout_s=180)
+    info = describe_all(results)
+    for r in results:
+        got = r.record("answers")
+        assert (got["best"], got["metrics"], got["metadata"]) == (2, {"loss": 0.2}, {"epoch": 2}), info
+        assert got["after_delete"] == [1, 3], info  # process 0 deleted before either returned
+        assert got["absent"][0] == "CheckpointNotFoundError" and "step 7 is not a committed step" in got["absent"][1], info
+    assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) == ["1", "3"]

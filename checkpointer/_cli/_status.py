@@ -18,11 +18,11 @@ UNREADABLE = 3
 def _cmd_status(args, ui: _UI) -> int:
     try:
         status = _manage.read_status(args.directory)
-    except CheckpointError as e:  # one checkpoint, not a directory of steps
-        raise UsageError(str(e)) from e
-    except OSError as e:
+    except OSError as e:  # missing, not a directory, no permission (CheckpointNotFoundError too)
         sys.stderr.write(f"{PROG}: error: cannot read {args.directory}: {type(e).__name__}: {' '.join(str(e).split())}\n")
         return UNREADABLE
+    except CheckpointError as e:  # one checkpoint, not a directory of steps
+        raise UsageError(str(e)) from e
     problems = status.problems(max_lag_steps=args.max_lag_steps, max_age_s=args.max_age_s)
     if ui.json_mode:
         ui.json({**status.to_json(), "ok": not problems, "problems": problems})

@@ -27,12 +27,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .. import _commit, _coord, _format, _tools
 from .._commit import SAVE_JOURNAL
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._storage import Storage, storage_for
 from . import _events
+
+if TYPE_CHECKING:
+    from .._save import Snapshot
 
 log = logging.getLogger("checkpointer")
 
@@ -73,6 +77,18 @@ class RunJournal:
             self._submit(lambda: _tools.append_journal_line(self.storage, self.directory, entry, replaces=REQUESTED))
         except RuntimeError:  # the manager is closing: note it here
             _tools.append_journal_line(self.storage, self.directory, entry, replaces=REQUESTED)
+
+    def save_over(self, step: int, snap: Snapshot, *, commit_lag_s: float | None, commit_lag_steps: int,
+                  error: BaseException | None) -> None:
+        """A save of the manager is over: its failure noted, or its figures recorded as
+        `jax.monitoring` events (`_events`)."""
+        if error is not None:
+            self.failed(step, error)
+            return
+        durable = snap.phases_unix_s.get("durable")
+        _events.save_committed(write_s=snap.write_s, commit_s=None if durable is None else time.time() - durable[1],
+                               commit_lag_s=commit_lag_s, commit_lag_steps=commit_lag_steps,
+                               bytes_written=snap.bytes_written)
 
     def failed(self, step: int | None, error: BaseException) -> None:
         """A save of `step` failed on this process: noted now, and a `jax.monitoring` event."""
@@ -156,6 +172,8 @@ def _journal_tail(storage: Storage, directory: str) -> list[dict]:
     path = f"{directory}/{SAVE_JOURNAL}"
     try:
         size = storage.size(path)
+        if size <= 0:
+            return []
         start = max(0, size - TAIL_BYTES)
         data = storage.read_range(path, start, size - start)
     except (FileNotFoundError, CheckpointNotFoundError):

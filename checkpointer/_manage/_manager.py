@@ -244,15 +244,9 @@ class CheckpointManager(StepQuestions, StatusReporting):
         self._finished(step, snap, handle.commit_s, handle.error)
 
     def _finished(self, step: int, snap: Snapshot, commit_lag_s: float | None, error: BaseException | None) -> None:
-        """A save over: its failure noted in the journal, or its figures as events."""
-        if error is not None:
-            self._journal.failed(step, error)
-            return
-        durable = snap.phases_unix_s.get("durable")
         with self._mu:
-            lag = max(0, (self._last_requested_step or step) - step)
-        _events.save_committed(write_s=snap.write_s, commit_s=None if durable is None else time.time() - durable[1],
-                               commit_lag_s=commit_lag_s, commit_lag_steps=lag, bytes_written=snap.bytes_written)
+            lag_steps = max(0, (self._last_requested_step or step) - step)
+        self._journal.save_over(step, snap, commit_lag_s=commit_lag_s, commit_lag_steps=lag_steps, error=error)
 
     # --- save ---------------------------------------------------------------------------
 
@@ -477,11 +471,6 @@ class CheckpointManager(StepQuestions, StatusReporting):
                 log.error("while closing after an exception: %s", e)
 
     # --- retention ----------------------------------------------------------------------
-
-    def _newest_created_unix_s(self) -> float | None:
-        """The newest committed step's creation time (for `save_interval_s`), or None."""
-        folders = _commit.committed_folders(self.storage, self.directory)
-        return self._created_unix_s(max(folders), folders) if folders else None
 
     def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
         def in_flight() -> set[int]:

@@ -108,6 +108,11 @@ class StepQuestions(StepReader):
         with self._mu:
             return self._created_cache.get(step)
 
+    def _newest_created_unix_s(self) -> float | None:
+        """The newest committed step's creation time (for `save_interval_s`), or None."""
+        folders = _commit.committed_folders(self.storage, self.directory)
+        return self._created_unix_s(max(folders), folders) if folders else None
+
     def _forget(self, step: int) -> None:
         with self._mu:
             self._metrics_cache.pop(step, None)
