@@ -72,6 +72,7 @@ def test_an_async_failure_and_a_refused_snapshot_are_noted_too(tmp_path, monkeyp
 def test_the_step_handed_to_save_is_noted_at_most_every_10_s(tmp_path):
     d = str(tmp_path / "run")
     with ckpt.CheckpointManager(d, async_save=False) as mgr:
+        mgr.recover()  # the writer's directory exists
         journal = mgr._journal
         for step, now in [(1, 1000.0), (2, 1005.0), (3, 1009.9), (4, 1010.0), (5, 1015.0), (6, 1031.0)]:
             journal.requested(step, now_unix_s=now)
@@ -91,7 +92,9 @@ def test_notes_do_not_disturb_the_timeline_of_the_journal(tmp_path):
 def _quiet_console():
     from rich.console import Console
 
-    return Console(file=open(os.devnull, "w"), width=200)
+    import io
+
+    return Console(file=io.StringIO(), width=200)
 
 
 # --- checkpointer status -------------------------------------------------------------------
