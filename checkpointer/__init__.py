@@ -43,7 +43,21 @@ from ._errors import (
 if TYPE_CHECKING:  # THE TABLE: each lazy public name and the package that exports it
     from ._encoding import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan, RestoreStats
     from ._format import ArrayMetadata, Box, CheckpointMetadata, SavedSharding, ValueMetadata, metadata
-    from ._manage import CheckpointManager, KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps, ManagerStatus
+    from ._manage import (
+        CheckpointManager,
+        DirectoryStatus,
+        KeepAny,
+        KeepBest,
+        KeepEvery,
+        KeepEverySeconds,
+        KeepLatest,
+        KeepNewerThan,
+        KeepPolicy,
+        KeepSteps,
+        ManagerStatus,
+        SaveFailure,
+        read_status,
+    )
     from ._memory import release_host_buffers
     from ._restore import per_process_state, plan_restore, restore
     from ._save import AsyncSave, LeafAssignment, ProcessWrites, SavePlan, plan_save, save, save_async

@@ -54,7 +54,8 @@ def test_manager_run_timeline_phases_are_ordered_and_disjoint(run_dir):
     snaps = [p for p in phases if p.name == "snapshot"]
     assert snaps[0].end_unix_s <= snaps[1].start_unix_s
     lines = Path(run_dir, _directory.SAVE_JOURNAL).read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
+    phase_lines = [json.loads(line) for line in lines if "phases_unix_s" in json.loads(line)]  # beside the manager's notes
+    assert [entry["step"] for entry in phase_lines] == [1, 2, 3]
     assert _directory.foreign_entries(storage_for(run_dir)[0], run_dir) == []  # the journal is the directory's own
 
 
@@ -173,3 +174,43 @@ def test_records_without_the_wait_for_arrays_phase_still_draw(tmp_path):
     png = tmp_path / "old.png"
     _timeline.render_png(phases, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- records it cannot draw (issue 22 item 7) ------------------------------------------------
+
+
+def _edit_phases(run_dir, step, pidx, phases):
+    path = Path(run_dir, str(step), "processes", f"{pidx}.json")
+    rec = json.loads(path.read_text())
+    rec["phases_unix_s"] = {**rec["phases_unix_s"], **phases}
+    path.write_text(json.dumps(rec))
+
+
+@pytest.mark.parametrize("value", [1e308, -1e308, 1e300])
+def test_cli_timeline_shows_a_timestamp_it_cannot_draw_as_such(run_dir, capsys, value):
+    _edit_phases(run_dir, 3, 0, {"snapshot": [value, value]})
+    png = os.path.join(os.path.dirname(run_dir), "odd.png")
+    code = _cli.main(["timeline", run_dir, "--png", png])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "step 2:" in out and "step 3:" in out  # both still drawn
+    assert f"step 3, process 0: snapshot [{value!r}, {value!r}] cannot be drawn" in out, out
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _cli.main(["timeline", run_dir, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [value, value] in [[p["start_unix_s"], p["end_unix_s"]] for p in doc["phases"]]  # listed as read
+
+
+def test_a_step_whose_every_phase_is_undrawable_is_named_and_the_others_drawn():
+    from rich.console import Console
+
+    odd = [_timeline.Phase(7, 0, name, 1e308, 1e308) for name in ("snapshot", "write")]
+    ok = _timeline.save_phases(8, {0: _record(0, (10, 11), (11, 12), (12, 13))}, {}, None, {})
+    console = Console(record=True, width=160)
+    _timeline.render_text(odd + ok, console)
+    text = console.export_text()
+    assert "step 7: no phase can be drawn" in text
+    assert "step 7, process 0: write [1e+308, 1e+308] cannot be drawn" in text
+    assert "step 8: training blocked 1.000 s" in text
+    with pytest.raises(ValueError, match="no save phases to draw"):
+        _timeline.render_png(odd, "unused.png")

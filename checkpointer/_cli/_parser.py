@@ -11,6 +11,7 @@ from ._conversion import _cmd_export, _cmd_import_orbax
 from ._gc import _cmd_gc
 from ._inspection import _cmd_inspect, _cmd_ls, _cmd_timeline
 from ._planning import _cmd_plan, _cmd_plan_save
+from ._status import _cmd_status
 from ._ui import PROG
 
 _SPEC_RULE = """\
@@ -37,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argparse parser of `checkpointer` (subcommands ls, inspect, plan, verify, gc, drill)."""
+    """The argparse parser of `checkpointer` (subcommands ls, inspect, plan, verify, gc, drill, status, ...)."""
     from .._format import library_version
 
     parser = _Parser(
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect, plan, verify and clean up checkpointer checkpoints.",
         epilog="DIR is a manager's directory (step folders inside), PATH one checkpoint (DIR/<step>); either is a local "
         "path or a file://, gs:// or s3:// URL. Exit status: 0 ok; 1 verify or drill found problems, or an operation "
-        "failed; 2 usage error or no such checkpoint.",
+        "failed; 2 usage error or no such checkpoint (status: 3 DIR unreadable).",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {library_version()}")
     parser.add_argument("--traceback", action="store_true", help="on an error, raise it with its traceback")
@@ -150,6 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=_positive_int, default=60, metavar="COLS", help="characters per bar (default 60)")
     p.set_defaults(func=_cmd_timeline)
 
+    p = sub.add_parser("status", parents=[common], help="probe a directory in use: newest step, lag, failures",
+                       description="Read the state of a manager's directory while its writer runs, without any lock: "
+                       "the newest committed step and its age (from its manifest), the step in flight, the commit lag "
+                       "(the last step the writer handed to save, noted at most every 10 s, minus the newest committed) "
+                       "and the last failed save (from DIR/.checkpointer-journal.jsonl). For a cron job or a Kubernetes "
+                       "probe. Exit status: 0 ok; 1 a bound crossed, or a save failed and none committed since; "
+                       "2 usage error; 3 DIR cannot be read.")
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--max-lag-steps", type=_non_negative_int, metavar="N", help="alert when the commit lag exceeds N steps")
+    p.add_argument("--max-age-s", type=_positive_seconds, metavar="S", help="alert when the newest committed step is "
+                   "older than S seconds (or there is none)")
+    p.set_defaults(func=_cmd_status)
+
     p = sub.add_parser("import-orbax", parents=[common], help="convert an Orbax checkpoint into a checkpointer checkpoint",
                        description="Read the Orbax PyTree checkpoint at SRC (an item folder holding _METADATA, or a "
                        "CheckpointManager step folder with one item) through TensorStore, OCDBT or plain zarr, and "
@@ -188,6 +202,26 @@ def _positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
     return n
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
+    return n
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        s = 0.0
+    if not 0 < s < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return s
 
 
 def _parse_bytes(text: str) -> int:

@@ -7,6 +7,7 @@ keep unpublished, then removed)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Mapping
 
 from .. import _commit
@@ -25,6 +26,7 @@ def maintain(
     metrics: Callable[[int, Mapping[int, str]], Mapping[str, object]] | None = None,
     protect: Callable[[], Collection[int]] = frozenset,
     remove: Callable[[str], object] | None = None,
+    created: Callable[[int, Mapping[int, str]], float | None] | None = None,
 ) -> tuple[list[str], list[int]]:
     """Cleans up the directory of steps `directory`, then applies retention. The caller
     is the directory's only writer (it holds the writer's lock where `storage` has locks).
@@ -40,6 +42,8 @@ def maintain(
         once the metrics are read.
       remove: removes what is left of an unpublished step (e.g. on a deleter thread, so
         a commit is announced without waiting for the bytes to go); None: at once.
+      created: `created(step, folders)`, the manifest's creation time of `step` (None:
+        unknown), read only for a policy by time (`keep.uses_times`).
     Returns:
       The folder names the recovery removed or rolled forward, and the steps retention removed.
 
@@ -56,7 +60,8 @@ def maintain(
     if not steps:
         return done, []
     saved = {s: metrics(s, folders) if metrics is not None else {} for s in steps}
-    kept = set(keep.keep(steps, saved)) | {steps[-1]} | set(protect())
+    times = {s: created(s, folders) if created is not None else None for s in steps} if keep.uses_times else {}
+    kept = set(keep.keep_at(steps, saved, times, time.time())) | {steps[-1]} | set(protect())
     removed = [s for s in steps if s not in kept]
     for s in removed:
         # Unpublishing is instant: the step leaves every listing before its bytes go.

@@ -17,16 +17,19 @@ from types import TracebackType
 from .. import _commit, _coord, _encoding, _storage, _tools
 from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
-from .._format import PyTree, metadata_json, metrics_json, read_metadata
+from .._format import PyTree, metadata_json, metrics_json
 from .._memory import HostBufferPool
 from .._restore import RestoreOptions, restore_from
 from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
 from .._storage import storage_for
-from . import _tier_manager
+from . import _events, _tier_manager
+from ._alerts import RunJournal
 from ._lock import DirectoryLock, take_lock
 from ._maintenance import maintain
 from ._policies import KeepLatest, KeepPolicy
+from ._questions import StepQuestions
 from ._status import StatusReporting
+from ._time_policies import SaveClock
 
 log = logging.getLogger("checkpointer")
 
@@ -47,15 +50,19 @@ def _write_rate(snap: Snapshot) -> float | None:
     return snap.bytes_written / snap.write_s if snap.write_s > 0 and snap.bytes_written else None
 
 
-class CheckpointManager(StatusReporting):
+class CheckpointManager(StepQuestions, StatusReporting):
     """Saves steps of a training run into `directory`, keeps what the policy says.
 
     Args:
       directory: local path or kvstore URL; created if missing.
-      keep: retention policy (`KeepLatest`, `KeepEvery`, `KeepBest`, `KeepSteps`, or a
-        union with `|`); the newest committed step is always kept.
+      keep: retention policy (`KeepLatest`, `KeepEvery`, `KeepBest`, `KeepSteps`,
+        `KeepEverySeconds`, `KeepNewerThan`, or a union with `|`); the newest committed
+        step is always kept.
       save_interval_steps: `save(step)` writes only when `step % save_interval_steps == 0`
         (or `force=True`).
+      save_interval_s: also (with the step rule) only when at least this many seconds
+        passed since the last save written (or the newest committed step's creation),
+        by process 0's clock, agreed by every process (None: no time rule).
       async_save: write and commit on a background thread (the default) or in `save`.
       commit_timeout_s: how long process 0 waits for every process's report, seconds.
       max_saves_in_flight: saves allowed in flight at once (1 bounds host memory to one
@@ -108,6 +115,7 @@ class CheckpointManager(StatusReporting):
         local_directory: str | os.PathLike | None = None,
         keep_local: KeepPolicy = KeepLatest(1),
         pack_small_leaves_bytes: int | None = None,
+        save_interval_s: float | None = None,
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -141,16 +149,20 @@ class CheckpointManager(StatusReporting):
         self._last: dict[str, float | None] = dict.fromkeys(("snapshot_s", "wait_s", "write_s", "commit_s", "write_bytes_per_s"))
         self._snapshot_history_s: list[float] = []
         self._metrics_cache: dict[int, dict] = {}
+        self._created_cache: dict[int, float | None] = {}
         self._closed = False
         # The previous snapshot's host buffers, reused by the next one (warm memory
         # copies about twice as fast as fresh pages); released by close().
         self._buffers = HostBufferPool()
         self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-gc")
+        self._journal = RunJournal(self.storage, self.directory, is_primary=self._is_primary, submit=self._deleter.submit)
+        self._clock = None if save_interval_s is None else SaveClock(
+            save_interval_s, self.directory, agreement_timeout_s, first_unix_s=self._newest_created_unix_s)
         self._last_restore: tuple[str | None, int | None] = (None, None)
         self._tiers: _tier_manager.LocalTier | None = None
         if local_directory is not None:
-            if not isinstance(keep_local, KeepPolicy):
-                raise TypeError(f"keep_local must be a retention policy (e.g. ckpt.KeepLatest(1)), got {keep_local!r}")
+            if not isinstance(keep_local, KeepPolicy) or keep_local.uses_times:
+                raise TypeError(f"keep_local must be a retention policy by step (e.g. ckpt.KeepLatest(1)), got {keep_local!r}")
             self._tiers = _tier_manager.LocalTier(
                 local_directory, self.storage, self.directory, keep_local=keep_local,
                 commit_timeout_s=commit_timeout_s, limiter=self._write_limiter,
@@ -217,6 +229,7 @@ class CheckpointManager(StatusReporting):
         with self._mu:
             self._pending_error = error
             self._last_error = f"step {step}: {type(error).__name__}: {error}"
+        self._journal.failed(step, error)
 
     def _on_finish(self, step: int, handle: AsyncSave) -> None:
         snap = handle.snapshot
@@ -228,6 +241,12 @@ class CheckpointManager(StatusReporting):
                 self._pending_error = handle.error
                 self._last_error = f"step {step}: {type(handle.error).__name__}: {handle.error}"
                 log.error("checkpoint of step %d failed: %s", step, handle.error)
+        self._finished(step, snap, handle.commit_s, handle.error)
+
+    def _finished(self, step: int, snap: Snapshot, commit_lag_s: float | None, error: BaseException | None) -> None:
+        with self._mu:
+            lag_steps = max(0, (self._last_requested_step or step) - step)
+        self._journal.save_over(step, snap, commit_lag_s=commit_lag_s, commit_lag_steps=lag_steps, error=error)
 
     # --- save ---------------------------------------------------------------------------
 
@@ -284,6 +303,8 @@ class CheckpointManager(StatusReporting):
         step = _as_step(step)
         if not force and not self.should_save(step):
             return False
+        if not force and self._clock is not None and not self._clock.due(step):
+            return False
         if not force and step in self.all_steps():
             raise CheckpointExistsError(
                 f"step {step} is already committed in {self.directory}; pass force=True to replace it atomically"
@@ -308,7 +329,14 @@ class CheckpointManager(StatusReporting):
             agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
             pack_small_leaves_bytes=self._pack_bytes,
         )
-        snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers)
+        try:
+            snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers)
+        except Exception as e:
+            self._journal.failed(step, e)
+            raise
+        if self._clock is not None:
+            self._clock.saved()
+        _events.save_blocked(snap.snapshot_s)
         snap.write_limiter = self._write_limiter
         if self._tiers is not None:
             snap = self._tiers.local_snapshot(snap)
@@ -316,8 +344,9 @@ class CheckpointManager(StatusReporting):
             self._last["snapshot_s"], self._last["wait_s"] = snap.snapshot_s, wait_s
             self._snapshot_history_s.append(snap.snapshot_s)
             self._last_requested_step = step
-            if metrics:
-                self._metrics_cache[step] = dict(metrics)
+            self._metrics_cache[step] = dict(metrics)  # a replaced step's old metrics go
+            self._created_cache.pop(step, None)
+        self._journal.requested(step)
         if self._tiers is not None:
             self._save_two_tiers(step, snap)
         elif self.async_save:
@@ -345,6 +374,7 @@ class CheckpointManager(StatusReporting):
         except BaseException as e:
             with self._mu:
                 self._last_error = f"step {step}: {type(e).__name__}: {e}"
+            self._journal.failed(step, e)
             raise
         tiers.enqueue(step, snap.generation, snap.overwrite).result()
         with self._mu:
@@ -358,10 +388,12 @@ class CheckpointManager(StatusReporting):
         except BaseException as e:
             with self._mu:
                 self._last_error = f"step {step}: {type(e).__name__}: {e}"
+            self._journal.failed(step, e)
             raise
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
             self._last["write_bytes_per_s"] = _write_rate(snap)
+        self._finished(step, snap, self._last["commit_s"], None)
 
     def _retention_after(self, step: int, snap: Snapshot | None = None) -> Callable[[], object] | None:
         """The callback process 0 runs after committing `step`, before telling the others:
@@ -440,15 +472,6 @@ class CheckpointManager(StatusReporting):
 
     # --- retention ----------------------------------------------------------------------
 
-    def _metrics(self, step: int, folders: Mapping[int, str]) -> dict:
-        if step not in self._metrics_cache:
-            try:
-                meta = read_metadata(self.storage, self._read_path(step, folders))
-                self._metrics_cache[step] = dict(meta.user_metadata.get("metrics", {}))
-            except CheckpointError:
-                self._metrics_cache[step] = {}
-        return self._metrics_cache[step]
-
     def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
         def in_flight() -> set[int]:
             with self._mu:
@@ -457,9 +480,10 @@ class CheckpointManager(StatusReporting):
         # Removing the bytes of an unpublished step (a GiB takes a while) runs on the
         # deleter thread, so it does not delay the commit being announced.
         _, removed = maintain(self.storage, self.directory, recover=False, keep=self.keep, metrics=self._metrics,
-                              protect=in_flight, remove=lambda path: self._deleter.submit(self._remove, path))
+                              protect=in_flight, remove=lambda path: self._deleter.submit(self._remove, path),
+                              created=self._created_unix_s)
         for s in removed:
-            self._metrics_cache.pop(s, None)
+            self._forget(s)
         return removed
 
     def _remove(self, path: str) -> None:
@@ -505,7 +529,14 @@ class CheckpointManager(StatusReporting):
 
         Multi-process: every process calls it.
         """
+        stats = RestoreStats() if stats is None else stats  # its figures become events
         options = RestoreOptions(partial, missing, max_inflight_bytes, stats, cooperative)
+        t0 = time.perf_counter()
+        tree = self._restore(step, target, options)
+        _events.restored(time.perf_counter() - t0, stats.bytes_read)
+        return tree
+
+    def _restore(self, step: int | None, target: object, options: RestoreOptions) -> PyTree:
         if self._tiers is not None:
             resume = None if self.read_only else self._resume_replication
             tree, source, durable_bytes = self._tiers.restore(

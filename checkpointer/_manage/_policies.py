@@ -1,7 +1,8 @@
 """Retention policies: which committed steps a `CheckpointManager` keeps.
 
 A policy maps the committed steps (and their metrics) to the steps it keeps; `a | b`
-keeps a step if either keeps it. The manager always keeps the newest committed step,
+keeps a step if either keeps it. Policies by time (`_time_policies`) also read each
+step's creation time (`keep_at`). The manager always keeps the newest committed step,
 whatever the policy says, so a resume point always exists.
 """
 
@@ -28,6 +29,21 @@ class KeepPolicy:
         """
         raise NotImplementedError
 
+    # A policy that reads creation times sets this (the manager then reads them).
+    uses_times = False
+
+    def keep_at(
+        self,
+        steps: Sequence[int],
+        metrics: Mapping[int, Mapping[str, object]],
+        created_unix_s: Mapping[int, float | None],
+        now_unix_s: float,
+    ) -> set[int]:
+        """`keep`, given also each step's creation time (the manifest's
+        `created_unix_s`, seconds since the epoch; None when unknown) and the time now.
+        Policies by step ignore the times."""
+        return self.keep(steps, metrics)
+
     def __or__(self, other: KeepPolicy) -> KeepAny:
         if not isinstance(other, KeepPolicy):
             return NotImplemented
@@ -44,6 +60,22 @@ class KeepAny(KeepPolicy):
         out: set[int] = set()
         for p in self.policies:
             out |= p.keep(steps, metrics)
+        return out
+
+    @property
+    def uses_times(self) -> bool:  # type: ignore[override]  # a property over the class attribute
+        return any(p.uses_times for p in self.policies)
+
+    def keep_at(
+        self,
+        steps: Sequence[int],
+        metrics: Mapping[int, Mapping[str, object]],
+        created_unix_s: Mapping[int, float | None],
+        now_unix_s: float,
+    ) -> set[int]:
+        out: set[int] = set()
+        for p in self.policies:
+            out |= p.keep_at(steps, metrics, created_unix_s, now_unix_s)
         return out
 
     def __or__(self, other: KeepPolicy) -> KeepAny:

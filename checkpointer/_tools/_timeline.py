@@ -18,7 +18,10 @@ Sources, all written by the saves themselves (nothing here writes a committed st
   other processes are told of the commit, so their `wait` ends with it.
 
 `read_timeline` turns them into `Phase`s (pure given the files); `render_text` draws
-them in a terminal with rich, `render_png` with matplotlib.
+them in a terminal with rich, `render_png` with matplotlib. Records are read as they
+are: a phase whose times are not a wall-clock time between 1970 and 9999
+(`drawable`, e.g. a timestamp of 1e308) is left out of the bars and the headline and
+shown as a value that cannot be drawn.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ _STYLE = {"wait_for_arrays": "cyan", "snapshot": "red", "write": "yellow", "dura
 _CHAR = {"wait_for_arrays": "a", "snapshot": "S", "write": "W", "durable": "D", "wait": ".", "commit": "C", "retention": "R"}
 # Characters of the text table outside the bar: the process column and one per phase.
 _TEXT_COLUMNS = 10 + sum(max(len(n), 6) + 2 for n in PHASES)
+# Wall-clock times the drawing places on a bar: 1970-01-01 to 9999-12-31 (what datetime
+# can show); anything else in a record (1e308, a negative time) is shown as such.
+_DRAWABLE_UNIX_S = (0.0, 253402300800.0)
 _COLOR = {"wait_for_arrays": "#9edae5", "snapshot": "#d62728", "write": "#ffbf00", "durable": "#2ca02c", "wait": "#c7c7c7", "commit": "#1f77b4",
           "retention": "#9467bd"}
 
@@ -72,6 +78,12 @@ class Phase:
     def duration_s(self) -> float:
         return max(0.0, self.end_unix_s - self.start_unix_s)
 
+    @property
+    def drawable(self) -> bool:
+        """Whether both ends are wall-clock times a bar can show (1970 to 9999)."""
+        lo, hi = _DRAWABLE_UNIX_S
+        return lo <= self.start_unix_s <= hi and lo <= self.end_unix_s <= hi
+
 
 # --- the journal ---------------------------------------------------------------------------
 
@@ -86,7 +98,20 @@ def append_journal(storage: Storage, directory: str, *, step: int | None, genera
 
     Multi-process: process 0 of the writing manager only.
     """
-    line = json.dumps({"step": step, "generation": generation, "phases_unix_s": phases_json(phases_unix_s)}) + "\n"
+    append_journal_line(storage, directory, {"step": step, "generation": generation,
+                                             "phases_unix_s": phases_json(phases_unix_s)})
+
+
+def append_journal_line(storage: Storage, directory: str, entry: Mapping[str, object], *,
+                        replaces: str | None = None) -> None:
+    """Appends one JSON object as a line of the directory's journal (see `append_journal`).
+
+    Lines of other kinds than a save's phases carry an `"event"` name and no
+    `"generation"` (`read_journal` skips them). Object stores rewrite the whole journal:
+    there, with `replaces`, earlier lines of that event are dropped (a periodic note
+    keeps only its newest line instead of pushing the phases out).
+    """
+    line = json.dumps(dict(entry), allow_nan=False) + "\n"
     path = f"{directory}/{JOURNAL}"
     try:
         if isinstance(storage, LocalStorage):
@@ -97,8 +122,10 @@ def append_journal(storage: Storage, directory: str, *, step: int | None, genera
                 os.close(fd)
             return
         old = storage.read_file(path, max_bytes=MAX_JOURNAL_BYTES).decode() if storage.exists(path) else ""
-        lines = (old.splitlines(keepends=True) + [line])[-MAX_JOURNAL_LINES:]
-        storage.write_file(path, "".join(lines).encode())
+        lines = old.splitlines(keepends=True)
+        if replaces is not None:
+            lines = [ln for ln in lines if f'"event": "{replaces}"' not in ln]
+        storage.write_file(path, "".join((lines + [line])[-MAX_JOURNAL_LINES:]).encode())
     except (OSError, ValueError) as e:
         log.warning("could not append to the save journal %s: %s", path, e)
 
@@ -300,7 +327,6 @@ def render_text(phases: Sequence[Phase], console, *, width: int = 60) -> None:
     """Prints one bar per process and step on a rich `console`, time running left to
     right from the step's first phase (each step on its own scale). The bar is at most
     `width` characters, fewer when the console is too narrow for it and the durations."""
-    from rich.table import Table
     from rich.text import Text
 
     width = max(10, min(width, console.width - _TEXT_COLUMNS))
@@ -309,31 +335,47 @@ def render_text(phases: Sequence[Phase], console, *, width: int = 60) -> None:
     for name in PHASES:
         legend.append(f"{_CHAR[name]} {name}  ", style=_STYLE[name])
     console.print(legend)
-    for step, ps in _by_step(phases).items():
-        s = step_summary(ps)
-        t0 = min(p.start_unix_s for p in ps)
-        span = max(s.total_s, 1e-9)
-        table = Table(title=_headline(step, s), title_justify="left", show_edge=False, pad_edge=False, box=None)
-        table.add_column("process", justify="right", no_wrap=True)
-        table.add_column(f"0 … {span:.3f} s", no_wrap=True)
-        for name in PHASES:
-            table.add_column(name, justify="right", no_wrap=True, style=_STYLE[name])
-        for pidx in sorted({p.process_index for p in ps}):
-            mine = [p for p in ps if p.process_index == pidx]
-            cells = [" "] * width
-            # A phase shorter than a cell still shows as one character: the longest are
-            # drawn first, so a short snapshot between a long wait and write stays visible.
-            for p in sorted(mine, key=lambda p: -p.duration_s):
-                a = min(width - 1, int((p.start_unix_s - t0) / span * width))
-                b = max(a + 1, min(width, int(round((p.end_unix_s - t0) / span * width))))
-                for i in range(a, b):
-                    cells[i] = p.name
-            bar = Text()
-            for c in cells:
-                bar.append(_CHAR[c] if c != " " else " ", style=_STYLE.get(c, ""))
-            durations = {p.name: p.duration_s for p in mine}
-            table.add_row(str(pidx), bar, *(f"{durations[n]:.3f}" if n in durations else "" for n in PHASES))
-        console.print(table)
+    for step, every in _by_step(phases).items():
+        ps = [p for p in every if p.drawable]
+        odd = [p for p in every if not p.drawable]
+        if not ps:
+            console.print(Text(f"step {step}: no phase can be drawn"))
+        else:
+            _render_step(step, ps, console, width)
+        for p in odd:
+            console.print(Text(f"  step {step}, process {p.process_index}: {p.name} [{p.start_unix_s!r}, "
+                               f"{p.end_unix_s!r}] cannot be drawn (not a wall-clock time between 1970 and 9999)"))
+
+
+def _render_step(step: int | None, ps: Sequence[Phase], console, width: int) -> None:
+    """One step's table: a bar per process of its (drawable) phases."""
+    from rich.table import Table
+    from rich.text import Text
+
+    s = step_summary(ps)
+    t0 = min(p.start_unix_s for p in ps)
+    span = max(s.total_s, 1e-9)
+    table = Table(title=_headline(step, s), title_justify="left", show_edge=False, pad_edge=False, box=None)
+    table.add_column("process", justify="right", no_wrap=True)
+    table.add_column(f"0 … {span:.3f} s", no_wrap=True)
+    for name in PHASES:
+        table.add_column(name, justify="right", no_wrap=True, style=_STYLE[name])
+    for pidx in sorted({p.process_index for p in ps}):
+        mine = [p for p in ps if p.process_index == pidx]
+        cells = [" "] * width
+        # A phase shorter than a cell still shows as one character: the longest are
+        # drawn first, so a short snapshot between a long wait and write stays visible.
+        for p in sorted(mine, key=lambda p: -p.duration_s):
+            a = min(width - 1, int((p.start_unix_s - t0) / span * width))
+            b = max(a + 1, min(width, int(round((p.end_unix_s - t0) / span * width))))
+            for i in range(a, b):
+                cells[i] = p.name
+        bar = Text()
+        for c in cells:
+            bar.append(_CHAR[c] if c != " " else " ", style=_STYLE.get(c, ""))
+        durations = {p.name: p.duration_s for p in mine}
+        table.add_row(str(pidx), bar, *(f"{durations[n]:.3f}" if n in durations else "" for n in PHASES))
+    console.print(table)
 
 
 def render_png(phases: Sequence[Phase], out: str | os.PathLike, *, title: str | None = None) -> None:
@@ -349,7 +391,8 @@ def render_png(phases: Sequence[Phase], out: str | os.PathLike, *, title: str | 
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    steps = _by_step(phases)
+    steps = {step: drawn for step, ps in _by_step(phases).items() if (drawn := [p for p in ps if p.drawable])}
+    phases = [p for ps in steps.values() for p in ps]
     if not steps:
         raise ValueError("no save phases to draw (checkpoints written before timestamps were recorded have none)")
     n_proc = max(p.process_index for p in phases) + 1

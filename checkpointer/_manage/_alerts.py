@@ -1,0 +1,272 @@
+"""What an operator's probe asks a directory in use: how far behind is the newest
+committed step, and did a save fail (`checkpointer status`, `read_status`).
+
+The writing manager notes two things in the directory's journal
+(`DIR/.checkpointer-journal.jsonl`, beside the save phases `_timeline` reads; one JSON
+object a line, `"event"` naming the kind):
+
+```
+{"event": "save_requested", "step": 120, "unix_s": ...}   process 0, at most every
+                                                           REQUESTED_EVERY_S seconds
+{"event": "save_failed", "step": 121, "process_index": 3, "error": "CommitTimeoutError: ...", "unix_s": ...}
+                                                           each failed save, by the process it failed on
+```
+Notes are diagnostics: never fsynced, a failure to write one is logged, never raised.
+On object stores the journal is rewritten whole, so a note written by two processes at
+once may lose one of them (process 0 also fails a save another process failed, and
+notes it). `read_status` takes no lock: it lists the directory, reads the newest
+manifest and the journal's last `TAIL_BYTES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .. import _commit, _coord, _format, _tools
+from .._commit import SAVE_JOURNAL
+from .._errors import CheckpointError, CheckpointNotFoundError
+from .._storage import Storage, storage_for
+from . import _events
+
+if TYPE_CHECKING:
+    from .._save import Snapshot
+
+log = logging.getLogger("checkpointer")
+
+REQUESTED_EVERY_S = 10.0
+TAIL_BYTES = 1 << 20
+MAX_ERROR_CHARS = 2000
+REQUESTED, FAILED = "save_requested", "save_failed"
+
+
+class RunJournal:
+    """A writing manager's notes in its directory's journal (see the module).
+
+    Args:
+      storage, directory: the manager's directory.
+      is_primary: process 0 (notes the requested steps).
+      submit: runs a note off the training thread (the manager's deleter thread).
+    """
+
+    def __init__(self, storage: Storage, directory: str, *, is_primary: bool,
+                 submit: Callable[[Callable[[], None]], object]) -> None:
+        self.storage, self.directory = storage, directory
+        self.is_primary = is_primary
+        self._submit = submit
+        self._mu = threading.Lock()
+        self._noted_unix_s: float | None = None
+
+    def requested(self, step: int, *, now_unix_s: float | None = None) -> None:
+        """A save of `step` started: noted when the last note is `REQUESTED_EVERY_S` old."""
+        if not self.is_primary:
+            return
+        now = time.time() if now_unix_s is None else now_unix_s
+        with self._mu:
+            if self._noted_unix_s is not None and now - self._noted_unix_s < REQUESTED_EVERY_S:
+                return
+            self._noted_unix_s = now
+        entry = {"event": REQUESTED, "step": int(step), "unix_s": round(now, 6)}
+        try:
+            self._submit(lambda: _tools.append_journal_line(self.storage, self.directory, entry, replaces=REQUESTED))
+        except RuntimeError:  # the manager is closing: note it here
+            _tools.append_journal_line(self.storage, self.directory, entry, replaces=REQUESTED)
+
+    def save_over(self, step: int, snap: Snapshot, *, commit_lag_s: float | None, commit_lag_steps: int,
+                  error: BaseException | None) -> None:
+        """A save of the manager is over: its failure noted, or its figures recorded as
+        `jax.monitoring` events (`_events`)."""
+        if error is not None:
+            self.failed(step, error)
+            return
+        durable = snap.phases_unix_s.get("durable")
+        _events.save_committed(write_s=snap.write_s, commit_s=None if durable is None else time.time() - durable[1],
+                               commit_lag_s=commit_lag_s, commit_lag_steps=commit_lag_steps,
+                               bytes_written=snap.bytes_written)
+
+    def failed(self, step: int | None, error: BaseException) -> None:
+        """A save of `step` failed on this process: noted now, and a `jax.monitoring` event."""
+        _events.save_failed()
+        text = " ".join(f"{type(error).__name__}: {error}".split())[:MAX_ERROR_CHARS]
+        entry = {"event": FAILED, "step": step, "process_index": _coord.process_index(), "error": text,
+                 "unix_s": round(time.time(), 6)}
+        _tools.append_journal_line(self.storage, self.directory, entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveFailure:
+    """One failed save, as the journal noted it.
+
+    Attributes:
+      step: the step (None for a save without one).
+      process_index: the process it failed on.
+      error: the error, as text (type: message).
+      unix_s: when it was noted, seconds since the epoch.
+    """
+
+    step: int | None
+    process_index: int | None
+    error: str
+    unix_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectoryStatus:
+    """A manager's directory as a probe sees it (`read_status`, `checkpointer status`).
+
+    Attributes:
+      directory: the directory read.
+      latest_committed_step: the newest committed step, or None.
+      latest_created_unix_s: its manifest's creation time, or None.
+      latest_age_s: seconds since then (None without a committed step).
+      step_in_flight: the newest step being saved (POSIX: a partial folder whose save
+        holds its lock; object stores: a newer `<step>/` without marker), or None.
+      last_requested_step: the newest step a writer noted handing to `save` (noted at
+        most every 10 s), or None.
+      commit_lag_steps: `last_requested_step` minus `latest_committed_step` (0 when
+        not behind; None without a noted step).
+      last_failure: the newest failed save noted, or None.
+      failing: `last_failure` is newer than the newest committed step (no save has
+        committed since).
+    """
+
+    directory: str
+    latest_committed_step: int | None
+    latest_created_unix_s: float | None
+    latest_age_s: float | None
+    step_in_flight: int | None
+    last_requested_step: int | None
+    commit_lag_steps: int | None
+    last_failure: SaveFailure | None
+    failing: bool
+
+    def problems(self, *, max_lag_steps: int | None = None, max_age_s: float | None = None) -> list[str]:
+        """What an alert should say: the bounds crossed and a failing save ([] when ok)."""
+        out = []
+        if max_lag_steps is not None and self.commit_lag_steps is not None and self.commit_lag_steps > max_lag_steps:
+            out.append(f"commit lag {self.commit_lag_steps} steps > --max-lag-steps {max_lag_steps} (step "
+                       f"{self.last_requested_step} handed to save, {self.latest_committed_step} committed)")
+        if max_age_s is not None:
+            if self.latest_age_s is None:
+                out.append(f"no committed step in {self.directory} (--max-age-s {max_age_s:g})")
+            elif self.latest_age_s > max_age_s:
+                out.append(f"the newest committed step {self.latest_committed_step} is {self.latest_age_s:.0f} s old "
+                           f"> --max-age-s {max_age_s:g}")
+        if self.failing and self.last_failure is not None:
+            f = self.last_failure
+            out.append(f"the save of step {f.step} failed on process {f.process_index}: {f.error}")
+        return out
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _journal_tail(storage: Storage, directory: str) -> list[dict]:
+    """The journal's last `TAIL_BYTES` as objects (lines that do not parse skipped)."""
+    path = f"{directory}/{SAVE_JOURNAL}"
+    try:
+        size = storage.size(path)
+        if size <= 0:
+            return []
+        start = max(0, size - TAIL_BYTES)
+        data = storage.read_range(path, start, size - start)
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return []
+    lines = data.decode(errors="replace").splitlines()
+    if start > 0 and lines:
+        lines = lines[1:]  # cut inside
+    out = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("event"), str):
+            out.append(entry)
+    return out
+
+
+def _number(v: object) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _step(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _in_flight(storage: Storage, directory: str, names: list[str], latest: int | None) -> int | None:
+    steps = []
+    for e in _commit.entries(storage, directory, names):
+        if e.committed or _format.parse_deleting_name(e.name):
+            continue
+        if e.generation is None:  # object stores: a `<step>/` not yet committed
+            if latest is None or e.step > latest:
+                steps.append(e.step)
+        elif storage.lock_holder(f"{directory}/{e.name}{_commit.SAVE_LOCK_SUFFIX}") is not None:
+            steps.append(e.step)  # its process 0 holds the save's lock: not a crashed one
+    return max(steps) if steps else None
+
+
+def read_status(location: str | os.PathLike, *, now_unix_s: float | None = None) -> DirectoryStatus:
+    """The state of a manager's directory, for a probe (see `DirectoryStatus`).
+
+    Reads without any lock beside a running writer: one listing, the newest step's
+    manifest, the journal's tail.
+
+    Args:
+      location: a manager's directory (local path or URL).
+      now_unix_s: the time now, seconds since the epoch (for tests).
+    Returns:
+      A `DirectoryStatus`.
+    Raises:
+      FileNotFoundError: `location` does not exist.
+      NotADirectoryError: it is a file.
+      OSError: it cannot be listed or read.
+      CheckpointError: it is one checkpoint, not a directory of steps.
+
+    Multi-process: any process (or none of the job's) may call it alone.
+    """
+    storage, directory = storage_for(location)
+    if storage.supports_locks:  # a local path: tell an absent one from an empty one
+        if not os.path.exists(directory):
+            raise FileNotFoundError(f"{directory} does not exist")
+        if not os.path.isdir(directory):
+            raise NotADirectoryError(f"{directory} is not a directory")
+    names = storage.list_dir(directory)
+    if not names and not storage.is_folder(directory) and not storage.supports_locks:
+        raise FileNotFoundError(f"{directory} holds nothing: not a manager's directory")
+    if _format.COMMITTED in names:
+        raise CheckpointError(f"{directory} is one checkpoint, not a manager's directory of steps; pass its parent")
+    folders = _commit.committed_folders(storage, directory)
+    latest = max(folders) if folders else None
+    created: float | None = None
+    if latest is not None:
+        try:
+            created = _format.read_metadata(storage, f"{directory}/{folders[latest]}").created_unix_s or None
+        except CheckpointError as e:
+            log.warning("cannot read the manifest of step %d in %s: %s", latest, directory, e)
+    now = time.time() if now_unix_s is None else now_unix_s
+    requested: int | None = None
+    failure: SaveFailure | None = None
+    for entry in _journal_tail(storage, directory):
+        if entry["event"] == REQUESTED and _step(entry.get("step")) is not None:
+            requested = _step(entry.get("step"))
+        elif entry["event"] == FAILED:
+            failure = SaveFailure(_step(entry.get("step")), _step(entry.get("process_index")), str(entry.get("error")),
+                                  _number(entry.get("unix_s")) or 0.0)
+    if requested is None:
+        lag = None
+    else:
+        lag = requested if latest is None else max(0, requested - latest)
+    failing = failure is not None and (created is None or failure.unix_s > created)
+    return DirectoryStatus(
+        directory=directory, latest_committed_step=latest, latest_created_unix_s=created,
+        latest_age_s=None if created is None else max(0.0, now - created), step_in_flight=_in_flight(storage, directory, names, latest),
+        last_requested_step=requested, commit_lag_steps=lag, last_failure=failure, failing=failing,
+    )
