@@ -339,6 +339,23 @@ def test_processes_that_disagree_raise_within_seconds_and_write_nothing(tmp_path
     assert not (tmp_path / "absent").exists() or _listing(tmp_path / "absent") == []
 
 
+@pytest.mark.multiprocess
+def test_a_process_that_fails_before_the_managers_snapshot_refuses_and_later_saves_stay_in_step(tmp_path):
+    """Process 1 fails in `CheckpointManager.save`'s own checks (a metadata value), before
+    the snapshot that numbers the save: process 0 raises at once naming it, and the
+    next save still pairs with the same save on process 1 and commits."""
+    args = {"directory": str(tmp_path), "cases": ["manager_refused", "agreed"], "agreement_timeout_s": 3}
+    results = run_processes(WORKERS / "agreement_worker.py", 2, 2, args, timeout_s=150)
+    got = [{rec["case"]: rec for rec in r.records if rec["event"] == "case"} for r in results]
+    info = describe_all(results)
+    refused0, refused1 = got[0]["manager_refused"], got[1]["manager_refused"]
+    assert refused1["type"] == "UnsupportedValueError" and "metadata['extra']" in refused1["message"], (refused1, info)
+    assert refused0["type"] == "SaveAgreementError" and "process 1 (" in refused0["message"], (refused0, info)
+    assert "UnsupportedValueError" in refused0["message"] and "did not arrive" not in refused0["message"], refused0
+    assert [g["agreed"]["type"] for g in got] == [None, None], info
+    assert ckpt.verify(str(tmp_path / "agreed" / "1")).ok
+
+
 # --- 8. an evaluation job follows a writer --------------------------------------------------
 
 

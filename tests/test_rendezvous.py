@@ -166,6 +166,23 @@ def test_process_0_absent_is_named_by_the_others():
     assert got[1][0] == "SaveAgreementError" and "(process 1): process 0 did not arrive within 0.2 s" in got[1][1], got
 
 
+def test_a_process_that_gave_up_on_process_0_makes_process_0_fail_when_it_comes():
+    """Process 1 raised a timeout (for a commit: "nothing was committed"); process 0,
+    arriving later, must not find every proposal there and go ahead (commit) without it."""
+    kv = FakeKV()
+    went_ahead = []
+
+    def body(i):
+        r = _round(kv, i, 2, _differ("v"), timeout_s=0.2 if i == 1 else 5, timeout_error=CommitTimeoutError)
+        return r.agree({"v": 1}, outcome=lambda got: went_ahead.append(sorted(got)) or "committed")
+
+    got = _run(2, body, delays={0: 0.6})
+    assert got[1][0] == "CommitTimeoutError" and "(process 1): process 0 did not arrive within 0.2 s" in got[1][1], got
+    assert went_ahead == [] and got[0][0] == "SaveAgreementError", got
+    assert "refused: process 1: CommitTimeoutError" in got[0][1] and "process 0 did not arrive" in got[0][1], got
+    assert _wait_deleted(kv) == []  # the withdrawal counts as process 1's acknowledgement
+
+
 def test_details_are_asked_of_one_process_per_difference():
     kv = FakeKV()
     asked = []

@@ -193,6 +193,30 @@ def test_failed_overwrite_keeps_the_old_checkpoint(run_dir, monkeypatch, rename_
     _assert_is(ckpt.restore(f"{run_dir}/1"), 1.0)
 
 
+def test_an_overwrite_whose_old_checkpoint_cannot_be_put_back_keeps_the_new_one_for_recovery(run_dir, monkeypatch):
+    # The old step moved aside, the new one not moved in, the old one not put back: the
+    # failed save must not remove its (committed) partial folder as well, or recovery,
+    # which removes `.deleting-` folders, would leave neither.
+    real, calls = LocalStorage.rename, []
+
+    def rename(self, src, dst):
+        calls.append((src, dst))
+        if len(calls) in (2, 3):
+            raise _os_error(errno.EIO, dst)
+        return real(self, src, dst)
+
+    monkeypatch.setattr(LocalStorage, "rename", rename)
+    with pytest.raises(ckpt.SaveError, match=r"committing .*/1 failed"):
+        ckpt.save(f"{run_dir}/1", _tree(5.0), overwrite=True)
+    monkeypatch.undo()
+    assert len(calls) == 3 and "1" not in os.listdir(run_dir)
+    with ckpt.CheckpointManager(run_dir) as mgr:
+        mgr.recover()
+    names = os.listdir(run_dir)
+    assert "1" in names and not [n for n in names if ".partial-" in n or ".deleting-" in n], names
+    _assert_is(ckpt.restore(f"{run_dir}/1"), 5.0)
+
+
 def test_a_failure_after_the_commit_is_not_reported_as_a_failed_save(run_dir, monkeypatch, caplog):
     # Once `<step>/` is in place the checkpoint is committed: failing to fsync the parent
     # or to delete the replaced checkpoint is logged, never a SaveError ("nothing committed").

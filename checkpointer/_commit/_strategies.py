@@ -123,7 +123,12 @@ class RenameCommit(CommitStrategy):
         if replaced is not None:
             self.storage.delete_tree(replaced)
 
-    def discard_path(self, path: str, generation: str) -> str:
+    def discard_path(self, path: str, generation: str) -> str | None:
+        # The step moved aside by this save and not put back (both renames of `publish`
+        # failed): the committed partial folder is all that holds the step now, for
+        # recovery to roll forward; never remove it too.
+        if os.path.lexists(_format.deleting_name(path, generation)) and not os.path.lexists(path):
+            return None
         return self.write_path(path, generation)
 
     def unpublish(self, path: str) -> str:

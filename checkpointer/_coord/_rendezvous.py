@@ -9,7 +9,8 @@ a generation, ...); its keys, all under `checkpointer/K/`:
 ```
 p/<i>        process i's proposal, a JSON object; {"refused": "<error>", ...} when it
              cannot take part (it raises its own error; every other process raises
-             the round's error naming it)
+             the round's error naming it); a process that gives up waiting for
+             process 0 replaces its proposal by such a refusal
 verdict      process 0's answer: "ok:<payload>" | "error:<message>" | "timeout:<message>"
              | "details:[i, ...]"
 detail/<i>   after "details": process i's full description (one process per distinct
@@ -397,19 +398,40 @@ class Round:
             return body
         raise (self.timeout_error if kind == "timeout" else self.error)(body)
 
+    def _posted(self, i: int) -> bool:
+        try:
+            self._client.key_value_try_get(self._key("p", i))  # raises when absent
+        except Exception:
+            return False
+        return True
+
+    def _withdraw(self, error: BaseException) -> None:
+        """Replaces this process's proposal by a refusal (the store does not overwrite
+        a key: deleted, then set). Best effort: never raises."""
+        self._mine = {**self._mine, "refused": error_text(error)}
+        try:
+            self._client.key_value_delete(self._key("p", self.index))
+            self._client.key_value_set(self._key("p", self.index), json.dumps(self._mine))
+        except Exception:
+            pass
+
     def _wait_verdict(self) -> str:
         key = self._key("verdict")
         try:
             return self._client.blocking_key_value_get(key, int(self.timeout_s * 1000))
         except Exception as e:
             error = e
-        try:
-            self._client.key_value_try_get(self._key("p", 0))  # raises when absent
-        except Exception:
-            raise self.timeout_error(
+        if not self._posted(0):
+            late = self.timeout_error(
                 f"{self.what} (process {self.index}): process 0 did not {self.arrive} within "
                 f"{self.timeout_s:g} s{self.timeout_name} ({error}).{self._hint()}"
-            ) from error
+            )
+            # This process gives up: withdraw its proposal, so that process 0, when it
+            # comes, sees a refusal instead of going ahead (committing) without it.
+            # Process 0 arriving meanwhile may have seen either: its verdict then counts.
+            self._withdraw(late)
+            if not self._posted(0):
+                raise late from error
         wait_s = self.timeout_s + self.verdict_margin_s
         try:  # process 0 is there: it answers within its own timeout
             return self._client.blocking_key_value_get(key, int(wait_s * 1000))

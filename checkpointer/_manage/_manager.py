@@ -298,37 +298,44 @@ class CheckpointManager(StepQuestions, StatusReporting):
         """
         if self._closed:
             raise CheckpointError(f"the CheckpointManager of {self.directory} is closed")
-        self._ensure_writer()
-        self._raise_pending()
-        step = _as_step(step)
-        if not force and not self.should_save(step):
-            return False
-        if not force and self._clock is not None and not self._clock.due(step):
-            return False
-        if not force and step in self.all_steps():
-            raise CheckpointExistsError(
-                f"step {step} is already committed in {self.directory}; pass force=True to replace it atomically"
+        try:
+            self._ensure_writer()
+            self._raise_pending()
+            step = _as_step(step)
+            if not force and not self.should_save(step):
+                return False
+            if not force and self._clock is not None and not self._clock.due(step):
+                return False
+            if not force and step in self.all_steps():
+                raise CheckpointExistsError(
+                    f"step {step} is already committed in {self.directory}; pass force=True to replace it atomically"
+                )
+            user_metadata = metadata_json(metadata, self.step_path(step))
+            if "metrics" in user_metadata:
+                raise UnsupportedValueError(
+                    f"metadata['metrics'] for step {step} of {self.directory}: the key 'metrics' holds the manager's "
+                    "metrics= (KeepBest reads it); pass metrics=... or rename the metadata key"
+                )
+            metrics = metrics_json(metrics, self.step_path(step))
+            if metrics:
+                user_metadata["metrics"] = metrics
+            t0 = time.perf_counter()
+            self._wait_for_room()
+            if self._tiers is not None:
+                self._tiers.wait_for_room(step)
+            wait_s = time.perf_counter() - t0
+            self._raise_pending()
+            options = SaveOptions(
+                metadata=user_metadata, overwrite=force, commit_timeout_s=self.commit_timeout_s,
+                agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
+                pack_small_leaves_bytes=self._pack_bytes,
             )
-        user_metadata = metadata_json(metadata, self.step_path(step))
-        if "metrics" in user_metadata:
-            raise UnsupportedValueError(
-                f"metadata['metrics'] for step {step} of {self.directory}: the key 'metrics' holds the manager's "
-                "metrics= (KeepBest reads it); pass metrics=... or rename the metadata key"
-            )
-        metrics = metrics_json(metrics, self.step_path(step))
-        if metrics:
-            user_metadata["metrics"] = metrics
-        t0 = time.perf_counter()
-        self._wait_for_room()
-        if self._tiers is not None:
-            self._tiers.wait_for_room(step)
-        wait_s = time.perf_counter() - t0
-        self._raise_pending()
-        options = SaveOptions(
-            metadata=user_metadata, overwrite=force, commit_timeout_s=self.commit_timeout_s,
-            agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
-            pack_small_leaves_bytes=self._pack_bytes,
-        )
+        except BaseException as e:
+            # Before the snapshot (which takes the save's number itself): a process that
+            # fails here alone (the writer's lock, a listing, a value) must still take the
+            # number and refuse it, or every later save would pair with another's.
+            _commit.refuse(_commit.next_ticket(), f"{self.directory}/{step}", e)
+            raise
         try:
             snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers)
         except Exception as e:

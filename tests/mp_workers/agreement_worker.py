@@ -51,6 +51,12 @@ def run(case):
         ckpt.save(f"{d}/refused/1", tree(extra=object() if me == 1 else 0), agreement_timeout_s=args["agreement_timeout_s"])
     elif case == "refused0":  # process 0 itself cannot store a leaf: it gives the verdict
         ckpt.save(f"{d}/refused0/1", tree(extra=object() if me == 0 else 0), agreement_timeout_s=args["agreement_timeout_s"])
+    elif case == "manager_refused":  # process 1 fails in the manager's own checks, before the snapshot
+        mgr = ckpt.CheckpointManager(f"{d}/manager_refused", agreement_timeout_s=args["agreement_timeout_s"])
+        try:
+            mgr.save(1, tree(), metadata={"extra": object()} if me == 1 else None)
+        finally:
+            mgr.close()
     elif case == "agreed":  # the saves after all those failures still line up and commit
         ckpt.save(f"{d}/agreed/1", tree(), agreement_timeout_s=args["agreement_timeout_s"])
     elif case == "absent":  # process 1 never calls save
