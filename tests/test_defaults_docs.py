@@ -84,7 +84,7 @@ def test_ls_says_a_managers_first_save_or_recover_removes_crashed_saves(tmp_path
     assert _cli.main(["ls", str(run)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "its first save or recover() does" in out and "opening this directory does" not in out, out
-    mgr = ckpt.CheckpointManager(str(run), save_on_preemption=False)  # what the text says: opening removes nothing
+    mgr = ckpt.CheckpointManager(str(run))  # what the text says: opening removes nothing
     assert (run / "2.partial-20260101000000-aaaaaaaa").exists()
     mgr.recover()
     assert not (run / "2.partial-20260101000000-aaaaaaaa").exists()
