@@ -115,8 +115,8 @@ def _cmd_ls(args, ui: _UI) -> int:
         if writing:
             ui.line(f"{writing} partial folder(s) are saves in flight (their save holds its lock).")
         if crashed:
-            ui.line(f"{crashed} partial folder(s) are crashed saves: readers never remove them; a CheckpointManager "
-                    f"opening this directory does, and so does `{PROG} gc {args.directory}`"
+            ui.line(f"{crashed} partial folder(s) are crashed saves: readers never remove them (nor does opening a "
+                    f"CheckpointManager); its first save or recover() does, and so does `{PROG} gc {args.directory}`"
                     + (" once the manager holding it closes." if holder else "."))
     elif holder:
         ui.line(f"A CheckpointManager holds this directory ({holder}): partial folders may be saves in flight.")

@@ -7,6 +7,7 @@ strategies (rename or marker), the step catalog, and a directory's step folders
 from ._agreement import DEFAULT_AGREEMENT_TIMEOUT_S, agree, next_ticket, proposal, refuse
 from ._catalog import add_entry
 from ._directory import (
+    FINISHED_NAME,
     LOCK_NAME,
     SAVE_JOURNAL,
     SAVE_LOCK_SUFFIX,
@@ -24,4 +25,4 @@ from ._directory import (
 from ._publish import Commit, commit_round
 from ._strategies import strategy_for
 
-__all__ = ['Commit', 'DEFAULT_AGREEMENT_TIMEOUT_S', 'LOCK_NAME', 'SAVE_JOURNAL', 'SAVE_LOCK_SUFFIX', 'StepEntry', 'add_entry', 'agree', 'commit_round', 'committed_folders', 'committed_steps', 'delete_step', 'entries', 'foreign_entries', 'next_ticket', 'plan_recovery', 'proposal', 'recover', 'refuse', 'repair', 'strategy_for', 'unpublish_step']
+__all__ = ['Commit', 'DEFAULT_AGREEMENT_TIMEOUT_S', 'FINISHED_NAME', 'LOCK_NAME', 'SAVE_JOURNAL', 'SAVE_LOCK_SUFFIX', 'StepEntry', 'add_entry', 'agree', 'commit_round', 'committed_folders', 'committed_steps', 'delete_step', 'entries', 'foreign_entries', 'next_ticket', 'plan_recovery', 'proposal', 'recover', 'refuse', 'repair', 'strategy_for', 'unpublish_step']

@@ -7,6 +7,7 @@ DIR/<step>.deleting-<generation>/ an old copy being replaced (force=True, POSIX)
 DIR/.checkpointer-gc.json        object stores: when recovery first saw each
                                  marker-less <step>/ unchanged (see `recover`)
 DIR/.checkpointer-journal.jsonl  the after-commit phases of each save (`_timeline`)
+DIR/.checkpointer-finished.json  the writer closed with finished=True (`_manage/_follow`)
 ```
 On object stores a save writes `<step>/` directly, so a `<step>/` without marker is a
 save in flight or a crashed one, and nothing tells the two apart but time.
@@ -30,12 +31,13 @@ log = logging.getLogger("checkpointer")
 
 # Object stores: a marker-less <step>/ is removed once recovery has seen it unchanged
 # for this long. Far longer than a save takes to commit after its last object lands
-# (the default commit timeout is 600 s), so a live save is never removed under itself.
+# (the default commit timeout is 60 s), so a live save is never removed under itself.
 OBJECT_STORE_GC_GRACE_S = 3600.0
 GC_JOURNAL = ".checkpointer-gc.json"
 LOCK_NAME = ".checkpointer.lock"  # the writer's directory lock (POSIX)
 SAVE_JOURNAL = ".checkpointer-journal.jsonl"  # after-commit phases of each save (`_timeline`)
-_OWN_FILES = frozenset({GC_JOURNAL, LOCK_NAME, SAVE_JOURNAL, _catalog.CATALOG})
+FINISHED_NAME = ".checkpointer-finished.json"  # the run is over (`close(finished=True)`, `_manage/_follow`)
+_OWN_FILES = frozenset({GC_JOURNAL, LOCK_NAME, SAVE_JOURNAL, FINISHED_NAME, _catalog.CATALOG})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,6 +79,14 @@ class RestoreStats:
     kept_from_target: tuple[str, ...] = ()
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
+    def __repr__(self) -> str:
+        """The figures, and the plan as a summary (a plan lists every chunk read)."""
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr and f.name != "plan"]
+        plan = "None" if self.plan is None else (
+            f"<RestorePlan: {len(self.plan.leaves)} leaves, {len(self.plan.reads)} chunk reads, "
+            f"{self.plan.bytes_read} bytes>")
+        return f"RestoreStats({', '.join(shown)}, plan={plan})"
+
     def _add(self, bytes_read: int, chunk_reads: int = 0) -> None:
         with self._lock:
             self.bytes_read += bytes_read

@@ -24,9 +24,11 @@ from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snaps
 from .._storage import storage_for
 from . import _events, _tier_manager
 from ._alerts import RunJournal
+from ._follow import clear_finished, write_finished
 from ._lock import DirectoryLock, take_lock
 from ._maintenance import maintain
 from ._policies import KeepLatest, KeepPolicy
+from ._preemption import PreemptionWatch
 from ._questions import StepQuestions
 from ._status import StatusReporting
 from ._time_policies import SaveClock
@@ -64,7 +66,9 @@ class CheckpointManager(StepQuestions, StatusReporting):
         passed since the last save written (or the newest committed step's creation),
         by process 0's clock, agreed by every process (None: no time rule).
       async_save: write and commit on a background thread (the default) or in `save`.
-      commit_timeout_s: how long process 0 waits for every process's report, seconds.
+      commit_timeout_s: how long process 0 waits for every process's report, seconds (default 60:
+        below JAX's 100 s heartbeat timeout, so a dead peer raises CommitTimeoutError
+        instead of JAX aborting the job; raise both together).
       max_saves_in_flight: saves allowed in flight at once (1 bounds host memory to one
         snapshot); a new save waits for the oldest one, and the wait is recorded.
       agreement_timeout_s: how long processes wait for each other to agree on what a
@@ -85,6 +89,13 @@ class CheckpointManager(StepQuestions, StatusReporting):
         its replication (`status().waiting_for_replication`).
       pack_small_leaves_bytes: as for `save` (0: every leaf its own zarr array), on
         both tiers alike.
+      save_on_preemption: on a preemption notice (SIGTERM), `save` writes the step
+        every process agrees on whatever the interval, and returns once it is committed
+        (durably, with `local_directory`); `reached_preemption(step)` is then True.
+        Under `jax.distributed` JAX's preemption sync point decides (its notifier owns
+        SIGTERM); otherwise a SIGTERM handler is installed (main thread only, chained to
+        an earlier Python handler) and `close()` restores the previous one. The loop
+        calls `save` at every step. See `_preemption`.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -116,6 +127,7 @@ class CheckpointManager(StepQuestions, StatusReporting):
         keep_local: KeepPolicy = KeepLatest(1),
         pack_small_leaves_bytes: int | None = None,
         save_interval_s: float | None = None,
+        save_on_preemption: bool = True,
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -160,6 +172,8 @@ class CheckpointManager(StepQuestions, StatusReporting):
             save_interval_s, self.directory, agreement_timeout_s, first_unix_s=self._newest_created_unix_s)
         self._last_restore: tuple[str | None, int | None] = (None, None)
         self._tiers: _tier_manager.LocalTier | None = None
+        self._preemption = PreemptionWatch(bool(save_on_preemption) and not self.read_only, self.directory)
+        weakref.finalize(self, self._preemption.close)  # an unclosed manager's handler goes with it
         if local_directory is not None:
             if not isinstance(keep_local, KeepPolicy) or keep_local.uses_times:
                 raise TypeError(f"keep_local must be a retention policy by step (e.g. ckpt.KeepLatest(1)), got {keep_local!r}")
@@ -191,6 +205,7 @@ class CheckpointManager(StepQuestions, StatusReporting):
                 # the finalizer holds the lock object only, never the manager.
                 self._release_lock = weakref.finalize(self, self._lock.release)
             done, _ = maintain(self.storage, self.directory)
+            clear_finished(self.storage, self.directory)  # a writer again: the run goes on
         if self._tiers is not None:  # every process: its own local root
             done += self._tiers.recover()
         self._writer_ready = True
@@ -302,11 +317,15 @@ class CheckpointManager(StepQuestions, StatusReporting):
             self._ensure_writer()
             self._raise_pending()
             step = _as_step(step)
-            if not force and not self.should_save(step):
+            preempted = self._preemption.reached(step)  # every step: the sync point's rule
+            if not force and not preempted and not self.should_save(step):
                 return False
-            if not force and self._clock is not None and not self._clock.due(step):
+            if not force and not preempted and self._clock is not None and not self._clock.due(step):
                 return False
             if not force and step in self.all_steps():
+                if preempted:  # saved already: commit what is in flight, then the loop stops
+                    self.wait_until_finished()
+                    return False
                 raise CheckpointExistsError(
                     f"step {step} is already committed in {self.directory}; pass force=True to replace it atomically"
                 )
@@ -362,7 +381,24 @@ class CheckpointManager(StepQuestions, StatusReporting):
                 self._in_flight.append((step, handle))
         else:
             self._run_sync(step, snap)
+        if preempted:  # committed (durably, with two tiers) before the loop stops
+            self.wait_until_finished()
         return True
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether `step` is the step the job saves at on preemption (see
+        `save_on_preemption`): after `save(step)`, True tells the loop to stop; the step is
+        committed then.
+
+        Args:
+          step: the step just passed to `save` (int >= 0).
+        Returns:
+          True at the preemption step only (the same step on every process).
+
+        Multi-process: under `jax.distributed` every process calls it (or `save`) at
+        every step, in step order, as JAX's preemption sync point requires.
+        """
+        return self._preemption.reached(_as_step(step))
 
     def _save_two_tiers(self, step: int, snap: Snapshot) -> None:
         """Commits `snap` on the local tier (in the background unless `async_save=False`)
@@ -448,14 +484,36 @@ class CheckpointManager(StepQuestions, StatusReporting):
             self._tiers.wait_all()
         self._raise_pending()
 
-    def close(self) -> None:
-        """Waits for saves in flight, releases the directory lock; raises a pending error."""
+    def close(self, finished: bool = False) -> None:
+        """Waits for saves in flight, releases the directory lock; raises a pending error.
+
+        Args:
+          finished: mark the run finished (`DIR/.checkpointer-finished.json`, at the
+            newest committed step) once every save committed: `follow()` then ends
+            after yielding every step up to it. Only this marks a run finished (a
+            preempted job closes without it); the next writer's first save removes it.
+        Raises:
+          CheckpointError: a background save failed (the mark is not written), or
+            `finished=True` on a read_only manager.
+
+        Multi-process: every process calls it; process 0 writes the mark.
+        """
         if self._closed:
             return
+        if finished and self.read_only:
+            raise CheckpointError(
+                f"close(finished=True) on a read_only CheckpointManager of {self.directory}: only the writer marks its "
+                "run finished"
+            )
         try:
             self.wait_until_finished()
+            if finished:
+                self._ensure_writer()
+                if self._is_primary:
+                    write_finished(self.storage, self.directory, self.latest_step())
         finally:
             self._closed = True
+            self._preemption.close()
             self._deleter.shutdown(wait=True)
             if self._tiers is not None:
                 self._tiers.close()
@@ -523,7 +581,9 @@ class CheckpointManager(StepQuestions, StatusReporting):
         when it is committed on the local tier of every process, with the same process
         count and devices, and holds every chunk each process needs (the processes agree
         through the coordination service); it is logged and its replication resumes.
-        Otherwise the newest durable step. A durable step whose local copy (same
+        One that fails its checks on any process is skipped for the next older one (a
+        second vote: the same step on every process), with a warning naming the damaged
+        copy (`LOCAL/process-<i>/<step>`). Otherwise the newest durable step. A durable step whose local copy (same
         generation) is on this process is read from there, the files missing locally
         from `directory`; a local copy that fails its checksums is dropped for
         `directory`. `status().last_restore_source` tells which. With a local tier,

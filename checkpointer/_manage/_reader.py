@@ -5,12 +5,13 @@ per-process state and run the restore drill. `CheckpointManager` derives from it
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .. import _commit
 from .._errors import CheckpointNotFoundError
 from .._storage import Storage
+from ._follow import StepFollower
 
 if TYPE_CHECKING:
     from .._tools import DrillReport
@@ -67,33 +68,32 @@ class StepReader:
                 return None
             time.sleep(poll_s if deadline is None else min(poll_s, deadline - now))
 
-    def follow(self, after: int | None = None, *, timeout_s: float | None = None, poll_s: float = 1.0) -> Iterator[int]:
+    def follow(self, after: int | None = None, *, timeout_s: float | None = None, poll_s: float = 1.0) -> StepFollower:
         """Yields committed steps newer than `after`, oldest first, as they appear.
 
         Like TensorFlow's `checkpoints_iterator`, but every new step is yielded (not just
-        the newest), in ascending order; the directory is listed again before each one,
-        so a step that retention removed meanwhile is skipped. A step yielded may still
-        be removed by retention before it is restored: `restore` then raises
+        the newest), in ascending order; the directory is listed again before each one.
+        It ends once the writer closed with `close(finished=True)`, after yielding every
+        step up to the marked one, or once no new step appeared for `timeout_s`. A step
+        that retention removed before it could be yielded is skipped, logged and counted
+        (`removed_steps` of the iterator returned). A step yielded may still be removed
+        by retention before it is restored: `restore` then raises
         `CheckpointNotFoundError` (never returns a mix or reports damage); skip it.
 
         Args:
           after: yield only steps > `after` (None: every committed step, from the oldest).
-          timeout_s: stop once no new step appeared for this many seconds (None: never).
+          timeout_s: stop once no new step appeared for this many seconds (None: never,
+            unless the run is marked finished).
           poll_s: seconds between listings while waiting (> 0).
-        Yields:
-          Step numbers, strictly increasing.
+        Returns:
+          A `StepFollower`: an iterator of step numbers, strictly increasing, with
+          `removed_steps`, `finished` and `finished_step`.
+        Raises:
+          ValueError: `poll_s` is not > 0.
 
         Multi-process: any process may call it alone; takes no lock and deletes nothing.
         """
-        last = after
-        while True:
-            step = self.wait_for_step(last, timeout_s=timeout_s, poll_s=poll_s)
-            if step is None:
-                return
-            newer = [s for s in self.all_steps() if last is None or s > last]
-            step = newer[0] if newer else step
-            last = step
-            yield step
+        return StepFollower(self.storage, self.directory, self.all_steps, after, timeout_s=timeout_s, poll_s=poll_s)
 
     def step_path(self, step: int) -> str:
         """The checkpoint path of `step`."""

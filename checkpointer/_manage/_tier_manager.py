@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,15 @@ class TierStatus:
     replication_lag_s: float
     last_replication_error: str | None
     waiting_for_replication: bool
+
+
+def _naming(error: CheckpointError, where: str, text: str | None = None) -> CheckpointError:
+    """`error` again (its class), its message (or `text`) prefixed with the copy it read."""
+    message = f"{where}: {error if text is None else text}"
+    try:
+        return type(error)(message)
+    except TypeError:  # a class with another constructor
+        return CheckpointError(message)
 
 
 class LocalTier:
@@ -283,6 +293,98 @@ class LocalTier:
 
         return needed
 
+    def _copy_name(self, step: int) -> str:
+        return f"the local copy {self.root}/{step} of step {step} (process {self.process_index}, not on {self.directory})"
+
+    def _read_local_only(self, step: int, target: object, options: RestoreOptions) -> tuple[PyTree | None, str, int]:
+        """Reads a local-only step. Returns (tree, "ok", durable bytes), or (None, what
+        is damaged, 0) when the copy fails its checks; another error is raised naming
+        the copy."""
+        view = _tiers.TieredStorage(
+            self.storage, f"{self.root}/{step}", self.durable, f"{self.directory}/{step}", durable_committed=False,
+        )
+        try:
+            tree = restore_from(view, f"{self.directory}/{step}", target, options)
+        except (CorruptCheckpointError, FileNotFoundError) as e:
+            return None, f"{self._copy_name(step)} is damaged: {self._as_local(e, step)}", 0
+        except CheckpointError as e:
+            raise _naming(e, f"reading {self._copy_name(step)}", self._as_local(e, step)) from e
+        return tree, "ok", view.durable_bytes_read
+
+    def _as_local(self, error: BaseException, step: int) -> str:
+        """The text of an error of reading local-only `step`: the files it names under
+        `DIR/<step>` were read from the local copy (the durable tier has no such step)."""
+        durable = re.escape(f"{self.directory}/{step}") + r"(?!\d)"
+        return re.sub(durable, lambda _: f"{self.root}/{step}", str(error))
+
+    def _restore_local_only(
+        self, target: object, options: RestoreOptions, latest_durable: int | None,
+        resume: Callable[[int, str, bool], None] | None, damaged_copies: list[str],
+    ) -> tuple[PyTree, str, int] | None:
+        """`restore(None)`'s local-only steps: the newest one whole on every process, read,
+        and (a second vote) intact on every process; a damaged one is skipped for the
+        next older one, the same on every process, with a warning naming the damaged
+        copies (also added to `damaged_copies`). None: no local-only step to restore (the
+        newest durable step is next)."""
+        needed = self._needed_keys(target, options.partial, options.missing)
+        below: int | None = None
+        while True:
+            chosen = self._vote_local_step(latest_durable, needed, below)
+            if chosen is None:
+                return None
+            step, generation = chosen
+            damaged, tree, durable_bytes = self._read_agreed(step, target, options)
+            if damaged:
+                damaged_copies.extend(damaged)
+                log.warning(
+                    "the local-only step %d cannot be restored: %s; restoring the newest intact step instead",
+                    step, "; ".join(damaged),
+                )
+                below = step
+                continue
+            log.warning(
+                "restored step %d from the local tier: it is committed on the local tier of every process but not "
+                "yet on %s (newest durable step: %s); it is replicated now", step, self.directory, latest_durable,
+            )
+            if resume is not None:
+                marker = _tiers.read_marker(self.storage, f"{self.root}/{step}")
+                resume(step, generation, bool(marker and marker.overwrite))
+            return tree, "local", durable_bytes
+
+    def _vote_local_step(
+        self, latest_durable: int | None, needed: Callable[[str], list[str] | None], below: int | None,
+    ) -> tuple[int, str] | None:
+        """The restore vote: (step, generation) of the local-only step below `below` that
+        every process holds whole, or None."""
+        votes = _tiers.agree(
+            self.directory,
+            lambda: _tiers.local_restore_proposal(self.storage, self.root, latest_durable, needed, below=below),
+            self.commit_timeout_s,
+        )
+        if votes[0] != "-" and all(v == votes[0] for v in votes):
+            local_step, generation = votes[0].split()
+            return int(local_step), generation
+        if any(v != "-" for v in votes):
+            log.warning(
+                "local steps newer than the newest durable step (%s) are not whole on every process (%s); "
+                "restoring the newest durable step", latest_durable, votes,
+            )
+        return None
+
+    def _read_agreed(self, step: int, target: object, options: RestoreOptions) -> tuple[list[str], PyTree | None, int]:
+        """Reads local-only `step` and votes on the outcome: (the damaged copies of every
+        process, [] when none; the tree; durable bytes read). A read error other than
+        damage refuses the vote, so every process raises at once."""
+        read: list[tuple[PyTree | None, str, int]] = []
+
+        def outcome() -> str:
+            read.append(self._read_local_only(step, target, options))
+            return read[0][1]
+
+        outcomes = _tiers.agree(self.directory, outcome, self.commit_timeout_s)
+        tree, _, durable_bytes = read[0]
+        return [o for o in outcomes if o != "ok"], tree, durable_bytes
+
     def restore(
         self,
         step: int | None,
@@ -300,30 +402,15 @@ class LocalTier:
           process's local tier), "local+durable" or "durable".
         """
         if step is None:
-            needed = self._needed_keys(target, options.partial, options.missing)
-            votes = _tiers.agree(
-                self.directory, lambda: _tiers.local_restore_proposal(self.storage, self.root, latest_durable, needed),
-                self.commit_timeout_s,
-            )
-            if votes[0] != "-" and all(v == votes[0] for v in votes):
-                local_step, generation = votes[0].split()
-                step = int(local_step)
-                log.warning(
-                    "restoring step %d from the local tier: it is committed on the local tier of every process but not "
-                    "yet on %s (newest durable step: %s); it is replicated now", step, self.directory, latest_durable,
-                )
-                view = _tiers.TieredStorage(
-                    self.storage, f"{self.root}/{step}", self.durable, f"{self.directory}/{step}", durable_committed=False,
-                )
-                tree = restore_from(view, f"{self.directory}/{step}", target, options)
-                if resume is not None:
-                    marker = _tiers.read_marker(self.storage, f"{self.root}/{step}")
-                    resume(step, generation, bool(marker and marker.overwrite))
-                return tree, "local", view.durable_bytes_read
-            if any(v != "-" for v in votes):
-                log.warning(
-                    "local steps newer than the newest durable step (%s) are not whole on every process (%s); "
-                    "restoring the newest durable step", latest_durable, votes,
+            damaged: list[str] = []
+            local = self._restore_local_only(target, options, latest_durable, resume, damaged)
+            if local is not None:
+                return local
+            if latest_durable is None and damaged:
+                raise CorruptCheckpointError(
+                    f"no intact committed step in {self.directory} nor on the local tier of every process: "
+                    + "; ".join(damaged) + f". {self.directory} has no committed step to fall back to: restore an "
+                    "explicit checkpoint, or start the run afresh"
                 )
             if latest_durable is None:
                 raise CheckpointNotFoundError(f"no committed step in {self.directory} (nor on every process's local tier)")
@@ -338,6 +425,9 @@ class LocalTier:
                 return tree, ("local" if only_local else "local+durable"), view.durable_bytes_read
             except CorruptCheckpointError as e:
                 log.warning("the local copy of step %d in %s is damaged (%s); reading it from %s", step, self.root, e, path)
+            except CheckpointError as e:
+                raise _naming(e, f"reading step {step} from its local copy {self.root}/{step} (process "
+                                 f"{self.process_index}) and {path}") from e
         if options.stats is None:
             options = dataclasses.replace(options, stats=RestoreStats())
         assert options.stats is not None

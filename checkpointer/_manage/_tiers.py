@@ -442,12 +442,15 @@ class TieredStorage(Storage):
 
 
 def local_restore_proposal(
-    storage: Storage, root: str, newer_than: int | None, needed_keys: Callable[[str], Sequence[str] | None]
+    storage: Storage, root: str, newer_than: int | None, needed_keys: Callable[[str], Sequence[str] | None],
+    below: int | None = None,
 ) -> str:
     """This process's vote for resuming from a local-only step: `"<step> <generation>"`
-    of its newest local step newer than `newer_than` that it can restore whole (same
-    process count and devices, every chunk file the target needs present), or `"-"`."""
-    steps = [s for s in local_steps(storage, root) if newer_than is None or s > newer_than]
+    of its newest local step newer than `newer_than` (and older than `below`, after a
+    damaged one) that it can restore whole (same process count and devices, every chunk
+    file the target needs present), or `"-"`."""
+    steps = [s for s in local_steps(storage, root)
+             if (newer_than is None or s > newer_than) and (below is None or s < below)]
     if not steps:
         return "-"
     step = steps[-1]

@@ -38,8 +38,9 @@ from ._targets import ResolvedTarget
 
 # Round 1 waits this long for every process (they all just called restore).
 DEFAULT_AGREEMENT_TIMEOUT_S = _commit.DEFAULT_AGREEMENT_TIMEOUT_S
-# Round 2 waits for the slowest process's reads.
-DEFAULT_READ_TIMEOUT_S = _coord.DEFAULT_COMMIT_TIMEOUT_S
+# Round 2 waits for the slowest process's reads (the commit timeout's default before issue
+# 22: a restore's reads are not bounded by the skew of writes).
+DEFAULT_READ_TIMEOUT_S = 600.0
 # Process 0's longest pause between polls: a restore waits for it twice, so it is kept
 # short (one key-value directory read per pause; the save agreement allows 0.1 s).
 _MAX_POLL_S = 0.02

@@ -38,7 +38,9 @@ def save(
         numpy arrays, None, bool, int, float, complex, str or numpy scalars.
       metadata: a JSON-serialisable dict stored in the manifest (`user_metadata`).
       overwrite: replace an already committed checkpoint at `path`, atomically.
-      commit_timeout_s: how long process 0 waits for every process's shards, seconds.
+      commit_timeout_s: how long process 0 waits for every process's shards, seconds (default 60:
+        below JAX's 100 s heartbeat timeout, so a dead peer raises CommitTimeoutError
+        instead of JAX aborting the job; raise both together).
       agreement_timeout_s: how long processes wait for each other to agree on what
         they save, before anything is written, seconds.
       per_process_state: this process's own JSON-serialisable value (a data loader's

@@ -1,0 +1,144 @@
+"""Saving on preemption: the step at which every process of the job saves and stops.
+
+Spot and preemptible machines get a SIGTERM and a grace period. The manager asks
+`PreemptionWatch.reached(step)` at every `save(step)` (the loop calls `save` every step;
+the interval still decides what is written otherwise):
+
+- under `jax.distributed` (any process count), JAX's preemption sync manager answers
+  (`jax.experimental.multihost_utils.reached_preemption_sync_point`): when any process
+  gets the notice (SIGTERM, caught by JAX's own notifier, installed by
+  `jax.distributed.initialize` while `jax_enable_preemption_service` is on, the
+  default), the processes agree on the step after the newest step any of them has
+  reached, and that step is the answer on every process. JAX's notifier then owns
+  SIGTERM: no handler is installed here.
+- otherwise (one process, no coordination service), a SIGTERM handler installed from the
+  main thread sets a flag; the first step asked after it is the preemption step. The
+  handler chains to a Python handler installed before it (never to the default action,
+  which would end the process) and `close()` restores the previous handler.
+
+A step's answer is asked of JAX once (`reached` remembers the last step asked), so
+`save(step)` and `mgr.reached_preemption(step)` in one loop iteration agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+log = logging.getLogger("checkpointer")
+
+# How preemption is learned: JAX's sync point, this module's SIGTERM handler, or not at all.
+JAX_SYNC_POINT = "jax sync point"
+SIGTERM_HANDLER = "sigterm handler"
+OFF = "off"
+_MAX_SYNC_STEP = 2**31 - 1
+
+
+def _distributed_state() -> Any:  # Any: jax's distributed State has no stubs
+    from jax._src import distributed  # the state jax.distributed.initialize() fills in
+
+    return distributed.global_state
+
+
+def _jax_sync_point(step: int) -> bool:
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.reached_preemption_sync_point(step))
+
+
+class PreemptionWatch:
+    """Tells a manager at which step the job was preempted.
+
+    Args:
+      enabled: False: never preempted (`save_on_preemption=False`, or a read-only manager).
+      directory: names the manager in log lines.
+
+    Attributes:
+      mode: `JAX_SYNC_POINT`, `SIGTERM_HANDLER` or `OFF` (see the module docstring).
+      preempted_step: the preemption step once reached, else None.
+    """
+
+    def __init__(self, enabled: bool, directory: str) -> None:
+        self.directory = directory
+        self.preempted_step: int | None = None
+        self._asked: tuple[int, bool] | None = None
+        self._noticed = threading.Event()
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
+        self._installed: Callable[[int, FrameType | None], None] | None = None
+        self.mode = OFF
+        if not enabled:
+            return
+        state = _distributed_state()
+        if state.client is not None:
+            if state.preemption_sync_manager is None:
+                log.warning(
+                    "%s: save_on_preemption is on but JAX's preemption service is off "
+                    "(jax_enable_preemption_service=False before jax.distributed.initialize): no save on "
+                    "preemption; enable the service to get one", directory,
+                )
+                return
+            self.mode = JAX_SYNC_POINT
+            return
+        self._install()
+
+    def _install(self) -> None:
+        """The SIGTERM handler, from the main thread only, chained to a Python handler."""
+        if threading.current_thread() is not threading.main_thread():
+            log.warning(
+                "%s: save_on_preemption needs a SIGTERM handler, and Python installs signal handlers from the main "
+                "thread only; this manager was opened on thread %r: no save on preemption. Open it on the main "
+                "thread, or call jax.distributed.initialize() (JAX's notifier then owns SIGTERM)",
+                self.directory, threading.current_thread().name,
+            )
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is None:  # a handler installed from C (not Python's): it cannot be restored
+            log.warning("%s: SIGTERM has a handler installed outside Python; no save on preemption", self.directory)
+            return
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            if not self._noticed.is_set():
+                log.warning("%s: SIGTERM received: the next save is written and committed (preemption)", self.directory)
+            self._noticed.set()
+            if callable(previous):  # an earlier Python handler; never SIG_DFL (it would end the process)
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._previous, self._installed = previous, on_sigterm
+        self.mode = SIGTERM_HANDLER
+
+    def reached(self, step: int) -> bool:
+        """Whether `step` is the preemption step (the same on every process).
+
+        Multi-process: under `jax.distributed` every process asks it at every step, in
+        step order (JAX's sync point's rule); the manager's `save` does.
+        """
+        if self._asked is not None and self._asked[0] == step:
+            return self._asked[1]
+        if self.mode == JAX_SYNC_POINT:
+            # JAX's sync manager counts steps in a C int: larger steps cannot be asked.
+            hit = step <= _MAX_SYNC_STEP and _jax_sync_point(step)
+        else:
+            hit = self.preempted_step is None and self._noticed.is_set()
+        if hit:
+            self.preempted_step = step
+            log.warning("%s: preemption: step %d is saved and committed, then the loop can stop", self.directory, step)
+        self._asked = (step, hit)
+        return hit
+
+    def close(self) -> None:
+        """Restores the SIGTERM handler found at construction, if this one is still installed
+        (a handler installed after it stays; it may chain to this one, now inert)."""
+        installed, self._installed = self._installed, None
+        if installed is None:
+            return
+        try:
+            if signal.getsignal(signal.SIGTERM) is installed:
+                signal.signal(signal.SIGTERM, self._previous)  # a handler, SIG_DFL or SIG_IGN
+        except ValueError:  # not the main thread
+            log.warning("%s: closed off the main thread: its SIGTERM handler stays installed (inert)", self.directory)
+        self._noticed.clear()
