@@ -4,9 +4,7 @@ restore from either tier, status. Listing and following steps: `_reader`."""
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
-import operator
 import os
 import threading
 import time
@@ -15,11 +13,9 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 
 from .. import _commit, _coord, _encoding, _storage, _tools
-from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
-from .._format import PyTree, metadata_json, metrics_json
+from .._format import metadata_json, metrics_json
 from .._memory import HostBufferPool
-from .._restore import RestoreOptions, restore_from
 from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
 from .._storage import storage_for
 from . import _events, _tier_manager
@@ -30,21 +26,12 @@ from ._maintenance import maintain
 from ._policies import KeepLatest, KeepPolicy
 from ._preemption import PreemptionWatch
 from ._questions import StepQuestions
+from ._reader import as_step
+from ._restoring import StepRestoring
 from ._status import StatusReporting
 from ._time_policies import SaveClock
 
 log = logging.getLogger("checkpointer")
-
-
-def _as_step(step: object) -> int:
-    """The step as a Python int (numpy and 0-d JAX integers accepted)."""
-    try:
-        value = operator.index(step)  # type: ignore[arg-type]  # any object: the TypeError is the check
-    except TypeError:
-        raise ValueError(f"step must be an int >= 0, got {step!r}") from None
-    if value < 0 or isinstance(step, bool):
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
-    return value
 
 
 def _write_rate(snap: Snapshot) -> float | None:
@@ -52,7 +39,7 @@ def _write_rate(snap: Snapshot) -> float | None:
     return snap.bytes_written / snap.write_s if snap.write_s > 0 and snap.bytes_written else None
 
 
-class CheckpointManager(StepQuestions, StatusReporting):
+class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
     """Saves steps of a training run into `directory`, keeps what the policy says.
 
     Args:
@@ -316,7 +303,7 @@ class CheckpointManager(StepQuestions, StatusReporting):
         try:
             self._ensure_writer()
             self._raise_pending()
-            step = _as_step(step)
+            step = as_step(step)
             preempted = self._preemption.reached(step)  # every step: the sync point's rule
             if not force and not preempted and not self.should_save(step):
                 return False
@@ -398,7 +385,7 @@ class CheckpointManager(StepQuestions, StatusReporting):
         Multi-process: under `jax.distributed` every process calls it (or `save`) at
         every step, in step order, as JAX's preemption sync point requires.
         """
-        return self._preemption.reached(_as_step(step))
+        return self._preemption.reached(as_step(step))
 
     def _save_two_tiers(self, step: int, snap: Snapshot) -> None:
         """Commits `snap` on the local tier (in the background unless `async_save=False`)
@@ -558,66 +545,3 @@ class CheckpointManager(StepQuestions, StatusReporting):
             log.warning("could not remove %s: %s", path, e)
 
     # --- restore ------------------------------------------------------------------------
-
-    def restore(
-        self,
-        step: int | None = None,
-        target: object = None,
-        *,
-        partial: bool = False,
-        missing: str = "error",
-        max_inflight_bytes: int | None = None,
-        stats: RestoreStats | None = None,
-        cooperative: bool = True,
-    ) -> PyTree:
-        """Restores `step` (default: the newest committed step) onto `target`.
-
-        Args:
-          step: the step, or None for `latest_step()`.
-          target, partial, missing, max_inflight_bytes, stats, cooperative: as for
-            `ckpt.restore` (`missing="keep_target"` keeps the target's values for
-            leaves the checkpoint lacks), whichever tier the step is read from.
-        Two tiers: `step=None` restores a step newer than the newest durable one only
-        when it is committed on the local tier of every process, with the same process
-        count and devices, and holds every chunk each process needs (the processes agree
-        through the coordination service); it is logged and its replication resumes.
-        One that fails its checks on any process is skipped for the next older one (a
-        second vote: the same step on every process), with a warning naming the damaged
-        copy (`LOCAL/process-<i>/<step>`). Otherwise the newest durable step. A durable step whose local copy (same
-        generation) is on this process is read from there, the files missing locally
-        from `directory`; a local copy that fails its checksums is dropped for
-        `directory`. `status().last_restore_source` tells which. With a local tier,
-        restores never cooperate (`cooperative` is ignored): each process reads
-        node-local files, where sharing reads saves no shared-storage bandwidth, and a
-        process whose local copy is damaged falls back to `directory` on its own.
-
-        Raises:
-          CheckpointNotFoundError: no committed step (or not that one).
-
-        Multi-process: every process calls it.
-        """
-        stats = RestoreStats() if stats is None else stats  # its figures become events
-        options = RestoreOptions(partial, missing, max_inflight_bytes, stats, cooperative)
-        t0 = time.perf_counter()
-        tree = self._restore(step, target, options)
-        _events.restored(time.perf_counter() - t0, stats.bytes_read)
-        return tree
-
-    def _restore(self, step: int | None, target: object, options: RestoreOptions) -> PyTree:
-        if self._tiers is not None:
-            resume = None if self.read_only else self._resume_replication
-            tree, source, durable_bytes = self._tiers.restore(
-                None if step is None else _as_step(step), target, dataclasses.replace(options, cooperative=False),
-                latest_durable=self.latest_step(), durable_path=self._read_path, resume=resume,
-            )
-            with self._mu:
-                self._last_restore = (source, durable_bytes)
-            return tree
-        storage, path = storage_for(self._read_path(step))
-        return restore_from(storage, path, target, options)
-
-    def _resume_replication(self, step: int, generation: str, overwrite: bool) -> None:
-        """After resuming from a local-only step: replicate it (the writer's lock first)."""
-        assert self._tiers is not None
-        self._ensure_writer()
-        self._tiers.enqueue(step, generation, overwrite)

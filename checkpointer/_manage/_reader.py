@@ -4,6 +4,7 @@ per-process state and run the restore drill. `CheckpointManager` derives from it
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -152,3 +153,14 @@ class StepReader:
         from .._tools import drill
 
         return drill(self.directory, mesh_shape, axis_names=axis_names)
+
+
+def as_step(step: object) -> int:
+    """The step as a Python int (numpy and 0-d JAX integers accepted)."""
+    try:
+        value = operator.index(step)  # type: ignore[arg-type]  # any object: the TypeError is the check
+    except TypeError:
+        raise ValueError(f"step must be an int >= 0, got {step!r}") from None
+    if value < 0 or isinstance(step, bool):
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return value
