@@ -108,8 +108,19 @@ def _is_step(storage: Storage, path: str) -> bool:
         storage.exists(f"{path}/{n}/{METADATA_FILE}") for n in storage.list_dir(path))
 
 
+def _json_item_file(storage: Storage, folder: str, handler: str) -> str | None:
+    """The file of a JSON item: `metadata`, or the one file of a JsonCheckpointHandler's
+    folder besides `commit_success.txt` (the manager's `metrics` item writes `metrics`)."""
+    if storage.exists(f"{folder}/{JSON_ITEM_FILE}") and ("Json" in handler or not handler):
+        return f"{folder}/{JSON_ITEM_FILE}"
+    if "Json" not in handler:
+        return None
+    files = [n for n in storage.list_dir(folder) if n != COMMIT_SUCCESS and not storage.is_folder(f"{folder}/{n}")]
+    return f"{folder}/{files[0]}" if len(files) == 1 else None
+
+
 def _step_items(storage: Storage, step_dir: str) -> list[tuple[str, str]]:
-    """(item name, "tree" | "json") of each item of a step folder, sorted by name.
+    """(item name, "tree" | JSON file) of each item of a step folder, sorted by name.
 
     Raises:
       UnsupportedValueError: an item written by a handler this import does not read.
@@ -119,10 +130,11 @@ def _step_items(storage: Storage, step_dir: str) -> list[tuple[str, str]]:
     out = []
     for name in names:
         folder, handler = f"{step_dir}/{name}", handlers.get(name, "")
+        json_file = None if storage.exists(f"{folder}/{METADATA_FILE}") else _json_item_file(storage, folder, handler)
         if storage.exists(f"{folder}/{METADATA_FILE}"):
             out.append((name, "tree"))
-        elif storage.exists(f"{folder}/{JSON_ITEM_FILE}") and ("Json" in handler or not handler):
-            out.append((name, "json"))
+        elif json_file is not None:
+            out.append((name, json_file))
         elif name in handlers or storage.list_dir(folder):
             raise UnsupportedValueError(
                 f"{folder}: item {name!r} of the Orbax step {step_dir} was written by "
@@ -159,9 +171,9 @@ def _read_step(storage: Storage, src: str) -> tuple[object, dict, dict, dict, tu
     json_items: dict[str, object] = {}
     metrics: dict = {}
     for name, kind in items:
-        if kind != "json":
+        if kind == "tree":
             continue
-        value = _json_file(storage, f"{src}/{name}/{JSON_ITEM_FILE}")
+        value = _json_file(storage, kind)
         if name == METRICS_ITEM and isinstance(value, dict):
             metrics, became[name] = value, "user_metadata['metrics']"
         else:
