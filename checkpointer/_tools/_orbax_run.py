@@ -130,6 +130,8 @@ def _step_items(storage: Storage, step_dir: str) -> list[tuple[str, str]]:
     out = []
     for name in names:
         folder, handler = f"{step_dir}/{name}", handlers.get(name, "")
+        if not storage.is_folder(folder):  # a handler registered for an item this step did not save
+            continue
         json_file = None if storage.exists(f"{folder}/{METADATA_FILE}") else _json_item_file(storage, folder, handler)
         if storage.exists(f"{folder}/{METADATA_FILE}"):
             out.append((name, "tree"))
@@ -225,7 +227,7 @@ def orbax_steps(storage: Storage, directory: str) -> list[tuple[int, str]]:
     for name in storage.list_dir(directory):
         m = _STEP_NAME.match(name)
         folder = f"{directory}/{name}"
-        if TMP_SUFFIX in name or m is None or not storage.is_folder(folder):
+        if TMP_SUFFIX in name or m is None:
             continue
         if not storage.supports_rename and not storage.exists(f"{folder}/{COMMIT_SUCCESS}"):
             continue
