@@ -5,7 +5,7 @@ with JSON items and metrics, and whole manager directories, restored bit-exactly
 another mesh."""
 
 import json
-import os
+import pathlib
 import re
 import shutil
 from typing import NamedTuple
@@ -25,7 +25,7 @@ ocp = pytest.importorskip("orbax.checkpoint")
 optax = pytest.importorskip("optax")
 train_state = pytest.importorskip("flax.training.train_state")
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
 def _bits(x) -> bytes:
@@ -245,7 +245,7 @@ def test_cli_import_orbax_of_a_manager_directory(saved, tmp_path, capsys):
 
 def test_readme_migration_of_a_whole_run_runs_as_written(saved, tmp_path):
     state, _, run = saved
-    text = open(README, encoding="utf-8").read()
+    text = README.read_text(encoding="utf-8")
     block = re.search(r"<!-- migration-of-a-run -->\s*```python\n(.*?)```", text, re.S).group(1)
     code = block.replace("/runs/orbax", run).replace("/runs/ckpt", str(tmp_path / "ckpt"))
     abstract_state = _target(state, make_mesh((4, 2), ("data", "model")))
@@ -253,3 +253,16 @@ def test_readme_migration_of_a_whole_run_runs_as_written(saved, tmp_path):
     exec(compile(code, "README.md", "exec"), scope)
     assert [r.step for r in scope["report"].steps] == [1, 2, 3]
     _assert_bit_exact(scope["state"], state, {"data": 4, "model": 2})
+
+
+def test_a_stored_none_restores_into_an_empty_container_of_the_target_and_nothing_else(tmp_path):
+    path = str(tmp_path / "1")
+    ckpt.save(path, {"empty": None, "w": np.arange(4.0)})
+    w = None  # a host numpy array
+    out = ckpt.restore(path, {"empty": optax.EmptyState(), "w": w})
+    assert type(out["empty"]) is optax.EmptyState and out["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert ckpt.restore(path, {"empty": (), "w": w})["empty"] == ()
+    with pytest.raises(ckpt.StructureMismatchError, match=r"in the target but not in the checkpoint \(1\): \['empty'\]\['x'\]"):
+        ckpt.restore(path, {"empty": {"x": w}, "w": w})
+    with pytest.raises(ckpt.StructureMismatchError, match=r"in the checkpoint but not in the target \(1\): \['empty'\]"):
+        ckpt.restore(path, {"w": w})

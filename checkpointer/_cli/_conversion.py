@@ -13,9 +13,9 @@ def _cmd_import_orbax(args, ui: _UI) -> int:
 
     from .._tools import import_orbax
 
-    # A bar on stderr while the steps of a manager directory come over (not with --json).
+    # A bar on a terminal's stderr while the steps of a manager directory come over (not with --json).
     bar = Progress(TextColumn("importing Orbax steps"), BarColumn(), MofNCompleteColumn(), TextColumn("step {task.fields[step]}"),
-                   TimeElapsedColumn(), console=ui.err, transient=True, disable=ui.json_mode)
+                   TimeElapsedColumn(), console=ui.err, transient=True, disable=ui.json_mode or not ui.err.is_terminal)
     task = bar.add_task("import", total=None, step="-")
 
     def progress(done: int, total: int, step: int) -> None:
