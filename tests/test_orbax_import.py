@@ -169,6 +169,7 @@ def test_orbax_import_without_a_target_says_which_placeholders_it_holds(saved, t
 def test_orbax_composite_step_brings_every_item_and_says_what_each_became(saved, tmp_path):
     state, _, run = saved
     report = ckpt.import_orbax(f"{run}/2", str(tmp_path / "2"))
+    assert isinstance(report, ckpt.ImportReport)  # public, from the front door
     assert report.items == {"extra": "user_metadata['orbax_items']['extra']", "metrics": "user_metadata['metrics']",
                             "state": "tree['state']"}
     assert report.placeholders == {f"['state']{k}": v for k, v in PLACEHOLDERS.items()}
