@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # THE TABLE: each lazy public name and the package that expor
     from ._memory import release_host_buffers
     from ._restore import per_process_state, plan_restore, restore
     from ._save import AsyncSave, LeafAssignment, ProcessWrites, SavePlan, plan_save, save, save_async
-    from ._tools import DrillReport, ExportReport, VerifyReport, export, import_orbax, timeline, verify
+    from ._tools import DrillReport, ExportReport, ImportReport, VerifyReport, export, import_orbax, timeline, verify
 
     __version__: str
 

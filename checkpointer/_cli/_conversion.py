@@ -3,32 +3,51 @@
 
 from __future__ import annotations
 
-import time
-
 from .. import _format
-from .._storage import storage_for
 from ._inputs import _metadata
 from ._ui import _UI, PROG
 
 
 def _cmd_import_orbax(args, ui: _UI) -> int:
-    from .._format import read_metadata
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from .._tools import import_orbax
 
-    t0 = time.perf_counter()
-    import_orbax(args.src, args.dst, overwrite=args.overwrite)
-    storage, dst = storage_for(args.dst)
-    meta = read_metadata(storage, dst)
-    elapsed_s = time.perf_counter() - t0
+    # A bar on a terminal's stderr while the steps of a manager directory come over (not with --json).
+    bar = Progress(TextColumn("importing Orbax steps"), BarColumn(), MofNCompleteColumn(), TextColumn("step {task.fields[step]}"),
+                   TimeElapsedColumn(), console=ui.err, transient=True, disable=ui.json_mode or not ui.err.is_terminal)
+    task = bar.add_task("import", total=None, step="-")
+
+    def progress(done: int, total: int, step: int) -> None:
+        bar.update(task, completed=done, total=total, step=step)
+
+    with bar:
+        report = import_orbax(args.src, args.dst, overwrite=args.overwrite, progress=progress)
+    steps = report.steps if report.steps or report.resumed else (report,)
     if ui.json_mode:
-        ui.json({"src": meta.user_metadata.get("imported_from", {}).get("path"), "dst": meta.path, "step": meta.step,
-                 "arrays": len(meta.arrays), "values": len(meta.leaves) - len(meta.arrays),
-                 "total_bytes": meta.total_bytes, "elapsed_s": elapsed_s})
+        ui.json({"src": report.src, "dst": report.dst, "step": report.step, "arrays": report.arrays,
+                 "values": report.values, "total_bytes": report.total_bytes, "elapsed_s": report.elapsed_s,
+                 "resumed": list(report.resumed),
+                 "steps": [{"step": r.step, "src": r.src, "dst": r.dst, "items": r.items, "placeholders": r.placeholders,
+                            "prng_keys": list(r.prng_keys), "metrics": r.metrics, "arrays": r.arrays,
+                            "values": r.values, "total_bytes": r.total_bytes} for r in steps]})
         return 0
-    ui.line(f"imported {meta.user_metadata.get('imported_from', {}).get('path', args.src)} into {meta.path}: "
-            f"{len(meta.arrays)} arrays, {len(meta.leaves) - len(meta.arrays)} values, "
-            f"{_format.format_bytes(meta.total_bytes)} in {elapsed_s:.2f} s")
-    ui.line(f"`{PROG} inspect {meta.path}` shows the tree; ckpt.restore restores it onto any mesh.")
+    for r in steps:
+        items = ", ".join(f"{name} -> {what}" for name, what in r.items.items())
+        ui.line(f"imported {r.src} into {r.dst}: {r.arrays} arrays, {r.values} values, "
+                f"{_format.format_bytes(r.total_bytes)} in {r.elapsed_s:.2f} s ({items})")
+        if r.placeholders:
+            ui.line(f"  empty Orbax nodes kept as placeholders (restore fills them from the target): "
+                    f"{', '.join(f'{k} ({v})' for k, v in r.placeholders.items())}")
+        if r.prng_keys:
+            ui.line(f"  typed PRNG keys: {', '.join(r.prng_keys)}")
+    if report.resumed:
+        ui.line(f"already imported, kept: steps {', '.join(map(str, report.resumed))}")
+    if report.steps or report.resumed:
+        ui.line(f"{len(report.steps)} steps imported into {report.dst} in {report.elapsed_s:.2f} s; "
+                f"`{PROG} ls {report.dst}` lists them, ckpt.CheckpointManager opens them.")
+    else:
+        ui.line(f"`{PROG} inspect {report.dst}` shows the tree; ckpt.restore restores it onto any mesh.")
     return 0
 
 
@@ -41,7 +60,7 @@ def _cmd_export(args, ui: _UI) -> int:
         base = args.path.rstrip("/")
         out = f"{base}.safetensors" if args.format == "safetensors" else f"{base}.npz"
     report = export(args.path, out, format=args.format, max_shard_bytes=args.max_shard_bytes, separator=args.separator,
-                    upcast=args.upcast, overwrite=args.overwrite)
+                    upcast=args.upcast, overwrite=args.overwrite, leaves=args.leaves)
     if ui.json_mode:
         ui.json({"files": list(report.files), "tensors": report.tensors, "skipped": list(report.skipped),
                  "total_bytes": report.total_bytes})

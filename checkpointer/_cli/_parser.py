@@ -165,14 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("import-orbax", parents=[common], help="convert an Orbax checkpoint into a checkpointer checkpoint",
-                       description="Read the Orbax PyTree checkpoint at SRC (an item folder holding _METADATA, or a "
-                       "CheckpointManager step folder with one item) through TensorStore, OCDBT or plain zarr, and "
-                       "write it as a checkpointer checkpoint at DST, one chunk at a time (host memory stays at about "
-                       "one chunk). Arrays keep their dtype, shape and saved sharding; DST's last component, if an "
-                       "integer, is the step.")
+                       description="Read the Orbax checkpoint at SRC (an item folder holding _METADATA, a "
+                       "CheckpointManager step folder, every item of it, or a whole CheckpointManager directory, every "
+                       "finalized step with its metrics) through TensorStore, OCDBT or plain zarr, and write it as a "
+                       "checkpointer checkpoint at DST (for a directory: DST/<step> per step; run it again to resume), "
+                       "one chunk at a time (host memory stays at about one chunk). Arrays keep their dtype, shape and "
+                       "saved sharding, PRNG keys their impl; DST's last component, if an integer, is the step.")
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
-    p.add_argument("--overwrite", action="store_true", help="replace a committed checkpoint at DST")
+    p.add_argument("--overwrite", action="store_true", help="replace committed checkpoints at DST (without it a "
+                   "directory import keeps the steps it already imported)")
     p.set_defaults(func=_cmd_import_orbax)
 
     p = sub.add_parser("export", parents=[common], help="write the arrays as safetensors or npz",
@@ -189,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--separator", default=".", help="joins a leaf's keys into its tensor name (default: .)")
     p.add_argument("--upcast", action="store_true", help="export dtypes the format lacks (bfloat16 in npz, int4) as a "
                    "wider dtype holding every value exactly (float32, int8) instead of failing")
+    p.add_argument("--leaves", action="append", metavar="GLOB", help="export only the leaves GLOB matches: a tensor "
+                   "name (params.*), a key string as inspect prints it (\"['params']*\") or a key prefix (params: the "
+                   "parameters only); repeat for several")
     p.add_argument("--overwrite", action="store_true", help="replace output files that exist")
     p.set_defaults(func=_cmd_export)
     return parser

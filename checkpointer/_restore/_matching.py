@@ -5,8 +5,10 @@ Matching rule (`match`): a target leaf whose leaf path is stored is read; a None
 leaf over a stored subtree is skipped with `partial=True` and an error naming both
 otherwise; a target leaf the checkpoint lacks is kept as it is with
 `missing="keep_target"` (a concrete value only) and an error otherwise; a stored leaf
-the target lacks is an error unless `partial=True`. Messages name leaves by key string
-(`jax.tree_util.keystr`).
+the target lacks is an error unless `partial=True`, except a stored None where the
+target holds an empty container (optax's `EmptyState()`, `()`, `{}`), which comes back
+as the target's container (Orbax writes empty nodes as None placeholders). Messages name
+leaves by key string (`jax.tree_util.keystr`).
 """
 
 from __future__ import annotations
@@ -129,6 +131,10 @@ def match(meta: CheckpointMetadata, target: object, *, partial: bool, path: str,
             "Give those leaves a value (initialise them, e.g. the new head's jax.Array), or remove them from the target."
         )
     extra = [p for p in saved if p not in covered] if not partial else []
+    placeholders = {p for p in extra if _is_none_value(meta.leaves[p])}
+    if placeholders:
+        empty = empty_node_paths(target)
+        extra = [p for p in extra if p not in empty or p not in placeholders]
     if missing_paths or extra:
         msg = [f"the target tree does not match the checkpoint {path}:"]
         if missing_paths:
@@ -164,6 +170,22 @@ def _name(keystr: str) -> str:
 def flatten_target(target: object) -> list[tuple[str, object]]:
     """(leaf path, target leaf) pairs; ShapeDtypeStructs, arrays, shardings and None are leaves."""
     return flatten(target, is_leaf=_is_target_leaf)
+
+
+def _is_none_value(m: ArrayMetadata | ValueMetadata) -> bool:
+    return isinstance(m, ValueMetadata) and m.value is None
+
+
+def _is_empty_node(x: object) -> bool:
+    """A pytree node without leaves (`EmptyState()`, `()`, `{}`, `[]`); None is a leaf here."""
+    if _is_target_leaf(x):
+        return False
+    return len(jax.tree_util.tree_leaves(x, is_leaf=_is_target_leaf)) == 0
+
+
+def empty_node_paths(target: object) -> set[str]:
+    """The leaf paths of the target's empty containers (where a stored None placeholder fits)."""
+    return {p for p, x in flatten(target, is_leaf=lambda x: _is_target_leaf(x) or _is_empty_node(x)) if _is_empty_node(x)}
 
 
 def _show(paths: list[str], n: int = 10) -> str:

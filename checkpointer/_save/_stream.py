@@ -71,6 +71,8 @@ class ArraySource:
       kind: `"jax"` or `"numpy"` (what it was when saved).
       read: returns the region `box` of the array as a numpy array of `box.shape`
         (a `RegionReader`).
+      key_impl: the PRNG impl name (e.g. `"threefry2x32"`) when the array is the key
+        data of a typed PRNG key array (restored as typed keys), else None.
     """
 
     shape: tuple[int, ...]
@@ -79,6 +81,7 @@ class ArraySource:
     saved_sharding: SavedSharding | None
     kind: str
     read: RegionReader
+    key_impl: str | None = None
 
 
 def _is_source(x: object) -> TypeGuard[ArraySource]:
@@ -140,7 +143,7 @@ def save_leaf_by_leaf(
                     f"{where(leaf=leaf_path, path=path)}: shard shape {leaf.shard_shape} of shape {leaf.shape} makes "
                     f"{n_chunks} chunks, more than {_format.MAX_CHUNKS_PER_LEAF}; resave it with fewer, larger shards"
                 )
-            meta = ArrayMetadata(leaf_path, tuple(leaf.shape), dtype, chunk, inner, leaf.saved_sharding, None, leaf.kind)
+            meta = ArrayMetadata(leaf_path, tuple(leaf.shape), dtype, chunk, inner, leaf.saved_sharding, leaf.key_impl, leaf.kind)
             plan = LeafWritePlan(leaf_path, tuple(leaf.shape), chunk, inner, ())
             arrays.append((_pipeline.LeafSnapshot(meta, plan, []), leaf))
             continue

@@ -16,25 +16,34 @@ memory stays at one slab (`SLAB_BYTES`) whatever the file size; the `safetensors
 library names each dtype and re-reads every header written, so the files are what it
 reads. npz: one zip (stored, zip64) whose `<name>.npy` members are written the same
 way, as `numpy.savez` lays them out.
+
+An export cannot half-fail: every name is checked (a name the format reserves, such as
+safetensors' `__metadata__`, two leaves with one name, a dtype the format lacks) before
+a file is opened; every file is written under a temporary name (`<file>.tmp-<pid>`) and
+read back, and only when all are written are they renamed into place; on any failure
+the temporary files are removed (and the output folder, if the export created it and it
+is empty). `leaves=` selects leaves by globs over their tensor names or key strings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fnmatch
 import functools
 import json
 import math
 import os
 import struct
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import IO
 
 import ml_dtypes
 import numpy as np
 
 from .. import _encoding
-from .._errors import CheckpointExistsError, UnsupportedValueError
+from .._errors import CheckpointExistsError, StructureMismatchError, UnsupportedValueError
 from .._format import ArrayMetadata, Box, CheckpointMetadata, read_metadata, row_slabs
 from .._storage import Storage, storage_for
 
@@ -42,6 +51,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 << 30  # Hugging Face's default max_shard_size ("5GB
 SLAB_BYTES = 64 << 20
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 FORMATS = ("safetensors", "npz")
+# Tensor names a format gives a meaning of its own: safetensors' header holds its
+# free-form metadata under `__metadata__` (the library refuses a tensor of that name).
+RESERVED_NAMES = {"safetensors": ("__metadata__",), "npz": ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +120,47 @@ def tensor_names(meta: CheckpointMetadata, separator: str = ".") -> dict[str, st
         seen[name] = leaf_path
         names[leaf_path] = name
     return names
+
+
+def check_reserved(names: dict[str, str], fmt: str, path: str, keystrs: dict[str, str]) -> None:
+    """Raises `UnsupportedValueError` for a tensor name the format reserves (names the leaf)."""
+    for leaf_path, name in names.items():
+        if name in RESERVED_NAMES[fmt]:
+            raise UnsupportedValueError(
+                f"leaf {keystrs.get(leaf_path) or leaf_path!r} of {path} would be exported as the tensor {name!r}, a name "
+                f"{fmt} reserves (its header's metadata); nothing was written. Leave it out (leaves=/--leaves selects "
+                "the others), or export with --format npz"
+            )
+
+
+def select(names: dict[str, str], keystrs: dict[str, str], leaves: str | Sequence[str], separator: str,
+           top_level: Sequence[str], path: str) -> dict[str, str]:
+    """The entries of `names` (leaf path -> tensor name) whose leaf matches a glob of `leaves`.
+
+    A glob matches a leaf when it matches the tensor name (`params.*`), the key string
+    as `inspect` prints it (`['params']*`), or a key prefix of the name (`params`
+    selects everything under `params`).
+
+    Raises:
+      StructureMismatchError: a glob matches no leaf (names the top-level keys).
+    """
+    globs = [leaves] if isinstance(leaves, str) else list(leaves)
+    if not globs or not all(isinstance(g, str) and g for g in globs):
+        raise ValueError(f"leaves must be a non-empty glob or list of globs, got {leaves!r}")
+
+    def hit(glob: str, leaf_path: str) -> bool:
+        name = names[leaf_path]
+        return (fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(name, glob + separator + "*")
+                or fnmatch.fnmatchcase(keystrs.get(leaf_path, ""), glob))
+
+    for g in globs:
+        if not any(hit(g, p) for p in names):
+            raise StructureMismatchError(
+                f"leaves={g!r} matches no array leaf of {path}; its top-level keys are "
+                f"{', '.join(repr(k) for k in top_level) or '(none: the root is one leaf)'}. Globs match tensor names "
+                f"(params.*), key strings (['params']*) or a key prefix (params)"
+            )
+    return {p: n for p, n in names.items() if any(hit(g, p) for g in globs)}
 
 
 # --- dtypes ---------------------------------------------------------------------------------
@@ -216,6 +269,28 @@ def _check_new(paths: Sequence[str], overwrite: bool) -> None:
 _Item = tuple[str, ArrayMetadata, np.dtype]
 
 
+@contextlib.contextmanager
+def _all_or_nothing(out_dir: str) -> Iterator[list[str]]:
+    """Yields a list to register temporary files in; on any failure removes those that
+    exist, and `out_dir` when this export created it and it is left empty."""
+    created = not os.path.exists(out_dir)
+    tmps: list[str] = []
+    try:
+        yield tmps
+    except BaseException:
+        for tmp in tmps:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+        if created:
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)  # only when empty
+        raise
+
+
+def _tmp(file: str) -> str:
+    return f"{file}.tmp-{os.getpid()}"
+
+
 def _write_safetensors(
     storage: Storage, path: str, items: Sequence[_Item], out_dir: str, max_shard_bytes: int, overwrite: bool
 ) -> tuple[list[str], dict[str, str]]:
@@ -225,38 +300,46 @@ def _write_safetensors(
     n = len(groups)
     names = ["model.safetensors"] if n <= 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     files = [os.path.join(out_dir, f) for f in names]
-    _check_new(files + ([os.path.join(out_dir, SAFETENSORS_INDEX)] if n > 1 else []), overwrite)
-    os.makedirs(out_dir, exist_ok=True)
+    index_file = os.path.join(out_dir, SAFETENSORS_INDEX)
+    _check_new(files + ([index_file] if n > 1 else []), overwrite)
     by_name = {name: (m, d) for name, m, d in items}
     weight_map: dict[str, str] = {}
-    for group, file in zip(groups or [[]], files):
-        header: dict[str, dict] = {}
-        offset = 0
-        for name in group:
-            m, d = by_name[name]
-            nbytes = math.prod(m.shape) * d.itemsize
-            header[name] = {"dtype": safetensors_dtype(d), "shape": list(m.shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-        tmp = f"{file}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)) + blob)
+    with _all_or_nothing(out_dir) as tmps:
+        os.makedirs(out_dir, exist_ok=True)
+        for group, file in zip(groups or [[]], files):
+            header: dict[str, dict] = {}
+            offset = 0
             for name in group:
                 m, d = by_name[name]
-                _write_leaf(f, storage, path, m, d)
-        with safetensors.safe_open(tmp, framework="np") as check:  # the library reads what we wrote
-            if list(check.keys()) != sorted(group):
-                raise OSError(f"{file}: safetensors reads the tensors {list(check.keys())[:5]}, expected {sorted(group)[:5]}")
-        os.replace(tmp, file)
-        weight_map.update({name: file for name in group})
-    if n > 1:
-        total = sum(math.prod(m.shape) * d.itemsize for _, m, d in items)
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {name: os.path.basename(f) for name, f in sorted(weight_map.items())}}
-        with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as index_file:
-            json.dump(index, index_file, indent=2)
-        files.append(os.path.join(out_dir, SAFETENSORS_INDEX))
+                nbytes = math.prod(m.shape) * d.itemsize
+                header[name] = {"dtype": safetensors_dtype(d), "shape": list(m.shape), "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+            blob = json.dumps(header, separators=(",", ":")).encode()
+            blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+            tmps.append(_tmp(file))
+            with open(tmps[-1], "wb") as f:
+                f.write(struct.pack("<Q", len(blob)) + blob)
+                for name in group:
+                    m, d = by_name[name]
+                    _write_leaf(f, storage, path, m, d)
+            try:
+                with safetensors.safe_open(tmps[-1], framework="np") as check:  # the library reads what we wrote
+                    keys = list(check.keys())
+            except Exception as e:
+                raise OSError(f"{file}: the safetensors library cannot read the file written: {e}") from e
+            if keys != sorted(group):
+                raise OSError(f"{file}: safetensors reads the tensors {keys[:5]}, expected {sorted(group)[:5]}")
+            weight_map.update({name: file for name in group})
+        if n > 1:
+            total = sum(math.prod(m.shape) * d.itemsize for _, m, d in items)
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {name: os.path.basename(f) for name, f in sorted(weight_map.items())}}
+            tmps.append(_tmp(index_file))
+            with open(tmps[-1], "w") as index_out:
+                json.dump(index, index_out, indent=2)
+            files.append(index_file)
+        for tmp, file in zip(tmps, files):  # every file is complete: into place, the index last
+            os.replace(tmp, file)
     return files, weight_map
 
 
@@ -264,19 +347,21 @@ def _write_npz(
     storage: Storage, path: str, items: Sequence[_Item], out_file: str, overwrite: bool
 ) -> tuple[list[str], dict[str, str]]:
     _check_new([out_file], overwrite)
-    os.makedirs(os.path.dirname(out_file) or ".", exist_ok=True)
-    tmp = f"{out_file}.tmp-{os.getpid()}"
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, m, d in items:
-            with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
-                header = {"descr": np.lib.format.dtype_to_descr(d.newbyteorder("<") if d.itemsize > 1 else d),
-                          "fortran_order": False, "shape": tuple(m.shape)}
-                try:
-                    np.lib.format.write_array_header_1_0(f, header)
-                except ValueError:  # a header over 64 KiB (a very high rank)
-                    np.lib.format.write_array_header_2_0(f, header)
-                _write_leaf(f, storage, path, m, d)
-    os.replace(tmp, out_file)
+    out_dir = os.path.dirname(out_file) or "."
+    with _all_or_nothing(out_dir) as tmps:
+        os.makedirs(out_dir, exist_ok=True)
+        tmps.append(_tmp(out_file))
+        with zipfile.ZipFile(tmps[-1], "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for name, m, d in items:
+                with zf.open(f"{name}.npy", "w", force_zip64=True) as f:
+                    header = {"descr": np.lib.format.dtype_to_descr(d.newbyteorder("<") if d.itemsize > 1 else d),
+                              "fortran_order": False, "shape": tuple(m.shape)}
+                    try:
+                        np.lib.format.write_array_header_1_0(f, header)
+                    except ValueError:  # a header over 64 KiB (a very high rank)
+                        np.lib.format.write_array_header_2_0(f, header)
+                    _write_leaf(f, storage, path, m, d)
+        os.replace(tmps[-1], out_file)
     return [out_file], {name: out_file for name, _, _ in items}
 
 
@@ -289,6 +374,7 @@ def export(
     separator: str = ".",
     upcast: bool = False,
     overwrite: bool = False,
+    leaves: str | Sequence[str] | None = None,
 ) -> ExportReport:
     """Writes the array leaves of the checkpoint at `path` as safetensors or npz.
 
@@ -303,14 +389,24 @@ def export(
         value exactly (bfloat16, float8, float4 -> float32; int4, int2 -> int8), instead
         of raising.
       overwrite: replace files that exist.
+      leaves: export only the array leaves a glob (or one of a list of globs) matches:
+        by tensor name (`"params.*"`), by key string as `inspect` prints it
+        (`"['params']*"`), or by key prefix (`"params"`: the parameters only, without
+        the optimizer state). None exports every array leaf.
     Returns:
       An `ExportReport`.
     Raises:
       CheckpointNotFoundError: no committed checkpoint at `path`.
       UnsupportedValueError: a leaf's dtype the format cannot hold (names the tensor,
-        the leaf and the fix), or two leaves with one tensor name.
+        the leaf and the fix), two leaves with one tensor name, or a tensor name the
+        format reserves (safetensors' `__metadata__`); raised before a file is opened.
+      StructureMismatchError: a glob of `leaves` matches no array leaf (names the
+        top-level keys).
       CheckpointExistsError: an output file exists and `overwrite` is False.
       CorruptCheckpointError: stored bytes fail their checksums.
+
+    On every failure the temporary files are removed: the output holds either every
+    file of the export or none of them (files that were there before stay).
 
     Host memory: one slab of one leaf (`SLAB_BYTES`, 64 MiB, or one row if larger).
     Multi-process: call from one process; it reads every leaf whole.
@@ -323,9 +419,15 @@ def export(
     meta = read_metadata(storage, path)
     names = tensor_names(meta, separator)
     keys = key_paths(meta.structure)
+    keystrs = {p: meta.keystr(p) for p in meta.leaves}
+    if leaves is not None:
+        top = sorted({_key_text(k[0]) for k in keys.values() if k})
+        names = select(names, keystrs, leaves, separator, top, path)
+    check_reserved(names, format, path, keystrs)
     items: list[_Item] = []
     for leaf_path, m in meta.arrays.items():
-        items.append((names[leaf_path], m, _out_dtype(m, names[leaf_path], format, upcast, path)))
+        if leaf_path in names:
+            items.append((names[leaf_path], m, _out_dtype(m, names[leaf_path], format, upcast, path)))
     skipped = tuple(separator.join(_key_text(k) for k in keys.get(p, ())) for p in meta.leaves if p not in meta.arrays)
     out = os.fspath(out)
     if format == "safetensors":

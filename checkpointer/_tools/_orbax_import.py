@@ -15,6 +15,10 @@ What an Orbax `PyTreeCheckpointHandler` / `StandardCheckpointHandler` item folde
                           `<param name>/.zarray` (zarr v2) or `<param name>/zarr.json` (v3)
                           plus its chunks; `ocdbt.process_<i>/` are the per-process parts
 <item>/<param name>/      without OCDBT: one zarr array folder per leaf
+<item>/array_metadatas/process_<i>
+                          {"array_metadatas": [{"array_metadata": {"param_name": ...,
+                          "ext_metadata": {"random_key_impl": "threefry2x32"} or null}}]}:
+                          a typed PRNG key array is stored as its key data, with its impl here
 ```
 A param name is the leaf's keys joined by `.`; `key_type` 1 is a sequence index, 2 a
 dict key (or attribute). `value_type` is `jax.Array`, `np.ndarray`, `scalar` (a 0-d
@@ -25,11 +29,16 @@ per item (`default/`, `state/`, ...).
 The import builds the tree as Orbax restores it without a target (dicts and lists,
 Python scalars), keeps each array's saved sharding and shard shape, and writes it with
 `_stream_save.save_leaf_by_leaf`: one chunk at a time, never the whole tree in memory.
+Typed PRNG keys keep their impl (restored as typed keys). An empty node Orbax wrote as
+`None` (optax's `EmptyState()`, any empty NamedTuple) stays a None leaf, listed as a
+placeholder: restore fills it with the target's empty container (`_restore` matching).
+Step folders and manager directories: `_orbax_run`.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import math
@@ -41,7 +50,7 @@ import tensorstore as ts
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 from .._format import SavedSharding
-from .._save import ArraySource, RegionReader, save_leaf_by_leaf
+from .._save import ArraySource, RegionReader
 from .._storage import Storage, storage_for
 
 log = logging.getLogger("checkpointer")
@@ -49,6 +58,8 @@ log = logging.getLogger("checkpointer")
 METADATA_FILE = "_METADATA"
 SHARDING_FILE = "_sharding"
 STRINGS_FILE = "_strings.json"
+ARRAY_METADATAS = "array_metadatas"
+RANDOM_KEY_IMPL = "random_key_impl"
 _EMPTY: dict[str, Callable[[], object]] = {"None": lambda: None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": tuple}
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 _ARRAY_KINDS = {"jax.Array": "jax", "np.ndarray": "numpy"}  # `ArraySource.kind` of a sharded array
@@ -135,17 +146,58 @@ def _array_spec(storage: Storage, item: str, name: str, use_ocdbt: bool, use_zar
             "recheck_cached_data": False}
 
 
+def _key_impls(storage: Storage, item: str) -> dict[str, str]:
+    """Param name -> PRNG impl, from `array_metadatas/process_<i>` (absent before orbax 0.9)."""
+    folder = f"{item}/{ARRAY_METADATAS}"
+    if not storage.is_folder(folder):
+        return {}
+    impls: dict[str, str] = {}
+    for name in sorted(storage.list_dir(folder)):
+        if not name.startswith("process_"):
+            continue
+        obj = _read_json_object(storage, f"{folder}/{name}", required=True)
+        entries = obj.get("array_metadatas", [])
+        if not isinstance(entries, list):
+            raise CorruptCheckpointError(f"{folder}/{name}: array_metadatas is not a list")
+        for entry in entries:
+            am = entry.get("array_metadata") if isinstance(entry, dict) else None
+            if not isinstance(am, dict):
+                continue
+            ext = am.get("ext_metadata")
+            if isinstance(ext, dict) and isinstance(ext.get(RANDOM_KEY_IMPL), str):
+                impls[str(am.get("param_name"))] = ext[RANDOM_KEY_IMPL]
+    return impls
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxItem:
+    """One Orbax PyTree item, read (`orbax_tree`).
+
+    Attributes:
+      folder: the item folder.
+      tree: nested dicts and lists of `ArraySource`s and values.
+      placeholders: key string -> Orbax's empty-node type (`None`, `Dict`, ...) of each
+        empty node the tree holds as a None, `{}`, `[]` or `()` leaf.
+      prng_keys: key strings of the typed PRNG key arrays.
+    """
+
+    folder: str
+    tree: object
+    placeholders: dict[str, str]
+    prng_keys: tuple[str, ...]
+
+
 def _reader(store: ts.TensorStore) -> RegionReader:
     return lambda box: store[box.slices()].read().result()
 
 
-def orbax_tree(src: str | os.PathLike) -> tuple[str, object]:
+def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
     """Reads an Orbax checkpoint's metadata into a tree of `ArraySource`s and values.
 
     Args:
       src: the Orbax item folder, or a step folder with one item (local path or URL).
     Returns:
-      (the item folder, the tree): nested dicts and lists as Orbax restores them
+      An `OrbaxItem`: the tree as nested dicts and lists as Orbax restores them
       without a target; array leaves are `ArraySource`s that read through TensorStore.
     Raises:
       CheckpointNotFoundError: no Orbax checkpoint at `src`.
@@ -165,6 +217,9 @@ def orbax_tree(src: str | os.PathLike) -> tuple[str, object]:
         )
     shardings = _read_json_object(storage, f"{item}/{SHARDING_FILE}", required=False)
     strings = _read_json_object(storage, f"{item}/{STRINGS_FILE}", required=False)
+    impls = _key_impls(storage, item)
+    placeholders: dict[str, str] = {}
+    prng_keys: list[str] = []
     entries = []
     for entry in meta["tree_metadata"].values():
         keys = _keys(entry, f"{item}/{METADATA_FILE}")
@@ -182,6 +237,7 @@ def orbax_tree(src: str | os.PathLike) -> tuple[str, object]:
         name = ".".join(str(k) for k in keys)
         key_str = "".join(f"[{k!r}]" for k in keys)
         if value_type in _EMPTY:
+            placeholders[key_str] = value_type
             flat.append((keys, _EMPTY[value_type]()))
         elif value_type == "string":
             if name not in strings:
@@ -201,14 +257,17 @@ def orbax_tree(src: str | os.PathLike) -> tuple[str, object]:
             b64 = base64.b64encode(name.encode()).decode()
             saved, shard = _saved_sharding(shardings.get(b64), shape)
             kind = _ARRAY_KINDS[value_type] if saved is not None else "numpy"
-            flat.append((keys, ArraySource(shape, dtype, shard, saved, kind, _reader(store))))
+            impl = impls.get(name)
+            if impl is not None:
+                prng_keys.append(key_str)
+            flat.append((keys, ArraySource(shape, dtype, shard, saved, kind, _reader(store), impl)))
         else:
             raise UnsupportedValueError(
                 f"{item}: leaf {key_str} has Orbax value_type {value_type!r}, written by a TypeHandler this import "
                 f"does not know (it reads {', '.join(list(_ARRAY_TYPES) + ['string'] + list(_EMPTY))}). Restore "
                 "the checkpoint with Orbax and save it with ckpt.save"
             )
-    return item, _nest(flat, item)
+    return OrbaxItem(item, _nest(flat, item), placeholders, tuple(prng_keys))
 
 
 def _nest(flat: list[tuple[tuple, object]], where: str) -> object:
@@ -234,40 +293,3 @@ def _nest(flat: list[tuple[tuple, object]], where: str) -> object:
         return {k: fix(v) for k, v in node.items()}
 
     return fix(root)
-
-
-def import_orbax(src: str | os.PathLike, dst: str | os.PathLike, *, overwrite: bool = False) -> None:
-    """Converts an Orbax checkpoint into a checkpointer checkpoint, one chunk at a time.
-
-    Reads through TensorStore only (Orbax need not be installed): OCDBT or plain zarr
-    (v2 or v3) layouts, with Orbax's PyTree metadata (`_METADATA`, `_sharding`,
-    `_strings.json`). The tree comes out as Orbax restores it without a target: dicts
-    and lists, scalars as Python numbers, strings; each array keeps its dtype, global
-    shape and saved sharding (shown by `checkpointer inspect`), and restores onto any
-    mesh like a checkpoint written by `ckpt.save`.
-
-    Args:
-      src: the Orbax checkpoint: an item folder (holding `_METADATA`) or a
-        CheckpointManager step folder with a single item (e.g. `run/100`, which holds
-        `run/100/default`). Local path or kvstore URL.
-      dst: the checkpoint path to write; a last component that is an integer is
-        recorded as the step. `user_metadata` records `{"imported_from": {"format":
-        "orbax", "path": <item folder>}}`.
-      overwrite: replace a committed checkpoint at `dst`.
-    Raises:
-      CheckpointNotFoundError: no Orbax checkpoint at `src`.
-      UnsupportedValueError: a leaf written by a custom Orbax TypeHandler, or of a
-        dtype the format cannot hold (names the leaf).
-      CheckpointExistsError: `dst` is committed and `overwrite` is False.
-      CorruptCheckpointError: the Orbax metadata or an array cannot be read.
-      SaveError: writing failed; nothing was committed.
-
-    Host memory: about one chunk of the source array plus one chunk written (at most
-    64 MiB), never the whole tree. Multi-process: call from one process.
-    """
-    item, tree = orbax_tree(src)
-    name = os.fspath(dst).rstrip("/").rsplit("/", 1)[-1]
-    step = int(name) if name.isascii() and name.isdigit() else None
-    save_leaf_by_leaf(dst, tree, metadata={"imported_from": {"format": "orbax", "path": item}}, step=step,
-                      overwrite=overwrite)
-

@@ -1,0 +1,269 @@
+"""The Orbax import against real Orbax checkpoints written here by the installed
+orbax-checkpoint: a flax TrainState with optax AdamW and typed PRNG keys (StandardCheckpointer,
+PyTreeCheckpointer; OCDBT on and off; zarr2 and zarr3), composite CheckpointManager steps
+with JSON items and metrics, and whole manager directories, restored bit-exactly onto
+another mesh."""
+
+import json
+import pathlib
+import re
+import shutil
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import checkpointer as ckpt
+from checkpointer._cli import _main as _cli
+
+ocp = pytest.importorskip("orbax.checkpoint")
+optax = pytest.importorskip("optax")
+train_state = pytest.importorskip("flax.training.train_state")
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _bits(x) -> bytes:
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.ascontiguousarray(np.asarray(x)).view(np.uint8).tobytes()
+
+
+def _spec(shape) -> P:
+    return {2: P("data", "model"), 1: P("model")}.get(len(shape), P())
+
+
+def _state(mesh):
+    """A trained-one-step TrainState with AdamW (its opt_state holds two EmptyState()s) and
+    typed PRNG keys, sharded over `mesh`."""
+    rng = np.random.default_rng(0)
+    params = {"dense": {"kernel": rng.standard_normal((64, 32)).astype(np.float32),
+                        "bias": rng.standard_normal(32).astype(ml_dtypes.bfloat16)}}
+    params = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, _spec(a.shape))), params)
+    state = train_state.TrainState.create(apply_fn=lambda *a: None, params=params, tx=optax.adamw(1e-2))
+    state = state.apply_gradients(grads=jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params))
+    keys = jax.device_put(jax.random.split(jax.random.key(1), 8), NamedSharding(mesh, P("model")))
+    return {"train": state, "rng": jax.random.key(42), "rngs": keys}
+
+
+def _target(tree, mesh):
+    """The abstract tree with every array sharded over `mesh` (by rank, as `_state`)."""
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        spec = P("model") if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) and x.ndim else _spec(x.shape)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+    return jax.tree.map(one, tree)
+
+
+def _assert_bit_exact(out, want, mesh_shape):
+    flat_out = jax.tree_util.tree_flatten_with_path(out)[0]
+    flat_want = jax.tree_util.tree_flatten_with_path(want)[0]
+    assert [kp for kp, _ in flat_out] == [kp for kp, _ in flat_want]
+    for (kp, got), (_, w) in zip(flat_out, flat_want):
+        if not isinstance(w, jax.Array):
+            assert got == w and type(got) is type(w), kp  # TrainState.step, a Python int
+            continue
+        assert got.dtype == w.dtype and got.shape == w.shape, kp
+        assert _bits(got) == _bits(w), kp
+        assert dict(got.sharding.mesh.shape) == mesh_shape, kp
+
+
+PLACEHOLDERS = {"['train']['opt_state'][1]": "None", "['train']['opt_state'][2]": "None"}  # the EmptyState()s
+LAYOUTS = {  # name -> a callable that saves `tree` at `path` as that kind of Orbax checkpoint
+    "standard": lambda path, tree: _save(ocp.StandardCheckpointer(), path, tree),
+    "pytree_ocdbt_zarr2": lambda path, tree: _pytree(path, tree, True, False),
+    "pytree_ocdbt_zarr3": lambda path, tree: _pytree(path, tree, True, True),
+    "pytree_zarr2": lambda path, tree: _pytree(path, tree, False, False),
+    "pytree_zarr3": lambda path, tree: _pytree(path, tree, False, True),
+}
+
+
+def _save(checkpointer, path, tree):
+    with checkpointer as c:
+        c.save(path, tree)
+
+
+def _pytree(path, tree, ocdbt, zarr3):
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=zarr3)) as c:
+        c.save(path, args=ocp.args.PyTreeSave(tree))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """`_state` on a 2x4 mesh, saved in every layout of LAYOUTS, and a manager directory of
+    three composite steps (state + a JSON item + metrics) and a step still being written."""
+    root = tmp_path_factory.mktemp("orbax")
+    state = _state(make_mesh((2, 4), ("data", "model")))
+    paths = {}
+    for name, write in LAYOUTS.items():
+        paths[name] = str(root / name)
+        write(paths[name], state)
+    run = root / "run"
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    with ocp.CheckpointManager(str(run), options=options) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                   extra=ocp.args.JsonSave({"epoch": step, "data": "c4"})),
+                     metrics={"loss": 1.0 / step})
+        mgr.wait_until_finished()
+    shutil.copytree(run / "3", run / "4.orbax-checkpoint-tmp-1764612345")  # a save Orbax never finalized
+    return state, paths, str(run)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_orbax_train_state_restores_into_its_own_abstract_train_state_on_another_mesh(saved, tmp_path, layout):
+    state, paths, _ = saved
+    report = ckpt.import_orbax(paths[layout], str(tmp_path / "7"))
+    mesh = make_mesh((4, 2), ("data", "model"))
+    out = ckpt.restore(str(tmp_path / "7"), _target(state, mesh))  # no partial=True
+    assert isinstance(out["train"], train_state.TrainState)
+    assert [type(s).__name__ for s in out["train"].opt_state] == ["ScaleByAdamState", "EmptyState", "EmptyState"]
+    assert jax.random.key_impl(out["rngs"]) == jax.random.key_impl(state["rngs"])  # typed keys, same impl
+    _assert_bit_exact(out, state, {"data": 4, "model": 2})
+    assert report.placeholders == PLACEHOLDERS
+    assert report.prng_keys == ("['rng']", "['rngs']")
+    assert report.step == 7 and report.items == {layout: "tree"}
+    assert report.arrays == len([x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)])
+    assert report.total_bytes == ckpt.metadata(str(tmp_path / "7")).total_bytes
+
+
+def test_orbax_import_still_refuses_a_target_that_lacks_a_saved_leaf(saved, tmp_path):
+    """The placeholders fit empty containers only: a target without `mu` is a real
+    mismatch and raises without partial=True."""
+    state, paths, _ = saved
+
+    class NoMu(NamedTuple):
+        count: object
+        nu: object
+
+    ckpt.import_orbax(paths["standard"], str(tmp_path / "1"))
+    target = _target(state, make_mesh((4, 2), ("data", "model")))
+    adam = target["train"].opt_state[0]
+    bad = dict(target, train=target["train"].replace(opt_state=(NoMu(adam.count, adam.nu),) + target["train"].opt_state[1:]))
+    with pytest.raises(ckpt.StructureMismatchError, match=r"in the checkpoint but not in the target \(2\): "
+                       r"\['train'\]\['opt_state'\]\[0\]\['mu'\]\['dense'\]"):
+        ckpt.restore(str(tmp_path / "1"), bad)
+    # None target leaves where the placeholders are restore as None.
+    as_none = dict(target, train=target["train"].replace(opt_state=(adam, None, None)))
+    assert ckpt.restore(str(tmp_path / "1"), as_none)["train"].opt_state[1:] == (None, None)
+
+
+def test_orbax_import_without_a_target_says_which_placeholders_it_holds(saved, tmp_path):
+    state, paths, _ = saved
+    ckpt.import_orbax(paths["pytree_ocdbt_zarr2"], str(tmp_path / "1"))
+    meta = ckpt.metadata(str(tmp_path / "1"))
+    assert meta.user_metadata["imported_from"]["placeholders"] == PLACEHOLDERS
+    out = ckpt.restore(str(tmp_path / "1"))
+    assert out["train"]["opt_state"][1] is None and out["train"]["opt_state"][2] is None  # as Orbax restores them
+    assert jax.dtypes.issubdtype(out["rng"].dtype, jax.dtypes.prng_key)
+    assert _bits(out["rngs"]) == _bits(state["rngs"])
+    assert meta.arrays["rngs"].key_impl == str(jax.random.key_impl(state["rngs"]))
+
+
+def test_orbax_composite_step_brings_every_item_and_says_what_each_became(saved, tmp_path):
+    state, _, run = saved
+    report = ckpt.import_orbax(f"{run}/2", str(tmp_path / "2"))
+    assert isinstance(report, ckpt.ImportReport)  # public, from the front door
+    assert report.items == {"extra": "user_metadata['orbax_items']['extra']", "metrics": "user_metadata['metrics']",
+                            "state": "tree['state']"}
+    assert report.placeholders == {f"['state']{k}": v for k, v in PLACEHOLDERS.items()}
+    meta = ckpt.metadata(str(tmp_path / "2"))
+    assert meta.user_metadata["orbax_items"] == {"extra": {"epoch": 2, "data": "c4"}}
+    assert meta.user_metadata["metrics"] == {"loss": 0.5} == report.metrics
+    mesh = make_mesh((1, 4), ("data", "model"))
+    out = ckpt.restore(str(tmp_path / "2"), {"state": _target(state, mesh)})
+    _assert_bit_exact(out["state"], state, {"data": 1, "model": 4})
+
+
+def test_orbax_composite_step_refuses_an_item_it_cannot_read(saved, tmp_path):
+    _, _, run = saved
+    step = tmp_path / "9"
+    shutil.copytree(f"{run}/1", step)
+    meta = json.loads((step / "_CHECKPOINT_METADATA").read_text())
+    meta["item_handlers"]["proto"] = "orbax.checkpoint.ProtoCheckpointHandler"
+    (step / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+    (step / "proto").mkdir()
+    (step / "proto" / "config.pbtxt").write_text("x: 1")
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"item 'proto'.*ProtoCheckpointHandler"):
+        ckpt.import_orbax(str(step), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_orbax_manager_directory_imports_every_finalized_step_and_resumes(saved, tmp_path):
+    state, _, run = saved
+    dst = str(tmp_path / "ckpt")
+    calls = []
+    report = ckpt.import_orbax(run, dst, progress=lambda *a: calls.append(a))
+    assert [r.step for r in report.steps] == [1, 2, 3] and report.resumed == ()  # not the .orbax-checkpoint-tmp one
+    assert calls == [(1, 3, 1), (2, 3, 2), (3, 3, 3)]
+    reader = ckpt.CheckpointManager(dst, read_only=True)
+    assert reader.all_steps() == [1, 2, 3]
+    assert [ckpt.metadata(reader.step_path(s)).user_metadata["metrics"]["loss"] for s in (1, 2, 3)] == [1.0, 0.5, 1 / 3]
+    # Interrupted after step 1: the rerun imports what is missing and keeps the rest.
+    shutil.rmtree(f"{dst}/2")
+    shutil.rmtree(f"{dst}/3")
+    again = ckpt.import_orbax(run, dst)
+    assert [r.step for r in again.steps] == [2, 3] and again.resumed == (1,)
+    out = ckpt.CheckpointManager(dst, read_only=True).restore(3, target={"state": _target(state, make_mesh((2, 2), ("data", "model")))})
+    _assert_bit_exact(out["state"], state, {"data": 2, "model": 2})
+    # A step there that came from elsewhere is not silently kept.
+    ckpt.save(str(tmp_path / "other" / "1"), {"w": np.ones(2)})
+    with pytest.raises(ckpt.CheckpointExistsError, match="not imported from"):
+        ckpt.import_orbax(run, str(tmp_path / "other"))
+
+
+def test_orbax_steps_on_an_object_store_need_commit_success():
+    from checkpointer._storage import storage_for
+    from checkpointer._tools._orbax_run import orbax_steps
+
+    storage, run = storage_for("memory://orbax-run")
+    for step, done in [(1, True), (2, False), (3, True)]:
+        storage.write_file(f"{run}/{step}/_CHECKPOINT_METADATA", b"{}")
+        storage.write_file(f"{run}/{step}/state/_METADATA", b"{}")
+        if done:
+            storage.write_file(f"{run}/{step}/commit_success.txt", b"ok")
+    storage.write_file(f"{run}/5.orbax-checkpoint-tmp-1/commit_success.txt", b"ok")
+    assert [s for s, _ in orbax_steps(storage, run)] == [1, 3]
+
+
+def test_cli_import_orbax_of_a_manager_directory(saved, tmp_path, capsys):
+    _, _, run = saved
+    dst = str(tmp_path / "ckpt")
+    assert _cli.main(["import-orbax", run, dst]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "3 steps imported" in out and "state -> tree['state']" in out
+    assert "['state']['train']['opt_state'][1] (None)" in out
+    assert _cli.main(["import-orbax", run, dst, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["resumed"] == [1, 2, 3] and doc["steps"] == []
+
+
+def test_readme_migration_of_a_whole_run_runs_as_written(saved, tmp_path):
+    state, _, run = saved
+    text = README.read_text(encoding="utf-8")
+    block = re.search(r"<!-- migration-of-a-run -->\s*```python\n(.*?)```", text, re.S).group(1)
+    code = block.replace("/runs/orbax", run).replace("/runs/ckpt", str(tmp_path / "ckpt"))
+    abstract_state = _target(state, make_mesh((4, 2), ("data", "model")))
+    scope = {"ckpt": ckpt, "abstract_state": abstract_state}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert [r.step for r in scope["report"].steps] == [1, 2, 3]
+    _assert_bit_exact(scope["state"], state, {"data": 4, "model": 2})
+
+
+def test_a_stored_none_restores_into_an_empty_container_of_the_target_and_nothing_else(tmp_path):
+    path = str(tmp_path / "1")
+    ckpt.save(path, {"empty": None, "w": np.arange(4.0)})
+    w = None  # a host numpy array
+    out = ckpt.restore(path, {"empty": optax.EmptyState(), "w": w})
+    assert type(out["empty"]) is optax.EmptyState and out["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert ckpt.restore(path, {"empty": (), "w": w})["empty"] == ()
+    with pytest.raises(ckpt.StructureMismatchError, match=r"in the target but not in the checkpoint \(1\): \['empty'\]\['x'\]"):
+        ckpt.restore(path, {"empty": {"x": w}, "w": w})
+    with pytest.raises(ckpt.StructureMismatchError, match=r"in the checkpoint but not in the target \(1\): \['empty'\]"):
+        ckpt.restore(path, {"w": w})
