@@ -78,6 +78,9 @@ class CheckpointManager(StatusReporting):
         its replication (`status().waiting_for_replication`).
       pack_small_leaves_bytes: as for `save` (0: every leaf its own zarr array), on
         both tiers alike.
+      direct_io: as for `save` ("auto", True, False); with two tiers it applies to the
+        local tier's writes. `status().last_write_mode` says which mode the last
+        finished save used, and why.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -87,7 +90,8 @@ class CheckpointManager(StatusReporting):
     manager is garbage-collected, or at interpreter exit.
 
     Raises:
-      ValueError: an interval, `max_saves_in_flight` or `max_write_bytes_per_s` out of range.
+      ValueError: an interval, `max_saves_in_flight` or `max_write_bytes_per_s` out of
+        range, or `direct_io` not "auto", True or False.
 
     Multi-process: every process constructs it and calls `save`/`restore` in the same
     order; process 0 alone cleans up, applies retention and holds the directory lock.
@@ -108,6 +112,7 @@ class CheckpointManager(StatusReporting):
         local_directory: str | os.PathLike | None = None,
         keep_local: KeepPolicy = KeepLatest(1),
         pack_small_leaves_bytes: int | None = None,
+        direct_io: str | bool = "auto",
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -121,6 +126,8 @@ class CheckpointManager(StatusReporting):
         self._write_limiter = _storage.limiter_for(max_write_bytes_per_s)
         # Two tiers pack as a direct save does: each process replicates its own pack.
         self._pack_bytes = _encoding.check_threshold(pack_small_leaves_bytes)
+        self._direct_io = _storage.check_direct_io(direct_io)
+        self._last_write_mode: tuple[str | None, str | None] = (None, None)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
         self.save_interval_steps = save_interval_steps
@@ -224,6 +231,7 @@ class CheckpointManager(StatusReporting):
             self._last["write_s"] = snap.write_s
             self._last["commit_s"] = handle.commit_s
             self._last["write_bytes_per_s"] = _write_rate(snap)
+            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
             if handle.error is not None:
                 self._pending_error = handle.error
                 self._last_error = f"step {step}: {type(handle.error).__name__}: {handle.error}"
@@ -306,7 +314,7 @@ class CheckpointManager(StatusReporting):
         options = SaveOptions(
             metadata=user_metadata, overwrite=force, commit_timeout_s=self.commit_timeout_s,
             agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
-            pack_small_leaves_bytes=self._pack_bytes,
+            pack_small_leaves_bytes=self._pack_bytes, direct_io=self._direct_io,
         )
         snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers)
         snap.write_limiter = self._write_limiter
@@ -349,6 +357,7 @@ class CheckpointManager(StatusReporting):
         tiers.enqueue(step, snap.generation, snap.overwrite).result()
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
+            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
         self._raise_pending()
 
     def _run_sync(self, step: int, snap: Snapshot) -> None:
@@ -362,6 +371,7 @@ class CheckpointManager(StatusReporting):
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
             self._last["write_bytes_per_s"] = _write_rate(snap)
+            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
 
     def _retention_after(self, step: int, snap: Snapshot | None = None) -> Callable[[], object] | None:
         """The callback process 0 runs after committing `step`, before telling the others:
