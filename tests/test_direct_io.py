@@ -7,6 +7,8 @@ parallel split grids (real processes) and packs; TensorStore and zarr-python rea
 direct files. The mode choice: `auto` takes the direct path here (under `CI=true` the
 test fails where it cannot), falls back to TensorStore where `O_DIRECT` is refused
 (`EINVAL` injected at the open and at the write), and `True` refuses to fall back.
+Durability: every direct file and every folder it created is fsynced before the
+process record is written.
 """
 
 import errno
@@ -324,3 +326,29 @@ def test_the_local_tier_writes_direct(tmp_path):
     assert _record(local / "process-0" / "1")["write_mode"] == "direct"
     out = ckpt.restore(str(tmp_path / "durable" / "1"))
     assert np.array_equal(out["w"], state["w"])
+
+
+def test_every_direct_file_and_its_folders_are_synced_before_the_record(tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(_direct.os, "fsync", recording_fsync)
+    mesh = make_mesh((2, 4), ("data", "model"))
+    tree = {"w": jax.device_put(_values((1024, 1024), np.float32), NamedSharding(mesh, P("data", "model"))), "b": np.ones(8, np.float32)}
+    path = str(tmp_path / "1")
+    ckpt.save(path, tree, direct_io=True)
+    record_at = next(i for i, p in enumerate(synced) if "/processes/0.json" in p)  # LocalStorage.write_file's fsync
+    before = {p.split(".partial-", 1)[1].split("/", 1)[-1] for p in synced[:record_at] if ".partial-" in p}
+    chunk_files = {k for k in _files(path) if "/c/" in k}
+    assert len(chunk_files) == 9  # 8 shards of w, the pack
+    assert chunk_files <= before
+    folders = {k.rsplit("/", 1)[0] for k in chunk_files}
+    for f in list(folders):
+        while "/" in f:
+            f = f.rsplit("/", 1)[0]
+            folders.add(f)
+    assert folders <= before, sorted(folders - before)

@@ -199,8 +199,8 @@ def write_shard_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk
       OSError: from the file system.
     """
     layout = meta.layout
-    stage = writer.staging.take(max(STAGING_BYTES, layout.inner_bytes_with_crc + DIRECT_ALIGN))
     f = DirectFile(path)
+    stage = writer.staging.take(max(STAGING_BYTES, layout.inner_bytes_with_crc + DIRECT_ALIGN))
     try:
         inner_crc = _encode(f, stage, layout, meta.inner_chunk_shape, box, host)
     finally:
