@@ -8,6 +8,7 @@ method of `LeafEncoding` to the test that runs it, so a new method without a tes
 fails `test_every_method_of_the_interface_has_a_test`.
 """
 
+import json
 import os
 import shutil
 
@@ -214,6 +215,24 @@ def test_cooperative_plan_splits_a_replicated_leaf_among_processes(saved):
 
 
 # Each method of the interface → the test above that runs it on every encoding.
+def test_direct_and_buffered_writes_store_the_same_bytes(saved, tmp_path):
+    # `saved` wrote with direct_io="auto" (direct on this file system); write the same
+    # state buffered and compare every file the encoding names, and the records.
+    enc, path, state, meta = saved
+    buffered = str(tmp_path / "buffered" / "1")
+    ckpt.save(buffered, state, direct_io=False, **RECIPES[enc.name]["save"])
+    records = [json.loads(open(f"{p}/processes/0.json").read()) for p in (path, buffered)]
+    assert [r["write_mode"] for r in records] == ["direct", "buffered"], records[0].get("write_mode_reason")
+    assert records[0]["chunks"] == records[1]["chunks"]
+    compared = 0
+    for m in meta.arrays.values():
+        for key, _ in enc.files(m, [Box.whole(m.shape)]):
+            with open(f"{path}/{key}", "rb") as a, open(f"{buffered}/{key}", "rb") as b:
+                assert a.read() == b.read(), (m.path, key)
+            compared += 1
+    assert compared >= len(meta.arrays)
+
+
 OPERATIONS = {
     "stores": "saved (fixture)",
     "plan": test_plan_reads_what_every_box_needs,
@@ -225,6 +244,7 @@ OPERATIONS = {
     "verify": test_verify_is_ok_then_names_the_leaf_of_a_damaged_byte,
     "region_reader": test_export_and_region_reads_are_bit_exact,
     "replicated_files": test_two_tier_replication_copies_the_files_the_encoding_names,
+    "start_write": test_direct_and_buffered_writes_store_the_same_bytes,
 }
 
 

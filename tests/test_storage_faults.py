@@ -23,8 +23,8 @@ from conftest import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer._encoding import _read
-from checkpointer._save import _pipeline as _save
+from checkpointer._encoding import _read, _write
+from checkpointer._storage import _direct
 from checkpointer._storage._local import LocalStorage
 
 # About the per-leaf layout (each leaf its own zarr array and chunk files): small leaves
@@ -110,9 +110,11 @@ class _Opened:
 def _inject(monkeypatch, where, code):
     """Makes one storage operation of a save fail with OSError(`code`)."""
     if where in ("create_array", "chunk_write"):
-        real = _save.open_for_write
+        real = _write.open_array
         exc = ValueError(f"{errno.errorcode[code]}: injected: {os.strerror(code)}") if where == "create_array" else _os_error(code, "chunk")
-        monkeypatch.setattr(_save, "open_for_write", lambda *a, **k: _Opened(real(*a, **k), exc, where == "create_array"))
+        monkeypatch.setattr(_write, "open_array", lambda *a, **k: _Opened(real(*a, **k), exc, where == "create_array"))
+        if where == "chunk_write":  # direct writes (direct_io="auto" on this file system) fail alike
+            monkeypatch.setattr(_direct.DirectFile, "write_at", lambda self, offset, data: (_ for _ in ()).throw(exc))
         return
     method, suffix = {
         "makedirs": ("makedirs", ""),

@@ -1,7 +1,8 @@
 """Stored-leaf encodings: one interface (`LeafEncoding`) per way a leaf's chunks are
 stored (its own zarr array; packed into its writers' packs), the registry `ENCODINGS`
 and `encoding_of`, and the operations that dispatch through it; per-leaf read plans,
-checked reads of planned byte ranges, writing and reading packs.
+checked reads of planned byte ranges, writing and reading packs, and writing stored
+leaves buffered (TensorStore) or direct (`O_DIRECT`, local files).
 """
 
 from ._base import LeafEncoding, ReadContext, VerifyContext
@@ -19,6 +20,8 @@ from ._registry import (
     region_reader,
     replicated_files,
     start_restore,
+    start_write,
 )
+from ._write import BUFFERED, DIRECT, LeafWrite, WriteContext, WriteResult, chunk_record, write_context
 
-__all__ = ['BoxRead', 'ChunkRead', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'PACKED', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'SharedChunk', 'VerifyContext', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'encoding_of', 'files', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'region_reader', 'replicated_files', 'start_restore']
+__all__ = ['BUFFERED', 'BoxRead', 'ChunkRead', 'DIRECT', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'LeafWrite', 'PACKED', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'SharedChunk', 'VerifyContext', 'WriteContext', 'WriteResult', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'chunk_record', 'encoding_of', 'files', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'region_reader', 'replicated_files', 'start_restore', 'start_write', 'write_context']

@@ -18,6 +18,8 @@ Who calls what, where:
   verify            `verify`, any process alone; reads everything.
   region_reader     export (and any reader walking a leaf region by region), any process.
   replicated_files  the two tiers' replication, each process, from its own record.
+  start_write       a save, each process, its own chunks (the write path's files; the
+                    direct or the buffered way, `_write.WriteContext`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .._format import ArrayMetadata, Box, ChunkRecord, ProcessRecord
 from .._storage import Storage
 from ._leaf_plan import LeafRestorePlan
 from ._read import RestoreStats
+from ._write import LeafWrite, WriteContext, WriteResult
 
 
 class Budget(Protocol):
@@ -228,3 +231,19 @@ class LeafEncoding(abc.ABC):
     def replicated_files(self, record: ProcessRecord) -> list[str]:
         """The files of this encoding a process copies to the durable tier: those it
         wrote, from its own record (keys relative to the checkpoint path), each once."""
+
+    # --- save -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def start_write(self, storage: Storage, root: str, leaves: Sequence[LeafWrite], ctx: WriteContext) -> Callable[[], WriteResult]:
+        """Issues the writes of this process's chunks of these leaves into `root` (the
+        save's write path), TensorStore's or the direct writer's (`ctx.direct`), and
+        returns the function that waits for them.
+
+        Guarantees (of the returned function's result): every chunk file durable, the
+        same bytes either way; the chunk records in plan order; the pack's index where
+        the encoding has one. Nothing it started still runs when it (or the returned
+        function) raises.
+        Raises:
+          SaveError: naming the leaf, the path and the process.
+        """

@@ -45,8 +45,10 @@ import numpy as np
 from .. import _errors, _format
 from .._errors import CorruptCheckpointError, where
 from .._format import ArrayMetadata, Box, ChunkRecord, PackedBoxRecord, PackRecord, is_whole_byte_dtype
-from .._storage import Storage, ts_context
+from .._memory import aligned_empty
+from .._storage import DIRECT_ALIGN, Storage, ts_context, write_direct_file
 from ._leaf_plan import BoxRead, PackRun
+from ._write import DirectWriter
 
 PACKED = "packed"
 DEFAULT_PACK_BYTES = 256 << 10
@@ -141,16 +143,20 @@ class PackWriter:
         """Bytes of packed data added so far."""
         return sum(h.nbytes for _, _, h in self._parts)
 
-    def write(self, storage: Storage, root: str) -> Callable[[], tuple[PackRecord, ChunkRecord]]:
-        """Concatenates the chunks, checksums them and issues the pack's TensorStore
-        write into `root` (the save's write path); returns the function that waits for
-        it and gives the pack's index and its chunk record.
+    def write(self, storage: Storage, root: str, direct: DirectWriter | None = None) -> Callable[[], tuple[PackRecord, ChunkRecord]]:
+        """Concatenates the chunks, checksums them and issues the pack's write into
+        `root` (the save's write path): TensorStore creates its `zarr.json` and writes
+        its chunk file, or (`direct`) the direct writer writes the chunk file, the same
+        bytes (the data, then their crc32c, computed once for the codec and the record).
+        Returns the function that waits for it and gives the pack's index and its chunk
+        record.
 
         Raises:
-          OSError, ValueError: from TensorStore (the caller names the path).
+          OSError, ValueError: from TensorStore or the file system (the caller names the path).
         """
         nbytes = self.nbytes
-        buf = np.empty(nbytes, np.uint8)
+        # Aligned and long enough for a direct write of the data and the codec's crc32c.
+        buf = aligned_empty((-(-(nbytes + CRC_BYTES) // DIRECT_ALIGN) * DIRECT_ALIGN,), np.dtype(np.uint8), DIRECT_ALIGN)
         boxes, attrs = [], []
         offset = 0
         for meta, box, host in self._parts:
@@ -160,6 +166,8 @@ class PackWriter:
             boxes.append(PackedBoxRecord(leaf=meta.path, box=box, offset=offset, data_bytes=raw.size, data_crc32c=crc))
             attrs.append(boxes[-1].to_json() | {"dtype": _format.dtype_name(meta.dtype)})
             offset += raw.size
+        data = buf[:nbytes]
+        data_crc = crc32c.crc32c(data.data)
         name = array_name(self.process_index)
         record = PackRecord(array=name, key=chunk_key(self.process_index), file_bytes=nbytes + CRC_BYTES, boxes=tuple(boxes))
         attributes = {"checkpointer": {"packed_index": attrs, "layout": "C-order little-endian bytes of each box at offset"}}
@@ -173,10 +181,16 @@ class PackWriter:
         import tensorstore as ts  # lazily: a restore of local files never needs it
 
         store = ts.open(spec, context=ts_context()).result()
-        future = store.write(buf)
+        future: Any
+        if direct is None:
+            future = store.write(data)
+        else:
+            buf[nbytes : nbytes + CRC_BYTES] = np.frombuffer(data_crc.to_bytes(CRC_BYTES, "little"), np.uint8)
+            path = f"{root}/{record.key}"
+            direct.makedirs(path.rsplit("/", 1)[0])
+            future = direct.submit(write_direct_file, path, buf, nbytes + CRC_BYTES)
         chunk = ChunkRecord(
-            key=record.key, box=Box((0,), (nbytes,)), file_bytes=record.file_bytes, data_bytes=nbytes,
-            data_crc32c=crc32c.crc32c(buf.data),
+            key=record.key, box=Box((0,), (nbytes,)), file_bytes=record.file_bytes, data_bytes=nbytes, data_crc32c=data_crc,
         )
 
         def finish() -> tuple[PackRecord, ChunkRecord]:

@@ -22,13 +22,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from .. import _errors, _memory
-from .._errors import CorruptCheckpointError, where
+from .._errors import CorruptCheckpointError, SaveError, where
 from .._format import ZARR_JSON, ArrayMetadata, Box, PackedBox, ProcessRecord, cell_box, grid_cells
-from .._storage import Storage
+from .._storage import Storage, acquire
 from . import _pack, _pack_verify
 from ._base import Item, LeafEncoding, ReadContext, VerifyContext
 from ._leaf_plan import BoxRead, LeafRestorePlan, PackedRead, SharedChunk, coalesce_packed
 from ._read import RestoreStats
+from ._write import LeafWrite, WriteContext, WriteResult
 
 log = logging.getLogger("checkpointer")
 
@@ -296,3 +297,28 @@ class PackedEncoding(LeafEncoding):
         if record.packed is None:
             return []
         return [record.packed.key, f"{record.packed.array}/{ZARR_JSON}"]
+
+    def start_write(self, storage: Storage, root: str, leaves: Sequence[LeafWrite], ctx: WriteContext) -> Callable[[], WriteResult]:
+        """Writes this process's pack (`_pack.PackWriter`): one file, one write."""
+        pack = _pack.PackWriter(ctx.process_index)
+        for lw in leaves:
+            for _, box, host in lw.chunks:
+                pack.add(lw.meta, box, host)
+        if not pack:
+            return lambda: WriteResult()
+        acquire(ctx.limiter, pack.nbytes)  # the pack is one write
+        name = _pack.array_name(ctx.process_index)
+        try:
+            with _memory.paused():
+                done = pack.write(storage, root, ctx.direct)
+        except Exception as e:
+            raise SaveError(f"writing the pack of small leaves {name} in {root} failed (process {ctx.process_index}): {e}") from e
+
+        def finish() -> WriteResult:
+            try:
+                record, chunk = done()
+            except Exception as e:
+                raise SaveError(f"writing the pack of small leaves {name} in {root} failed (process {ctx.process_index}): {e}") from e
+            return WriteResult([chunk], record)
+
+        return finish

@@ -17,6 +17,7 @@ from .._storage import Storage
 from ._base import Item, LeafEncoding, ReadContext
 from ._leaf_plan import LeafRestorePlan, by_box
 from ._packed import PackedEncoding
+from ._write import LeafWrite, WriteContext, WriteResult
 from ._zarr_array import ZarrArrayEncoding
 
 ENCODINGS: tuple[LeafEncoding, ...] = (ZarrArrayEncoding(), PackedEncoding())
@@ -107,3 +108,43 @@ def replicated_files(record: ProcessRecord) -> list[str]:
     """Every file of a process's record it copies to the durable tier, each once
     (`LeafEncoding.replicated_files`, every encoding)."""
     return list(dict.fromkeys(k for enc in ENCODINGS for k in enc.replicated_files(record)))
+
+
+def start_write(storage: Storage, root: str, leaves: Sequence[LeafWrite], ctx: WriteContext) -> Callable[[], WriteResult]:
+    """Issues every leaf's writes, encoding by encoding in registry order
+    (`LeafEncoding.start_write`), and returns the function that waits for all of them,
+    then (direct writes) makes the folders they created durable and stops the writer.
+
+    Returns (from the function): the chunk records in registry order, then plan order;
+    the pack's index.
+    Raises (either): SaveError; nothing started is still running when it raises.
+    """
+    finishers: list[Callable[[], WriteResult]] = []
+
+    def finish_all() -> WriteResult:
+        out, first = WriteResult(), None
+        for f in finishers:
+            try:
+                r = f()
+            except BaseException as e:  # wait for the others before raising
+                first = first or e
+                continue
+            out.chunks.extend(r.chunks)
+            out.packed = r.packed or out.packed
+        if ctx.direct is not None:
+            ctx.direct.close(sync=first is None)
+        if first is not None:
+            raise first
+        return out
+
+    try:
+        for enc, group in _grouped(leaves, lambda lw: lw.meta):
+            if group:
+                finishers.append(enc.start_write(storage, root, group, ctx))
+    except BaseException:
+        try:
+            finish_all()
+        except BaseException:
+            pass
+        raise
+    return finish_all

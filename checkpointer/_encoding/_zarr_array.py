@@ -24,9 +24,10 @@ from .. import _errors, _format
 from .._errors import CorruptCheckpointError, where
 from .._format import ArrayMetadata, Box, ProcessRecord, cell_box, grid_cells
 from .._storage import Storage
-from . import _read
+from . import _read, _write
 from ._base import Item, LeafEncoding, ReadContext, VerifyContext
 from ._leaf_plan import BoxRead, LeafRestorePlan, plan_array_leaf
+from ._write import LeafWrite, WriteContext, WriteResult
 
 if TYPE_CHECKING:
     import tensorstore as ts
@@ -233,3 +234,6 @@ class ZarrArrayEncoding(LeafEncoding):
     def replicated_files(self, record: ProcessRecord) -> list[str]:
         pack = record.packed.key if record.packed is not None else None
         return list(dict.fromkeys(c.key for c in record.chunks if c.data_bytes != 0 and c.key != pack))
+
+    def start_write(self, storage: Storage, root: str, leaves: Sequence[LeafWrite], ctx: WriteContext) -> Callable[[], WriteResult]:
+        return _write.start_zarr_writes(storage, root, leaves, ctx)

@@ -272,6 +272,9 @@ class ProcessRecord:
       packed: the index of this process's pack of small leaves (`_pack`), or None
         (absent) when it packed nothing. The pack's chunk file is also one of `chunks`
         (`leaf` absent), so `bytes_written` and `verify` count it.
+      write_mode: how it wrote its chunk files: "direct" (the library, `O_DIRECT`) or
+        "buffered" (TensorStore); None (absent) in records of older versions.
+      write_mode_reason: why that mode (`direct_io` and what the probe found).
       extra: JSON fields this version does not know, kept as read.
     """
 
@@ -286,6 +289,8 @@ class ProcessRecord:
         "phases_unix_s", parse_phases, phases_json, default=None
     )
     packed: PackRecord | None = _json_field("packed", _pack, PackRecord.to_json, default=None)
+    write_mode: str | None = _json_field("write_mode", _text, default=None)
+    write_mode_reason: str | None = _json_field("write_mode_reason", _text, default=None)
     extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:

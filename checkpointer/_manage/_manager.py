@@ -83,6 +83,9 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         SIGTERM); otherwise a SIGTERM handler is installed (main thread only, chained to
         an earlier Python handler) and `close()` restores the previous one. The loop
         calls `save` at every step. See `_preemption`.
+      direct_io: as for `save` ("auto", True, False); with two tiers it applies to the
+        local tier's writes. `status().last_write_mode` says which mode the last
+        finished save used, and why.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -92,7 +95,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
     manager is garbage-collected, or at interpreter exit.
 
     Raises:
-      ValueError: an interval, `max_saves_in_flight` or `max_write_bytes_per_s` out of range.
+      ValueError: an interval, `max_saves_in_flight` or `max_write_bytes_per_s` out of
+        range, or `direct_io` not "auto", True or False.
 
     Multi-process: every process constructs it and calls `save`/`restore` in the same
     order; process 0 alone cleans up, applies retention and holds the directory lock.
@@ -115,6 +119,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         pack_small_leaves_bytes: int | None = None,
         save_interval_s: float | None = None,
         save_on_preemption: bool = True,
+        direct_io: str | bool = "auto",
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -128,6 +133,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         self._write_limiter = _storage.limiter_for(max_write_bytes_per_s)
         # Two tiers pack as a direct save does: each process replicates its own pack.
         self._pack_bytes = _encoding.check_threshold(pack_small_leaves_bytes)
+        self._direct_io = _storage.check_direct_io(direct_io)
+        self._last_write_mode: tuple[str | None, str | None] = (None, None)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
         self.save_interval_steps = save_interval_steps
@@ -239,6 +246,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             self._last["write_s"] = snap.write_s
             self._last["commit_s"] = handle.commit_s
             self._last["write_bytes_per_s"] = _write_rate(snap)
+            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
             if handle.error is not None:
                 self._pending_error = handle.error
                 self._last_error = f"step {step}: {type(handle.error).__name__}: {handle.error}"
@@ -334,7 +342,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             options = SaveOptions(
                 metadata=user_metadata, overwrite=force, commit_timeout_s=self.commit_timeout_s,
                 agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
-                pack_small_leaves_bytes=self._pack_bytes,
+                pack_small_leaves_bytes=self._pack_bytes, direct_io=self._direct_io,
             )
         except BaseException as e:
             # Before the snapshot (which takes the save's number itself): a process that
@@ -409,6 +417,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         tiers.enqueue(step, snap.generation, snap.overwrite).result()
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
+            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
         self._raise_pending()
 
     def _run_sync(self, step: int, snap: Snapshot) -> None:
@@ -423,6 +432,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
             self._last["write_bytes_per_s"] = _write_rate(snap)
+            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
         self._finished(step, snap, self._last["commit_s"], None)
 
     def _retention_after(self, step: int, snap: Snapshot | None = None) -> Callable[[], object] | None:

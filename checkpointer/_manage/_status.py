@@ -44,6 +44,11 @@ class ManagerStatus:
       last_restore_source: two tiers: where this process's last `restore` read from:
         "local", "local+durable" or "durable" (None before the first).
       last_restore_durable_bytes: bytes that restore fetched from the durable tier.
+      last_write_mode: how this process wrote the last finished save's chunk files:
+        "direct" (`O_DIRECT`, local files) or "buffered" (TensorStore); None before the
+        first (`direct_io=` of the manager).
+      last_write_mode_reason: why that mode (the `direct_io` value and what the probe
+        of the file system found).
     """
 
     latest_committed_step: int | None
@@ -62,6 +67,8 @@ class ManagerStatus:
     waiting_for_replication: bool = False
     last_restore_source: str | None = None
     last_restore_durable_bytes: int | None = None
+    last_write_mode: str | None = None
+    last_write_mode_reason: str | None = None
 
 
 class StatusReporting(StepReader):
@@ -71,7 +78,8 @@ class StatusReporting(StepReader):
     saves in flight `_in_flight` (step, handle), the newest step handed to `save`
     `_last_requested_step`, the last error `_last_error`, the last save's timings
     `_last`, the last restore's source and durable bytes `_last_restore`, every save's
-    snapshot seconds `_snapshot_history_s`, and the local tier `_tiers` (or None).
+    snapshot seconds `_snapshot_history_s`, the last save's write mode and why
+    `_last_write_mode`, and the local tier `_tiers` (or None).
     """
 
     _mu: threading.Lock
@@ -80,6 +88,7 @@ class StatusReporting(StepReader):
     _last_error: str | None
     _last: dict[str, float | None]
     _last_restore: tuple[str | None, int | None]
+    _last_write_mode: tuple[str | None, str | None]
     _snapshot_history_s: list[float]
     _tiers: LocalTier | None
 
@@ -115,6 +124,8 @@ class StatusReporting(StepReader):
                 waiting_for_replication=tiers.waiting_for_replication if tiers else False,
                 last_restore_source=self._last_restore[0],
                 last_restore_durable_bytes=self._last_restore[1],
+                last_write_mode=self._last_write_mode[0],
+                last_write_mode_reason=self._last_write_mode[1],
             )
 
     def recommend_interval(self, mtbf_s: float) -> float:

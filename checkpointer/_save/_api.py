@@ -28,6 +28,7 @@ def save(
     per_process_state: object = None,
     max_write_bytes_per_s: float | None = None,
     pack_small_leaves_bytes: int | None = None,
+    direct_io: str | bool = "auto",
 ) -> None:
     """Saves `tree` to `path` and returns once it is committed.
 
@@ -52,21 +53,31 @@ def save(
         many bytes are packed into one zarr array per process (`packed/process-<i>`,
         see `_pack` and the README's on-disk layout) instead of an array each; None:
         256 KiB; 0 writes every leaf as its own zarr array (the layout of release 0.1).
+      direct_io: how local files are written: "auto" writes the zarr shard files and
+        packs with `O_DIRECT` (past the page cache, the bytes TensorStore would write)
+        where one probing write shows the file system takes it, else through
+        TensorStore; True requires direct writes (SaveError where impossible); False
+        always TensorStore. Object stores are always written through TensorStore.
+        `processes/<i>.json` records the mode used and why (`write_mode`).
     Raises:
       CheckpointExistsError: `path` is committed and `overwrite` is False.
       UnsupportedValueError: a leaf or `per_process_state` cannot be stored (names it).
       SaveAgreementError: processes save different paths, steps or trees (or different
         non-array values), or one did not arrive in time; raised on every process,
         naming per process what differs; nothing was written.
-      ValueError: `max_write_bytes_per_s` is not None or a positive number, or
-        `pack_small_leaves_bytes` is not a non-negative int.
+      ValueError: `max_write_bytes_per_s` is not None or a positive number,
+        `pack_small_leaves_bytes` is not a non-negative int, or `direct_io` is not
+        "auto", True or False.
       SaveError, CommitTimeoutError: writing or committing failed; nothing was committed.
 
     Multi-process: every process must call it with the same path and tree (the same
     non-array values too), as its n-th save when the others make their n-th; each
     writes only its devices' `replica_id == 0` shards; process 0 commits.
     """
-    options = SaveOptions(metadata, overwrite, commit_timeout_s, agreement_timeout_s, per_process_state, max_write_bytes_per_s, pack_small_leaves_bytes)
+    options = SaveOptions(
+        metadata, overwrite, commit_timeout_s, agreement_timeout_s, per_process_state, max_write_bytes_per_s, pack_small_leaves_bytes,
+        direct_io,
+    )
     save_sync(path, tree, options, step=_step_from_path(path))
 
 
@@ -81,6 +92,7 @@ def save_async(
     per_process_state: object = None,
     max_write_bytes_per_s: float | None = None,
     pack_small_leaves_bytes: int | None = None,
+    direct_io: str | bool = "auto",
 ) -> AsyncSave:
     """Like `save`, but returns once the host snapshot is taken.
 
@@ -99,7 +111,10 @@ def save_async(
 
     Multi-process: as `save`.
     """
-    options = SaveOptions(metadata, overwrite, commit_timeout_s, agreement_timeout_s, per_process_state, max_write_bytes_per_s, pack_small_leaves_bytes)
+    options = SaveOptions(
+        metadata, overwrite, commit_timeout_s, agreement_timeout_s, per_process_state, max_write_bytes_per_s, pack_small_leaves_bytes,
+        direct_io,
+    )
     limiter = _storage.limiter_for(max_write_bytes_per_s)  # raises before the snapshot
     snap = take_snapshot(path, tree, options, step=_step_from_path(path), buffers=shared_pool())
     snap.write_limiter = limiter

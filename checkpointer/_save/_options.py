@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from .. import _commit, _coord
+from .. import _commit, _coord, _storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,7 +15,7 @@ class SaveOptions:
     `ckpt.save_async` (tests/test_layout.py checks that they stay equal), documented there.
 
     `CheckpointManager` holds the ones it takes at construction (the timeouts, the write
-    rate, the pack threshold) and fills in the per-step ones (`metadata` with the
+    rate, the pack threshold, `direct_io`) and fills in the per-step ones (`metadata` with the
     metrics, `overwrite=force`, `per_process_state`) with `dataclasses.replace`.
     """
 
@@ -26,3 +26,7 @@ class SaveOptions:
     per_process_state: object = None
     max_write_bytes_per_s: float | None = None
     pack_small_leaves_bytes: int | None = None
+    direct_io: str | bool = "auto"
+
+    def __post_init__(self) -> None:
+        _storage.check_direct_io(self.direct_io)

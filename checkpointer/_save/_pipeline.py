@@ -8,7 +8,8 @@ background thread (see `_async.py`):
    maps), then copies the chunks this process writes (whole shards, or the slices of a
    replica-parallel split) to fresh host buffers.
 2. `write_snapshot` (any thread): writes the chunks into `<path>.partial-<generation>/`,
-   durably (TensorStore's file driver fsyncs), then `processes/<i>.json`.
+   durably (TensorStore's file driver fsyncs, or the direct writer of local files,
+   `_encoding.start_write`), then `processes/<i>.json`.
 3. the commit (any thread): the commit protocol of DESIGN.md, `_commit.Commit`.
 """
 
@@ -94,6 +95,9 @@ class Snapshot:
     # record keeps wait_for_arrays/snapshot/write/durable, the manifest process 0's wait, `_timeline` draws them.
     phases_unix_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     pack_index: PackRecord | None = None  # this process's pack of small leaves, once written (`_pack`)
+    direct_io: str | bool = "auto"  # `SaveOptions.direct_io`
+    write_mode: str | None = None  # once writing: "direct" or "buffered" (`_encoding.write_context`)
+    write_mode_reason: str | None = None  # why
 
     @property
     def partial_path(self) -> str:
@@ -298,6 +302,7 @@ def _take_snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
         overwrite=overwrite, commit_timeout_s=options.commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
+        direct_io=options.direct_io,
     )
     snap.snapshot_s = time.perf_counter() - t0  # the whole blocking call, the wait for the arrays included
     snap.phases_unix_s.update(snap_phases, snapshot=(ready, time.time()))
@@ -322,14 +327,7 @@ def begin_write(snap: Snapshot) -> None:
 
 def chunk_record(meta: ArrayMetadata, chunk_index: Sequence[int], box: Box, data: np.ndarray) -> ChunkRecord:
     """The record of one chunk written from `data` (the host bytes of `box`)."""
-    return ChunkRecord(
-        leaf=meta.path,
-        key=_format.chunk_key(meta.path, chunk_index),
-        box=box,
-        file_bytes=meta.layout.file_bytes,
-        data_bytes=data.nbytes,
-        data_crc32c=_format.data_crc32c(data),
-    )
+    return _encoding.chunk_record(meta, chunk_index, box, data)
 
 
 def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord], packed: PackRecord | None = None) -> ProcessRecord:
@@ -344,6 +342,8 @@ def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord], packed: PackReco
         bytes_written=snap.bytes_written,
         snapshot_s=round(snap.snapshot_s, 6),
         write_s=round(snap.write_s, 6),
+        write_mode=snap.write_mode,  # additive: absent in records of older versions
+        write_mode_reason=snap.write_mode_reason,
         per_process_state=snap.per_process_state,  # additive: absent when the save gave none
         phases_unix_s=dict(snap.phases_unix_s) or None,
         packed=packed,  # additive: absent when this process packed nothing
@@ -356,75 +356,44 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
     """Writes this process's chunks and its `processes/<i>.json` record, durably.
 
     Process 0 also writes every array's `zarr.json` and the group nodes of
-    `_zarr_groups`. Returns the record.
+    `_zarr_groups`. The chunks are written by each leaf's encoding
+    (`_encoding.start_write`), direct or buffered as `snap.direct_io` and the file
+    system decide (`snap.write_mode`). Returns the record.
 
     Raises:
       SaveError: a write failed (names the leaf, the path and the process).
     """
     t0, wall0 = time.perf_counter(), time.time()
     root = snap.write_path
-    futures: list = []
-    opened: list = []
+    finish = None
     try:
         begin_write(snap)
         meta_writer = snap.process_index == 0 if snap.writes_array_metadata is None else snap.writes_array_metadata
-        # Packed leaves (`_pack`) go into this process's pack: no zarr array of their own.
-        pack = _encoding.PackWriter(snap.process_index)
-        for leaf in snap.arrays:
-            if leaf.meta.packed:
-                for w, host in zip(leaf.plan.writes, leaf.host):
-                    pack.add(leaf.meta, w.box, host)
-        unpacked = [leaf for leaf in snap.arrays if not leaf.meta.packed]
-        opened = [(leaf, open_for_write(snap, leaf.meta, create=meta_writer)) for leaf in unpacked]
+        ctx = _encoding.write_context(
+            snap.storage, root, snap.direct_io, process_index=snap.process_index, writes_array_metadata=meta_writer,
+            limiter=snap.write_limiter,
+        )
+        snap.write_mode, snap.write_mode_reason = ctx.mode, ctx.mode_reason
+        leaves = [_encoding.LeafWrite(leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)])
+                  for leaf in snap.arrays]
+        finish = _encoding.start_write(snap.storage, root, leaves, ctx)
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
-            write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in unpacked])
-        pack_done = None
-        if pack:
-            _storage.acquire(snap.write_limiter, pack.nbytes)  # the pack is one write
-            with _memory.paused():
-                pack_done = pack.write(snap.storage, root)
-        chunks = []
-        for leaf, fut in opened:
-            try:
-                store = fut.result()
-            except Exception as e:
-                raise SaveError(f"{where(leaf=leaf.meta.path, path=root, process=snap.process_index)}: cannot create the zarr array: {e}") from e
-            for w, host in zip(leaf.plan.writes, leaf.host):
-                _storage.acquire(snap.write_limiter, host.nbytes)  # paced per chunk write
-                # TensorStore encodes straight from the snapshot instead of copying it into
-                # its cache first: nothing changes `host` before the write is durable, and a
-                # buffer TensorStore still references never returns to a pool (`_buffer_pool`).
-                write = store[w.box.slices()].write(host, can_reference_source_data_indefinitely=True) if host.size else None
-                futures.append((leaf.meta.path, write))
-                chunks.append(chunk_record(leaf.meta, w.chunk_index, w.box, host))
+            write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays if not leaf.meta.packed])
         issued = time.time()  # every chunk write issued; "durable" waits for them all
-        for leaf_path, f in futures:
-            if f is None:
-                continue
-            try:
-                f.result()
-            except Exception as e:
-                raise SaveError(f"{where(leaf=leaf_path, path=root, process=snap.process_index)}: writing a chunk failed: {e}") from e
-        if pack_done is not None:
-            try:
-                snap.pack_index, pack_chunk = pack_done()
-            except Exception as e:
-                raise SaveError(f"writing the pack of small leaves {_encoding.array_name(snap.process_index)} in {root} failed "
-                                f"(process {snap.process_index}): {e}") from e
-            chunks.append(pack_chunk)
+        done, finish = finish(), None
+        snap.pack_index = done.packed
         snap.write_s = time.perf_counter() - t0
         snap.phases_unix_s.update(write=(wall0, issued), durable=(issued, time.time()))
         with _memory.paused():
-            return write_record(snap, chunks, snap.pack_index)
+            return write_record(snap, done.chunks, snap.pack_index)
     except BaseException as e:
-        # Let array creations and writes already issued finish before anyone removes
-        # the partial folder (a creation still running would re-create files in it).
-        for _, f in opened + futures:
-            if f is not None:
-                try:
-                    f.result()
-                except Exception:
-                    pass
+        # Let the writes already issued finish before anyone removes the partial folder
+        # (a creation still running would re-create files in it).
+        if finish is not None:
+            try:
+                finish()
+            except BaseException:
+                pass
         if isinstance(e, SaveError):
             raise
         raise SaveError(f"writing {root} failed (process {snap.process_index}): {type(e).__name__}: {e}") from e

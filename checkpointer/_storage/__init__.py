@@ -4,8 +4,17 @@ declared capabilities, ranged readers and one lock class) and write-rate pacing.
 
 from .._errors import LockHeldError
 from ._contract import FileLock, Reader, Storage
+from ._direct import (
+    ALIGN as DIRECT_ALIGN,
+    DirectFile,
+    StagingBuffers,
+    check_direct_io,
+    probe as probe_direct,
+    sync_folders,
+    write_file as write_direct_file,
+)
 from ._kvstore import KvStorage, storage_for, ts_context
 from ._local import LocalStorage
 from ._ratelimit import TokenBucket, acquire, limiter_for
 
-__all__ = ['FileLock', 'KvStorage', 'LocalStorage', 'LockHeldError', 'Reader', 'Storage', 'TokenBucket', 'acquire', 'limiter_for', 'storage_for', 'ts_context']
+__all__ = ['DIRECT_ALIGN', 'DirectFile', 'FileLock', 'KvStorage', 'LocalStorage', 'LockHeldError', 'Reader', 'StagingBuffers', 'Storage', 'TokenBucket', 'acquire', 'check_direct_io', 'limiter_for', 'probe_direct', 'storage_for', 'sync_folders', 'ts_context', 'write_direct_file']

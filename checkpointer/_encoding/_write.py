@@ -1,0 +1,381 @@
+"""Writing stored leaves: what a save gives every encoding's `start_write`, the choice
+between direct and buffered writes, and the direct writer of zarr shard files.
+
+Two ways of writing the same bytes (docs/DESIGN-decisions.md, "Direct local writes"):
+- **buffered**: TensorStore writes every file (its `file` kvstore: the page cache, then
+  `fsync`); every kvstore (`gs://`, `s3://`, `memory://`) is always written so.
+- **direct**: on local POSIX files the library writes the zarr shard files and packs
+  itself with `O_DIRECT` (`_storage._direct`), byte-identical to TensorStore's
+  (`tests/test_direct_io.py`); TensorStore still writes every `zarr.json`, and the
+  chunks of leaves whose dtype the byte layout below does not cover (sub-byte dtypes,
+  big-endian hosts).
+
+`direct_io="auto"` probes the write path with one aligned write (`_storage._direct.probe`)
+and writes buffered where the file system refuses (`EINVAL`: tmpfs before Linux 6.6,
+some network file systems); `True` requires direct writes; `False` never. The mode and
+why go into the process record (`write_mode`, `write_mode_reason`).
+
+A zarr shard file as TensorStore writes a whole chunk (`_format.ShardFileLayout`): the
+inner chunks in C order, each its C-order little-endian bytes and their crc32c (an inner
+chunk of an edge chunk that the array's shape cuts is padded with zeros, the fill value;
+one entirely outside the shape is not stored and its index entry is all ones), then the
+index (offset, nbytes: u64 LE per inner chunk in C order) and its crc32c. Each inner
+chunk is copied once from the snapshot into an aligned staging buffer and its crc32c
+computed there, once; a full buffer goes to the file with one `O_DIRECT` write.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from .. import _format
+from .._errors import SaveError, where
+from .._format import ArrayMetadata, Box, ChunkRecord, PackRecord, ShardFileLayout, is_whole_byte_dtype
+from .._storage import (
+    DIRECT_ALIGN,
+    DirectFile,
+    LocalStorage,
+    StagingBuffers,
+    Storage,
+    TokenBucket,
+    acquire,
+    probe_direct,
+    sync_folders,
+    ts_context,
+)
+
+DIRECT, BUFFERED = "direct", "buffered"
+# Bytes of one staging buffer (one direct write), at least one inner chunk more.
+STAGING_BYTES = 4 << 20
+_THREADS = max(2, min(8, 2 * (os.cpu_count() or 2)))
+_STAGING = StagingBuffers(max_free=_THREADS)  # process-wide: reused by every save's writer
+
+
+@dataclasses.dataclass
+class LeafWrite:
+    """One array leaf's chunks this process writes: `(chunk index, box, host bytes of
+    the box)` each, in plan order."""
+
+    meta: ArrayMetadata
+    chunks: Sequence[tuple[tuple[int, ...], Box, np.ndarray]]
+
+
+@dataclasses.dataclass
+class WriteResult:
+    """What an encoding wrote: the chunk records (in order) and its pack's index."""
+
+    chunks: list[ChunkRecord] = dataclasses.field(default_factory=list)
+    packed: PackRecord | None = None
+
+
+class DirectWriter:
+    """The direct writes of one save on one process: worker threads, the folders they
+    created (synced once every file is durable) and the staging buffers."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root.rstrip("/")
+        self.staging = _STAGING
+        self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="checkpointer-direct")
+        self._folders: set[str] = set()
+        self._made: set[str] = set()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        return self._pool.submit(fn, *args)
+
+    def makedirs(self, folder: str) -> None:
+        """Creates `folder` (under the write path) and notes it and every parent up to
+        the write path as folders to sync. Call it from the issuing thread only."""
+        if folder in self._made:
+            return
+        os.makedirs(folder, exist_ok=True)
+        self._made.add(folder)
+        while folder.startswith(self.root) and folder not in self._folders:
+            self._folders.add(folder)
+            if folder == self.root:
+                break
+            folder = folder.rsplit("/", 1)[0]
+
+    def close(self, *, sync: bool) -> None:
+        """Waits for the threads; `sync`: makes the folders' new entries durable."""
+        self._pool.shutdown(wait=True)
+        if sync:
+            sync_folders(self._folders)
+
+
+@dataclasses.dataclass
+class WriteContext:
+    """What a save gives every encoding's `start_write`.
+
+    Attributes:
+      process_index: this process (for error messages and the pack's name).
+      writes_array_metadata: whether this process writes every array's `zarr.json`.
+      limiter: `max_write_bytes_per_s`'s bucket, charged per chunk (None: unlimited).
+      mode, mode_reason: "direct" or "buffered", and why (`choose_mode`).
+      direct: the direct writer (mode "direct"), else None: TensorStore writes.
+    """
+
+    process_index: int
+    writes_array_metadata: bool
+    limiter: TokenBucket | None = None
+    mode: str = BUFFERED
+    mode_reason: str = "direct_io=False"
+    direct: DirectWriter | None = None
+
+
+def direct_supported(dtype: np.dtype) -> bool:
+    """Whether the direct writer lays out this dtype's chunks itself: whole-byte dtypes
+    on a little-endian host (the layout of the module docstring)."""
+    return sys.byteorder == "little" and is_whole_byte_dtype(dtype) and np.dtype(dtype).byteorder != ">"
+
+
+def choose_mode(storage: Storage, root: str, direct_io: str | bool, process_index: int) -> tuple[str, str]:
+    """`(mode, reason)` of a save's writes into `root` (an existing folder for local files).
+
+    Raises:
+      SaveError: `direct_io=True` where direct writes are impossible (a kvstore, or the
+        file system refuses `O_DIRECT`), naming the path, the process and the fix.
+      OSError: the probe failed otherwise (the folder is not writable).
+    """
+    if direct_io is False:
+        return BUFFERED, "direct_io=False"
+    if not isinstance(storage, LocalStorage):
+        why = "not a local POSIX path: TensorStore writes every kvstore"
+    else:
+        refused = probe_direct(root)
+        if refused is None:
+            return DIRECT, "direct_io=True" if direct_io is True else "direct_io='auto': the file system accepts O_DIRECT"
+        why = refused
+    if direct_io is True:
+        raise SaveError(
+            f"cannot save to {root} (process {process_index}) with direct_io=True: {why}. Pass direct_io='auto' "
+            "(direct where the file system allows it, else buffered) or direct_io=False"
+        )
+    return BUFFERED, f"direct_io='auto': {why}"
+
+
+def write_context(
+    storage: Storage, root: str, direct_io: str | bool, *, process_index: int, writes_array_metadata: bool,
+    limiter: TokenBucket | None = None,
+) -> WriteContext:
+    """The `WriteContext` of one save's writes into `root`: the mode `choose_mode` gives,
+    with a direct writer in mode "direct" (`start_write`'s function stops it).
+
+    Raises:
+      SaveError, OSError: as `choose_mode`.
+    """
+    mode, reason = choose_mode(storage, root, direct_io, process_index)
+    return WriteContext(
+        process_index, writes_array_metadata, limiter, mode, reason, DirectWriter(root) if mode == DIRECT else None,
+    )
+
+
+def chunk_record(meta: ArrayMetadata, chunk_index: Sequence[int], box: Box, data: np.ndarray, data_crc32c: int | None = None) -> ChunkRecord:
+    """The record of one chunk written from `data` (the host bytes of `box`); its
+    `data_crc32c` computed unless given."""
+    return ChunkRecord(
+        leaf=meta.path,
+        key=_format.chunk_key(meta.path, chunk_index),
+        box=box,
+        file_bytes=meta.layout.file_bytes,
+        data_bytes=data.nbytes,
+        data_crc32c=_format.data_crc32c(data) if data_crc32c is None else data_crc32c,
+    )
+
+
+def write_shard_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk_index: tuple[int, ...], box: Box, host: np.ndarray) -> ChunkRecord:
+    """Writes one chunk's zarr shard file to `path` (its folder made) with `O_DIRECT`, durably, laid out
+    as TensorStore does (module docstring); returns its record.
+
+    Raises:
+      OSError: from the file system.
+    """
+    layout = meta.layout
+    f = DirectFile(path)
+    stage = writer.staging.take(max(STAGING_BYTES, layout.inner_bytes_with_crc + DIRECT_ALIGN))
+    try:
+        inner_crc = _encode(f, stage, layout, meta.inner_chunk_shape, box, host)
+    finally:
+        f.close()
+        writer.staging.give_back(stage)
+    whole = layout.inner_chunks == 1 and tuple(box.shape) == tuple(layout.chunk_shape)
+    return chunk_record(meta, chunk_index, box, host, inner_crc if whole else None)
+
+
+def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tuple[int, ...], box: Box, host: np.ndarray) -> int | None:
+    """Fills `stage` with the shard file's bytes, writing each full aligned part; ends
+    the file. Returns the crc32c of the last inner chunk stored."""
+    align, inner = DIRECT_ALIGN, tuple(inner)
+    n, nc, cap = layout.inner_bytes, layout.inner_bytes_with_crc, stage.nbytes
+    index = np.full(2 * layout.inner_chunks, ShardFileLayout.MISSING, dtype="<u8")
+    pos = base = offset = 0  # next byte in `stage`; file offset of stage[0]; file offset of the next inner chunk
+    crc = None
+
+    def flush() -> None:  # writes the aligned part of `stage`, keeps the rest at its start
+        nonlocal pos, base
+        k = pos - pos % align
+        if k:
+            f.write_at(base, stage[:k])
+            rest = pos - k
+            stage[:rest] = stage[k:pos]
+            base, pos = base + k, rest
+
+    for ident, cell in enumerate(itertools.product(*(range(g) for g in layout.inner_grid))):
+        lo = [c * i for c, i in zip(cell, inner)]
+        if any(lo_d >= b for lo_d, b in zip(lo, box.shape)):
+            continue  # entirely outside the array's shape: not stored
+        part = tuple(slice(lo_d, min(lo_d + i, b)) for lo_d, i, b in zip(lo, inner, box.shape))
+        if pos + nc > cap:
+            flush()
+        raw = stage[pos : pos + n]
+        dst = raw.view(host.dtype).reshape(inner)
+        src = host[part]
+        if np.shape(src) != inner:  # cut by the array's shape: the rest is fill (zero bytes)
+            raw[...] = 0
+            np.copyto(dst[tuple(slice(0, p.stop - p.start) for p in part)], src)
+        else:
+            np.copyto(dst, src)
+        crc = crc32c.crc32c(raw.data)
+        stage[pos + n : pos + nc] = np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
+        index[2 * ident], index[2 * ident + 1] = offset, nc
+        offset += nc
+        pos += nc
+    tail = index.view(np.uint8)
+    tail = np.concatenate([tail, np.frombuffer(crc32c.crc32c(tail.data).to_bytes(4, "little"), np.uint8)])
+    while tail.size:
+        take = min(tail.size, cap - pos)
+        stage[pos : pos + take] = tail[:take]
+        pos, tail = pos + take, tail[take:]
+        if tail.size:
+            flush()
+    end = -(-pos // align) * align
+    stage[pos:end] = 0
+    if end:
+        f.write_at(base, stage[:end])
+    f.finish(base + pos)
+    return crc
+
+
+def wait_all(pending: Sequence[tuple[str, object]], root: str, process_index: int, what: str = "writing a chunk failed") -> list:
+    """Waits for every `(leaf path, future)` (TensorStore's or a thread's), all of them
+    even after a failure, and returns their results in order.
+
+    Raises:
+      SaveError: the first failure, naming its leaf, the path and the process.
+    """
+    out, first = [], None
+    for leaf_path, fut in pending:
+        try:
+            out.append(fut.result())  # type: ignore[attr-defined]
+        except Exception as e:
+            out.append(None)
+            if first is None:
+                first = e
+                if not isinstance(e, SaveError):
+                    first = SaveError(f"{where(leaf=leaf_path, path=root, process=process_index)}: {what}: {e}")
+                    first.__cause__ = e
+    if first is not None:
+        raise first
+    return out
+
+
+def open_array(storage: Storage, root: str, meta: ArrayMetadata, *, create: bool) -> Any:
+    """Opens (`create`: creates, writing its `zarr.json`) a leaf's zarr array in the
+    write path `root` for writing: a TensorStore future."""
+    import tensorstore as ts  # lazily: a restore of local files never needs it
+
+    kvstore = storage.kvstore_spec(f"{root}/{_format.array_dir(meta.path)}")
+    return ts.open(_format.zarr_spec(kvstore, meta, mode="create" if create else "write"), context=ts_context())
+
+
+def start_zarr_writes(storage: Storage, root: str, leaves: Sequence[LeafWrite], ctx: WriteContext):
+    """Issues the writes of leaves stored as their own zarr arrays (`ZarrArrayEncoding`):
+    TensorStore creates each `zarr.json` (`ctx.writes_array_metadata`) and writes the
+    chunks in mode "buffered" (and of dtypes `direct_supported` refuses); the direct
+    writer writes the others. Returns the function that waits for all of them and gives
+    the `WriteResult` (chunk records in plan order).
+
+    Raises (either): SaveError naming the leaf, the path and the process; nothing it
+    started is still running when it raises.
+    """
+    pending: list[tuple[str, object]] = []  # (leaf path, future giving a ChunkRecord)
+    creations: list[tuple[str, object]] = []  # (leaf path, TensorStore's creation of a zarr.json only)
+    opened = []
+    try:
+        for lw in leaves:
+            direct = ctx.direct is not None and direct_supported(lw.meta.dtype)
+            fut = None
+            if ctx.writes_array_metadata or not direct:
+                fut = open_array(storage, root, lw.meta, create=ctx.writes_array_metadata)
+            opened.append((lw, fut, direct))
+        for lw, fut, direct in opened:
+            meta, store = lw.meta, None
+            if fut is not None and direct:
+                creations.append((meta.path, fut))  # waited for at the end: the chunks need no store
+            elif fut is not None:
+                try:
+                    store = fut.result()
+                except Exception as e:
+                    raise SaveError(f"{where(leaf=meta.path, path=root, process=ctx.process_index)}: cannot create the zarr array: {e}") from e
+            for chunk_index, box, host in lw.chunks:
+                acquire(ctx.limiter, host.nbytes)  # paced per chunk write
+                if host.size == 0:
+                    pending.append((meta.path, _Done(chunk_record(meta, chunk_index, box, host))))
+                elif direct:
+                    assert ctx.direct is not None
+                    path = f"{root}/{_format.chunk_key(meta.path, chunk_index)}"
+                    ctx.direct.makedirs(path.rsplit("/", 1)[0])  # here: the writer's folder set is not thread-safe
+                    pending.append((meta.path, ctx.direct.submit(write_shard_file, ctx.direct, path, meta, chunk_index, box, host)))
+                else:
+                    assert store is not None
+                    # TensorStore encodes straight from the snapshot instead of copying it into
+                    # its cache first: nothing changes `host` before the write is durable, and a
+                    # buffer TensorStore still references never returns to a pool (`_buffer_pool`).
+                    write = store[box.slices()].write(host, can_reference_source_data_indefinitely=True)
+                    pending.append((meta.path, _After(write, chunk_record(meta, chunk_index, box, host))))
+    except BaseException:
+        started: list[object] = [f for _, f, _ in opened if f is not None] + [f for _, f in pending]
+        for started_future in started:
+            try:
+                started_future.result()  # type: ignore[attr-defined]
+            except Exception:
+                pass
+        raise
+
+    def finish() -> WriteResult:
+        try:
+            wait_all(creations, root, ctx.process_index, "cannot create the zarr array")
+        finally:
+            records = wait_all(pending, root, ctx.process_index)
+        return WriteResult(records)
+
+    return finish
+
+
+class _Done:
+    """A future already done."""
+
+    def __init__(self, value: object) -> None:
+        self._value = value
+
+    def result(self) -> object:
+        return self._value
+
+
+class _After:
+    """`value` once TensorStore's `future` is done."""
+
+    def __init__(self, future, value: object) -> None:
+        self._future, self._value = future, value
+
+    def result(self) -> object:
+        self._future.result()
+        return self._value
