@@ -9,6 +9,7 @@ fails `test_every_method_of_the_interface_has_a_test`.
 """
 
 import json
+import pathlib
 import os
 import shutil
 
@@ -221,7 +222,7 @@ def test_direct_and_buffered_writes_store_the_same_bytes(saved, tmp_path):
     enc, path, state, meta = saved
     buffered = str(tmp_path / "buffered" / "1")
     ckpt.save(buffered, state, direct_io=False, **RECIPES[enc.name]["save"])
-    records = [json.loads(open(f"{p}/processes/0.json").read()) for p in (path, buffered)]
+    records = [json.loads(pathlib.Path(f"{p}/processes/0.json").read_text()) for p in (path, buffered)]
     assert [r["write_mode"] for r in records] == ["direct", "buffered"], records[0].get("write_mode_reason")
     assert records[0]["chunks"] == records[1]["chunks"]
     compared = 0

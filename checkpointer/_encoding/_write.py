@@ -89,7 +89,18 @@ class DirectWriter:
         self._made: set[str] = set()
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
-        return self._pool.submit(fn, *args)
+        """Runs `fn(*args)` on a worker thread; on this thread once the interpreter is
+        shutting down (Python's pools then refuse new work, and the manager's last save
+        still finishes at exit)."""
+        try:
+            return self._pool.submit(fn, *args)
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:
+                done.set_exception(e)
+            return done
 
     def makedirs(self, folder: str) -> None:
         """Creates `folder` (under the write path) and notes it and every parent up to
