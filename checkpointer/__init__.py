@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # THE TABLE: each lazy public name and the package that expor
     from ._format import ArrayMetadata, Box, CheckpointMetadata, SavedSharding, ValueMetadata, metadata
     from ._manage import CheckpointManager, KeepAny, KeepBest, KeepEvery, KeepLatest, KeepPolicy, KeepSteps, ManagerStatus
     from ._memory import release_host_buffers
-    from ._restore import per_process_state, plan_restore, restore
+    from ._restore import per_process_state, plan_restore, restore, restore_safetensors
     from ._save import AsyncSave, LeafAssignment, ProcessWrites, SavePlan, plan_save, save, save_async
     from ._tools import DrillReport, ExportReport, VerifyReport, export, import_orbax, timeline, verify
 
