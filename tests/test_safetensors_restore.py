@@ -83,7 +83,7 @@ def test_partial_leaves_unread_tensors_unread(tmp_path):
     file = str(tmp_path / "m.safetensors")
     save_file({"w": w, "big": big}, file)
     mesh = make_mesh((2, 4), ("data", "model"))
-    with pytest.raises(ckpt.StructureMismatchError, match=r"tensors no target leaf names: big.*partial=True"):
+    with pytest.raises(ckpt.StructureMismatchError, match=r"(?s)tensors no target leaf names: big.*partial=True"):
         ckpt.restore_safetensors(file, {"w": _sds(w.shape, w.dtype, mesh, P())})
     out, stats = _read_with_stats(file, {"w": _sds(w.shape, w.dtype, mesh, P())}, partial=True)
     np.testing.assert_array_equal(np.asarray(out["w"]), w)
@@ -150,7 +150,7 @@ def test_a_missing_tensor_or_a_wrong_shape_names_the_file_and_the_tensor(tmp_pat
     file = str(tmp_path / "m.safetensors")
     save_file({"a.w": np.ones((4, 8), np.float32)}, file)
     mesh = make_mesh((2, 4), ("data", "model"))
-    with pytest.raises(ckpt.StructureMismatchError, match=r"m\.safetensors.*\['a'\]\['v'\] -> 'a\.v'.*the files hold: a\.w"):
+    with pytest.raises(ckpt.StructureMismatchError, match=r"(?s)m\.safetensors.*\['a'\]\['v'\] -> 'a\.v'.*the files hold: a\.w"):
         ckpt.restore_safetensors(file, {"a": {"w": None, "v": None}})
     with pytest.raises(ckpt.ShapeMismatchError, match=r"tensor 'a\.w'.*m\.safetensors.*stored shape \(4, 8\), target shape \(8, 4\)"):
         ckpt.restore_safetensors(file, {"a": {"w": _sds((8, 4), np.float32, mesh, P())}})
@@ -242,7 +242,8 @@ def test_max_inflight_bytes_bounds_the_host_memory_of_a_large_tensor(tmp_path):
     peak[0] = max(peak[0], proc.memory_info().rss)
     result_bytes = 4096 * 2048 * 4
     assert peak[0] - before <= result_bytes + budget + (12 << 20), (peak[0] - before) / 2**20
-    assert stats.bytes_read == os.path.getsize(file)
+    # Runs one row apart are read together where the gaps stay within 3% of a slab.
+    assert os.path.getsize(file) <= stats.bytes_read <= 1.03 * os.path.getsize(file)
     col = np.arange(4096, dtype=np.float32) * 2048
     np.testing.assert_array_equal(np.asarray(out["w"][:, 5]), col + 5)
 

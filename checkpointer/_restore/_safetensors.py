@@ -18,6 +18,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -146,7 +147,7 @@ def read_safetensors(
     t0 = time.perf_counter()
     stats = RestoreStats() if stats is None else stats
     counter = [0]
-    files, weight_map = _files.files_of(storage, path, counter)
+    files, weight_map, index = _files.files_of(storage, path, counter)
     entries: dict[str, TensorEntry] = {}
     packed: dict[str, tuple[str, str]] = {}
     packed_files: dict[str, str] = {}
@@ -161,8 +162,8 @@ def read_safetensors(
         entries.update(found)
         packed.update(found_packed)
         packed_files.update({n: file for n in found_packed})
-    if weight_map is not None:
-        _files.check_index(weight_map, entries, packed_files, path)
+    if weight_map is not None and index is not None:
+        _files.check_index(weight_map, entries, packed_files, index)
     shown = path if len(files) == 1 else f"{path} ({len(files)} files)"
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)
     leaves = _resolve(flat, entries, packed, packed_files, shown, separator, name_fn, options.partial)
@@ -266,8 +267,8 @@ def _read_box(reader: Reader, e: TensorEntry, box: Box, counter: _Counter) -> np
         span = int(starts_bytes[first + count - 1] - starts_bytes[first]) + run_bytes
         reader.read_into_buffers(int(starts_bytes[first]), bufs)
         counter.add(span)
-    if out.dtype.itemsize > 1 and out.dtype.byteorder == ">":  # the data is little-endian (a big-endian host)
-        out = out.byteswap().view(out.dtype.newbyteorder("<"))
+    if sys.byteorder == "big" and out.dtype.itemsize > 1:  # the file is little-endian
+        out.byteswap(inplace=True)
     return out
 
 

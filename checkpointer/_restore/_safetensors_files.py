@@ -200,8 +200,9 @@ def read_file_header(storage: Storage, file: str, counter: list[int]) -> tuple[d
     return entries, packed
 
 
-def files_of(storage: Storage, path: str, counter: list[int]) -> tuple[list[str], dict[str, str] | None]:
-    """The files of a safetensors location, and the index's weight map (None without one).
+def files_of(storage: Storage, path: str, counter: list[int]) -> tuple[list[str], dict[str, str] | None, str | None]:
+    """The files of a safetensors location, the index's weight map (tensor name -> file
+    location) and the index's location (both None without an index).
 
     Args:
       storage: where it lives.
@@ -212,7 +213,7 @@ def files_of(storage: Storage, path: str, counter: list[int]) -> tuple[list[str]
       FileNotFoundError: neither is there; CorruptCheckpointError: a malformed index.
     """
     if path.endswith(".safetensors"):
-        return [path], None
+        return [path], None, None
     index = path if path.endswith(".json") else f"{path}/{INDEX_FILE}"
     try:
         raw = storage.read_file(index, max_bytes=MAX_HEADER_BYTES)
@@ -222,7 +223,7 @@ def files_of(storage: Storage, path: str, counter: list[int]) -> tuple[list[str]
         single = f"{path}/{SINGLE_FILE}"
         if storage.cheap_size and not storage.exists(single):
             raise FileNotFoundError(f"no {INDEX_FILE} and no {SINGLE_FILE} in {path}") from None
-        return [single], None
+        return [single], None, None
     counter[0] += len(raw)
     try:
         weight_map = json.loads(raw)["weight_map"]
@@ -235,7 +236,8 @@ def files_of(storage: Storage, path: str, counter: list[int]) -> tuple[list[str]
     for f in weight_map.values():
         if "/" in f or f in ("", ".", ".."):
             raise CorruptCheckpointError(f"{index} names file {f!r}, not a file name in its folder")
-    return [f"{folder}/{f}" for f in sorted(set(weight_map.values()))], {k: f"{folder}/{v}" for k, v in weight_map.items()}
+    files = [f"{folder}/{f}" for f in sorted(set(weight_map.values()))]
+    return files, {k: f"{folder}/{v}" for k, v in weight_map.items()}, index
 
 
 def check_index(weight_map: dict[str, str], entries: dict[str, TensorEntry], packed: dict[str, str], index: str) -> None:
