@@ -431,3 +431,19 @@ class TestGcsStorage(StorageTests):
         storage.write_file(f"{root}/d/f", b"x")
         bucket = root.split("/")[2]
         assert gcs.keys(bucket) == ["run/d/f"]
+
+
+def test_an_object_store_server_that_cannot_start_fails_under_ci_and_skips_elsewhere(monkeypatch):
+    from gcsserver import started_or_skipped
+
+    def broken():
+        raise RuntimeError("fake-gcs-server exited with 1")
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=r"did not start under CI=true: RuntimeError: fake-gcs-server exited"):
+        with started_or_skipped(broken):
+            pass
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="did not start"):
+        with started_or_skipped(broken):
+            pass

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._encoding import RestoreStats
-from .._errors import CorruptCheckpointError, StructureMismatchError
+from .._errors import CorruptCheckpointError, InvalidTargetError, StructureMismatchError
 from .._format import ArrayMetadata, Box, PyTree, row_slabs
 from .._memory import host_buffer
 from .._storage import Reader, Storage, storage_for
@@ -114,6 +114,7 @@ def restore_safetensors(
       CorruptCheckpointError: a header is malformed or disagrees with its file's size,
         or the index disagrees with the files; names the file and the tensor.
       UnsupportedValueError: a tensor to read has a packed sub-byte dtype (F4, F6).
+      InvalidTargetError: also for a `name_fn` that returns no str.
       FileNotFoundError: no safetensors file at `path`.
       ValueError: `max_inflight_bytes` is not a positive int or None.
 
@@ -182,6 +183,11 @@ def _resolve(
     named = []
     for i, (key_path, leaf) in enumerate(flat):
         name = name_fn(tuple(key_path)) if name_fn is not None else default_name(key_path, separator)
+        if not isinstance(name, str):
+            raise InvalidTargetError(
+                f"name_fn returned {name!r} for the target leaf {jax.tree_util.keystr(tuple(key_path)) or '<root>'}; it must "
+                "return the tensor name, a str"
+            )
         named.append((i, jax.tree_util.keystr(tuple(key_path)), name, leaf))
     stored = set(entries) | set(packed)
     missing = [(ks, name) for _, ks, name, _ in named if name not in stored]
@@ -199,7 +205,7 @@ def _resolve(
                          "path to a name)")
         if extra and not partial:
             fixes.append("pass partial=True to leave the other tensors unread")
-        msg.append("Fix: " + "; or ".join(fixes) + ".")
+        msg.append("Fix: " + "; ".join(fixes) + ".")
         raise StructureMismatchError("\n".join(msg))
     pidx = jax.process_index()
     out = []

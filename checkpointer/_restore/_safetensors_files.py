@@ -255,7 +255,7 @@ def check_index(weight_map: dict[str, str], entries: dict[str, TensorEntry], pac
     found = {n: e.file for n, e in entries.items()} | packed
     for name, file in weight_map.items():
         if found.get(name) != file:
-            where = f"it is in {found[name]}" if name in found else "no file holds it"
+            where = f"it is in {found[name]}" if name in found else f"{file} does not hold it"
             raise CorruptCheckpointError(f"{index} maps tensor {name!r} to {file}, but {where}. Download the model again.")
     extra = sorted(set(found) - set(weight_map))
     if extra:
