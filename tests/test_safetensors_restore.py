@@ -283,3 +283,14 @@ def test_each_of_two_processes_reads_only_its_own_columns(tmp_path):
         need = header + half + tensors["r"].nbytes
         assert need <= rec["bytes_read"] <= 1.05 * need, (rec["bytes_read"], need)
         assert rec["kernel_read_bytes"] <= 1.05 * need + (1 << 20), (rec["kernel_read_bytes"], need)
+
+
+def test_a_packed_four_bit_tensor_is_refused_by_name_and_the_others_still_restore(tmp_path):
+    file = str(tmp_path / "q.safetensors")
+    header = {"q": {"dtype": "F4", "shape": [2, 4], "data_offsets": [0, 4]},
+              "s": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    _write_raw(file, header, b"\x12\x34\x56\x78" + np.float32([1.5, -2.0]).tobytes())
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"tensor 'q' of \S+q\.safetensors has dtype F4.*partial=True"):
+        ckpt.restore_safetensors(file, {"q": None, "s": None})
+    out = ckpt.restore_safetensors(file, {"s": None}, partial=True)
+    np.testing.assert_array_equal(out["s"], np.float32([1.5, -2.0]))
