@@ -34,6 +34,7 @@ bench: venv
 	$(PY) benchmarks/train_loss_bench.py
 	$(PY) benchmarks/small_leaves_bench.py
 	$(PY) benchmarks/replicated_save_bench.py
+	$(PY) benchmarks/safetensors_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out .mypy_cache .ruff_cache

@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # THE TABLE: each lazy public name and the package that expor
         read_status,
     )
     from ._memory import release_host_buffers
-    from ._restore import per_process_state, plan_restore, restore
+    from ._restore import per_process_state, plan_restore, restore, restore_safetensors
     from ._save import AsyncSave, LeafAssignment, ProcessWrites, SavePlan, plan_save, save, save_async
     from ._tools import DrillReport, ExportReport, ImportReport, VerifyReport, export, import_orbax, timeline, verify
 

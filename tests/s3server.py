@@ -33,7 +33,10 @@ def free_port() -> int:
 
 
 class S3Server:
-    """A running moto S3 server: `.endpoint`, `.client` (boto3), `.new_bucket()`."""
+    """A running moto S3 server: `.endpoint`, `.client` (boto3), `.new_bucket()`, object
+    access by key (`keys`, `get`, `put`, `delete`; as `gcsserver.GcsServer`)."""
+
+    scheme = "s3"
 
     def __init__(self, endpoint: str, client, server):
         self.endpoint, self.client, self._server = endpoint, client, server
@@ -52,6 +55,18 @@ class S3Server:
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             out += [o["Key"] for o in page.get("Contents", [])]
         return sorted(out)
+
+    def get(self, bucket: str, key: str) -> bytes:
+        """The object's bytes."""
+        return self.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def put(self, bucket: str, key: str, body: bytes) -> None:
+        """Writes an object."""
+        self.client.put_object(Bucket=bucket, Key=key, Body=body)
+
+    def delete(self, bucket: str, key: str) -> None:
+        """Removes an object."""
+        self.client.delete_object(Bucket=bucket, Key=key)
 
 
 @contextlib.contextmanager

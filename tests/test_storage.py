@@ -1,8 +1,9 @@
 """Storage conformance: every backend keeps the same contract, as zarr-python's `StoreTests`.
 
 `StorageTests` checks every method and capability of a `Storage` on a fresh location;
-the subclasses run it against local files, `memory://` and S3 (the moto server of
-`tests/s3server.py`). A capability a backend lacks must fail loudly (rename, locks) or
+the subclasses run it against local files, `memory://`, S3 (the moto server of
+`tests/s3server.py`) and GCS (fake-gcs-server, `tests/gcsserver.py`); a server that
+cannot start skips its class, and fails it under `CI=true`. A capability a backend lacks must fail loudly (rename, locks) or
 answer "unknown" (None), never pretend.
 """
 
@@ -390,11 +391,10 @@ class TestS3Storage(StorageTests):
 
     @pytest.fixture(scope="class")
     def s3(self):
-        pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (dev extra)")
-        pytest.importorskip("boto3", reason="the S3 tests need boto3 (dev extra)")
+        from gcsserver import started_or_skipped
         from s3server import running_s3_server
 
-        with running_s3_server() as server:
+        with started_or_skipped(running_s3_server) as server:
             yield server
 
     @pytest.fixture
@@ -407,3 +407,43 @@ class TestS3Storage(StorageTests):
         storage.write_file(f"{root}/d/f", b"x")
         bucket = root.split("/")[2]
         assert s3.keys(bucket) == ["run/d/f"]
+
+
+class TestGcsStorage(StorageTests):
+    storage_class = KvStorage
+    supports_rename = supports_locks = has_folders = cheap_size = False
+    commit_class = MarkerCommit
+
+    @pytest.fixture(scope="class")
+    def gcs(self):
+        from gcsserver import running_gcs_server, started_or_skipped
+
+        with started_or_skipped(running_gcs_server) as server:
+            yield server
+
+    @pytest.fixture
+    def location(self, gcs):
+        return storage_for(f"gs://{gcs.new_bucket('storage')}/run")
+
+    def test_objects_land_under_their_keys(self, location, gcs):
+        storage, root = location
+        assert storage.kvstore_spec(root)["driver"] == "gcs"
+        storage.write_file(f"{root}/d/f", b"x")
+        bucket = root.split("/")[2]
+        assert gcs.keys(bucket) == ["run/d/f"]
+
+
+def test_an_object_store_server_that_cannot_start_fails_under_ci_and_skips_elsewhere(monkeypatch):
+    from gcsserver import started_or_skipped
+
+    def broken():
+        raise RuntimeError("fake-gcs-server exited with 1")
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=r"did not start under CI=true: RuntimeError: fake-gcs-server exited"):
+        with started_or_skipped(broken):
+            pass
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match="did not start"):
+        with started_or_skipped(broken):
+            pass

@@ -149,7 +149,7 @@ def _cmd_inspect(args, ui: _UI) -> int:
     if ui.json_mode:
         ui.json(info)
         return 0
-    created = datetime.datetime.fromtimestamp(meta.created_unix_s, datetime.timezone.utc) if meta.created_unix_s else None
+    created = datetime.datetime.fromtimestamp(meta.created_unix_s, datetime.UTC) if meta.created_unix_s else None
     n_arrays = sum(1 for leaf in leaves if leaf["type"] == "array")
     ui.fields([
         ("path", meta.path),

@@ -55,7 +55,7 @@ def new_generation(now: datetime.datetime | None = None) -> str:
     Multi-process: every process may call it; a save uses process 0's (agreed on through
     `_agreement.agree`).
     """
-    now = datetime.datetime.now(datetime.timezone.utc) if now is None else now.astimezone(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC) if now is None else now.astimezone(datetime.UTC)
     return f"{now:{GENERATION_TIME_FORMAT}}-{uuid.uuid4().hex[:8]}"
 
 
@@ -66,7 +66,7 @@ def generation_time(generation: str) -> datetime.datetime | None:
         t = datetime.datetime.strptime(generation[:GENERATION_TIME_CHARS], GENERATION_TIME_FORMAT)
     except ValueError:
         return None
-    return t.replace(tzinfo=datetime.timezone.utc)
+    return t.replace(tzinfo=datetime.UTC)
 
 
 def is_step_name(name: str) -> bool:

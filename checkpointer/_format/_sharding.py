@@ -58,7 +58,7 @@ def named_shard_boxes(
         for positions, length in per_dim:
             idx = 0
             for p in positions:
-                idx = idx * sizes[p] + coords[p]
+                idx = idx * sizes[p] + int(coords[p])
             origin.append(idx * length)
         out.append(Box(tuple(origin), tuple(length for _, length in per_dim)))
     return out
