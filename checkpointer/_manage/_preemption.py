@@ -36,6 +36,9 @@ JAX_SYNC_POINT = "jax sync point"
 SIGTERM_HANDLER = "sigterm handler"
 OFF = "off"
 _MAX_SYNC_STEP = 2**31 - 1
+# A closed watch's handler that a later one still chains to (it was not the newest when
+# closed) -> the handler it found: a later close restores past it, never back to it.
+_CLOSED: dict[Callable[[int, FrameType | None], None], Callable[[int, FrameType | None], Any] | int | None] = {}
 
 
 def _distributed_state() -> Any:  # Any: jax's distributed State has no stubs
@@ -138,7 +141,12 @@ class PreemptionWatch:
             return
         try:
             if signal.getsignal(signal.SIGTERM) is installed:
-                signal.signal(signal.SIGTERM, self._previous)  # a handler, SIG_DFL or SIG_IGN
+                previous = self._previous
+                while previous in _CLOSED:  # closed earlier, out of order: inert, it would swallow SIGTERM
+                    previous = _CLOSED.pop(previous)  # type: ignore[arg-type]
+                signal.signal(signal.SIGTERM, previous)  # a handler, SIG_DFL or SIG_IGN
+            else:
+                _CLOSED[installed] = self._previous
         except ValueError:  # not the main thread
             log.warning("%s: closed off the main thread: its SIGTERM handler stays installed (inert)", self.directory)
         self._noticed.clear()
