@@ -143,7 +143,7 @@ class PreemptionWatch:
             if signal.getsignal(signal.SIGTERM) is installed:
                 previous = self._previous
                 while previous in _CLOSED:  # closed earlier, out of order: inert, it would swallow SIGTERM
-                    previous = _CLOSED.pop(previous)  # type: ignore[arg-type]
+                    previous = _CLOSED.pop(previous)
                 signal.signal(signal.SIGTERM, previous)  # a handler, SIG_DFL or SIG_IGN
             else:
                 _CLOSED[installed] = self._previous
