@@ -156,6 +156,25 @@ def test_delete_refuses_the_newest_durable_step_while_the_next_is_being_replicat
         assert mgr.all_steps() == [1, 2]
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_replacement_of_a_step_leaves_its_committed_metrics(tmp_path, monkeypatch, async_save):
+    def failing(snap):
+        raise ckpt.SaveError(f"writing {snap.write_path} failed (process 0): OSError: disk gone")
+
+    with ckpt.CheckpointManager(str(tmp_path / "run"), keep=ckpt.KeepLatest(10), async_save=async_save) as mgr:
+        mgr.save(1, _tree(1), metrics={"loss": 2.0})
+        mgr.save(2, _tree(2), metrics={"loss": 1.0})
+        mgr.wait_until_finished()
+        monkeypatch.setattr(_save, "write_snapshot", failing)
+        with pytest.raises(ckpt.CheckpointError):
+            mgr.save(1, _tree(1), metrics={"loss": 0.0}, force=True)  # fails: step 1 keeps loss 2.0
+            mgr.wait_until_finished()
+        monkeypatch.undo()
+        assert mgr.all_steps() == [1, 2]
+        assert mgr.metrics(1) == {"loss": 2.0}
+        assert mgr.best_step("loss") == 2
+
+
 def test_the_readme_snippet_of_the_managers_questions_runs_as_written(tmp_path):
     with open(README, encoding="utf-8") as f:
         readme = f.read()
