@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 
 from .. import _commit, _format
@@ -51,6 +52,8 @@ _CHAR = {"wait_for_arrays": "a", "snapshot": "S", "write": "W", "durable": "D", 
 _TEXT_COLUMNS = 10 + sum(max(len(n), 6) + 2 for n in PHASES)
 # Wall-clock times the drawing places on a bar: 1970-01-01 to 9999-12-31 (what datetime
 # can show); anything else in a record (1e308, a negative time) is shown as such.
+# Object stores rewrite the journal whole (read, then write): one rewrite at a time per process.
+_REWRITING = threading.Lock()
 _DRAWABLE_UNIX_S = (0.0, 253402300800.0)
 _COLOR = {"wait_for_arrays": "#9edae5", "snapshot": "#d62728", "write": "#ffbf00", "durable": "#2ca02c", "wait": "#c7c7c7", "commit": "#1f77b4",
           "retention": "#9467bd"}
@@ -121,11 +124,12 @@ def append_journal_line(storage: Storage, directory: str, entry: Mapping[str, ob
             finally:
                 os.close(fd)
             return
-        old = storage.read_file(path, max_bytes=MAX_JOURNAL_BYTES).decode() if storage.exists(path) else ""
-        lines = old.splitlines(keepends=True)
-        if replaces is not None:
-            lines = [ln for ln in lines if f'"event": "{replaces}"' not in ln]
-        storage.write_file(path, "".join((lines + [line])[-MAX_JOURNAL_LINES:]).encode())
+        with _REWRITING:  # one process's notes (its commit and deleter threads) never drop each other's
+            old = storage.read_file(path, max_bytes=MAX_JOURNAL_BYTES).decode() if storage.exists(path) else ""
+            lines = old.splitlines(keepends=True)
+            if replaces is not None:
+                lines = [ln for ln in lines if f'"event": "{replaces}"' not in ln]
+            storage.write_file(path, "".join((lines + [line])[-MAX_JOURNAL_LINES:]).encode())
     except (OSError, ValueError) as e:
         log.warning("could not append to the save journal %s: %s", path, e)
 
