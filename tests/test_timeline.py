@@ -240,3 +240,16 @@ def test_two_threads_noting_the_journal_of_an_object_store_at_once_lose_no_line(
     other[0].join()
     lines = real_read(f"{directory}/{_timeline.JOURNAL}").decode().splitlines()
     assert sorted(json.loads(line)["event"] for line in lines) == ["first", "second"]
+
+
+def test_a_local_journal_grown_past_its_read_limit_still_gives_its_newest_phases(tmp_path, monkeypatch):
+    from checkpointer._storage import LocalStorage
+
+    monkeypatch.setattr(_timeline, "MAX_JOURNAL_BYTES", 4096)  # a long run's journal: appended, never cut
+    storage, directory = LocalStorage(), str(tmp_path)
+    for i in range(100):
+        _timeline.append_journal(storage, directory, step=i, generation=f"g{i}", phases_unix_s={"commit": (i, i + 0.5)})
+    assert os.path.getsize(tmp_path / _timeline.JOURNAL) > 4096
+    got = _timeline.read_journal(storage, directory)  # was: CheckpointError "cannot read the save journal"
+    assert "g99" in got and got["g99"]["commit"] == (99, 99.5)
+    assert "g0" not in got and len(got) < 100

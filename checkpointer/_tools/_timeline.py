@@ -135,11 +135,17 @@ def append_journal_line(storage: Storage, directory: str, entry: Mapping[str, ob
 
 
 def read_journal(storage: Storage, directory: str) -> dict[str, dict[str, tuple[float, float]]]:
-    """Generation → after-commit phases, from the journal (absent: empty). Lines that
-    do not parse are skipped (a line cut short by a crash)."""
+    """Generation → after-commit phases, from the journal (absent: empty; longer than
+    `MAX_JOURNAL_BYTES`: its newest lines). Lines that do not parse are skipped (a line
+    cut short by a crash)."""
     path = f"{directory}/{JOURNAL}"
     try:
-        text = storage.read_file(path, max_bytes=MAX_JOURNAL_BYTES).decode(errors="replace")
+        size = storage.size(path) if storage.cheap_size else None
+        if size is not None and size > MAX_JOURNAL_BYTES:  # a local journal is appended, never cut: its newest lines
+            text = storage.read_range(path, size - MAX_JOURNAL_BYTES, MAX_JOURNAL_BYTES).decode(errors="replace")
+            text = text.split("\n", 1)[-1]  # the first line is cut
+        else:
+            text = storage.read_file(path, max_bytes=MAX_JOURNAL_BYTES).decode(errors="replace")
     except (FileNotFoundError, CheckpointNotFoundError):
         return {}
     except OSError as e:
