@@ -69,6 +69,16 @@ def test_export_of_the_params_only_selects_leaves_by_glob(tmp_path):
     assert report.total_bytes == 8 * 4 * 4 + 4 * 4
 
 
+def test_a_key_string_glob_takes_its_brackets_literally(tmp_path):
+    ckpt.save(str(tmp_path / "1"), _train_tree())
+    # As a plain glob, "['opt_state']*" is a character class: it would match every name
+    # starting with o, p, t, s, a, e or _ (the params too).
+    report = ckpt.export(str(tmp_path / "1"), str(tmp_path / "st"), leaves="['opt_state']*")
+    assert sorted(report.tensors) == ["opt_state.0.mu.dense.kernel"]
+    report = ckpt.export(str(tmp_path / "1"), str(tmp_path / "st"), leaves="['params']['dense']['bias']", overwrite=True)
+    assert sorted(report.tensors) == ["params.dense.bias"]
+
+
 def test_export_glob_that_matches_nothing_raises_naming_the_top_level_keys(tmp_path):
     ckpt.save(str(tmp_path / "1"), _train_tree())
     with pytest.raises(ckpt.StructureMismatchError, match=r"leaves='model\.\*' matches no array leaf.*"

@@ -95,3 +95,15 @@ def test_an_evaluation_job_ends_when_the_writer_closes_with_finished(tmp_path):
     assert got["yielded"][-1] == steps and got["yielded"] == sorted(got["yielded"]), info
     # Every step was either yielded or counted as removed by retention, never both.
     assert sorted(got["yielded"] + got["removed"]) == list(range(1, steps + 1)), info
+
+
+def test_follow_does_not_count_a_failed_save_as_a_step_retention_removed(tmp_path):
+    directory = str(tmp_path / "run")
+    mgr = _write(directory, [1], async_save=False)
+    with pytest.raises(ckpt.CheckpointError):
+        mgr.save(2, {"w": object()})  # fails before anything is written; the journal notes it
+    mgr.save(3, _tree(3))
+    mgr.close(finished=True)
+    followed = ckpt.CheckpointManager(directory, read_only=True).follow(poll_s=0.01)
+    assert list(followed) == [1, 3]
+    assert followed.removed_steps == []  # step 2 was never committed

@@ -232,6 +232,19 @@ def test_orbax_steps_on_an_object_store_need_commit_success():
     assert [s for s, _ in orbax_steps(storage, run)] == [1, 3]
 
 
+def test_orbax_steps_refuse_two_folders_of_one_step_naming_both():
+    from checkpointer._storage import storage_for
+    from checkpointer._tools._orbax_run import orbax_steps
+
+    storage, run = storage_for("memory://orbax-run-twice")
+    for name in ("3", "ckpt_3", "4"):  # e.g. a run restarted with step_prefix="ckpt"
+        storage.write_file(f"{run}/{name}/_CHECKPOINT_METADATA", b"{}")
+        storage.write_file(f"{run}/{name}/state/_METADATA", b"{}")
+        storage.write_file(f"{run}/{name}/commit_success.txt", b"ok")
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"step 3: .*orbax-run-twice/3\b.*orbax-run-twice/ckpt_3"):
+        orbax_steps(storage, run)  # else one of them is left out without a word
+
+
 def test_cli_import_orbax_of_a_manager_directory(saved, tmp_path, capsys):
     _, _, run = saved
     dst = str(tmp_path / "ckpt")

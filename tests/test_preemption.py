@@ -209,3 +209,31 @@ def test_the_readme_preemption_loop_runs_as_written_and_resumes(tmp_path):
     got = reader.restore(second)
     assert second > first and got["step"] == second
     assert np.all(np.asarray(got["w"]) == second + 1)  # it went on from the restored state
+
+
+@pytest.mark.usefixtures("sigterm")
+def test_two_managers_closed_in_opening_order_give_sigterm_back_its_earlier_handler(tmp_path):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    first = ckpt.CheckpointManager(str(tmp_path / "a"))
+    second = ckpt.CheckpointManager(str(tmp_path / "b"))
+    first.close()  # not the newest handler: stays, chained from the second's
+    second.close()
+    # Else the first's closed handler is back, and it swallows every later SIGTERM.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_manager_closed_off_the_main_thread_lets_the_next_sigterm_end_the_process(tmp_path):
+    code = f"""
+import os, signal, threading
+import checkpointer as ckpt
+mgr = ckpt.CheckpointManager({str(tmp_path / "run")!r})
+closer = threading.Thread(target=mgr.close)  # its handler cannot be restored from there
+closer.start()
+closer.join()
+os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends here
+print("survived SIGTERM", flush=True)
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert "closed off the main thread" in proc.stderr

@@ -129,6 +129,52 @@ def test_delete_refuses_the_newest_committed_step_while_a_save_is_in_flight(tmp_
         assert mgr.all_steps() == [3]
 
 
+def test_delete_refuses_the_newest_durable_step_while_the_next_is_being_replicated(tmp_path, monkeypatch):
+    from checkpointer._manage import _tiers
+
+    release = threading.Event()
+    real = _tiers.replicate
+
+    def held(*args, **kwargs):
+        release.wait(60)
+        return real(*args, **kwargs)
+
+    with ckpt.CheckpointManager(str(tmp_path / "run"), local_directory=str(tmp_path / "local"),
+                                keep=ckpt.KeepLatest(10)) as mgr:
+        mgr.save(1, _tree(1))
+        mgr.wait_until_finished()
+        monkeypatch.setattr(_tiers, "replicate", held)
+        mgr.save(2, _tree(2))
+        try:
+            mgr._in_flight[-1][1].join()  # committed locally; its replication waits
+            assert mgr.all_steps() == [1]
+            with pytest.raises(ckpt.CheckpointError, match=r"step 1 is the newest committed step and step 2 is still being saved"):
+                mgr.delete(1)  # else no durable resume point if the replication fails
+        finally:
+            release.set()
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_failed_replacement_of_a_step_leaves_its_committed_metrics(tmp_path, monkeypatch, async_save):
+    def failing(snap):
+        raise ckpt.SaveError(f"writing {snap.write_path} failed (process 0): OSError: disk gone")
+
+    with ckpt.CheckpointManager(str(tmp_path / "run"), keep=ckpt.KeepLatest(10), async_save=async_save) as mgr:
+        mgr.save(1, _tree(1), metrics={"loss": 2.0})
+        mgr.save(2, _tree(2), metrics={"loss": 1.0})
+        mgr.wait_until_finished()
+        monkeypatch.setattr(_save, "write_snapshot", failing)
+        with pytest.raises(ckpt.CheckpointError):
+            mgr.save(1, _tree(1), metrics={"loss": 0.0}, force=True)  # fails: step 1 keeps loss 2.0
+            mgr.wait_until_finished()
+        monkeypatch.undo()
+        assert mgr.all_steps() == [1, 2]
+        assert mgr.metrics(1) == {"loss": 2.0}
+        assert mgr.best_step("loss") == 2
+
+
 def test_the_readme_snippet_of_the_managers_questions_runs_as_written(tmp_path):
     with open(README, encoding="utf-8") as f:
         readme = f.read()

@@ -207,6 +207,14 @@ def test_an_index_that_disagrees_with_its_files_is_corrupt(tmp_path):
     np.testing.assert_array_equal(out["b"], np.ones(2, np.float32))
 
 
+def test_an_index_naming_a_missing_file_is_corrupt_naming_the_index_the_file_and_a_tensor(tmp_path):
+    save_file({"a": np.ones(2, np.float32)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"index\.json maps tensor 'b' to \S+00002\.safetensors, which does not exist"):
+        ckpt.restore_safetensors(str(tmp_path), {"a": None, "b": None})
+
+
 def test_max_inflight_bytes_bounds_the_host_memory_of_a_large_tensor(tmp_path):
     """A 32 MiB tensor onto 8 devices sharded on its second axis, with 3 MiB of reads in
     flight: the process's memory grows by about the restored arrays (on CPU devices they

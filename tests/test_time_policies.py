@@ -149,6 +149,21 @@ def test_a_resumed_manager_times_its_first_save_from_the_newest_committed_step(t
         assert mgr.save(3, tree)
 
 
+def test_a_newest_step_created_in_the_future_does_not_hold_back_the_first_save(tmp_path, monkeypatch):
+    d = str(tmp_path / "run")
+    tree = {"w": np.zeros(4, np.float32)}
+    with ckpt.CheckpointManager(d, async_save=False) as mgr:
+        mgr.save(1, tree)
+    created = ckpt.metadata(f"{d}/1").created_unix_s
+    clock = _FakeClock()
+    monkeypatch.setattr(_time_policies, "time", clock)
+    with ckpt.CheckpointManager(d, save_interval_s=100, async_save=False) as mgr:
+        clock.now = created - 86400  # this host's clock a day behind the one that saved step 1
+        assert mgr.save(2, tree)  # else no save for a day: the age of step 1 is unknown
+        clock.now += 50
+        assert not mgr.save(3, tree)
+
+
 @pytest.mark.multiprocess
 def test_process_0_decides_time_based_saves_and_every_process_agrees(tmp_path):
     # Process 0's clock: saves due at calls 1, 3 and 5. Process 1's clock would say every

@@ -214,3 +214,42 @@ def test_a_step_whose_every_phase_is_undrawable_is_named_and_the_others_drawn():
     assert "step 8: training blocked 1.000 s" in text
     with pytest.raises(ValueError, match="no save phases to draw"):
         _timeline.render_png(odd, "unused.png")
+
+
+def test_two_threads_noting_the_journal_of_an_object_store_at_once_lose_no_line():
+    import threading
+
+    from checkpointer._storage import storage_for
+    from checkpointer._tools import _timeline
+
+    storage, directory = storage_for("memory://journal-two-threads")
+    storage.write_file(f"{directory}/{_timeline.JOURNAL}", b"")
+    real_read, other = storage.read_file, []
+
+    def read_file(path, *args, **kwargs):
+        data = real_read(path, *args, **kwargs)
+        if not other:  # the first note has read the journal: a second one starts meanwhile
+            other.append(threading.Thread(target=_timeline.append_journal_line,
+                                          args=(storage, directory, {"event": "second"})))
+            other[0].start()
+            other[0].join(timeout=0.5)  # finishes here unless it must wait for the first
+        return data
+
+    storage.read_file = read_file
+    _timeline.append_journal_line(storage, directory, {"event": "first"})
+    other[0].join()
+    lines = real_read(f"{directory}/{_timeline.JOURNAL}").decode().splitlines()
+    assert sorted(json.loads(line)["event"] for line in lines) == ["first", "second"]
+
+
+def test_a_local_journal_grown_past_its_read_limit_still_gives_its_newest_phases(tmp_path, monkeypatch):
+    from checkpointer._storage import LocalStorage
+
+    monkeypatch.setattr(_timeline, "MAX_JOURNAL_BYTES", 4096)  # a long run's journal: appended, never cut
+    storage, directory = LocalStorage(), str(tmp_path)
+    for i in range(100):
+        _timeline.append_journal(storage, directory, step=i, generation=f"g{i}", phases_unix_s={"commit": (i, i + 0.5)})
+    assert os.path.getsize(tmp_path / _timeline.JOURNAL) > 4096
+    got = _timeline.read_journal(storage, directory)  # was: CheckpointError "cannot read the save journal"
+    assert "g99" in got and got["g99"]["commit"] == (99, 99.5)
+    assert "g0" not in got and len(got) < 100

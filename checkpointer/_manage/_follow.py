@@ -12,7 +12,8 @@ listing, so every step up to the marked one (committed before the mark was writt
 in that listing: the follower yields them and ends. Steps that were committed and then
 removed by retention before the follower could yield them are learned from the save
 journal (`DIR/.checkpointer-journal.jsonl`, one line per commit of the manager's direct
-saves; read incrementally), counted in `removed_steps` and logged.
+saves, with its generation; notes of requested and failed saves carry an `"event"` and
+are skipped; read incrementally), counted in `removed_steps` and logged.
 """
 
 from __future__ import annotations
@@ -104,9 +105,12 @@ class _JournalSteps:
         self._offset += len(whole)
         for line in whole.splitlines():
             try:
-                step = json.loads(line).get("step")
+                entry = json.loads(line)
+                step = entry.get("step")
             except (ValueError, AttributeError):
                 continue
+            if "event" in entry or "generation" not in entry:
+                continue  # a note of another kind (a requested or failed save: `_alerts`), not a commit
             if isinstance(step, int) and not isinstance(step, bool):
                 self.steps.add(step)
         return self.steps

@@ -238,6 +238,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         with self._mu:
             self._pending_error = error
             self._last_error = f"step {step}: {type(error).__name__}: {error}"
+        self._forget(step)
         self._journal.failed(step, error)
 
     def _on_finish(self, step: int, handle: AsyncSave) -> None:
@@ -254,6 +255,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         self._finished(step, snap, handle.commit_s, handle.error)
 
     def _finished(self, step: int, snap: Snapshot, commit_lag_s: float | None, error: BaseException | None) -> None:
+        if error is not None:
+            self._forget(step)  # the metrics `save` cached are not the step's (a replaced step keeps its old ones)
         with self._mu:
             lag_steps = max(0, (self._last_requested_step or step) - step)
         self._journal.save_over(step, snap, commit_lag_s=commit_lag_s, commit_lag_steps=lag_steps, error=error)
@@ -412,6 +415,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         except BaseException as e:
             with self._mu:
                 self._last_error = f"step {step}: {type(e).__name__}: {e}"
+            self._forget(step)
             self._journal.failed(step, e)
             raise
         tiers.enqueue(step, snap.generation, snap.overwrite).result()
@@ -427,6 +431,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         except BaseException as e:
             with self._mu:
                 self._last_error = f"step {step}: {type(e).__name__}: {e}"
+            self._forget(step)
             self._journal.failed(step, e)
             raise
         with self._mu:

@@ -23,6 +23,7 @@ A step's answer is asked of JAX once (`reached` remembers the last step asked), 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -36,6 +37,17 @@ JAX_SYNC_POINT = "jax sync point"
 SIGTERM_HANDLER = "sigterm handler"
 OFF = "off"
 _MAX_SYNC_STEP = 2**31 - 1
+# A closed watch's handler that a later one still chains to (it was not the newest when
+# closed) -> the handler it found: a later close restores past it, never back to it.
+_CLOSED: dict[Callable[[int, FrameType | None], None], Callable[[int, FrameType | None], Any] | int | None] = {}
+
+
+def _past_closed(handler: Any) -> Any:
+    """`handler`, or, where it is a closed manager's (closed out of order: inert, it would
+    swallow SIGTERM), the handler that one found, and so on."""
+    while handler in _CLOSED:
+        handler = _CLOSED.pop(handler)
+    return handler
 
 
 def _distributed_state() -> Any:  # Any: jax's distributed State has no stubs
@@ -101,14 +113,25 @@ class PreemptionWatch:
             return
 
         def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            if self._installed is not on_sigterm:  # closed, yet still installed or chained to
+                if signal.getsignal(signal.SIGTERM) is on_sigterm:  # closed off the main thread: restore here
+                    found = _past_closed(previous)
+                    signal.signal(signal.SIGTERM, found)
+                    if found == signal.SIG_DFL:
+                        os.kill(os.getpid(), signum)  # what SIGTERM would have done without this manager
+                    elif callable(found):
+                        found(signum, frame)
+                elif callable(previous):
+                    previous(signum, frame)
+                return
             if not self._noticed.is_set():
                 log.warning("%s: SIGTERM received: the next save is written and committed (preemption)", self.directory)
             self._noticed.set()
             if callable(previous):  # an earlier Python handler; never SIG_DFL (it would end the process)
                 previous(signum, frame)
 
+        self._previous, self._installed = previous, on_sigterm  # before: a SIGTERM at once finds it open
         signal.signal(signal.SIGTERM, on_sigterm)
-        self._previous, self._installed = previous, on_sigterm
         self.mode = SIGTERM_HANDLER
 
     def reached(self, step: int) -> bool:
@@ -138,7 +161,10 @@ class PreemptionWatch:
             return
         try:
             if signal.getsignal(signal.SIGTERM) is installed:
-                signal.signal(signal.SIGTERM, self._previous)  # a handler, SIG_DFL or SIG_IGN
+                signal.signal(signal.SIGTERM, _past_closed(self._previous))  # a handler, SIG_DFL or SIG_IGN
+            else:
+                _CLOSED[installed] = self._previous
         except ValueError:  # not the main thread
-            log.warning("%s: closed off the main thread: its SIGTERM handler stays installed (inert)", self.directory)
+            log.warning("%s: closed off the main thread: its SIGTERM handler stays installed until the next SIGTERM, "
+                        "which it hands to the handler found before it", self.directory)
         self._noticed.clear()

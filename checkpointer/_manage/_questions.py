@@ -240,6 +240,8 @@ class StepQuestions(StepReader):
             raise CheckpointNotFoundError(self._not_found(step, folders))
         with self._mu:
             in_flight = [s for s, h in self._in_flight if not h.done()]
+        if self._tiers is not None:  # committed locally, not yet durably: still in flight
+            in_flight = sorted({*in_flight, *self._tiers.pending_steps()})
         if in_flight and step == max(folders):
             raise CheckpointError(
                 f"delete({step}) of {self.directory} (process {_coord.process_index()}): step {step} is the newest "

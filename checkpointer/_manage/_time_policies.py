@@ -117,7 +117,8 @@ class SaveClock:
 
     A save is due when at least `interval_s` seconds have passed since the last save
     this manager wrote (on process 0), or, before its first, since the creation of the
-    newest committed step (`first_unix_s()`); with neither, at once.
+    newest committed step (`first_unix_s()`); with neither (or a creation time after
+    now), at once.
 
     Args:
       interval_s: seconds between saves (> 0).
@@ -144,7 +145,9 @@ class SaveClock:
         if self._last_unix_s is None and not self._asked:
             self._asked = True
             first = self._first_unix_s()
-            self._last_unix_s = first if _known(first) else None
+            # Created "in the future" (another host's clock ahead, or this one stepped back):
+            # its age is unknown, as for KeepNewerThan; waiting for it could hold saves back for hours.
+            self._last_unix_s = first if _known(first) and first <= now_unix_s else None  # type: ignore[operator]
         return self._last_unix_s is None or now_unix_s - self._last_unix_s >= self.interval_s
 
     def due(self, step: int, *, now_unix_s: float | None = None) -> bool:

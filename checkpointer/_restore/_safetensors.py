@@ -153,7 +153,14 @@ def read_safetensors(
     packed: dict[str, tuple[str, str]] = {}
     packed_files: dict[str, str] = {}
     for file in files:
-        found, found_packed = _files.read_file_header(storage, file, counter)
+        try:
+            found, found_packed = _files.read_file_header(storage, file, counter)
+        except FileNotFoundError as e:
+            if weight_map is None:
+                raise
+            name = next(n for n, f in weight_map.items() if f == file)
+            raise CorruptCheckpointError(f"{index} maps tensor {name!r} to {file}, which does not exist. Download the "
+                                         "model again.") from e
         for name in (*found, *found_packed):
             if name in entries or name in packed:
                 raise CorruptCheckpointError(

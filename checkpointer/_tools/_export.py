@@ -34,6 +34,7 @@ import functools
 import json
 import math
 import os
+import re
 import struct
 import zipfile
 from collections.abc import Iterator, Sequence
@@ -133,6 +134,10 @@ def check_reserved(names: dict[str, str], fmt: str, path: str, keystrs: dict[str
             )
 
 
+# A glob written as a key string (`['params']*`, `[0]['w']`), matched against key strings only.
+_KEYSTR_GLOB = re.compile(r"""^\[(?:'|"|\d+\])""")
+
+
 def select(names: dict[str, str], keystrs: dict[str, str], leaves: str | Sequence[str], separator: str,
            top_level: Sequence[str], path: str) -> dict[str, str]:
     """The entries of `names` (leaf path -> tensor name) whose leaf matches a glob of `leaves`.
@@ -149,9 +154,13 @@ def select(names: dict[str, str], keystrs: dict[str, str], leaves: str | Sequenc
         raise ValueError(f"leaves must be a non-empty glob or list of globs, got {leaves!r}")
 
     def hit(glob: str, leaf_path: str) -> bool:
+        # A key string's brackets are literal (`['params']*`), never a character class.
+        if fnmatch.fnmatchcase(keystrs.get(leaf_path, ""), glob.replace("[", "[[]")):
+            return True
+        if _KEYSTR_GLOB.match(glob):
+            return False
         name = names[leaf_path]
-        return (fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(name, glob + separator + "*")
-                or fnmatch.fnmatchcase(keystrs.get(leaf_path, ""), glob))
+        return fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(name, glob + separator + "*")
 
     for g in globs:
         if not any(hit(g, p) for p in names):

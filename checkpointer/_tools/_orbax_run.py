@@ -222,6 +222,9 @@ def orbax_steps(storage: Storage, directory: str) -> list[tuple[int, str]]:
     A folder counts when its name is a step (`100`, `0100`, `<prefix>_100`) without the
     `.orbax-checkpoint-tmp` suffix, it holds Orbax items, and, on a store without rename
     (object stores), its `commit_success.txt` is there.
+
+    Raises:
+      CorruptCheckpointError: two folders name one step (`3` and `ckpt_3`); names both.
     """
     out: dict[int, str] = {}
     for name in storage.list_dir(directory):
@@ -232,7 +235,14 @@ def orbax_steps(storage: Storage, directory: str) -> list[tuple[int, str]]:
         if not storage.supports_rename and not storage.exists(f"{folder}/{COMMIT_SUCCESS}"):
             continue
         if _is_step(storage, folder):
-            out.setdefault(int(m.group(1)), folder)
+            step = int(m.group(1))
+            if step in out:
+                first, second = sorted((out[step], folder))
+                raise CorruptCheckpointError(
+                    f"{directory} holds two Orbax folders of step {step}: {first} and {second}; importing the "
+                    "directory would leave one out. Import each on its own: import_orbax(FOLDER, DST/<step>)"
+                )
+            out[step] = folder
     return sorted(out.items())
 
 

@@ -30,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 
 from .. import _commit, _format
@@ -51,6 +52,8 @@ _CHAR = {"wait_for_arrays": "a", "snapshot": "S", "write": "W", "durable": "D", 
 _TEXT_COLUMNS = 10 + sum(max(len(n), 6) + 2 for n in PHASES)
 # Wall-clock times the drawing places on a bar: 1970-01-01 to 9999-12-31 (what datetime
 # can show); anything else in a record (1e308, a negative time) is shown as such.
+# Object stores rewrite the journal whole (read, then write): one rewrite at a time per process.
+_REWRITING = threading.Lock()
 _DRAWABLE_UNIX_S = (0.0, 253402300800.0)
 _COLOR = {"wait_for_arrays": "#9edae5", "snapshot": "#d62728", "write": "#ffbf00", "durable": "#2ca02c", "wait": "#c7c7c7", "commit": "#1f77b4",
           "retention": "#9467bd"}
@@ -121,21 +124,28 @@ def append_journal_line(storage: Storage, directory: str, entry: Mapping[str, ob
             finally:
                 os.close(fd)
             return
-        old = storage.read_file(path, max_bytes=MAX_JOURNAL_BYTES).decode() if storage.exists(path) else ""
-        lines = old.splitlines(keepends=True)
-        if replaces is not None:
-            lines = [ln for ln in lines if f'"event": "{replaces}"' not in ln]
-        storage.write_file(path, "".join((lines + [line])[-MAX_JOURNAL_LINES:]).encode())
+        with _REWRITING:  # one process's notes (its commit and deleter threads) never drop each other's
+            old = storage.read_file(path, max_bytes=MAX_JOURNAL_BYTES).decode() if storage.exists(path) else ""
+            lines = old.splitlines(keepends=True)
+            if replaces is not None:
+                lines = [ln for ln in lines if f'"event": "{replaces}"' not in ln]
+            storage.write_file(path, "".join((lines + [line])[-MAX_JOURNAL_LINES:]).encode())
     except (OSError, ValueError) as e:
         log.warning("could not append to the save journal %s: %s", path, e)
 
 
 def read_journal(storage: Storage, directory: str) -> dict[str, dict[str, tuple[float, float]]]:
-    """Generation → after-commit phases, from the journal (absent: empty). Lines that
-    do not parse are skipped (a line cut short by a crash)."""
+    """Generation → after-commit phases, from the journal (absent: empty; longer than
+    `MAX_JOURNAL_BYTES`: its newest lines). Lines that do not parse are skipped (a line
+    cut short by a crash)."""
     path = f"{directory}/{JOURNAL}"
     try:
-        text = storage.read_file(path, max_bytes=MAX_JOURNAL_BYTES).decode(errors="replace")
+        size = storage.size(path) if storage.cheap_size else None
+        if size is not None and size > MAX_JOURNAL_BYTES:  # a local journal is appended, never cut: its newest lines
+            text = storage.read_range(path, size - MAX_JOURNAL_BYTES, MAX_JOURNAL_BYTES).decode(errors="replace")
+            text = text.split("\n", 1)[-1]  # the first line is cut
+        else:
+            text = storage.read_file(path, max_bytes=MAX_JOURNAL_BYTES).decode(errors="replace")
     except (FileNotFoundError, CheckpointNotFoundError):
         return {}
     except OSError as e:
