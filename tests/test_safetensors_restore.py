@@ -249,7 +249,9 @@ def test_max_inflight_bytes_bounds_the_host_memory_of_a_large_tensor(tmp_path):
         t.join()
     peak[0] = max(peak[0], proc.memory_info().rss)
     result_bytes = 4096 * 2048 * 4
-    assert peak[0] - before <= result_bytes + budget + (12 << 20), (peak[0] - before) / 2**20
+    # 20 MiB of slack for allocator and interpreter noise (what ran before in this process
+    # moves RSS by ~10 MiB); a whole-file copy besides the arrays would add 32 MiB more.
+    assert peak[0] - before <= result_bytes + budget + (20 << 20), (peak[0] - before) / 2**20
     # Runs one row apart are read together where the gaps stay within 3% of a slab.
     assert os.path.getsize(file) <= stats.bytes_read <= 1.03 * os.path.getsize(file)
     col = np.arange(4096, dtype=np.float32) * 2048
