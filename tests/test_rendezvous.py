@@ -244,3 +244,40 @@ def test_helpers_group_and_name_processes():
     assert _rendezvous.procs([3]) == "process 3"
     assert _rendezvous.procs(list(range(10))) == "processes 0, 1, 2, 3, 4, 5, 6, 7, ... (10 in all)"
     assert _rendezvous.canonical({"b": 1, "a": [1, 2]}) == '{"a":[1,2],"b":1}'
+
+
+def test_the_cleanup_thread_stops_calling_the_client_at_exit():
+    """At interpreter exit JAX shuts its distributed client down; a cleanup thread still
+    calling it then aborted process 0 (`terminate called ...`) after its save had
+    committed. `stop` (the janitor's atexit hook) ends the thread, and no call follows."""
+    from checkpointer._coord._rendezvous import _Janitor
+
+    calls, lock = [], threading.Lock()
+
+    class NeverDone:  # a round whose other processes never acknowledge
+        key = "test/never"
+        timeout_s, verdict_margin_s = 60.0, 0.0
+
+        def complete(self):
+            with lock:
+                calls.append(time.monotonic())
+            return False
+
+        def delete(self):
+            raise AssertionError("not complete: never deleted")
+
+    janitor = _Janitor()
+    janitor.watch(NeverDone())
+    deadline = time.monotonic() + 5
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert calls, "the janitor polls the round"
+    thread = janitor._thread
+    janitor.stop()
+    stopped_at = time.monotonic()
+    assert thread is not None and not thread.is_alive()
+    time.sleep(0.2)  # several polling periods
+    with lock:
+        assert all(t <= stopped_at for t in calls), "a client call after stop()"
+    janitor.watch(NeverDone())  # after stop (at exit), nothing starts again
+    assert janitor._thread is None

@@ -31,6 +31,7 @@ With one process nothing goes through the store.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -447,7 +448,10 @@ class _Janitor:
     published round (one directory read) every 50 ms until every process has
     acknowledged, and gives up on a round after twice its timeout plus its margin (a
     process that never came keeps its round's keys; the job has failed anyway). The
-    thread exits when nothing is left to watch."""
+    thread exits when nothing is left to watch, and at interpreter exit (`stop`, an
+    `atexit` hook registered after JAX's own, so it runs first): a daemon thread still
+    calling the distributed client while JAX shuts it down aborted the process
+    (`terminate called after throwing an instance of ''`) after its save had committed."""
 
     _PAUSE_S = 0.05
 
@@ -455,23 +459,39 @@ class _Janitor:
         self._mu = threading.Lock()
         self._rounds: dict[str, tuple[Round, float]] = {}
         self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._hooked = False
 
     def watch(self, r: Round) -> None:
         give_up = time.monotonic() + 2 * r.timeout_s + r.verdict_margin_s + 10
         with self._mu:
             self._rounds[r.key] = (r, give_up)
-            if self._thread is None:
+            if self._thread is None and not self._stopping.is_set():
+                if not self._hooked:  # after `import jax` registered its clean-up: runs before it
+                    atexit.register(self.stop)
+                    self._hooked = True
                 self._thread = threading.Thread(target=self._run, name="checkpointer-rendezvous-cleanup", daemon=True)
                 self._thread.start()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stops the thread (at exit): no client call after it returns, unless the
+        thread is stuck in one longer than `timeout_s`. Keys left go with the service."""
+        self._stopping.set()
+        with self._mu:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
 
     def _run(self) -> None:
         while True:
             with self._mu:
-                if not self._rounds:
+                if not self._rounds or self._stopping.is_set():
                     self._thread = None
                     return
                 watched = list(self._rounds.values())
             for r, give_up in watched:
+                if self._stopping.is_set():
+                    break
                 try:
                     done = r.complete()
                     if done:
@@ -481,7 +501,7 @@ class _Janitor:
                 if done or time.monotonic() >= give_up:
                     with self._mu:
                         self._rounds.pop(r.key, None)
-            time.sleep(self._PAUSE_S)
+            self._stopping.wait(self._PAUSE_S)
 
 
 _janitor = _Janitor()
