@@ -54,12 +54,9 @@ QUICK_EXCLUDED = {
     "test_killed_process_during_async_save_commits_nothing",
     # Asserts jax's text for a sharding (jax 0.8.1 prints `PartitionSpec()`, newer `P()`).
     "test_cooperative_restore_agreement_names_the_differing_leaf",
-    # Not message texts, but left out of it all the same (docs/DESIGN-decisions.md, "Dependency
-    # floors"): at the floors jaxlib 0.8.1 aborts process 0 at interpreter exit after the
-    # save committed ("terminate called after throwing an instance of ''"), 1 run in 8 here;
-    "test_replica_parallel_split_grids_and_packs_are_byte_identical",
-    # a peak-RSS bound (512 MiB) that the Orbax import meets with the newest releases
-    # (424-440 MiB here) and only just at the floors (456-521 MiB).
+    # Not a message text (docs/DESIGN-decisions.md, "Dependency floors"): a peak-RSS bound
+    # (512 MiB) that the Orbax import meets with the newest releases (424-440 MiB here) and
+    # only just at the floors (456-521 MiB).
     "test_import_and_export_of_1_gib_stay_within_the_largest_leaf_plus_256_mib",
 }
 
