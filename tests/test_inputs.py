@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import zlib
+from importlib.metadata import version
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +54,8 @@ _DEVICE_DTYPES = (
 )
 # TensorStore 0.1.86's zarr3 driver has no data type for these: a save must refuse them.
 _NOT_STORABLE = {"float8_e4m3", "uint4", "uint2", "int1", "uint1"}
+if tuple(int(p) for p in version("tensorstore").split(".")[:3]) < (0, 1, 86):
+    _NOT_STORABLE.add("float8_e8m0fnu")  # zarr3 has it from 0.1.86 (0.1.81 to 0.1.83 tried)
 
 
 def _dtype(name):
