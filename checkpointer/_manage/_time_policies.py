@@ -33,7 +33,22 @@ def _known(t: float | None) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class KeepEverySeconds(KeepPolicy):
+class _SecondsPolicy(KeepPolicy):
+    """A retention policy by creation time with one duration `s`, seconds (> 0): what both
+    time policies share. Without the steps' times (`keep`) nothing is known to be old."""
+
+    s: float
+    uses_times = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "s", _check_seconds(f"{type(self).__name__}(s)", self.s))
+
+    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, object]]) -> set[int]:
+        return set(steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEverySeconds(_SecondsPolicy):
     """Keeps one step every `s` seconds of creation time (Orbax's `EveryNSeconds`).
 
     The oldest step is kept; then, in step order, each step created at least `s`
@@ -42,15 +57,6 @@ class KeepEverySeconds(KeepPolicy):
     Args:
       s: seconds between the steps kept (> 0).
     """
-
-    s: float
-    uses_times = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "s", _check_seconds("KeepEverySeconds(s)", self.s))
-
-    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, object]]) -> set[int]:
-        return set(steps)  # without times nothing is known to be old
 
     def keep_at(
         self,
@@ -72,7 +78,7 @@ class KeepEverySeconds(KeepPolicy):
 
 
 @dataclasses.dataclass(frozen=True)
-class KeepNewerThan(KeepPolicy):
+class KeepNewerThan(_SecondsPolicy):
     """Keeps the steps created less than `s` seconds ago (Orbax's `LatestDuration`).
 
     Steps without a creation time are kept; so are steps "created" in the future (a
@@ -81,15 +87,6 @@ class KeepNewerThan(KeepPolicy):
     Args:
       s: the age below which a step is kept, seconds (> 0).
     """
-
-    s: float
-    uses_times = True
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "s", _check_seconds("KeepNewerThan(s)", self.s))
-
-    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, object]]) -> set[int]:
-        return set(steps)  # without times nothing is known to be old
 
     def keep_at(
         self,
