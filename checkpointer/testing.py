@@ -403,6 +403,8 @@ def initialize() -> dict[str, Any]:
             heartbeat_timeout_seconds=int(os.environ[_ENV + "HEARTBEAT_TIMEOUT_S"]),
             shutdown_timeout_seconds=30,
         )
+        if process_id() == 0 and num_processes > 1:
+            _shut_service_down_last(num_processes)
     # Without jax.distributed each process is a job of its own (e.g. a writer and a
     # separate evaluation job): JAX sees one process there.
     jax_processes = num_processes if os.environ[_ENV + "DISTRIBUTED"] == "1" else 1
@@ -454,6 +456,41 @@ def _hold_alive_lock() -> None:
     global _alive_lock_fd
     _alive_lock_fd = os.open(_alive_lock_path(process_id()), os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(_alive_lock_fd, fcntl.LOCK_EX)
+
+
+class _ServiceShutDownLast:
+    """Stands in for process 0's coordination service in `jax.distributed`'s state so
+    that, at exit, the service is destroyed only once every other process of the job
+    has exited (or after `_PEERS_EXIT_WAIT_S`). JAX's exit hook shuts the client down
+    (the shutdown barrier) and then the service at once; a peer still disconnecting
+    from it then aborted process 0 inside grpc's server destructor (SIGABRT in
+    `DistributedRuntimeService::Shutdown`), after its work was done (CI, 1 run in many)."""
+
+    _PEERS_EXIT_WAIT_S = 10.0
+
+    def __init__(self, service: Any, num_processes: int) -> None:
+        self._service = service
+        self._num_processes = num_processes
+
+    def shutdown(self) -> None:
+        deadline_s = time.monotonic() + self._PEERS_EXIT_WAIT_S
+        for other in range(1, self._num_processes):
+            try:
+                _wait_until_dead(other, deadline_s)
+            except TimeoutError:
+                break  # a peer that hangs: shut the service down anyway, as JAX would
+        self._service.shutdown()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._service, name)
+
+
+def _shut_service_down_last(num_processes: int) -> None:
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if getattr(state, "service", None) is not None:
+        state.service = _ServiceShutDownLast(state.service, num_processes)
 
 
 def _wait_until_dead(process: int, deadline_s: float) -> None:
