@@ -115,3 +115,26 @@ def test_alone_it_commits_without_any_store(tmp_path):
     _write_records(c2, [3])
     c2.run(6, lambda pb: b"{}")  # a replacement is atomic: old moved aside, then removed
     assert json.loads(pathlib.Path(f"{path}/COMMITTED").read_text())["generation"] == "g2" and os.listdir(tmp_path) == ["7"]
+
+
+def test_a_damaged_peer_record_at_commit_is_a_save_error_and_commits_nothing(tmp_path):
+    """Process 0 reads the others' records for the pack index (`packs_of_save`): a
+    damaged one fails the save as SaveError (what save documents), not as a
+    CorruptCheckpointError escaping the commit, and every process learns it."""
+    from checkpointer._encoding import packs_of_save
+
+    kv, path = FakeKV(), str(tmp_path / "7")
+
+    def body(i):
+        c = _commit(kv, path, i, 2)
+        _write_records(c, [0])
+        if i == 1:
+            pathlib.Path(f"{c.write_path}/{process_record_name(1)}").write_text('{"packed": {"file"')
+        c.run(1, lambda pb: json.dumps(len(packs_of_save(c.storage, c.write_path, 0, None, 2))).encode())
+
+    got = _run(2, body)
+    assert got[0][0] == "SaveError", got
+    assert f"committing {path} failed (process 0): a process record in" in got[0][1] and "Nothing was committed" in got[0][1]
+    assert "processes/1.json" in got[0][1]
+    assert got[1] == ("SaveError", f"process 0 could not commit {path}: SaveError: {got[0][1]}"), got
+    assert not os.path.exists(path)

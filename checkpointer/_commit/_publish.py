@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .. import _coord, _format
 from .._coord import MAX_SHOWN, Round
-from .._errors import CheckpointExistsError, CommitTimeoutError, SaveError
+from .._errors import CheckpointExistsError, CommitTimeoutError, CorruptCheckpointError, SaveError
 from .._storage import Storage
 from ._catalog import add_entry
 from ._strategies import strategy_for
@@ -161,7 +161,14 @@ class Commit:
         """The manifest, the marker, then the publication; after it only warnings."""
         storage, root, final = self.storage, self.write_path, self.path
         try:
-            storage.write_file(f"{root}/{_format.MANIFEST}", manifest(process_bytes))
+            content_of_manifest = manifest(process_bytes)
+        except CorruptCheckpointError as e:  # a process's record, read for the pack index
+            raise SaveError(
+                f"committing {final} failed (process {self.process_index}): a process record in {root} is "
+                f"damaged: {e}. Nothing was committed; save again (a disk or another writer damaged it)."
+            ) from e
+        try:
+            storage.write_file(f"{root}/{_format.MANIFEST}", content_of_manifest)
             content = dict(marker) if marker is not None else {"generation": self.generation, "committed_unix_s": time.time()}
             storage.write_file(f"{root}/{_format.COMMITTED}", _format.dumps(content))
             replaced = self.strategy.publish(root, final, self.generation, overwrite=self.overwrite)
