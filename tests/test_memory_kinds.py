@@ -86,15 +86,18 @@ def test_the_snapshot_copies_each_saved_byte_once(tmp_path, route):
     assert snap.copied_bytes == sum(c.data_bytes for c in record.chunks)  # packed chunks included
 
 
+@pytest.mark.parametrize("direct_io", [True, False])  # the direct writer and TensorStore, from read-only views
 @pytest.mark.parametrize("route", [_device_copy.PINNED_HOST], indirect=True)
-def test_the_pinned_host_route_keeps_its_copies_out_of_the_pool_and_aliases_nothing(tmp_path, route, monkeypatch, empty_shared_pool):
+def test_the_pinned_host_route_keeps_its_copies_out_of_the_pool_and_aliases_nothing(
+    tmp_path, route, direct_io, monkeypatch, empty_shared_pool
+):
     mesh = make_mesh((2, 4), ("data", "model"))
     state = _state(mesh)
     expected = {k: np.array(v) for k, v in state.items()}
     release = threading.Event()
     real_write = _save.write_snapshot
     monkeypatch.setattr(_save, "write_snapshot", lambda snap: (release.wait(60), real_write(snap))[1])
-    handle = ckpt.save_async(str(tmp_path / "1"), state)
+    handle = ckpt.save_async(str(tmp_path / "1"), state, direct_io=direct_io)
     snap = handle.snapshot
     device_bytes = sum(np.asarray(state[k]).nbytes for k in ("w", "emb", "mu", "step"))
     assert snap.copy_route_bytes == {_device_copy.PINNED_HOST: device_bytes, _device_copy.POOL: state["host"].nbytes}
@@ -106,6 +109,7 @@ def test_the_pinned_host_route_keeps_its_copies_out_of_the_pool_and_aliases_noth
         state[k].delete()
     release.set()
     handle.wait()
+    assert snap.write_mode == ("direct" if direct_io else "buffered")
     assert empty_shared_pool.free_bytes == state["host"].nbytes  # only the numpy leaf's pool buffer came back
     _assert_bit_exact(ckpt.restore(str(tmp_path / "1")), expected)
 
