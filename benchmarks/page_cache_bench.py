@@ -296,11 +296,11 @@ def child_main(spec: dict) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     method, dataset, directory = spec["method"], spec["dataset"], spec["dir"]
     cgroup = Path(spec["cgroup"])
-    with _PeakAnon() as peak:
-        state = _state(spec["state_bytes"])
-        import _common as C
+    import _common as C
 
-        state_bytes = C.logical_bytes(state)
+    state = _state(spec["state_bytes"])
+    state_bytes = C.logical_bytes(state)
+    with _PeakAnon() as peak:  # the state and what a save adds (not the state's jit temporaries)
         saver = None if method == BASE else _Saver(method, directory)
         save_s = []
         if saver is not None:
@@ -353,9 +353,10 @@ def child_main(spec: dict) -> None:
     end = resident_bytes(dataset)[0] / dataset_bytes
     result = {
         "method": method, "state_bytes": state_bytes, "dataset_bytes": dataset_bytes, "peak_anon": peak.peak,
-        "limit": limit, "warm": warm, "after": after, "end": end, "lowest": min(sampler.lowest, end), "window_s": window_s, "save_s": save_s,
-        "read_mbps": read["bytes"] / read["seconds"] / 1e6, "during_mbps": during, "between_mbps": between, "read_storage_bytes": read["storage_bytes"],
-        "read_bytes": read["bytes"], "failcnt": int((cgroup / "memory.failcnt").read_text()) - failcnt0,
+        "limit": limit, "failcnt": int((cgroup / "memory.failcnt").read_text()) - failcnt0, "save_s": save_s,
+        "warm": warm, "after": after, "end": end, "lowest": min(sampler.lowest, end), "window_s": window_s,
+        "read_mbps": read["bytes"] / read["seconds"] / 1e6, "during_mbps": during, "between_mbps": between,
+        "read_bytes": read["bytes"], "read_storage_bytes": read["storage_bytes"],
     }
     if saver is not None:
         saver.close()
@@ -425,7 +426,8 @@ def run_method(method: str, n: int, args, dataset: str, parent: str) -> dict:
         if rc != 0:
             oom = (group / "memory.oom_control").read_text().split()
             kills = int(oom[oom.index("oom_kill") + 1]) if "oom_kill" in oom else 0
-            why = f": the group's OOM killer killed {kills} process(es); raise --headroom-mib" if kills else " (its error above)"
+            why = (f": the group's OOM killer killed {kills} process(es); raise --headroom-mib" if kills
+                   else " (its error above)")
             raise RuntimeError(f"{method}: its process exited with {rc}{why}")
         return json.loads(Path(out).read_text())
     finally:
@@ -457,6 +459,8 @@ def main() -> None:
                         "anonymous memory, as a fraction of the state's bytes (default 0.5)")
         ap.add_argument("--headroom-mib", type=int, default=64, help="extra room for the reader process, MiB (default 64)")
         ap.add_argument("--block-mib", type=int, default=4, help="the reader's read size, MiB (default 4)")
+        ap.add_argument("--methods", default=",".join(m.split()[-1] for m in METHODS[1:]),
+                        help="the methods beside the baseline, comma-separated (default direct,buffered,orbax)")
         ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="the reader on the last core, the saving process on the others (default: on)")
 
@@ -475,29 +479,38 @@ def main() -> None:
     dataset = os.path.join(parent, f"page_cache_dataset_{os.getpid()}.bin")
     print(f"dataset {args.dataset_mib} MiB, state {args.state_mib} MiB, {args.saves} saves every {args.interval_s} s, "
           f"runs: {args.runs}", flush=True)
-    results: dict[str, list[dict]] = {m: [] for m in METHODS}
+    short = {m.split()[-1]: m for m in METHODS[1:]}
+    unknown = set(args.methods.split(",")) - set(short)
+    if unknown:
+        sys.exit(f"page_cache_bench: unknown --methods {sorted(unknown)}; choose from {sorted(short)}")
+    methods = (BASE, *(m for m in METHODS[1:] if m.split()[-1] in args.methods.split(",")))
+    results: dict[str, list[dict]] = {m: [] for m in methods}
     n = 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `finally` removes the groups and files
     try:
         make_dataset(dataset, args.dataset_mib * MIB)
         for run in range(args.runs):
-            k = run % len(METHODS)
-            for method in METHODS[k:] + METHODS[:k]:
+            k = run % len(methods)
+            for method in methods[k:] + methods[:k]:
                 r = run_method(method, n, args, dataset, parent)
                 n += 1
                 results[method].append(r)
-                ds = " ".join(f"{a['dataset']:.0%}" for a in r["after"])
-                ck = " ".join(f"{a['ckpt_cached'] / max(1, a['ckpt_bytes']):.0%}" for a in r["after"])
-                split = "" if r["during_mbps"] is None else f" ({r['during_mbps']:.0f} during the saves, {r['between_mbps']:.0f} between)"
-                print(f"  run {run}: {method:22s} {r['read_mbps']:8.0f} MB/s{split}, from storage "
-                      f"{r['read_storage_bytes'] / MIB:6.0f} MiB; dataset resident: warm {r['warm']:.0%}, after "
-                      f"saves {ds}, lowest {r['lowest']:.0%}, end {r['end']:.0%}; checkpoint cached {ck or '—'}; limit "
-                      f"{r['limit'] / MIB:.0f} MiB (hit {r['failcnt']} times), saves {' '.join(f'{s:.2f}' for s in r['save_s'])} s", flush=True)
+                _progress(run, method, r)
     finally:
         Path(dataset).unlink(missing_ok=True)
     text = report(args, results, time.perf_counter() - t0, load)
     print("\n" + text)
     C.write_section(args.results, "page_cache_bench", text)
+
+
+def _progress(run: int, method: str, r: dict) -> None:
+    ds = " ".join(f"{a['dataset']:.0%}" for a in r["after"])
+    ck = " ".join(f"{a['ckpt_cached'] / max(1, a['ckpt_bytes']):.0%}" for a in r["after"])
+    split = "" if r["during_mbps"] is None else f" ({r['during_mbps']:.0f} while saving, {r['between_mbps']:.0f} between)"
+    print(f"  run {run}: {method:22s} {r['read_mbps']:8.0f} MB/s{split}, from storage "
+          f"{r['read_storage_bytes'] / MIB:.0f} MiB; dataset resident: warm {r['warm']:.0%}, after saves {ds}, lowest "
+          f"{r['lowest']:.0%}, end {r['end']:.0%}; checkpoint cached {ck or '—'}; limit {r['limit'] / MIB:.0f} MiB "
+          f"(hit {r['failcnt']} times); saves {' '.join(f'{s:.2f}' for s in r['save_s'])} s", flush=True)
 
 
 def _pct(xs) -> str:
@@ -511,7 +524,7 @@ def report(args, results, wall_s: float, load) -> str:
 
     base = {i: r["read_mbps"] for i, r in enumerate(results[BASE])}
     rows, summary = [], {}
-    for method in METHODS:
+    for method in results:
         rs = results[method]
         ratios = [r["read_mbps"] / base[i] for i, r in enumerate(rs)]
         after = [a["dataset"] for r in rs for a in r["after"]]
@@ -532,7 +545,7 @@ def report(args, results, wall_s: float, load) -> str:
                     "dataset resident after each save", "dataset resident, lowest of a run", "dataset resident at the end",
                     "checkpoint bytes cached after each save", "save until committed", "cgroup limit"], rows)
     targets = []
-    for method in (DIRECT, BUFFERED, ORBAX):
+    for method in (m for m in (DIRECT, BUFFERED, ORBAX) if m in summary):
         ratios, lowest, worst = summary[method]
         tag = "" if method == DIRECT else " (for comparison)"
         for what, xs, goal, ok in (
@@ -545,21 +558,23 @@ def report(args, results, wall_s: float, load) -> str:
             targets.append([f"{method}{tag}: {what}", f"{v:.2f}{unit}" if unit == "×" else f"{v:.1f}{unit}", goal,
                             ("met" if ok(v) else "missed") if method == DIRECT else ("would meet" if ok(v) else "misses")])
     r0 = results[BASE][0]
+    cores = ("the reader pinned to the last core, the saving process to the others" if args.pin
+             else "the reader and the saving process share all cores")
     desc = (f"Dataset: one file of {r0['dataset_bytes'] / MIB:.0f} MiB read sequentially in {args.block_mib} MiB "
-            f"pieces, looping, by a separate reader process as fast as it can. State: {N_LEAVES} float32 leaves "
-            f"P('data','model') on a 2x4 mesh + 1 replicated leaf: {r0['state_bytes'] / MIB:.0f} MiB. Each method in "
-            f"a fresh process, inside its own cgroup v1 memory group together with the reader; limit = the process's "
-            f"peak anonymous memory during an untimed warm-up save + {args.headroom_mib} MiB + the dataset + "
+            f"pieces, looping, by a separate reader process as fast as it can ({cores}). State: {N_LEAVES} float32 "
+            f"leaves P('data','model') on a 2x4 mesh + 1 replicated leaf: {r0['state_bytes'] / MIB:.0f} MiB. Each "
+            "method in a fresh process, inside its own cgroup v1 memory group together with the reader; limit = the "
+            f"process's peak anonymous memory during an untimed warm-up save + {args.headroom_mib} MiB + the dataset + "
             f"{args.slack:g} × the state's bytes. Before the window: dataset and checkpoints evicted (fsync + "
-            f"POSIX_FADV_DONTNEED), then the dataset warmed once by one read inside the group. Window: "
+            "POSIX_FADV_DONTNEED), then the dataset warmed once by one read inside the group. Window: "
             f"{args.saves} saves, one every {args.interval_s:g} s, each waited for until committed; the readings "
-            "(`mincore`) after each; the lowest: the least of those and of readings every 0.2 s through "
-            "the window (dips during a save). Throughput in 10^6 bytes/s over the window; its ratio to the same run's "
-            "baseline; while a save ran / between saves: the reader's 0.1 s slices whose middle falls inside a "
-            "save's span (call to committed) or outside; read from storage: the reader's `read_bytes` (/proc/<pid>/io), its page-cache misses. "
-            "Checkpoint bytes cached: of the step just committed, over the bytes of its files. Methods rotated "
-            "per run. The reader and the saver share the machine's cores, so a save's CPU lowers the throughput "
-            "even where the dataset stays cached.")
+            "(`mincore`) after each; the lowest: the least of those and of readings every 0.2 s through the window "
+            "(dips during a save). Throughput in 10^6 bytes/s over the window; its ratio to the same run's baseline; "
+            "while a save ran / between saves: the reader's 0.1 s slices whose middle falls inside a save's span "
+            "(call to committed) or outside; read from storage: the reader's `read_bytes` (/proc/<pid>/io), its "
+            "page-cache misses. Checkpoint bytes cached: of the step just committed, over the bytes of its files. "
+            "Methods rotated per run. A save's memory traffic and CPU lower the reader's throughput even where the "
+            "dataset stays cached (the column while a save ran); read from storage is the cache's own figure.")
     return "\n".join([C.header_lines("The data loader keeps its page cache (`benchmarks/page_cache_bench.py`)", args,
                                      wall_s, load), desc, "", main, "", C.table(["median over runs", "value", "target", ""],
                                                                                  targets)])
