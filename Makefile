@@ -35,6 +35,7 @@ bench: venv
 	$(PY) benchmarks/small_leaves_bench.py
 	$(PY) benchmarks/replicated_save_bench.py
 	$(PY) benchmarks/safetensors_bench.py
+	$(PY) benchmarks/page_cache_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out .mypy_cache .ruff_cache
