@@ -70,9 +70,12 @@ def _public_table() -> tuple[list[str], dict[str, str]]:
     """(the errors imported above, {lazy public name: package}), read from this file's
     own import statements: the errors' `from ._errors import` and the `if TYPE_CHECKING:` block."""
     import ast
-    import pathlib
 
-    tree = ast.parse(pathlib.Path(__file__).read_text(encoding="utf-8"))
+    # Through the loader, not the file system: a zipped install (zipimport) has no file.
+    source = __spec__.loader.get_source(__name__) if __spec__ is not None and __spec__.loader is not None else None  # type: ignore[attr-defined]
+    if source is None:
+        raise ImportError(f"checkpointer: the source of {__name__} cannot be read (a sourceless install); install from the wheel or sdist")
+    tree = ast.parse(source)
     errors = next(n for n in tree.body if isinstance(n, ast.ImportFrom) and n.module == "_errors")
     block = next(n for n in tree.body if isinstance(n, ast.If) and isinstance(n.test, ast.Name) and n.test.id == "TYPE_CHECKING")
     lazy = {a.name: node.module for node in block.body if isinstance(node, ast.ImportFrom) and node.module for a in node.names}

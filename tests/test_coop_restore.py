@@ -125,6 +125,26 @@ def test_a_process_that_cannot_restore_makes_every_process_raise(saved):
         assert cases["again"]["type"] is None, cases["again"]
 
 
+def test_a_process_that_fails_alone_while_the_others_restore_plainly_keeps_the_numbering_in_step(saved):
+    """Process 1 cannot restore (its path is gone) a target that shares no box across
+    processes, so process 0 restores it plainly, without a rendezvous; the next
+    cooperative restore still meets: every process numbers each cooperative restore
+    call the same way, whatever happened in it (process 1's refusal used to take a
+    number that process 0 never took, and the next restore then met the old refusal)."""
+    args = {
+        "path": saved["path"],
+        "targets": [_target("before", [2, 4], ["data", "model"], REPLICATED)],
+        "cases": ["unshared_missing_path", "again"],
+    }
+    results = run_processes(WORKERS / "coop_restore_worker.py", 2, 4, args, timeout_s=180)
+    for r in results:
+        cases = {x["case"]: x for x in r.records if x["event"] == "case"}
+        assert sorted(cases) == ["again", "unshared_missing_path"], r.describe()
+        first = cases["unshared_missing_path"]
+        assert first["type"] == (None if r.process_id == 0 else "CheckpointNotFoundError"), first
+        assert cases["again"]["type"] is None and cases["again"]["elapsed_s"] < 20, cases["again"]
+
+
 def test_cooperative_restore_agreement_names_the_differing_leaf(saved):
     """Processes that restore onto different targets are told which leaf differs (its
     key string) and how on each process (dtype, shape, spec, mesh), not a digest; the

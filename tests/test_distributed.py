@@ -115,3 +115,71 @@ def test_alone_it_commits_without_any_store(tmp_path):
     _write_records(c2, [3])
     c2.run(6, lambda pb: b"{}")  # a replacement is atomic: old moved aside, then removed
     assert json.loads(pathlib.Path(f"{path}/COMMITTED").read_text())["generation"] == "g2" and os.listdir(tmp_path) == ["7"]
+
+
+def test_a_damaged_peer_record_at_commit_is_a_save_error_and_commits_nothing(tmp_path):
+    """Process 0 reads the others' records for the pack index (`packs_of_save`): a
+    damaged one fails the save as SaveError (what save documents), not as a
+    CorruptCheckpointError escaping the commit, and every process learns it."""
+    from checkpointer._encoding import packs_of_save
+
+    kv, path = FakeKV(), str(tmp_path / "7")
+
+    def body(i):
+        c = _commit(kv, path, i, 2)
+        _write_records(c, [0])
+        if i == 1:
+            pathlib.Path(f"{c.write_path}/{process_record_name(1)}").write_text('{"packed": {"file"')
+        c.run(1, lambda pb: json.dumps(len(packs_of_save(c.storage, c.write_path, 0, None, 2))).encode())
+
+    got = _run(2, body)
+    assert got[0][0] == "SaveError", got
+    assert f"committing {path} failed (process 0): a process record in" in got[0][1] and "Nothing was committed" in got[0][1]
+    assert "processes/1.json" in got[0][1]
+    assert got[1] == ("SaveError", f"process 0 could not commit {path}: SaveError: {got[0][1]}"), got
+    assert not os.path.exists(path)
+
+
+def _late_commit(kv, path, i, n):
+    c = _commit(kv, path, i, 2, timeout_s=0.3)
+    c.round.verdict_margin_s = 0.2  # process 1 gives up 0.5 s after process 0 arrived
+    return c
+
+
+def test_a_verdict_later_than_the_timeout_after_the_commit_is_a_success_everywhere(tmp_path):
+    """Process 0 committed (the marker names this generation), then its verdict came
+    after process 1's timeout (slow retention, slow storage): process 1 finds the
+    commit in storage and returns as process 0 does, instead of raising an error
+    that says nothing was committed."""
+    kv, path = FakeKV(), str(tmp_path / "7")
+
+    def body(i):
+        c = _late_commit(kv, path, i, 2)
+        _write_records(c, [i])
+        c.run(1, lambda pb: b"{}", after_publish=lambda: time.sleep(1.5))
+
+    assert _run(2, body) == [("ok", None), ("ok", None)]
+    assert json.loads(pathlib.Path(f"{path}/COMMITTED").read_text())["generation"] == "g1"
+
+
+def test_a_verdict_later_than_the_timeout_before_the_commit_does_not_say_nothing_was_committed(tmp_path):
+    """Process 0 is still writing the manifest when process 1 gives up: process 1's
+    CommitTimeoutError says the step may still be committed and how to tell (it is,
+    once process 0 finishes), not "Nothing was committed"."""
+    kv, path = FakeKV(), str(tmp_path / "7")
+
+    def slow_manifest(pb):
+        time.sleep(1.5)
+        return b"{}"
+
+    def body(i):
+        c = _late_commit(kv, path, i, 2)
+        _write_records(c, [i])
+        c.run(1, slow_manifest)
+
+    got = _run(2, body)
+    assert got[0] == ("ok", None), got
+    assert got[1][0] == "CommitTimeoutError" and "process 0 arrived but gave no verdict" in got[1][1], got
+    assert f"so {path} may still be committed: it is if it has a COMMITTED marker" in got[1][1], got
+    assert "Nothing was committed" not in got[1][1], got
+    assert os.path.exists(f"{path}/COMMITTED")

@@ -160,3 +160,28 @@ def test_restore_options_check_their_values_once_for_every_entry_point(tmp_path)
         for call in (lambda: ckpt.restore(path, **bad), lambda: ckpt.plan_restore(path, None, **bad)):
             with pytest.raises(ValueError, match=next(iter(bad))):
                 call()
+
+
+def test_the_package_imports_saves_and_restores_from_a_zip(tmp_path):
+    """The front door's lazy table is read through the module's loader, so a zipped
+    install (zipimport) works: it used to read `__init__.py` from the file system."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+
+    package = pathlib.Path(ckpt.__file__).parent
+    archive = tmp_path / "checkpointer.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for f in package.rglob("*.py"):
+            z.write(f, f.relative_to(package.parent))
+    code = (
+        "import os, sys, jax.numpy as jnp, checkpointer as ckpt\n"
+        "assert '.zip' in ckpt.__file__, ckpt.__file__\n"
+        "p = os.path.join(sys.argv[1], '1'); ckpt.save(p, {'a': jnp.arange(3)})\n"
+        "print(ckpt.restore(p)['a'].tolist(), ckpt.KeepLatest.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, "PYTHONPATH": str(archive)},
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[0, 1, 2] KeepLatest"

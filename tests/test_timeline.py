@@ -132,12 +132,12 @@ def test_waiting_for_a_slow_computation_is_its_own_phase_before_the_snapshot(tmp
 
     copies = []
 
-    def copy_to_host(datas, pool=None):
+    def snapshot_to_host(datas, pool=None):
         copies.append((time.time(), all(d.is_ready() for d in datas if isinstance(d, jax.Array))))
         return real(datas, pool)
 
-    real = _save.copy_to_host
-    monkeypatch.setattr(_save, "copy_to_host", copy_to_host)
+    real = _save.snapshot_to_host
+    monkeypatch.setattr(_save, "snapshot_to_host", snapshot_to_host)
     slow = jax.jit(lambda a: jax.lax.fori_loop(0, 200, lambda i, b: jnp.tanh(b @ a), a))
     a = jnp.eye(512, dtype=jnp.float32) * 0.5
     jax.block_until_ready(slow(a))  # compiled; the next call only dispatches

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .. import _coord, _format
 from .._coord import MAX_SHOWN, Round
-from .._errors import CheckpointExistsError, CommitTimeoutError, SaveError
+from .._errors import CheckpointError, CheckpointExistsError, CommitTimeoutError, CorruptCheckpointError, SaveError
 from .._storage import Storage
 from ._catalog import add_entry
 from ._strategies import strategy_for
@@ -52,6 +52,9 @@ def commit_round(name: str, path: str, timeout_s: float, *, what: str | None = N
         error=SaveError, timeout_error=CommitTimeoutError, arrive="report done", timeout_name="commit_timeout_s",
         hint="Nothing was committed. Check that every process called save for this step and is alive, or raise "
              "commit_timeout_s.",
+        late_hint=f"Process 0 was committing when this process gave up, so {path} may still be committed: "
+                  f"it is if it has a {_format.COMMITTED} marker (`checkpointer ls`). Raise commit_timeout_s if the "
+                  "storage is this slow.",
         verdict_margin_s=PUBLISH_MARGIN_S,
     )
 
@@ -114,7 +117,12 @@ class Commit:
         if r is not None:
             r.post({"bytes": int(bytes_written or 0)})
             if r.index != 0:
-                r.wait()
+                try:
+                    r.wait()
+                except CommitTimeoutError:
+                    if not self._committed_here():
+                        raise
+                    log.warning("%s was committed by process 0, whose verdict came after this process's timeout", self.path)
                 return
         try:
             got = r.gather() if r is not None else {self.process_index: {"bytes": int(bytes_written or 0)}}
@@ -143,6 +151,15 @@ class Commit:
         if r is not None:
             r.publish()
 
+    def _committed_here(self) -> bool:
+        """Whether `path` holds this commit (its marker names this generation): process 0
+        went ahead while this process waited for its verdict."""
+        try:
+            marker = _format.loads(self.storage.read_file(f"{self.path}/{_format.COMMITTED}"), self.path)
+        except (OSError, CheckpointError):
+            return False
+        return isinstance(marker, dict) and marker.get("generation") == self.generation
+
     def _check_records(self, processes: Sequence[int]) -> None:
         """Process 0, before committing: every process's record is in this save's folder.
 
@@ -161,7 +178,14 @@ class Commit:
         """The manifest, the marker, then the publication; after it only warnings."""
         storage, root, final = self.storage, self.write_path, self.path
         try:
-            storage.write_file(f"{root}/{_format.MANIFEST}", manifest(process_bytes))
+            content_of_manifest = manifest(process_bytes)
+        except CorruptCheckpointError as e:  # a process's record, read for the pack index
+            raise SaveError(
+                f"committing {final} failed (process {self.process_index}): a process record in {root} is "
+                f"damaged: {e}. Nothing was committed; save again (a disk or another writer damaged it)."
+            ) from e
+        try:
+            storage.write_file(f"{root}/{_format.MANIFEST}", content_of_manifest)
             content = dict(marker) if marker is not None else {"generation": self.generation, "committed_unix_s": time.time()}
             storage.write_file(f"{root}/{_format.COMMITTED}", _format.dumps(content))
             replaced = self.strategy.publish(root, final, self.generation, overwrite=self.overwrite)

@@ -120,6 +120,8 @@ class Round:
       arrive: what a process that is late did not do (`arrive`, `report done`).
       timeout_name: the option that sets `timeout_s`, for messages (`agreement_timeout_s`).
       hint: the sentence that says how to fix a missing process.
+      late_hint: the sentence for a process 0 that arrived but gave no verdict in time
+        (it may have gone ahead; default `hint`).
       verdict_margin_s: extra time the others allow process 0 once it has arrived.
       max_poll_s: process 0's longest pause between polls.
       client, index, count: the key-value client and this job (tests pass fakes).
@@ -139,6 +141,7 @@ class Round:
         arrive: str = "arrive",
         timeout_name: str = "",
         hint: str = "",
+        late_hint: str | None = None,
         verdict_margin_s: float = 0.0,
         max_poll_s: float = 0.1,
         client: Any = None,
@@ -154,6 +157,7 @@ class Round:
         self.arrive = arrive
         self.timeout_name = f" ({timeout_name})" if timeout_name else ""
         self.hint = hint
+        self.late_hint = hint if late_hint is None else late_hint
         self.verdict_margin_s = verdict_margin_s
         self.max_poll_s = max_poll_s
         self.index = process_index() if index is None else index
@@ -439,7 +443,7 @@ class Round:
         except Exception as e:
             raise self.timeout_error(
                 f"{self.what} (process {self.index}): process 0 arrived but gave no verdict within "
-                f"{self.timeout_s + wait_s:g} s ({e}).{self._hint()}"
+                f"{self.timeout_s + wait_s:g} s ({e}).{' ' + self.late_hint if self.late_hint else ''}"
             ) from e
 
 

@@ -95,8 +95,9 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
     manager is garbage-collected, or at interpreter exit.
 
     Raises:
-      ValueError: an interval, `max_saves_in_flight` or `max_write_bytes_per_s` out of
-        range, or `direct_io` not "auto", True or False.
+      ValueError: an interval, `max_saves_in_flight`, `max_write_bytes_per_s` or a
+        timeout (seconds, in (0, a week]) out of range, or `direct_io` not "auto", True
+        or False.
 
     Multi-process: every process constructs it and calls `save`/`restore` in the same
     order; process 0 alone cleans up, applies retention and holds the directory lock.
@@ -139,8 +140,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         self.keep = keep
         self.save_interval_steps = save_interval_steps
         self.async_save = async_save
-        self.commit_timeout_s = commit_timeout_s
-        self.agreement_timeout_s = agreement_timeout_s
+        self.commit_timeout_s = _coord.check_timeout_s("commit_timeout_s", commit_timeout_s)
+        self.agreement_timeout_s = _coord.check_timeout_s("agreement_timeout_s", agreement_timeout_s)
         self.max_saves_in_flight = max_saves_in_flight
         self.read_only = bool(read_only)
         self._is_primary = _coord.process_index() == 0

@@ -8,6 +8,8 @@ large shards are split into row blocks copied on all cores, and a `HostBufferPoo
 (`_buffer_pool`) lets a manager or `save_async` reuse the previous snapshot's buffers,
 which avoids the page faults of fresh memory (a warm copy runs at about twice the speed
 of a cold one here).
+This is the snapshot's copy on the CPU backend (and of numpy leaves);
+on accelerators `_device_copy` copies each shard once without it.
 """
 
 from __future__ import annotations

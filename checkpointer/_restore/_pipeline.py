@@ -191,6 +191,10 @@ def _restore_cooperative(storage: Storage, path: str, target: object, options: R
     would need every process to retry together).
     """
     pidx = jax.process_index()
+    # One number per call on every process, whatever happens in it: a process that fails
+    # below refuses under it while the others may restore plainly (no box shared) and
+    # never meet under it; taking the number only when meeting put them out of step.
+    ticket = _agreement.next_ticket()
     before = _marker(storage, path)
     try:
         if before is None:
@@ -198,11 +202,10 @@ def _restore_cooperative(storage: Storage, path: str, target: object, options: R
         meta, resolved, plan, budget = _prepare(storage, path, target, options, stats, cooperative=True)
     except BaseException as e:
         # The others may be about to cooperate on this restore: let them fail at once.
-        _agreement.refuse(_agreement.next_ticket(), path, e)
+        _agreement.refuse(ticket, path, e)
         raise
     if not plan.cooperative:
         return _NOT_SHARED
-    ticket = _agreement.next_ticket()
     _agreement.agree(ticket, path, before.decode("utf-8", "replace"), _agreement.target_description(resolved, options.partial, options.missing))
     stats.attempts += 1
     stats.plan = plan

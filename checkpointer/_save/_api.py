@@ -66,8 +66,8 @@ def save(
         non-array values), or one did not arrive in time; raised on every process,
         naming per process what differs; nothing was written.
       ValueError: `max_write_bytes_per_s` is not None or a positive number,
-        `pack_small_leaves_bytes` is not a non-negative int, or `direct_io` is not
-        "auto", True or False.
+        `pack_small_leaves_bytes` is not a non-negative int, `direct_io` is not
+        "auto", True or False, or a timeout is not a number of seconds in (0, a week].
       SaveError, CommitTimeoutError: writing or committing failed; nothing was committed.
 
     Multi-process: every process must call it with the same path and tree (the same

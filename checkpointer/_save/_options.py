@@ -30,3 +30,5 @@ class SaveOptions:
 
     def __post_init__(self) -> None:
         _storage.check_direct_io(self.direct_io)
+        _coord.check_timeout_s("commit_timeout_s", self.commit_timeout_s)
+        _coord.check_timeout_s("agreement_timeout_s", self.agreement_timeout_s)

@@ -45,7 +45,7 @@ from .._format import (
     metadata_json,
     write_group_nodes,
 )
-from .._memory import HostBufferPool, copy_to_host
+from .._memory import HostBufferPool, snapshot_to_host
 from .._storage import FileLock, Storage, storage_for, ts_context
 from ._leaves import ArrayLeaf, chunk_data, describe_array, is_array
 from ._options import SaveOptions
@@ -62,6 +62,7 @@ class LeafSnapshot:
     meta: ArrayMetadata
     plan: LeafWritePlan
     host: list[np.ndarray]
+    pooled: list[bool] = dataclasses.field(default_factory=list)  # per host copy: a buffer of `Snapshot.buffers`
 
 
 @dataclasses.dataclass
@@ -91,6 +92,8 @@ class Snapshot:
     write_s: float = 0.0
     commit_s: float = 0.0
     bytes_written: int = 0
+    copied_bytes: int = 0  # bytes the snapshot copied to host memory (`_memory.HostCopies`)
+    copy_route_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # those bytes by route
     # Wall-clock spans of this process's phases, name -> (start, end) unix seconds: the
     # record keeps wait_for_arrays/snapshot/write/durable, the manifest process 0's wait, `_timeline` draws them.
     phases_unix_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
@@ -295,14 +298,16 @@ def _take_snapshot(
     )
     agreed.append(generation)
 
-    copies = iter(copy_to_host([d for datas in device_data for d in datas], buffers))
+    copies = snapshot_to_host([d for datas in device_data for d in datas], buffers)
+    hosts, pooled = iter(copies.arrays), iter(copies.pooled)
     for leaf, datas in zip(arrays, device_data):
-        leaf.host = [next(copies) for _ in datas]
+        leaf.host = [next(hosts) for _ in datas]
+        leaf.pooled = [next(pooled) for _ in datas]
     snap = Snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
         overwrite=overwrite, commit_timeout_s=options.commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
-        direct_io=options.direct_io,
+        direct_io=options.direct_io, copied_bytes=copies.copied_bytes, copy_route_bytes=copies.route_bytes,
     )
     snap.snapshot_s = time.perf_counter() - t0  # the whole blocking call, the wait for the arrays included
     snap.phases_unix_s.update(snap_phases, snapshot=(ready, time.time()))
@@ -439,9 +444,11 @@ def save_sync(path: str | os.PathLike, tree: object, options: SaveOptions, *, st
 def release_host(snap: Snapshot) -> None:
     """Frees (or returns to its pool) the host copies of `snap`: its bytes are durable."""
     for leaf in snap.arrays:
-        if snap.buffers is not None and leaf.host:
-            snap.buffers.give_back(leaf.host)
-        leaf.host = []
+        host, leaf.host = leaf.host, []
+        if snap.buffers is not None and host:  # host copies adopted from jax are not the pool's
+            mine = [h for h, pooled in zip(host, leaf.pooled or [True] * len(host)) if pooled]
+            del host  # `give_back` pools only buffers that nothing else references
+            snap.buffers.give_back(mine)
 
 
 def run_background(

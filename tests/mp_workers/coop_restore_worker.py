@@ -4,7 +4,8 @@ and processes that cannot take part.
 args: {"path": checkpoint path (`_common.replicated_values()` and "step": 7),
        "targets": [{"name", "mesh_shape", "axis_names", "specs": {leaf: spec}, "cast": {leaf: dtype},
                     "cooperative": bool}],
-       "cases": [names of failure cases, run after the targets: "other_target", "missing_path"]}
+       "cases": [names of failure cases, run after the targets: "other_target", "missing_path",
+                 "unshared_missing_path", or "again" (the first target)]}
 emits per target: {"event": "restored", "name", "mismatches", "bytes_read", "bytes_received",
                    "plan_bytes_read", "cooperative", "exchange_s"}
       per case: {"event": "case", "case", "type", "message", "elapsed_s"}
@@ -73,6 +74,10 @@ for case in args.get("cases", []):
         target = target_for(base, {"w": ["model"]})  # still replicated over 'data': it would cooperate
     if case == "missing_path" and me == 1:
         path = args["path"] + "-deleted-by-retention"
+    if case == "unshared_missing_path":  # no box shared across processes: process 0 restores plainly
+        target = target_for(base, {"w": ["data"], "emb": ["data"], "b": ["data"], "key": ["data"]})
+        if me == 1:
+            path = args["path"] + "-deleted-by-retention"
     t0 = time.monotonic()
     try:
         ckpt.restore(path, target)
