@@ -93,3 +93,25 @@ def test_device_destinations_are_xla_buffers_filled_through_their_views(shape):
         out = jax.block_until_ready(step(a))
         assert a.is_deleted() and out.unsafe_buffer_pointer() == pointer
         np.testing.assert_array_equal(np.asarray(out), w + 1)
+
+
+def test_a_destination_xla_gives_in_another_dtype_is_refused_not_filled(monkeypatch):
+    # jax canonicalises 64-bit types to 32 bits with x64 off: a view of such a buffer must
+    # never be handed to the reader as the 64-bit destination it asked for.
+    from checkpointer._memory import _device_destination, device_destinations
+
+    narrowed = lambda shape, dtype, devices: {d: jax.device_put(np.zeros(shape, np.float32), d) for d in devices}  # noqa: E731
+    monkeypatch.setattr(_device_destination, "_allocate", narrowed)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    assert device_destinations([((4, 4), np.dtype(np.float64), sharding)]) == [None]
+
+
+def test_a_64_bit_destination_with_x64_on_is_filled_through_its_view():
+    from checkpointer._memory import device_destinations
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with jax.enable_x64(True):
+        [(array, view)] = device_destinations([((4, 4), np.dtype(np.float64), sharding)])
+        view[...] = 0.5
+        del view
+        assert array.dtype == np.float64 and float(np.asarray(array).sum()) == 8.0

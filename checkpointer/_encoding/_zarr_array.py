@@ -76,7 +76,7 @@ def _destinations(
     if store is not None or not wanted:
         return {}
     made = device_destinations([(boxes[i].box.shape, dtype, devices[boxes[i].device_ids[0]]) for i in wanted])
-    return dict(zip(wanted, made))
+    return {i: m for i, m in zip(wanted, made, strict=True) if m is not None}
 
 
 def _read_leaf(storage: Storage, path: str, meta: ArrayMetadata, lt: Any, lp: LeafRestorePlan, ctx: ReadContext) -> dict[int, object]:

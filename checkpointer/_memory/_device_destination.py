@@ -75,7 +75,7 @@ def supported(sharding: jax.sharding.SingleDeviceSharding) -> bool:
 
 def device_destinations(
     requests: Sequence[tuple[tuple[int, ...], np.dtype, jax.sharding.SingleDeviceSharding]],
-) -> list[tuple[jax.Array, np.ndarray]]:
+) -> list[tuple[jax.Array, np.ndarray] | None]:
     """Single-device arrays whose buffers XLA owns, and a writable host view of each buffer.
 
     The caller fills each view and drops it before handing its array out: a view does not
@@ -91,7 +91,8 @@ def device_destinations(
 
     Returns:
       Per request (in order) the array and its writable view: C-contiguous, of the
-      request's shape and dtype.
+      request's shape and dtype; None where XLA gave another shape or dtype (a 64-bit
+      dtype with `jax_enable_x64` off): place that one from a host array.
 
     Multi-process: per process, on its own devices.
     """
@@ -101,9 +102,12 @@ def device_destinations(
     made = {key: _allocate(*key, devices) for key, devices in groups.items()}
     arrays = [made[(tuple(shape), np.dtype(dtype))][next(iter(sharding.device_set))] for shape, dtype, sharding in requests]
     del made
-    out = []
-    for a in arrays:
+    out: list[tuple[jax.Array, np.ndarray] | None] = []
+    for a, (shape, dtype, _) in zip(arrays, requests):
         a.block_until_ready()
+        if a.shape != tuple(shape) or a.dtype != np.dtype(dtype):  # e.g. 64-bit types canonicalised with x64 off
+            out.append(None)
+            continue
         if not a.nbytes:
             out.append((a, np.empty(a.shape, a.dtype)))
             continue
