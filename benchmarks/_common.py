@@ -217,8 +217,16 @@ def header_lines(title: str, args, wall_s: float, load: OtherLoad) -> str:
             f"- Command: `{cmd}` (interpreter {sys.executable}), {now}, script wall time {wall_s:.0f} s\n"
             f"- Machine: {machine()}\n"
             f"- Other processes used {share:.0%} of the CPU time of all cores during the script{warn}\n"
-            f"- Checkpoints on local disk under {args.dir or '/tmp'} (`{_fs_of(args.dir)}`), warm page cache "
-            f"(it cannot be dropped here); cells are median (min–max) of {args.runs} run(s)\n")
+            f"- Checkpoints on local disk under {args.dir or '/tmp'} (`{_fs_of(args.dir)}`), {_cache_of(args)}; "
+            f"cells are median (min–max) of {args.runs} run(s)\n")
+
+
+def _cache_of(args) -> str:
+    state = getattr(args, "page_cache", None)
+    if state is None:
+        return "warm page cache"
+    how = "read once" if state == "warm" else "fsynced and evicted (posix_fadvise DONTNEED)"
+    return f"page cache {state}: every library's files {how} before each timed restore"
 
 
 def _fs_of(d) -> str:
@@ -226,6 +234,39 @@ def _fs_of(d) -> str:
     parts = [p for p in psutil.disk_partitions(all=True) if d == p.mountpoint or d.startswith(p.mountpoint.rstrip("/") + "/")]
     best = max(parts, key=lambda p: len(p.mountpoint), default=None)
     return f"{best.device} {best.fstype}" if best else "unknown fs"
+
+
+PAGE_CACHE_STATES = ("warm", "cold")
+
+
+def page_cache_argument(ap: argparse.ArgumentParser) -> None:
+    """`--page-cache warm|cold`: the state every library's files are put in before a timed restore."""
+    ap.add_argument("--page-cache", choices=PAGE_CACHE_STATES, default="warm",
+                    help="before each timed restore, read every checkpoint file once (warm, the default) or "
+                         "fsync and evict them with posix_fadvise(DONTNEED) (cold: the disk's speed)")
+
+
+def set_page_cache(paths, state: str) -> int:
+    """Puts every file under `paths` (folders or files) in the same page-cache state: "warm"
+    reads each once, "cold" fsyncs it and evicts it (`posix_fadvise(POSIX_FADV_DONTNEED)`).
+    Direct writes leave this library's files uncached while Orbax's are cached: call this on
+    both before timing a restore. Returns the bytes of the files."""
+    total = 0
+    for root in paths:
+        root = Path(root)
+        for f in sorted([root] if root.is_file() else (p for p in root.rglob("*") if p.is_file())):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                total += os.fstat(fd).st_size
+                if state == "cold":
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                else:
+                    while os.read(fd, 16 << 20):
+                        pass
+            finally:
+                os.close(fd)
+    return total
 
 
 def write_section(path: Path | None, name: str, body: str) -> None:

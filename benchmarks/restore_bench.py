@@ -25,9 +25,11 @@ plan_restore(...).bytes_read, and for every method the read()/pread() bytes the 
 Before each call gc.collect() and malloc_trim(0) run, so each call faults in fresh memory, as
 in a freshly started process. A warm-up round, not counted, also checks that every restore
 returns the saved values.
-The files were just written: the page cache is warm (it cannot be dropped here).
+Before each call both libraries' files (and the plain read's, checkpointer's own) are put in
+the same page-cache state (`--page-cache`: read once, the default, or fsynced and evicted with
+posix_fadvise): direct writes leave checkpointer's files uncached, orbax's are cached.
 
-Run:  .venv/bin/python benchmarks/restore_bench.py [--runs 5] [--quick] [--dir /tmp]
+Run:  .venv/bin/python benchmarks/restore_bench.py [--runs 5] [--quick] [--dir /tmp] [--page-cache warm|cold]
       Prints a markdown table and replaces the restore_bench section of benchmarks/RESULTS.md
       (--quick: 1/8 of the state, 1 run, RESULTS.md untouched unless --results is given).
 """
@@ -157,7 +159,7 @@ def disk_bytes(d) -> int:
 
 
 def main() -> None:
-    args = C.parse_args(__doc__)
+    args = C.parse_args(__doc__, C.page_cache_argument)
     t0, load = time.perf_counter(), C.OtherLoad()
     root = tempfile.mkdtemp(prefix="restore_bench_", dir=args.dir)
     try:
@@ -185,6 +187,7 @@ def main() -> None:
             for tname, tgt in tgts.items():
                 k = run % len(METHODS)
                 for name in METHODS[k:] + METHODS[:k]:
+                    C.set_page_cache([cpath, opath], args.page_cache)
                     out, r = measure(fns[name], tgt)
                     if run < 0:
                         if name != "plain read":

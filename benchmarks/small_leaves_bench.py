@@ -14,9 +14,12 @@ Per run, in an order rotated from run to run, each into a new folder (removed af
                 wait_until_finished(); restore(0, args=StandardRestore(target)).
                 (Manager construction and close are not timed.)
 
-One warm-up round is not counted; files written per save are counted once.
+Between each save and its restore both libraries' files are put in the same page-cache state
+(`--page-cache`: read once, the default, or fsynced and evicted with posix_fadvise): direct
+writes leave checkpointer's files uncached, orbax's are cached. One warm-up round is not
+counted; files written per save are counted once.
 
-Run:  .venv/bin/python benchmarks/small_leaves_bench.py [--runs 5] [--quick] [--dir /tmp]
+Run:  .venv/bin/python benchmarks/small_leaves_bench.py [--runs 5] [--quick] [--dir /tmp] [--page-cache warm|cold]
       (or `make bench`). Replaces the small_leaves_bench section of benchmarks/RESULTS.md
       (--quick: 1 run, RESULTS.md untouched; the state is the same).
 """
@@ -70,11 +73,12 @@ def files_under(d: str) -> int:
     return sum(len(fs) for _, _, fs in os.walk(d))
 
 
-def checkpointer_run(state, target, d):
+def checkpointer_run(state, target, d, cache):
     path = f"{d}/ckpt/0"
     t0 = time.perf_counter()
     ckpt.save(path, state)
     save_s = time.perf_counter() - t0
+    C.set_page_cache([path], cache)
     t0 = time.perf_counter()
     jax.block_until_ready(ckpt.restore(path, target))
     restore_s = time.perf_counter() - t0
@@ -86,13 +90,14 @@ def checkpointer_run(state, target, d):
             "packed_leaves": packed, "packs": len(manifest.get("packed", []))}
 
 
-def orbax_run(state, target, d):
+def orbax_run(state, target, d, cache):
     mgr = ocp.CheckpointManager(f"{d}/orbax")
     try:
         t0 = time.perf_counter()
         mgr.save(0, args=ocp.args.StandardSave(state))
         mgr.wait_until_finished()
         save_s = time.perf_counter() - t0
+        C.set_page_cache([f"{d}/orbax"], cache)
         t0 = time.perf_counter()
         jax.block_until_ready(mgr.restore(0, args=ocp.args.StandardRestore(target)))
         restore_s = time.perf_counter() - t0
@@ -106,7 +111,7 @@ METHODS = {CK: checkpointer_run, OB: orbax_run}
 
 
 def main() -> None:
-    args = C.parse_args(__doc__)
+    args = C.parse_args(__doc__, C.page_cache_argument)
     t0, load = time.perf_counter(), C.OtherLoad()
     state = make_state()
     target = target_of(state)
@@ -120,7 +125,7 @@ def main() -> None:
         for name in names[k:] + names[:k]:
             d = tempfile.mkdtemp(prefix="small_leaves_bench_", dir=args.dir)
             try:
-                r = METHODS[name](state, target, d)
+                r = METHODS[name](state, target, d, args.page_cache)
             finally:
                 shutil.rmtree(d, ignore_errors=True)
             if run >= 0:

@@ -347,9 +347,13 @@ def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[
     return read
 
 
-def read_box(storage: Storage, path: str, meta: ArrayMetadata, box_read: BoxRead, pool, stats: RestoreStats) -> np.ndarray:
-    """Assembles one target box (or slab) from its chunk reads (concurrently when `pool` is given)."""
-    out = host_buffer(box_read.box.shape, meta.dtype)
+def read_box(
+    storage: Storage, path: str, meta: ArrayMetadata, box_read: BoxRead, pool, stats: RestoreStats, out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Assembles one target box (or slab) from its chunk reads (concurrently when `pool` is given),
+    into `out` (C-contiguous, of the box's shape and the stored dtype) or a new host buffer."""
+    if out is None:
+        out = host_buffer(box_read.box.shape, meta.dtype)
     if pool is None or len(box_read.reads) <= 1:
         for r in box_read.reads:
             read_chunk_into(storage, path, meta, r, out, stats)

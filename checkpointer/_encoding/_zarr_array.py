@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .. import _errors, _format
 from .._errors import CorruptCheckpointError, where
 from .._format import ArrayMetadata, Box, ProcessRecord, cell_box, grid_cells
+from .._memory import device_destination_supported, device_destinations
 from .._storage import Storage
 from . import _read, _write
 from ._base import Item, LeafEncoding, ReadContext, VerifyContext
@@ -46,11 +47,14 @@ def _update(buf: jax.Array, piece: jax.Array, offsets: tuple[int, ...]) -> jax.A
     return jax.lax.dynamic_update_slice(buf, piece, offsets)
 
 
-def _read_host(storage: Storage, path: str, meta: ArrayMetadata, b: BoxRead, store: ts.TensorStore | None, ctx: ReadContext) -> np.ndarray:
+def _read_host(
+    storage: Storage, path: str, meta: ArrayMetadata, b: BoxRead, store: ts.TensorStore | None, ctx: ReadContext,
+    into: np.ndarray | None = None,
+) -> np.ndarray:
     if b.box.size == 0:
         return np.zeros(b.box.shape, meta.dtype)
     if store is None:
-        return _read.read_box(storage, path, meta, b, ctx.chunk_pool, ctx.stats)
+        return _read.read_box(storage, path, meta, b, ctx.chunk_pool, ctx.stats, into)
     try:
         return store[b.box.slices()].read().result()
     except ValueError as e:  # TensorStore reports missing, truncated and checksum-failing data as ValueError
@@ -58,6 +62,21 @@ def _read_host(storage: Storage, path: str, meta: ArrayMetadata, b: BoxRead, sto
             f"{where(leaf=meta.path, path=path, process=ctx.process_index)}: reading box {b.box} failed: {e}. "
             f"Run `checkpointer verify {path}` for a full report."
         ) from e
+
+
+def _destinations(
+    boxes: Sequence[BoxRead], store: ts.TensorStore | None, devices: Mapping[int, Any], dtype: np.dtype,
+) -> dict[int, tuple[jax.Array, np.ndarray]]:
+    """XLA-owned device buffers, each with a writable view, for the whole boxes (by index)
+    placed on a CPU device's default memory: the box is read straight into its first
+    device's buffer, which a donating step then reuses (an adopted host buffer it would
+    not). Boxes read in slabs, empty ones, TensorStore's reads and other devices and
+    memory kinds are placed from host arrays."""
+    wanted = [i for i, b in enumerate(boxes) if not b.slabs and b.box.size and device_destination_supported(devices[b.device_ids[0]])]
+    if store is not None or not wanted:
+        return {}
+    made = device_destinations([(boxes[i].box.shape, dtype, devices[boxes[i].device_ids[0]]) for i in wanted])
+    return {i: m for i, m in zip(wanted, made, strict=True) if m is not None}
 
 
 def _read_leaf(storage: Storage, path: str, meta: ArrayMetadata, lt: Any, lp: LeafRestorePlan, ctx: ReadContext) -> dict[int, object]:
@@ -91,26 +110,35 @@ def _read_leaf(storage: Storage, path: str, meta: ArrayMetadata, lt: Any, lp: Le
         devices = {d.id: jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in addressable}
     dtype = lt.dtype if lt.dtype is not None else meta.dtype
     out: dict[int, object] = {}
-    for b in lp.boxes:
+    # Allocated together, before any is filled, so that their pages can be huge pages.
+    dests = _destinations(lp.boxes, store, devices, dtype) if lt.sharding is not None else {}
+    for i, b in enumerate(lp.boxes):
         bufs = None
+        dest = dests.pop(i, None)
         for slab in b.slabs or (b,):
             # A slab in flight costs up to three copies of its bytes in host memory: the
             # file reads, the assembled host box and (on CPU) the device staging copy.
             cost = slab.bytes_needed * ctx.copies_in_flight
             ctx.budget.acquire(cost)
             try:
-                host = _read_host(storage, path, meta, slab, store, ctx)
+                host = _read_host(storage, path, meta, slab, store, ctx, dest[1] if dest is not None and lt.dtype is None else None)
                 if lt.dtype is not None:
                     with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
                         host = host.astype(lt.dtype)
                 if lt.sharding is None:
                     out[-1] = host
                 elif not b.slabs:
-                    # The first device may adopt the host buffer without a copy (CPU);
+                    # The first device gets the box without a copy where it can (CPU);
                     # every other device gets its own copy, so that donating one
                     # device's buffer can never change another's.
                     first, *rest = b.device_ids
-                    out[first] = jax.device_put(host, devices[first])
+                    if dest is None:
+                        out[first] = jax.device_put(host, devices[first])
+                    else:
+                        if host is not dest[1]:
+                            np.copyto(dest[1], host, casting="unsafe")
+                        out[first] = dest[0]
+                        dest = None  # the view must not outlive the array it points into
                     for d in rest:
                         out[d] = jax.device_put(out[first], devices[d])
                 else:

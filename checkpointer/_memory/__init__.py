@@ -1,16 +1,17 @@
 """Host memory: aligned host arrays, the reusable snapshot buffer pool, the host copy of shards
-(one copy per shard, per backend),
-huge-page restore destinations, and a pause of Python's cyclic GC around batch work.
+(one copy per shard, per backend), huge-page restore destinations, XLA-owned (donatable)
+restore destinations on CPU, and a pause of Python's cyclic GC around batch work.
 """
 
 from ._aligned import aligned_empty
 from ._buffer_pool import HostBufferPool, release_host_buffers, shared_pool
 from ._device_copy import HostCopies, snapshot_route, snapshot_to_host
+from ._device_destination import device_destinations, supported as device_destination_supported
 from ._gc import paused
 from ._host import copy_to_host
 from ._restore_memory import host_buffer
 
 __all__ = [
-    'HostBufferPool', 'HostCopies', 'aligned_empty', 'copy_to_host', 'host_buffer', 'paused', 'release_host_buffers', 'shared_pool',
-    'snapshot_route', 'snapshot_to_host',
+    'HostBufferPool', 'HostCopies', 'aligned_empty', 'copy_to_host', 'device_destination_supported', 'device_destinations',
+    'host_buffer', 'paused', 'release_host_buffers', 'shared_pool', 'snapshot_route', 'snapshot_to_host',
 ]

@@ -1,0 +1,133 @@
+"""Restore destinations that XLA's CPU client owns, so that a donating step reuses them.
+
+`jax.device_put` of an aligned host array on the CPU backend adopts the array without a
+copy, but the device buffer is then external memory that XLA does not own, and a jitted
+step with `donate_argnums` gives its output a fresh buffer instead of reusing it: the
+first training step after a restore allocates (and page-faults) the whole state again.
+Here XLA allocates the device buffer itself (the output of a no-op
+`jax.experimental.buffer_callback`, which leaves its pages untouched), the pages are
+advised `MADV_HUGEPAGE` as `host_buffer` does, and the reader fills the buffer through a
+writable view of its memory before the array is handed to anyone. See
+docs/DESIGN-decisions.md, "Donatable restored arrays".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._restore_memory import HUGE_PAGE_BYTES
+
+_MADV_HUGEPAGE = 14  # Linux
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_PAGE_BYTES = 4096
+# Below this, page faults cost less than the call (and the heap's pages are mostly there).
+_POPULATE_MIN_BYTES = 64 << 10
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+
+@functools.cache
+def _allocator(shape: tuple[int, ...], dtype: np.dtype, devices: tuple[Any, ...]) -> Any:
+    """A compiled function that returns an XLA-allocated, uninitialised array of one
+    `shape` block per device, stacked along the first axis (one compile per shape, dtype
+    and set of devices: a leaf's boxes on its devices share one)."""
+    from jax.experimental.buffer_callback import buffer_callback
+
+    def leave(ctx: object, out: object) -> None:
+        del ctx, out  # the reader fills the buffers afterwards
+
+    mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("devices",))
+    spec = jax.sharding.PartitionSpec("devices")
+    per_device = buffer_callback(leave, jax.ShapeDtypeStruct(shape, dtype))  # inside shard_map: each device's own block
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(), out_specs=spec), out_shardings=jax.sharding.NamedSharding(mesh, spec))
+
+
+def _allocate(shape: tuple[int, ...], dtype: np.dtype, devices: Sequence[Any]) -> dict[Any, jax.Array]:
+    """{device: a single-device array of `shape` whose buffer XLA allocated, untouched}."""
+    if not shape:  # a scalar: one block of one element per device, reshaped (a few bytes)
+        return {d: a.reshape(()) for d, a in _allocate((1,), dtype, devices).items()}
+    stacked = _allocator(shape, dtype, tuple(devices))()
+    return {s.device: s.data for s in stacked.addressable_shards}
+
+
+def supported(sharding: jax.sharding.SingleDeviceSharding) -> bool:
+    """Whether `device_destinations` can allocate on this sharding: a CPU device in its
+    default memory (other backends copy host arrays into memory they own anyway)."""
+    device: Any = next(iter(sharding.device_set))  # Any: jaxlib has no stubs for Device
+    if device.platform != "cpu" or sharding.memory_kind not in (None, device.default_memory().kind):
+        return False
+    try:
+        from jax.experimental import buffer_callback  # noqa: F401  (jax releases without it: adoption)
+    except ImportError:
+        return False
+    return True
+
+
+def device_destinations(
+    requests: Sequence[tuple[tuple[int, ...], np.dtype, jax.sharding.SingleDeviceSharding]],
+) -> list[tuple[jax.Array, np.ndarray] | None]:
+    """Single-device arrays whose buffers XLA owns, and a writable host view of each buffer.
+
+    The caller fills each view and drops it before handing its array out: a view does not
+    keep its buffer alive, and once the array is deleted (donated) it points at freed
+    memory. Before their first touch, the whole 2 MiB pages inside each buffer are advised
+    `MADV_HUGEPAGE`, and its head and tail outside them (which the allocator's own page
+    at the start of its mapping keeps out of huge pages) are populated in one call
+    (`MADV_POPULATE_WRITE`) instead of one page fault per 4 KiB.
+
+    Args:
+      requests: per array its shape (elements per dimension), dtype and device (a CPU
+        device in its default memory: `supported`).
+
+    Returns:
+      Per request (in order) the array and its writable view: C-contiguous, of the
+      request's shape and dtype; None where XLA gave another shape or dtype (a 64-bit
+      dtype with `jax_enable_x64` off): place that one from a host array.
+
+    Multi-process: per process, on its own devices.
+    """
+    groups: dict[tuple[tuple[int, ...], np.dtype], list[Any]] = {}
+    for shape, dtype, sharding in requests:
+        groups.setdefault((tuple(shape), np.dtype(dtype)), []).append(next(iter(sharding.device_set)))
+    made = {key: _allocate(*key, devices) for key, devices in groups.items()}
+    arrays = [made[(tuple(shape), np.dtype(dtype))][next(iter(sharding.device_set))] for shape, dtype, sharding in requests]
+    del made
+    out: list[tuple[jax.Array, np.ndarray] | None] = []
+    for a, (shape, dtype, _) in zip(arrays, requests):
+        a.block_until_ready()
+        if a.shape != tuple(shape) or a.dtype != np.dtype(dtype):  # e.g. 64-bit types canonicalised with x64 off
+            out.append(None)
+            continue
+        if not a.nbytes:
+            out.append((a, np.empty(a.shape, a.dtype)))
+            continue
+        pointer = a.unsafe_buffer_pointer()
+        _prepare(pointer, a.nbytes)
+        view = np.ctypeslib.as_array((ctypes.c_uint8 * a.nbytes).from_address(pointer))
+        out.append((a, view.view(a.dtype).reshape(a.shape)))
+    return out
+
+
+def _prepare(lo: int, nbytes: int) -> None:
+    """Huge pages for [lo, lo + nbytes) where they fit, the rest populated. Errors (no
+    transparent huge pages, a kernel before 5.14) only leave 4 KiB page faults: still
+    correct."""
+    hi = lo + nbytes
+    start, end = -(-lo // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, hi // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if end <= start:
+        start = end = hi
+    elif nbytes >= HUGE_PAGE_BYTES:
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    for a, b in ((lo // _PAGE_BYTES * _PAGE_BYTES, start), (end, -(-hi // _PAGE_BYTES) * _PAGE_BYTES)):
+        if b - a >= _POPULATE_MIN_BYTES:
+            _libc().madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_POPULATE_WRITE)
