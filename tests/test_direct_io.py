@@ -115,6 +115,10 @@ LAYOUTS = {
     # columns, so inner chunks are padded (zeros) or lie wholly outside (not stored).
     "edge_chunks": ((10, 10), (8, 8), (2, 4), [(0, 0), (0, 1), (1, 0), (1, 1)]),
     "edge_1d_whole_inner": ((10,), (8,), (8,), [(1,)]),
+    # Inner chunks that are bands of whole rows (the record's crc32c combines from
+    # theirs), in edge chunks cut inside a band (1 of 2 rows) and after it.
+    "edge_row_bands": ((11, 8), (4, 8), (2, 8), [(0, 0), (2, 0)]),
+    "edge_row_bands_one_row": ((9, 3), (4, 3), (2, 3), [(2, 0)]),
     # A replica-parallel split grid: a (256, 64) shard cut into 4 chunks of 64 rows.
     "split_grid": ((256, 64), (64, 64), (16, 64), [(0, 0), (3, 0)]),
     # Inner chunks larger than one staging buffer's 4 MiB, and files over several.

@@ -52,6 +52,7 @@ from .._storage import (
     sync_folders,
     ts_context,
 )
+from . import _crc
 
 DIRECT, BUFFERED = "direct", "buffered"
 # Bytes of one staging buffer (one direct write), at least one inner chunk more.
@@ -213,22 +214,34 @@ def write_shard_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk
     f = DirectFile(path)
     stage = writer.staging.take(max(STAGING_BYTES, layout.inner_bytes_with_crc + DIRECT_ALIGN))
     try:
-        inner_crc = _encode(f, stage, layout, meta.inner_chunk_shape, box, host)
+        data_crc = _encode(f, stage, layout, meta.inner_chunk_shape, box, host)
     finally:
         f.close()
         writer.staging.give_back(stage)
-    whole = layout.inner_chunks == 1 and tuple(box.shape) == tuple(layout.chunk_shape)
-    return chunk_record(meta, chunk_index, box, host, inner_crc if whole else None)
+    return chunk_record(meta, chunk_index, box, host, data_crc)
 
 
-def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tuple[int, ...], box: Box, host: np.ndarray) -> int | None:
+def _row_bands(layout: ShardFileLayout, box: Box) -> bool:
+    """Whether the inner chunks are bands of whole rows of `box` (split along the first
+    axis only, the box not cut along any other): then the box's C-order bytes are the
+    inner chunks' real rows, in order, and its crc32c combines from theirs."""
+    return all(i == c == b for i, c, b in zip(layout.inner_chunk_shape[1:], layout.chunk_shape[1:], box.shape[1:]))
+
+
+def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tuple[int, ...], box: Box, host: np.ndarray) -> int:
     """Fills `stage` with the shard file's bytes, writing each full aligned part; ends
-    the file. Returns the crc32c of the last inner chunk stored."""
+    the file. Returns the crc32c of `host`'s C-order bytes (the record's `data_crc32c`),
+    computed in the same pass as the inner chunks': combined from theirs where the inner
+    chunks are row bands (`_row_bands`), else from each band of host rows right after
+    its inner chunks were copied (while it is in the CPU cache)."""
     align, inner = DIRECT_ALIGN, tuple(inner)
     n, nc, cap = layout.inner_bytes, layout.inner_bytes_with_crc, stage.nbytes
     index = np.full(2 * layout.inner_chunks, ShardFileLayout.MISSING, dtype="<u8")
     pos = base = offset = 0  # next byte in `stage`; file offset of stage[0]; file offset of the next inner chunk
-    crc = None
+    bands = _row_bands(layout, box)
+    flat = host.reshape(-1).view(np.uint8) if host.flags.c_contiguous and not bands else None
+    row_bytes = host.nbytes // box.shape[0] if host.ndim else host.nbytes
+    data_crc, band = 0, None  # crc32c of no bytes; the first-axis inner index of the band in progress
 
     def flush() -> None:  # writes the aligned part of `stage`, keeps the rest at its start
         nonlocal pos, base
@@ -239,10 +252,20 @@ def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tu
             stage[:rest] = stage[k:pos]
             base, pos = base + k, rest
 
+    def band_done(first: int) -> None:  # the host rows of inner band `first`, checksummed
+        nonlocal data_crc
+        if flat is not None:
+            lo = first * inner[0] * row_bytes
+            data_crc = crc32c.crc32c(flat[lo : min(flat.size, lo + inner[0] * row_bytes)].data, value=data_crc)
+
     for ident, cell in enumerate(itertools.product(*(range(g) for g in layout.inner_grid))):
         lo = [c * i for c, i in zip(cell, inner)]
         if any(lo_d >= b for lo_d, b in zip(lo, box.shape)):
             continue  # entirely outside the array's shape: not stored
+        if host.ndim and cell[0] != band:
+            if band is not None:
+                band_done(band)
+            band = cell[0]
         part = tuple(slice(lo_d, min(lo_d + i, b)) for lo_d, i, b in zip(lo, inner, box.shape))
         if pos + nc > cap:
             flush()
@@ -254,11 +277,19 @@ def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tu
             np.copyto(dst[tuple(slice(0, p.stop - p.start) for p in part)], src)
         else:
             np.copyto(dst, src)
-        crc = crc32c.crc32c(raw.data)
+        if bands:  # the real rows lead the inner chunk, the fill follows
+            real = src.nbytes
+            head = crc32c.crc32c(raw[:real].data)
+            crc = crc32c.crc32c(raw[real:].data, value=head) if real < n else head
+            data_crc = _crc.combine(data_crc, head, real)
+        else:
+            crc = crc32c.crc32c(raw.data)
         stage[pos + n : pos + nc] = np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
         index[2 * ident], index[2 * ident + 1] = offset, nc
         offset += nc
         pos += nc
+    if band is not None:
+        band_done(band)
     tail = index.view(np.uint8)
     tail = np.concatenate([tail, np.frombuffer(crc32c.crc32c(tail.data).to_bytes(4, "little"), np.uint8)])
     while tail.size:
@@ -272,7 +303,9 @@ def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tu
     if end:
         f.write_at(base, stage[:end])
     f.finish(base + pos)
-    return crc
+    if not bands and flat is None:  # a strided snapshot (none is): one more pass
+        data_crc = _format.data_crc32c(host)
+    return data_crc
 
 
 def wait_all(pending: Sequence[tuple[str, object]], root: str, process_index: int, what: str = "writing a chunk failed") -> list:
