@@ -40,11 +40,11 @@ import numpy as np
 from .. import _format
 from .._errors import SaveError, where
 from .._format import ArrayMetadata, Box, ChunkRecord, PackRecord, ShardFileLayout, is_whole_byte_dtype
+from .._memory import staging_buffers
 from .._storage import (
     DIRECT_ALIGN,
     DirectFile,
     LocalStorage,
-    StagingBuffers,
     Storage,
     TokenBucket,
     acquire,
@@ -58,7 +58,7 @@ DIRECT, BUFFERED = "direct", "buffered"
 # Bytes of one staging buffer (one direct write), at least one inner chunk more.
 STAGING_BYTES = 4 << 20
 _THREADS = max(2, min(8, 2 * (os.cpu_count() or 2)))
-_STAGING = StagingBuffers(max_free=_THREADS)  # process-wide: reused by every save's writer
+staging_buffers().max_free = _THREADS  # one free buffer per writer thread
 
 
 @dataclasses.dataclass
@@ -84,7 +84,7 @@ class DirectWriter:
 
     def __init__(self, root: str) -> None:
         self.root = root.rstrip("/")
-        self.staging = _STAGING
+        self.staging = staging_buffers()  # process-wide: reused by every save's writer
         self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="checkpointer-direct")
         self._folders: set[str] = set()
         self._made: set[str] = set()

@@ -1,5 +1,5 @@
 """Direct I/O of local files (`O_DIRECT`): the probe, one file written from aligned
-buffers with its unaligned tail, the staging buffers, and folder syncs.
+buffers with its unaligned tail, and folder syncs (the staging buffers: `_memory`).
 
 `O_DIRECT` moves the bytes from the caller's buffer to the device without the page
 cache: a checkpoint burst then neither evicts other files (a data loader's) nor costs the
@@ -158,32 +158,3 @@ def sync_folders(folders: set[str]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-class StagingBuffers:
-    """`ALIGN`-aligned uint8 buffers for direct writes, reused between files and saves.
-    Thread-safe; keeps at most `max_free` free buffers (the writer threads' number)."""
-
-    def __init__(self, max_free: int) -> None:
-        self._lock = threading.Lock()
-        self._free: list[np.ndarray] = []
-        self.max_free = max_free
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A free buffer of at least `nbytes` (rounded up to `ALIGN`), or a new one."""
-        nbytes = round_up(max(1, nbytes))
-        with self._lock:
-            for i, b in enumerate(self._free):
-                if b.nbytes >= nbytes:
-                    return self._free.pop(i)
-        return aligned_empty((nbytes,), np.dtype(np.uint8), ALIGN)
-
-    def give_back(self, buf: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(buf)
-            self._free.sort(key=lambda b: b.nbytes)
-            del self._free[: max(0, len(self._free) - self.max_free)]  # keep the largest
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
