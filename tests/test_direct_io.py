@@ -6,7 +6,7 @@ many, edge chunks the array's shape cuts (padded and missing inner chunks), repl
 parallel split grids (real processes) and packs; TensorStore and zarr-python read the
 direct files. The mode choice: `auto` takes the direct path here (under `CI=true` the
 test fails where it cannot), falls back to TensorStore where `O_DIRECT` is refused
-(`EINVAL` injected at the open and at the write), and `True` refuses to fall back.
+(`EINVAL` and `EOPNOTSUPP` injected at the open and at the write), and `True` refuses to fall back.
 Durability: every direct file and every folder it created is fsynced before the
 process record is written.
 """
@@ -251,14 +251,14 @@ def test_auto_writes_direct_where_the_file_system_takes_o_direct(tmp_path):
     assert "accepts O_DIRECT" in record["write_mode_reason"]
 
 
-def _refuse_o_direct(monkeypatch, at):
-    """Makes the file system refuse O_DIRECT with EINVAL: at `open` or at the write."""
+def _refuse_o_direct(monkeypatch, at, code=errno.EINVAL):
+    """Makes the file system refuse O_DIRECT with `code` (EINVAL): at `open` or at the write."""
     real_open, real_pwrite = os.open, os.pwrite
     direct_fds = set()
 
     def fake_open(path, flags, *args, **kw):
         if flags & os.O_DIRECT and at == "open":
-            raise OSError(errno.EINVAL, "Invalid argument", path)
+            raise OSError(code, os.strerror(code), path)
         fd = real_open(path, flags, *args, **kw)
         if flags & os.O_DIRECT:
             direct_fds.add(fd)
@@ -266,22 +266,23 @@ def _refuse_o_direct(monkeypatch, at):
 
     def fake_pwrite(fd, data, offset):
         if fd in direct_fds:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(code, os.strerror(code))
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(_direct.os, "open", fake_open)
     monkeypatch.setattr(_direct.os, "pwrite", fake_pwrite)
 
 
+@pytest.mark.parametrize("code", ["EINVAL", "EOPNOTSUPP"])
 @pytest.mark.parametrize("at", ["open", "write"])
-def test_auto_falls_back_to_tensorstore_where_o_direct_is_refused(tmp_path, monkeypatch, at):
-    _refuse_o_direct(monkeypatch, at)
+def test_auto_falls_back_to_tensorstore_where_o_direct_is_refused(tmp_path, monkeypatch, at, code):
+    _refuse_o_direct(monkeypatch, at, getattr(errno, code))
     tree = {"w": np.arange(1 << 14, dtype=np.float32).reshape(128, 128), "b": np.ones(8, np.float32)}
     path = str(tmp_path / "1")
     ckpt.save(path, tree)
     record = _record(path)
     assert record["write_mode"] == "buffered"
-    assert "EINVAL" in record["write_mode_reason"] and "auto" in record["write_mode_reason"]
+    assert code in record["write_mode_reason"] and "auto" in record["write_mode_reason"]
     out = ckpt.restore(path)
     assert np.array_equal(out["w"], tree["w"]) and np.array_equal(out["b"], tree["b"])
     assert not any(".direct-io-probe" in k for k in _files(path))  # the probe leaves nothing behind
@@ -294,6 +295,13 @@ def test_direct_io_true_refuses_to_fall_back(tmp_path, monkeypatch):
         ckpt.save(path, {"w": np.arange(16, dtype=np.float32)}, direct_io=True)
     assert not os.path.exists(path)  # nothing committed
     assert os.listdir(tmp_path) == []  # and the partial folder removed
+
+
+def test_a_probe_failure_that_is_no_refusal_is_raised(tmp_path, monkeypatch):
+    _refuse_o_direct(monkeypatch, "open", errno.EACCES)
+    with pytest.raises(OSError) as e:
+        _direct.probe(str(tmp_path))
+    assert e.value.errno == errno.EACCES
 
 
 def test_direct_io_true_refuses_a_kvstore():

@@ -12,7 +12,7 @@ Two ways of writing the same bytes (docs/DESIGN-decisions.md, "Direct local writ
 
 `direct_io="auto"` probes the write path with one aligned write (`_storage._direct.probe`)
 and writes buffered where the file system refuses (`EINVAL`: tmpfs before Linux 6.6,
-some network file systems); `True` requires direct writes; `False` never. The mode and
+some network file systems; `EOPNOTSUPP`: some FUSE file systems); `True` requires direct writes; `False` never. The mode and
 why go into the process record (`write_mode`, `write_mode_reason`).
 
 A zarr shard file as TensorStore writes a whole chunk (`_format.ShardFileLayout`): the

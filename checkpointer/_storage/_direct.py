@@ -56,13 +56,22 @@ def _flags() -> int | None:
     return None if flag is None else os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag | getattr(os, "O_CLOEXEC", 0)
 
 
+# What a file system that refuses `O_DIRECT` answers: EINVAL (tmpfs before Linux 6.6, most
+# others), EOPNOTSUPP/ENOTSUP (some FUSE and network file systems).
+_REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
+
+
+def _name(code: int) -> str:  # Linux's EOPNOTSUPP is ENOTSUP: say the one the kernel's docs use
+    return "EOPNOTSUPP" if code == errno.EOPNOTSUPP else errno.errorcode.get(code, str(code))
+
+
 def probe(folder: str) -> str | None:
     """Whether the file system of `folder` (an existing folder) takes direct writes:
     creates a file there with `O_DIRECT`, writes one aligned block, removes it.
 
     Returns:
       None when it does; else why not (no `O_DIRECT` on this platform, or the file
-      system refuses it: `EINVAL`).
+      system refuses it: `EINVAL`, `EOPNOTSUPP` or `ENOTSUP`, named in the reason).
     Raises:
       OSError: any other failure (the folder is missing or not writable).
     """
@@ -74,15 +83,15 @@ def probe(folder: str) -> str | None:
         try:
             fd = os.open(name, flags, 0o644)
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno not in _REFUSALS:
                 raise
-            return f"the file system of {folder} refuses O_DIRECT (opening: EINVAL)"
+            return f"the file system of {folder} refuses O_DIRECT (opening: {_name(e.errno)})"
         try:
             os.pwrite(fd, aligned_empty((ALIGN,), np.dtype(np.uint8), ALIGN).data, 0)
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno not in _REFUSALS:
                 raise
-            return f"the file system of {folder} refuses O_DIRECT (writing: EINVAL)"
+            return f"the file system of {folder} refuses O_DIRECT (writing: {_name(e.errno)})"
         finally:
             os.close(fd)
     finally:
