@@ -61,8 +61,8 @@ def _flags() -> int | None:
 _REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
 
 
-def _name(code: int) -> str:  # Linux's EOPNOTSUPP is ENOTSUP: say the one the kernel's docs use
-    return "EOPNOTSUPP" if code == errno.EOPNOTSUPP else errno.errorcode.get(code, str(code))
+def _name(code: int | None) -> str:  # Linux's EOPNOTSUPP is ENOTSUP: say the one the kernel's docs use
+    return "EOPNOTSUPP" if code == errno.EOPNOTSUPP else errno.errorcode.get(code or 0, str(code))
 
 
 def probe(folder: str) -> str | None:
