@@ -8,7 +8,7 @@ direct files. The mode choice: `auto` takes the direct path here (under `CI=true
 test fails where it cannot), falls back to TensorStore where `O_DIRECT` is refused
 (`EINVAL` and `EOPNOTSUPP` injected at the open and at the write), and `True` refuses to fall back.
 Durability: every direct file and every folder it created is fsynced before the
-process record is written.
+process record is written. A failed direct save stops its writer's threads.
 """
 
 import errno
@@ -364,3 +364,40 @@ def test_every_direct_file_and_its_folders_are_synced_before_the_record(tmp_path
             f = f.rsplit("/", 1)[0]
             folders.add(f)
     assert folders <= before, sorted(folders - before)
+
+
+def _direct_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("checkpointer-direct")]
+
+
+def test_a_failed_direct_save_leaves_no_writer_threads_and_no_folder(tmp_path, monkeypatch):
+    written = []
+
+    def failing_write_at(self, offset, data):  # the device fails after the probe succeeded
+        written.append(self.path)
+        raise OSError(errno.EIO, "Input/output error", self.path)
+
+    monkeypatch.setattr(_direct.DirectFile, "write_at", failing_write_at)
+    mesh = make_mesh((2, 4), ("data", "model"))
+    tree = {"w": jax.device_put(_values((256, 256), np.float32), NamedSharding(mesh, P("data", "model")))}
+    before = _direct_threads()
+    for step in range(3):
+        with pytest.raises(SaveError, match=r"leaf 'w'.*process 0.*Input/output error"):
+            ckpt.save(str(tmp_path / str(step)), tree, direct_io=True, pack_small_leaves_bytes=0)
+    assert written  # the chunk writes ran on the direct writer
+    assert _direct_threads() == before  # every failed save stopped its writer's threads
+    assert os.listdir(tmp_path) == []  # and removed its partial folder
+
+
+def test_a_direct_writer_starts_threads_only_when_it_writes(tmp_path):
+    writer = _write.DirectWriter(str(tmp_path))
+    before = _direct_threads()
+    writer.close(sync=True)  # a save that failed before its first write
+    assert _direct_threads() == before
+    writer = _write.DirectWriter(str(tmp_path))
+    assert writer.submit(lambda: 7).result() == 7
+    assert len(_direct_threads()) > len(before)
+    writer.close(sync=True)
+    assert _direct_threads() == before

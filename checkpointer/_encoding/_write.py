@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,12 +81,17 @@ class WriteResult:
 
 class DirectWriter:
     """The direct writes of one save on one process: worker threads, the folders they
-    created (synced once every file is durable) and the staging buffers."""
+    created (synced once every file is durable) and the staging buffers.
+
+    The threads start with the first `submit`: a writer that a failed save never used
+    holds none, and `close` (which `start_write`'s function calls whatever happens)
+    stops those that started."""
 
     def __init__(self, root: str) -> None:
         self.root = root.rstrip("/")
         self.staging = staging_buffers()  # process-wide: reused by every save's writer
-        self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="checkpointer-direct")
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
         self._folders: set[str] = set()
         self._made: set[str] = set()
 
@@ -94,7 +100,11 @@ class DirectWriter:
         shutting down (Python's pools then refuse new work, and the manager's last save
         still finishes at exit)."""
         try:
-            return self._pool.submit(fn, *args)
+            with self._lock:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="checkpointer-direct")
+                pool = self._pool
+            return pool.submit(fn, *args)
         except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
             done: concurrent.futures.Future = concurrent.futures.Future()
             try:
@@ -118,7 +128,10 @@ class DirectWriter:
 
     def close(self, *, sync: bool) -> None:
         """Waits for the threads; `sync`: makes the folders' new entries durable."""
-        self._pool.shutdown(wait=True)
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         if sync:
             sync_folders(self._folders)
 
