@@ -59,17 +59,37 @@ def _shift(nbytes: int) -> int:
     return p
 
 
+# Lengths combined often get byte tables (`_tables`): four lookups instead of `_multmodp`'s
+# loop; a length seen fewer times keeps the loop (a table costs 1,024 products to build).
+_TABLE_AFTER = 4
+_seen: dict[int, int] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(nbytes: int) -> tuple[tuple[int, ...], ...]:
+    """x ↦ x·x^(8·nbytes) as four 256-entry tables, one per byte of x (the product is
+    linear in x, so the products of x's bytes XOR to that of x)."""
+    shift = _shift(nbytes)
+    return tuple(tuple(_multmodp(shift, b << (8 * k)) for b in range(256)) for k in range(4))
+
+
 def combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """crc32c(A + B) from crc32c(A), crc32c(B) and len(B), without reading any bytes.
 
     crc32c is affine in its data: crc(A + B) is crc(A) multiplied by x^(8·len(B))
     modulo the polynomial, XOR crc(B) (zlib's `crc32_combine`, whose pre- and
-    post-conditioning cancel here as there). A few µs per call; the power of x is cached
-    per length (a writer combines pieces of few distinct lengths).
+    post-conditioning cancel here as there). A few µs per call, under 1 µs for a length
+    combined often (byte tables; a writer combines pieces of few distinct lengths).
     """
     if len_b == 0:
         return crc_a
-    return _multmodp(_shift(len_b), crc_a) ^ crc_b
+    seen = _seen.get(len_b, 0)
+    if seen < _TABLE_AFTER:
+        if len(_seen) < 4096:  # bounded: a stream of distinct lengths keeps the loop
+            _seen[len_b] = seen + 1
+        return _multmodp(_shift(len_b), crc_a) ^ crc_b
+    t0, t1, t2, t3 = _tables(len_b)
+    return t0[crc_a & 0xFF] ^ t1[(crc_a >> 8) & 0xFF] ^ t2[(crc_a >> 16) & 0xFF] ^ t3[crc_a >> 24] ^ crc_b
 
 
 def combine_all(pieces: Iterable[tuple[int, int]]) -> int:

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
+import struct
 import sys
 import threading
 from collections.abc import Sequence
@@ -234,11 +236,29 @@ def write_shard_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk
     return chunk_record(meta, chunk_index, box, host, data_crc)
 
 
-def _row_bands(layout: ShardFileLayout, box: Box) -> bool:
-    """Whether the inner chunks are bands of whole rows of `box` (split along the first
+def _row_bands(layout: ShardFileLayout, box_shape: tuple[int, ...]) -> bool:
+    """Whether the inner chunks are bands of whole rows of the box (split along the first
     axis only, the box not cut along any other): then the box's C-order bytes are the
     inner chunks' real rows, in order, and its crc32c combines from theirs."""
-    return all(i == c == b for i, c, b in zip(layout.inner_chunk_shape[1:], layout.chunk_shape[1:], box.shape[1:]))
+    return all(i == c == b for i, c, b in zip(layout.inner_chunk_shape[1:], layout.chunk_shape[1:], box_shape[1:]))
+
+
+@functools.lru_cache(maxsize=256)
+def _stored_inner_chunks(layout: ShardFileLayout, box_shape: tuple[int, ...]) -> tuple[tuple[int, int, tuple, tuple | None], ...]:
+    """The inner chunks a box of `box_shape` stores, in C order: `(index in the file's
+    grid, first-axis index, the box's slices, the slices of the inner chunk they fill
+    where the box's shape cuts it, else None)`. Those entirely outside are left out.
+    Cached: a save writes many chunks of one layout and shape."""
+    inner = layout.inner_chunk_shape
+    out = []
+    for ident, cell in enumerate(itertools.product(*(range(g) for g in layout.inner_grid))):
+        lo = [c * i for c, i in zip(cell, inner)]
+        if any(lo_d >= b for lo_d, b in zip(lo, box_shape)):
+            continue  # entirely outside the array's shape: not stored
+        part = tuple(slice(lo_d, min(lo_d + i, b)) for lo_d, i, b in zip(lo, inner, box_shape))
+        cut = None if all(p.stop - p.start == i for p, i in zip(part, inner)) else tuple(slice(0, p.stop - p.start) for p in part)
+        out.append((ident, cell[0] if cell else 0, part, cut))
+    return tuple(out)
 
 
 def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tuple[int, ...], box: Box, host: np.ndarray) -> int:
@@ -247,14 +267,16 @@ def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tu
     computed in the same pass as the inner chunks': combined from theirs where the inner
     chunks are row bands (`_row_bands`), else from each band of host rows right after
     its inner chunks were copied (while it is in the CPU cache)."""
-    align, inner = DIRECT_ALIGN, tuple(inner)
+    align, inner, shape = DIRECT_ALIGN, tuple(inner), tuple(box.shape)
     n, nc, cap = layout.inner_bytes, layout.inner_bytes_with_crc, stage.nbytes
-    index = np.full(2 * layout.inner_chunks, ShardFileLayout.MISSING, dtype="<u8")
-    pos = base = offset = 0  # next byte in `stage`; file offset of stage[0]; file offset of the next inner chunk
-    bands = _row_bands(layout, box)
+    view = stage.data  # for the crc32c words
+    stored = _stored_inner_chunks(layout, shape)
+    pos = base = 0  # next byte in `stage`; file offset of stage[0]
+    bands = _row_bands(layout, shape)
     flat = host.reshape(-1).view(np.uint8) if host.flags.c_contiguous and not bands else None
-    row_bytes = host.nbytes // box.shape[0] if host.ndim else host.nbytes
-    data_crc, band = 0, None  # crc32c of no bytes; the first-axis inner index of the band in progress
+    band_bytes = (host.nbytes // shape[0] if host.ndim else host.nbytes) * (inner[0] if inner else 1)
+    data_crc, band = 0, -1  # crc32c of no bytes; the first-axis inner index of the band in progress
+    dtype = host.dtype
 
     def flush() -> None:  # writes the aligned part of `stage`, keeps the rest at its start
         nonlocal pos, base
@@ -265,31 +287,20 @@ def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tu
             stage[:rest] = stage[k:pos]
             base, pos = base + k, rest
 
-    def band_done(first: int) -> None:  # the host rows of inner band `first`, checksummed
-        nonlocal data_crc
-        if flat is not None:
-            lo = first * inner[0] * row_bytes
-            data_crc = crc32c.crc32c(flat[lo : min(flat.size, lo + inner[0] * row_bytes)].data, value=data_crc)
-
-    for ident, cell in enumerate(itertools.product(*(range(g) for g in layout.inner_grid))):
-        lo = [c * i for c, i in zip(cell, inner)]
-        if any(lo_d >= b for lo_d, b in zip(lo, box.shape)):
-            continue  # entirely outside the array's shape: not stored
-        if host.ndim and cell[0] != band:
-            if band is not None:
-                band_done(band)
-            band = cell[0]
-        part = tuple(slice(lo_d, min(lo_d + i, b)) for lo_d, i, b in zip(lo, inner, box.shape))
+    for _, first, part, cut in stored:
+        if flat is not None and first != band:
+            if band >= 0:  # the host rows of the band just copied, checksummed while cached
+                data_crc = crc32c.crc32c(flat[band * band_bytes : (band + 1) * band_bytes].data, value=data_crc)
+            band = first
         if pos + nc > cap:
             flush()
         raw = stage[pos : pos + n]
-        dst = raw.view(host.dtype).reshape(inner)
         src = host[part]
-        if np.shape(src) != inner:  # cut by the array's shape: the rest is fill (zero bytes)
+        if cut is not None:  # cut by the array's shape: the rest is fill (zero bytes)
             raw[...] = 0
-            np.copyto(dst[tuple(slice(0, p.stop - p.start) for p in part)], src)
+            np.copyto(raw.view(dtype).reshape(inner)[cut], src)
         else:
-            np.copyto(dst, src)
+            np.copyto(raw.view(dtype).reshape(inner), src)
         if bands:  # the real rows lead the inner chunk, the fill follows
             real = src.nbytes
             head = crc32c.crc32c(raw[:real].data)
@@ -297,13 +308,14 @@ def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tu
             data_crc = _crc.combine(data_crc, head, real)
         else:
             crc = crc32c.crc32c(raw.data)
-        stage[pos + n : pos + nc] = np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
-        index[2 * ident], index[2 * ident + 1] = offset, nc
-        offset += nc
+        struct.pack_into("<I", view, pos + n, crc)
         pos += nc
-    if band is not None:
-        band_done(band)
-    tail = index.view(np.uint8)
+    if flat is not None and band >= 0:
+        data_crc = crc32c.crc32c(flat[band * band_bytes : (band + 1) * band_bytes].data, value=data_crc)
+    index = np.full((layout.inner_chunks, 2), ShardFileLayout.MISSING, dtype="<u8")
+    if stored:
+        index[[ident for ident, _, _, _ in stored]] = [(k * nc, nc) for k in range(len(stored))]
+    tail = index.reshape(-1).view(np.uint8)
     tail = np.concatenate([tail, np.frombuffer(crc32c.crc32c(tail.data).to_bytes(4, "little"), np.uint8)])
     while tail.size:
         take = min(tail.size, cap - pos)
