@@ -21,7 +21,8 @@ chunk of an edge chunk that the array's shape cuts is padded with zeros, the fil
 one entirely outside the shape is not stored and its index entry is all ones), then the
 index (offset, nbytes: u64 LE per inner chunk in C order) and its crc32c. Each inner
 chunk is copied once from the snapshot into an aligned staging buffer and its crc32c
-computed there, once; a full buffer goes to the file with one `O_DIRECT` write.
+computed there, once; a full buffer goes to the file with one `O_DIRECT` write. The
+record's `data_crc32c` (the chunk's C-order bytes) comes from the same pass (`_encode`).
 """
 
 from __future__ import annotations
