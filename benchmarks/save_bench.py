@@ -29,6 +29,12 @@ after gc.collect() and malloc_trim(0)). One warm-up round is not counted. Writes
 libraries; the page cache is warm and cannot be dropped here. The manager's reused host
 buffers are already in the RSS before its call, so its rise excludes them.
 
+Then benchmarks/fresh_save_cost.py runs once per library, case and run, each a fresh process:
+one save until committed of the same state and of one 64 MiB array, by checkpointer direct
+(direct_io=True), checkpointer buffered (direct_io=False) and orbax: CPU-seconds per GiB saved
+(process CPU) and peak RSS rise / bytes written, against issue 20's targets (≤ 0.6 s per GiB,
+≤ 1.25×, checkpointer direct).
+
 Afterwards benchmarks/orbax_donation_check.py runs in a subprocess on the same state size; its
 result (does each library still commit the save-time values when the caller donates the arrays
 right after the blocking call?) goes into the Notes of the RESULTS.md section.
@@ -152,6 +158,73 @@ def one_round(args, run: int, results: dict | None) -> None:
         print(f"  run {run}: {name:48s} blocking {r['block']:.3f} s{extra}, peak RSS +{r['rss'] / 2**20:.0f} MiB", flush=True)
 
 
+FRESH = {"direct": "checkpointer save, direct_io=True", "buffered": "checkpointer save, direct_io=False (TensorStore)",
+         "orbax": "orbax async CheckpointManager"}
+CPU_PER_GIB_TARGET, PEAK_TARGET = 0.6, 1.25  # issue 20 item 3 (the save-only figures)
+
+
+def fresh_costs(args) -> dict:
+    """benchmarks/fresh_save_cost.py per library and case, `args.runs` rounds (order rotated
+    per round), each a fresh process: {(library, case): [result, ...]}."""
+    script = str(Path(__file__).resolve().parent / "fresh_save_cost.py")
+    jobs = [(lib, case) for lib in FRESH for case in ("state", "array64")]
+    out: dict = {job: [] for job in jobs}
+    print("\nfresh_save_cost.py (one save per fresh process):", flush=True)
+    for run in range(args.runs):
+        k = run % len(jobs)
+        for lib, case in jobs[k:] + jobs[:k]:
+            cmd = [sys.executable, script, lib, case, "--scale", str(args.scale)] + (["--dir", args.dir] if args.dir else [])
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+            if p.returncode != 0 or not lines:
+                raise RuntimeError(f"{' '.join(cmd)} failed (exit {p.returncode}): {p.stderr.strip()[-500:]}")
+            r = json.loads(lines[-1])
+            out[(lib, case)].append(r)
+            rise = "?" if r["peak_rise"] is None else f"{r['peak_rise'] / r['bytes_written']:.2f}×"
+            print(f"  run {run}: {lib:8s} {case:7s} CPU {r['cpu_s']:.3f} s ({r['cpu_s'] / (r['logical_bytes'] / 2**30):.2f} s/GiB), "
+                  f"peak RSS rise / bytes written {rise}, mode {r['write_mode']}", flush=True)
+    return out
+
+
+def fresh_report(fc: dict, args) -> str:
+    def per_gib(lib, case):
+        return [r["cpu_s"] / (r["logical_bytes"] / 2**30) for r in fc[(lib, case)]]
+
+    def peak(lib, case):
+        return [r["peak_rise"] / r["bytes_written"] for r in fc[(lib, case)] if r["peak_rise"] is not None]
+
+    size = "1 GiB state" if args.scale == 1 else "1/8 of the state"
+    def sys_share(lib, case):
+        return [r["sys_s"] / r["cpu_s"] * 100 for r in fc[(lib, case)] if r["cpu_s"] > 0]
+
+    rows = [[name, C.fmt(per_gib(lib, "state"), "s", 2), C.fmt(sys_share(lib, "state"), "%", 0), C.fmt(peak(lib, "state"), "×", 2),
+             C.fmt(per_gib(lib, "array64"), "s", 2), C.fmt(peak(lib, "array64"), "×", 2)] for lib, name in FRESH.items()]
+    main = C.table(["one save, fresh process", f"CPU-seconds per GiB saved, until committed ({size})", "of which system CPU",
+                    f"peak RSS rise / bytes written ({size})", "CPU-seconds per GiB (64 MiB array)",
+                    "peak RSS rise / bytes written (64 MiB array)"], rows)
+    med = statistics.median
+    targets = []
+    for what, value, target in (("CPU-seconds per GiB saved, until committed", med(per_gib("direct", "state")), CPU_PER_GIB_TARGET),
+                                (f"peak RSS rise / bytes written, {size}", med(peak("direct", "state")), PEAK_TARGET),
+                                ("peak RSS rise / bytes written, 64 MiB array", med(peak("direct", "array64")), PEAK_TARGET)):
+        unit = " s" if "CPU" in what else "×"
+        targets.append([f"checkpointer direct: {what}", f"{value:.2f}{unit}", f"≤ {target}{unit}",
+                        "met" if value <= target else f"missed ({value / target:.2f}× the target)"])
+    for lib in ("buffered", "orbax"):
+        r = med(per_gib("direct", "state")) / med(per_gib(lib, "state"))
+        targets.append([f"checkpointer direct CPU / {FRESH[lib]} CPU", f"{r:.2f}×", "—", ""])
+    modes = sorted({str(r["write_mode"]) for r in fc[("direct", "state")]})
+    notes = ("Each cell: one save per fresh process (`benchmarks/fresh_save_cost.py`): the process builds the device "
+             "arrays, makes one small warm-up save with the same library and mode (then `release_host_buffers`), and "
+             "measures the next save until committed: process CPU (getrusage, every thread) and the peak RSS during it "
+             "(VmHWM reset through /proc/self/clear_refs) above the RSS before it. Bytes written: the checkpoint "
+             f"folder's size. The snapshot's buffers are fresh memory: their page faults are system CPU, which on this VM "
+             "varies with the host's memory state from run to run (compare within one run). Direct mode used: "
+             f"{modes}.")
+    return "\n".join(["### CPU and peak host memory of one save (fresh process)", "", main, "",
+                      C.table(["figure", "value", "target", ""], targets), "", notes])
+
+
 def donation_check(args) -> dict:
     """Runs orbax_donation_check.py (same state size) in a subprocess; its JSON result, or {"error": ...}."""
     cmd = [sys.executable, str(Path(__file__).resolve().parent / "orbax_donation_check.py"), "--json"]
@@ -210,7 +283,7 @@ def donation_note(dc: dict, orbax_block_s: float) -> str:
     return text
 
 
-def report(args, results: dict, nbytes: int, wall_s: float, load, aliases: bool, dc: dict) -> str:
+def report(args, results: dict, nbytes: int, wall_s: float, load, aliases: bool, dc: dict, fresh: str) -> str:
     col = lambda name, key: [r[key] for r in results[name] if key in r]  # noqa: E731
     mib = lambda xs: [x / 2**20 for x in xs]  # noqa: E731
     rows = []
@@ -250,7 +323,7 @@ def report(args, results: dict, nbytes: int, wall_s: float, load, aliases: bool,
              "checkpointer's snapshot is a real copy into its own host buffers, independent of the device buffers."
              if aliases else "np.asarray(shard.data) copies on this backend (checked at run time).")
     return "\n".join([C.header_lines("Async save (`benchmarks/save_bench.py`)", args, wall_s, load),
-                      state_desc, "", main, "", ratios, "", phases, "", "### Notes", "", alias, "", donation_note(dc, med(OB, "block"))])
+                      state_desc, "", main, "", ratios, "", phases, "", fresh, "", "### Notes", "", alias, "", donation_note(dc, med(OB, "block"))])
 
 
 def main() -> None:
@@ -268,8 +341,9 @@ def main() -> None:
             one_round(args, run, results)
     finally:
         manager.close()
+    fresh = fresh_report(fresh_costs(args), args)
     dc = donation_check(args)
-    text = report(args, results, nbytes, time.perf_counter() - t0, load, aliases, dc)
+    text = report(args, results, nbytes, time.perf_counter() - t0, load, aliases, dc, fresh)
     print("\n" + text)
     C.write_section(args.results, "save_bench", text)
 

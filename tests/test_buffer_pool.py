@@ -1,8 +1,11 @@
 """Host buffers reused between snapshots: bounded pools, the process-wide pool of
-`save_async`, `release_host_buffers`, and never one buffer in two saves in flight."""
+`save_async`, `release_host_buffers` (the direct writer's staging buffers too), and never one buffer in two saves in flight."""
 
+import json
+import os
 import threading
 import weakref
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -11,7 +14,7 @@ from conftest import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer._memory import _buffer_pool
+from checkpointer._memory import _buffer_pool, staging_buffers
 from checkpointer._save import _pipeline as _save
 
 
@@ -115,8 +118,21 @@ def test_save_async_reuses_its_buffers_and_two_saves_in_flight_share_none(tmp_pa
         np.testing.assert_array_equal(out["w"], np.arange(64 * 256, dtype=np.float32).reshape(64, 256) + seed)
         np.testing.assert_array_equal(out["b"], np.full((512,), seed, np.int32))
 
-    assert ckpt.release_host_buffers() == snapshot_bytes
+    staged = staging_buffers().free_bytes  # the direct writer's (0 where the file system refuses O_DIRECT)
+    assert ckpt.release_host_buffers() == snapshot_bytes + staged
     assert empty_shared_pool.free_bytes == 0
+    assert ckpt.release_host_buffers() == 0
+
+
+def test_release_frees_the_staging_buffers_of_direct_writes(tmp_path, empty_shared_pool):
+    path = str(tmp_path / "1")
+    ckpt.save(path, {"w": np.arange(1 << 16, dtype=np.float32)}, direct_io="auto", pack_small_leaves_bytes=0)
+    if json.loads(Path(path, "processes", "0.json").read_text())["write_mode"] != "direct" and os.environ.get("CI") != "true":
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
+    staged = staging_buffers().free_bytes
+    assert staged >= 4 << 20  # one writer thread's buffer, kept for the next save
+    assert ckpt.release_host_buffers() == staged  # plain save pools no snapshot buffer: only the staging ones
+    assert staging_buffers().free_bytes == 0
     assert ckpt.release_host_buffers() == 0
 
 

@@ -6,9 +6,9 @@ many, edge chunks the array's shape cuts (padded and missing inner chunks), repl
 parallel split grids (real processes) and packs; TensorStore and zarr-python read the
 direct files. The mode choice: `auto` takes the direct path here (under `CI=true` the
 test fails where it cannot), falls back to TensorStore where `O_DIRECT` is refused
-(`EINVAL` injected at the open and at the write), and `True` refuses to fall back.
+(`EINVAL` and `EOPNOTSUPP` injected at the open and at the write), and `True` refuses to fall back.
 Durability: every direct file and every folder it created is fsynced before the
-process record is written.
+process record is written. A failed direct save stops its writer's threads.
 """
 
 import errno
@@ -115,6 +115,10 @@ LAYOUTS = {
     # columns, so inner chunks are padded (zeros) or lie wholly outside (not stored).
     "edge_chunks": ((10, 10), (8, 8), (2, 4), [(0, 0), (0, 1), (1, 0), (1, 1)]),
     "edge_1d_whole_inner": ((10,), (8,), (8,), [(1,)]),
+    # Inner chunks that are bands of whole rows (the record's crc32c combines from
+    # theirs), in edge chunks cut inside a band (1 of 2 rows) and after it.
+    "edge_row_bands": ((11, 8), (4, 8), (2, 8), [(0, 0), (2, 0)]),
+    "edge_row_bands_one_row": ((9, 3), (4, 3), (2, 3), [(2, 0)]),
     # A replica-parallel split grid: a (256, 64) shard cut into 4 chunks of 64 rows.
     "split_grid": ((256, 64), (64, 64), (16, 64), [(0, 0), (3, 0)]),
     # Inner chunks larger than one staging buffer's 4 MiB, and files over several.
@@ -247,14 +251,14 @@ def test_auto_writes_direct_where_the_file_system_takes_o_direct(tmp_path):
     assert "accepts O_DIRECT" in record["write_mode_reason"]
 
 
-def _refuse_o_direct(monkeypatch, at):
-    """Makes the file system refuse O_DIRECT with EINVAL: at `open` or at the write."""
+def _refuse_o_direct(monkeypatch, at, code=errno.EINVAL):
+    """Makes the file system refuse O_DIRECT with `code` (EINVAL): at `open` or at the write."""
     real_open, real_pwrite = os.open, os.pwrite
     direct_fds = set()
 
     def fake_open(path, flags, *args, **kw):
         if flags & os.O_DIRECT and at == "open":
-            raise OSError(errno.EINVAL, "Invalid argument", path)
+            raise OSError(code, os.strerror(code), path)
         fd = real_open(path, flags, *args, **kw)
         if flags & os.O_DIRECT:
             direct_fds.add(fd)
@@ -262,22 +266,23 @@ def _refuse_o_direct(monkeypatch, at):
 
     def fake_pwrite(fd, data, offset):
         if fd in direct_fds:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(code, os.strerror(code))
         return real_pwrite(fd, data, offset)
 
     monkeypatch.setattr(_direct.os, "open", fake_open)
     monkeypatch.setattr(_direct.os, "pwrite", fake_pwrite)
 
 
+@pytest.mark.parametrize("code", ["EINVAL", "EOPNOTSUPP"])
 @pytest.mark.parametrize("at", ["open", "write"])
-def test_auto_falls_back_to_tensorstore_where_o_direct_is_refused(tmp_path, monkeypatch, at):
-    _refuse_o_direct(monkeypatch, at)
+def test_auto_falls_back_to_tensorstore_where_o_direct_is_refused(tmp_path, monkeypatch, at, code):
+    _refuse_o_direct(monkeypatch, at, getattr(errno, code))
     tree = {"w": np.arange(1 << 14, dtype=np.float32).reshape(128, 128), "b": np.ones(8, np.float32)}
     path = str(tmp_path / "1")
     ckpt.save(path, tree)
     record = _record(path)
     assert record["write_mode"] == "buffered"
-    assert "EINVAL" in record["write_mode_reason"] and "auto" in record["write_mode_reason"]
+    assert code in record["write_mode_reason"] and "auto" in record["write_mode_reason"]
     out = ckpt.restore(path)
     assert np.array_equal(out["w"], tree["w"]) and np.array_equal(out["b"], tree["b"])
     assert not any(".direct-io-probe" in k for k in _files(path))  # the probe leaves nothing behind
@@ -290,6 +295,13 @@ def test_direct_io_true_refuses_to_fall_back(tmp_path, monkeypatch):
         ckpt.save(path, {"w": np.arange(16, dtype=np.float32)}, direct_io=True)
     assert not os.path.exists(path)  # nothing committed
     assert os.listdir(tmp_path) == []  # and the partial folder removed
+
+
+def test_a_probe_failure_that_is_no_refusal_is_raised(tmp_path, monkeypatch):
+    _refuse_o_direct(monkeypatch, "open", errno.EACCES)
+    with pytest.raises(OSError) as e:
+        _direct.probe(str(tmp_path))
+    assert e.value.errno == errno.EACCES
 
 
 def test_direct_io_true_refuses_a_kvstore():
@@ -352,3 +364,40 @@ def test_every_direct_file_and_its_folders_are_synced_before_the_record(tmp_path
             f = f.rsplit("/", 1)[0]
             folders.add(f)
     assert folders <= before, sorted(folders - before)
+
+
+def _direct_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("checkpointer-direct")]
+
+
+def test_a_failed_direct_save_leaves_no_writer_threads_and_no_folder(tmp_path, monkeypatch):
+    written = []
+
+    def failing_write_at(self, offset, data):  # the device fails after the probe succeeded
+        written.append(self.path)
+        raise OSError(errno.EIO, "Input/output error", self.path)
+
+    monkeypatch.setattr(_direct.DirectFile, "write_at", failing_write_at)
+    mesh = make_mesh((2, 4), ("data", "model"))
+    tree = {"w": jax.device_put(_values((256, 256), np.float32), NamedSharding(mesh, P("data", "model")))}
+    before = _direct_threads()
+    for step in range(3):
+        with pytest.raises(SaveError, match=r"leaf 'w'.*process 0.*Input/output error"):
+            ckpt.save(str(tmp_path / str(step)), tree, direct_io=True, pack_small_leaves_bytes=0)
+    assert written  # the chunk writes ran on the direct writer
+    assert _direct_threads() == before  # every failed save stopped its writer's threads
+    assert os.listdir(tmp_path) == []  # and removed its partial folder
+
+
+def test_a_direct_writer_starts_threads_only_when_it_writes(tmp_path):
+    writer = _write.DirectWriter(str(tmp_path))
+    before = _direct_threads()
+    writer.close(sync=True)  # a save that failed before its first write
+    assert _direct_threads() == before
+    writer = _write.DirectWriter(str(tmp_path))
+    assert writer.submit(lambda: 7).result() == 7
+    assert len(_direct_threads()) > len(before)
+    writer.close(sync=True)
+    assert _direct_threads() == before

@@ -634,3 +634,15 @@ def test_a_cooperative_share_splits_a_packed_chunk_only_into_contiguous_pieces()
     lp = enc.plan_share(meta, [(0, Box((0, 0), (8, 4)))], cols, 0)
     [read] = lp.boxes[0].packed
     assert (read.offset, read.nbytes, read.crc32c) == (100, 256, crc32c.crc32c(data)) and lp.shared == ()
+
+
+def test_crc32c_combines_alike_for_a_length_combined_often():
+    import crc32c
+
+    from checkpointer._encoding import _crc
+
+    data = np.random.default_rng(5).integers(0, 256, 64 * 4099, dtype=np.uint8).tobytes()
+    pieces = [(crc32c.crc32c(data[k : k + 4099]), 4099) for k in range(0, len(data), 4099)]
+    # The first few combinations of a length run the product loop, the later ones its byte tables.
+    assert _crc.combine_all(pieces) == crc32c.crc32c(data)
+    assert all(_crc.combine_all(pieces[:k]) == crc32c.crc32c(data[: k * 4099]) for k in range(1, 12))

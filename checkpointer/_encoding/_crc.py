@@ -4,43 +4,92 @@ A cooperative restore may split a packed chunk among processes (`_packed`): no p
 holds all its bytes, but each can checksum its piece, and the chunk's crc32c follows
 from the pieces' crc32c and lengths, so every byte is still checked. The pieces'
 crc32c travel with the exchange (`piece_values` on each process, XOR-combined by the
-caller), then every process checks every shared chunk alike (`check_pieces`).
+caller), then every process checks every shared chunk alike (`check_pieces`). The direct
+writer combines a chunk's `data_crc32c` from its inner chunks' crc32c the same way
+(`_write`). `combine` costs a few µs whatever the lengths (no bytes are read).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 
-import crc32c
 import numpy as np
 
 from .. import _errors
 from .._errors import CorruptCheckpointError, where
 from ._leaf_plan import RestorePlan, SharedChunk
 
-_ZEROS = memoryview(bytes(1 << 20))
+# crc32c's polynomial, bit-reflected (Castagnoli).
+_POLY = 0x82F63B78
 
 
-def _through_zeros(crc: int, n: int) -> int:
-    """crc32c continued from `crc` through `n` zero bytes (1 MiB of zeros at a time)."""
-    while n:
-        m = min(n, len(_ZEROS))
-        crc = crc32c.crc32c(_ZEROS[:m], value=crc)
-        n -= m
-    return crc
+def _multmodp(a: int, b: int) -> int:
+    """a·b modulo crc32c's polynomial (bit-reflected 32-bit polynomials over GF(2))."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _powers() -> list[int]:
+    out, p = [], 1 << 30  # x¹
+    for _ in range(32):
+        out.append(p)
+        p = _multmodp(p, p)
+    return out
+
+
+_X2N = _powers()  # x^(2^k) modulo the polynomial, k = 0..31
+
+
+@functools.lru_cache(maxsize=256)
+def _shift(nbytes: int) -> int:
+    """x^(8·nbytes) modulo the polynomial: what moves a crc past `nbytes` bytes."""
+    p, k = 1 << 31, 3  # x⁰; a byte is 2³ bits
+    while nbytes:
+        if nbytes & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        nbytes >>= 1
+        k += 1
+    return p
+
+
+# Lengths combined often get byte tables (`_tables`): four lookups instead of `_multmodp`'s
+# loop; a length seen fewer times keeps the loop (a table costs 1,024 products to build).
+_TABLE_AFTER = 4
+_seen: dict[int, int] = {}
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(nbytes: int) -> tuple[tuple[int, ...], ...]:
+    """x ↦ x·x^(8·nbytes) as four 256-entry tables, one per byte of x (the product is
+    linear in x, so the products of x's bytes XOR to that of x)."""
+    shift = _shift(nbytes)
+    return tuple(tuple(_multmodp(shift, b << (8 * k)) for b in range(256)) for k in range(4))
 
 
 def combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """crc32c(A + B) from crc32c(A), crc32c(B) and len(B).
+    """crc32c(A + B) from crc32c(A), crc32c(B) and len(B), without reading any bytes.
 
-    crc32c is affine in its state and its data: continuing crc(A) through B equals
-    continuing it through len(B) zero bytes, XOR crc(B), XOR the continuation of the
-    initial state through those zeros. The zero runs are checksummed by the C library
-    (hardware crc32c where there is one): about as fast as reading the piece.
+    crc32c is affine in its data: crc(A + B) is crc(A) multiplied by x^(8·len(B))
+    modulo the polynomial, XOR crc(B) (zlib's `crc32_combine`, whose pre- and
+    post-conditioning cancel here as there). A few µs per call, under 1 µs for a length
+    combined often (byte tables; a writer combines pieces of few distinct lengths).
     """
     if len_b == 0:
         return crc_a
-    return _through_zeros(crc_a, len_b) ^ crc_b ^ _through_zeros(0, len_b)
+    seen = _seen.get(len_b, 0)
+    if seen < _TABLE_AFTER:
+        if len(_seen) < 4096:  # bounded: a stream of distinct lengths keeps the loop
+            _seen[len_b] = seen + 1
+        return _multmodp(_shift(len_b), crc_a) ^ crc_b
+    t0, t1, t2, t3 = _tables(len_b)
+    return t0[crc_a & 0xFF] ^ t1[(crc_a >> 8) & 0xFF] ^ t2[(crc_a >> 16) & 0xFF] ^ t3[crc_a >> 24] ^ crc_b
 
 
 def combine_all(pieces: Iterable[tuple[int, int]]) -> int:

@@ -12,7 +12,7 @@ Two ways of writing the same bytes (docs/DESIGN-decisions.md, "Direct local writ
 
 `direct_io="auto"` probes the write path with one aligned write (`_storage._direct.probe`)
 and writes buffered where the file system refuses (`EINVAL`: tmpfs before Linux 6.6,
-some network file systems); `True` requires direct writes; `False` never. The mode and
+some network file systems; `EOPNOTSUPP`: some FUSE file systems); `True` requires direct writes; `False` never. The mode and
 why go into the process record (`write_mode`, `write_mode_reason`).
 
 A zarr shard file as TensorStore writes a whole chunk (`_format.ShardFileLayout`): the
@@ -21,16 +21,20 @@ chunk of an edge chunk that the array's shape cuts is padded with zeros, the fil
 one entirely outside the shape is not stored and its index entry is all ones), then the
 index (offset, nbytes: u64 LE per inner chunk in C order) and its crc32c. Each inner
 chunk is copied once from the snapshot into an aligned staging buffer and its crc32c
-computed there, once; a full buffer goes to the file with one `O_DIRECT` write.
+computed there, once; a full buffer goes to the file with one `O_DIRECT` write. The
+record's `data_crc32c` (the chunk's C-order bytes) comes from the same pass (`_encode`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
+import struct
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,11 +44,11 @@ import numpy as np
 from .. import _format
 from .._errors import SaveError, where
 from .._format import ArrayMetadata, Box, ChunkRecord, PackRecord, ShardFileLayout, is_whole_byte_dtype
+from .._memory import staging_buffers
 from .._storage import (
     DIRECT_ALIGN,
     DirectFile,
     LocalStorage,
-    StagingBuffers,
     Storage,
     TokenBucket,
     acquire,
@@ -52,12 +56,13 @@ from .._storage import (
     sync_folders,
     ts_context,
 )
+from . import _crc
 
 DIRECT, BUFFERED = "direct", "buffered"
 # Bytes of one staging buffer (one direct write), at least one inner chunk more.
 STAGING_BYTES = 4 << 20
 _THREADS = max(2, min(8, 2 * (os.cpu_count() or 2)))
-_STAGING = StagingBuffers(max_free=_THREADS)  # process-wide: reused by every save's writer
+staging_buffers().max_free = _THREADS  # one free buffer per writer thread
 
 
 @dataclasses.dataclass
@@ -79,12 +84,17 @@ class WriteResult:
 
 class DirectWriter:
     """The direct writes of one save on one process: worker threads, the folders they
-    created (synced once every file is durable) and the staging buffers."""
+    created (synced once every file is durable) and the staging buffers.
+
+    The threads start with the first `submit`: a writer that a failed save never used
+    holds none, and `close` (which `start_write`'s function calls whatever happens)
+    stops those that started."""
 
     def __init__(self, root: str) -> None:
         self.root = root.rstrip("/")
-        self.staging = _STAGING
-        self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="checkpointer-direct")
+        self.staging = staging_buffers()  # process-wide: reused by every save's writer
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
         self._folders: set[str] = set()
         self._made: set[str] = set()
 
@@ -93,7 +103,11 @@ class DirectWriter:
         shutting down (Python's pools then refuse new work, and the manager's last save
         still finishes at exit)."""
         try:
-            return self._pool.submit(fn, *args)
+            with self._lock:
+                if self._pool is None:
+                    self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="checkpointer-direct")
+                pool = self._pool
+            return pool.submit(fn, *args)
         except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"
             done: concurrent.futures.Future = concurrent.futures.Future()
             try:
@@ -117,7 +131,10 @@ class DirectWriter:
 
     def close(self, *, sync: bool) -> None:
         """Waits for the threads; `sync`: makes the folders' new entries durable."""
-        self._pool.shutdown(wait=True)
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
         if sync:
             sync_folders(self._folders)
 
@@ -213,22 +230,54 @@ def write_shard_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk
     f = DirectFile(path)
     stage = writer.staging.take(max(STAGING_BYTES, layout.inner_bytes_with_crc + DIRECT_ALIGN))
     try:
-        inner_crc = _encode(f, stage, layout, meta.inner_chunk_shape, box, host)
+        data_crc = _encode(f, stage, layout, meta.inner_chunk_shape, box, host)
     finally:
         f.close()
         writer.staging.give_back(stage)
-    whole = layout.inner_chunks == 1 and tuple(box.shape) == tuple(layout.chunk_shape)
-    return chunk_record(meta, chunk_index, box, host, inner_crc if whole else None)
+    return chunk_record(meta, chunk_index, box, host, data_crc)
 
 
-def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tuple[int, ...], box: Box, host: np.ndarray) -> int | None:
+def _row_bands(layout: ShardFileLayout, box_shape: tuple[int, ...]) -> bool:
+    """Whether the inner chunks are bands of whole rows of the box (split along the first
+    axis only, the box not cut along any other): then the box's C-order bytes are the
+    inner chunks' real rows, in order, and its crc32c combines from theirs."""
+    return all(i == c == b for i, c, b in zip(layout.inner_chunk_shape[1:], layout.chunk_shape[1:], box_shape[1:]))
+
+
+@functools.lru_cache(maxsize=256)
+def _stored_inner_chunks(layout: ShardFileLayout, box_shape: tuple[int, ...]) -> tuple[tuple[int, int, tuple, tuple | None], ...]:
+    """The inner chunks a box of `box_shape` stores, in C order: `(index in the file's
+    grid, first-axis index, the box's slices, the slices of the inner chunk they fill
+    where the box's shape cuts it, else None)`. Those entirely outside are left out.
+    Cached: a save writes many chunks of one layout and shape."""
+    inner = layout.inner_chunk_shape
+    out = []
+    for ident, cell in enumerate(itertools.product(*(range(g) for g in layout.inner_grid))):
+        lo = [c * i for c, i in zip(cell, inner)]
+        if any(lo_d >= b for lo_d, b in zip(lo, box_shape)):
+            continue  # entirely outside the array's shape: not stored
+        part = tuple(slice(lo_d, min(lo_d + i, b)) for lo_d, i, b in zip(lo, inner, box_shape))
+        cut = None if all(p.stop - p.start == i for p, i in zip(part, inner)) else tuple(slice(0, p.stop - p.start) for p in part)
+        out.append((ident, cell[0] if cell else 0, part, cut))
+    return tuple(out)
+
+
+def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tuple[int, ...], box: Box, host: np.ndarray) -> int:
     """Fills `stage` with the shard file's bytes, writing each full aligned part; ends
-    the file. Returns the crc32c of the last inner chunk stored."""
-    align, inner = DIRECT_ALIGN, tuple(inner)
+    the file. Returns the crc32c of `host`'s C-order bytes (the record's `data_crc32c`),
+    computed in the same pass as the inner chunks': combined from theirs where the inner
+    chunks are row bands (`_row_bands`), else from each band of host rows right after
+    its inner chunks were copied (while it is in the CPU cache)."""
+    align, inner, shape = DIRECT_ALIGN, tuple(inner), tuple(box.shape)
     n, nc, cap = layout.inner_bytes, layout.inner_bytes_with_crc, stage.nbytes
-    index = np.full(2 * layout.inner_chunks, ShardFileLayout.MISSING, dtype="<u8")
-    pos = base = offset = 0  # next byte in `stage`; file offset of stage[0]; file offset of the next inner chunk
-    crc = None
+    view = stage.data  # for the crc32c words
+    stored = _stored_inner_chunks(layout, shape)
+    pos = base = 0  # next byte in `stage`; file offset of stage[0]
+    bands = _row_bands(layout, shape)
+    flat = host.reshape(-1).view(np.uint8) if host.flags.c_contiguous and not bands else None
+    band_bytes = (host.nbytes // shape[0] if host.ndim else host.nbytes) * (inner[0] if inner else 1)
+    data_crc, band = 0, -1  # crc32c of no bytes; the first-axis inner index of the band in progress
+    dtype = host.dtype
 
     def flush() -> None:  # writes the aligned part of `stage`, keeps the rest at its start
         nonlocal pos, base
@@ -239,27 +288,35 @@ def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tu
             stage[:rest] = stage[k:pos]
             base, pos = base + k, rest
 
-    for ident, cell in enumerate(itertools.product(*(range(g) for g in layout.inner_grid))):
-        lo = [c * i for c, i in zip(cell, inner)]
-        if any(lo_d >= b for lo_d, b in zip(lo, box.shape)):
-            continue  # entirely outside the array's shape: not stored
-        part = tuple(slice(lo_d, min(lo_d + i, b)) for lo_d, i, b in zip(lo, inner, box.shape))
+    for _, first, part, cut in stored:
+        if flat is not None and first != band:
+            if band >= 0:  # the host rows of the band just copied, checksummed while cached
+                data_crc = crc32c.crc32c(flat[band * band_bytes : (band + 1) * band_bytes].data, value=data_crc)
+            band = first
         if pos + nc > cap:
             flush()
         raw = stage[pos : pos + n]
-        dst = raw.view(host.dtype).reshape(inner)
         src = host[part]
-        if np.shape(src) != inner:  # cut by the array's shape: the rest is fill (zero bytes)
+        if cut is not None:  # cut by the array's shape: the rest is fill (zero bytes)
             raw[...] = 0
-            np.copyto(dst[tuple(slice(0, p.stop - p.start) for p in part)], src)
+            np.copyto(raw.view(dtype).reshape(inner)[cut], src)
         else:
-            np.copyto(dst, src)
-        crc = crc32c.crc32c(raw.data)
-        stage[pos + n : pos + nc] = np.frombuffer(crc.to_bytes(4, "little"), np.uint8)
-        index[2 * ident], index[2 * ident + 1] = offset, nc
-        offset += nc
+            np.copyto(raw.view(dtype).reshape(inner), src)
+        if bands:  # the real rows lead the inner chunk, the fill follows
+            real = src.nbytes
+            head = crc32c.crc32c(raw[:real].data)
+            crc = crc32c.crc32c(raw[real:].data, value=head) if real < n else head
+            data_crc = _crc.combine(data_crc, head, real)
+        else:
+            crc = crc32c.crc32c(raw.data)
+        struct.pack_into("<I", view, pos + n, crc)
         pos += nc
-    tail = index.view(np.uint8)
+    if flat is not None and band >= 0:
+        data_crc = crc32c.crc32c(flat[band * band_bytes : (band + 1) * band_bytes].data, value=data_crc)
+    index = np.full((layout.inner_chunks, 2), ShardFileLayout.MISSING, dtype="<u8")
+    if stored:
+        index[[ident for ident, _, _, _ in stored]] = [(k * nc, nc) for k in range(len(stored))]
+    tail = index.reshape(-1).view(np.uint8)
     tail = np.concatenate([tail, np.frombuffer(crc32c.crc32c(tail.data).to_bytes(4, "little"), np.uint8)])
     while tail.size:
         take = min(tail.size, cap - pos)
@@ -272,7 +329,9 @@ def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tu
     if end:
         f.write_at(base, stage[:end])
     f.finish(base + pos)
-    return crc
+    if not bands and flat is None:  # a strided snapshot (none is): one more pass
+        data_crc = _format.data_crc32c(host)
+    return data_crc
 
 
 def wait_all(pending: Sequence[tuple[str, object]], root: str, process_index: int, what: str = "writing a chunk failed") -> list:

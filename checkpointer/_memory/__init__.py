@@ -1,6 +1,7 @@
 """Host memory: aligned host arrays, the reusable snapshot buffer pool, the host copy of shards
 (one copy per shard, per backend), huge-page restore destinations, XLA-owned (donatable)
-restore destinations on CPU, and a pause of Python's cyclic GC around batch work.
+restore destinations on CPU, the staging buffers of direct writes, and a pause of Python's
+cyclic GC around batch work.
 """
 
 from ._aligned import aligned_empty
@@ -10,8 +11,10 @@ from ._device_destination import device_destinations, supported as device_destin
 from ._gc import paused
 from ._host import copy_to_host
 from ._restore_memory import host_buffer
+from ._staging import StagingBuffers, staging_buffers
 
 __all__ = [
-    'HostBufferPool', 'HostCopies', 'aligned_empty', 'copy_to_host', 'device_destination_supported', 'device_destinations',
-    'host_buffer', 'paused', 'release_host_buffers', 'shared_pool', 'snapshot_route', 'snapshot_to_host',
+    'HostBufferPool', 'HostCopies', 'StagingBuffers', 'aligned_empty', 'copy_to_host', 'device_destination_supported',
+    'device_destinations', 'host_buffer', 'paused', 'release_host_buffers', 'shared_pool', 'snapshot_route',
+    'snapshot_to_host', 'staging_buffers',
 ]

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._aligned import aligned_empty
+from ._staging import staging_buffers
 
 
 class HostBufferPool:
@@ -128,7 +129,9 @@ def shared_pool() -> HostBufferPool:
 
 
 def release_host_buffers() -> int:
-    """Frees the host buffers that `save_async` keeps between saves.
+    """Frees the host buffers that `save_async` keeps between saves, and the staging
+    buffers of direct writes (`direct_io`; a few MiB per writer thread, kept by every
+    save's writer, the manager's too).
 
     `save_async` copies the arrays into host buffers that it reuses for the next
     `save_async` (fresh memory costs page faults: about 1 s of system time per GiB on a
@@ -143,4 +146,4 @@ def release_host_buffers() -> int:
 
     Multi-process: each process holds and frees its own buffers; call it on any process.
     """
-    return _SHARED.clear()
+    return _SHARED.clear() + staging_buffers().clear()

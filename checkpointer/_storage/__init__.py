@@ -7,7 +7,6 @@ from ._contract import FileLock, Reader, Storage
 from ._direct import (
     ALIGN as DIRECT_ALIGN,
     DirectFile,
-    StagingBuffers,
     check_direct_io,
     probe as probe_direct,
     sync_folders,
@@ -17,4 +16,4 @@ from ._kvstore import KvStorage, storage_for, ts_context
 from ._local import LocalStorage
 from ._ratelimit import TokenBucket, acquire, limiter_for
 
-__all__ = ['DIRECT_ALIGN', 'DirectFile', 'FileLock', 'KvStorage', 'LocalStorage', 'LockHeldError', 'Reader', 'StagingBuffers', 'Storage', 'TokenBucket', 'acquire', 'check_direct_io', 'limiter_for', 'probe_direct', 'storage_for', 'sync_folders', 'ts_context', 'write_direct_file']
+__all__ = ['DIRECT_ALIGN', 'DirectFile', 'FileLock', 'KvStorage', 'LocalStorage', 'LockHeldError', 'Reader', 'Storage', 'TokenBucket', 'acquire', 'check_direct_io', 'limiter_for', 'probe_direct', 'storage_for', 'sync_folders', 'ts_context', 'write_direct_file']

@@ -1,5 +1,5 @@
 """Direct I/O of local files (`O_DIRECT`): the probe, one file written from aligned
-buffers with its unaligned tail, the staging buffers, and folder syncs.
+buffers with its unaligned tail, and folder syncs (the staging buffers: `_memory`).
 
 `O_DIRECT` moves the bytes from the caller's buffer to the device without the page
 cache: a checkpoint burst then neither evicts other files (a data loader's) nor costs the
@@ -56,13 +56,22 @@ def _flags() -> int | None:
     return None if flag is None else os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag | getattr(os, "O_CLOEXEC", 0)
 
 
+# What a file system that refuses `O_DIRECT` answers: EINVAL (tmpfs before Linux 6.6, most
+# others), EOPNOTSUPP/ENOTSUP (some FUSE and network file systems).
+_REFUSALS = frozenset({errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)})
+
+
+def _name(code: int | None) -> str:  # Linux's EOPNOTSUPP is ENOTSUP: say the one the kernel's docs use
+    return "EOPNOTSUPP" if code == errno.EOPNOTSUPP else errno.errorcode.get(code or 0, str(code))
+
+
 def probe(folder: str) -> str | None:
     """Whether the file system of `folder` (an existing folder) takes direct writes:
     creates a file there with `O_DIRECT`, writes one aligned block, removes it.
 
     Returns:
       None when it does; else why not (no `O_DIRECT` on this platform, or the file
-      system refuses it: `EINVAL`).
+      system refuses it: `EINVAL`, `EOPNOTSUPP` or `ENOTSUP`, named in the reason).
     Raises:
       OSError: any other failure (the folder is missing or not writable).
     """
@@ -74,15 +83,15 @@ def probe(folder: str) -> str | None:
         try:
             fd = os.open(name, flags, 0o644)
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno not in _REFUSALS:
                 raise
-            return f"the file system of {folder} refuses O_DIRECT (opening: EINVAL)"
+            return f"the file system of {folder} refuses O_DIRECT (opening: {_name(e.errno)})"
         try:
             os.pwrite(fd, aligned_empty((ALIGN,), np.dtype(np.uint8), ALIGN).data, 0)
         except OSError as e:
-            if e.errno != errno.EINVAL:
+            if e.errno not in _REFUSALS:
                 raise
-            return f"the file system of {folder} refuses O_DIRECT (writing: EINVAL)"
+            return f"the file system of {folder} refuses O_DIRECT (writing: {_name(e.errno)})"
         finally:
             os.close(fd)
     finally:
@@ -158,32 +167,3 @@ def sync_folders(folders: set[str]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-class StagingBuffers:
-    """`ALIGN`-aligned uint8 buffers for direct writes, reused between files and saves.
-    Thread-safe; keeps at most `max_free` free buffers (the writer threads' number)."""
-
-    def __init__(self, max_free: int) -> None:
-        self._lock = threading.Lock()
-        self._free: list[np.ndarray] = []
-        self.max_free = max_free
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """A free buffer of at least `nbytes` (rounded up to `ALIGN`), or a new one."""
-        nbytes = round_up(max(1, nbytes))
-        with self._lock:
-            for i, b in enumerate(self._free):
-                if b.nbytes >= nbytes:
-                    return self._free.pop(i)
-        return aligned_empty((nbytes,), np.dtype(np.uint8), ALIGN)
-
-    def give_back(self, buf: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(buf)
-            self._free.sort(key=lambda b: b.nbytes)
-            del self._free[: max(0, len(self._free) - self.max_free)]  # keep the largest
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
