@@ -127,19 +127,21 @@ def test_a_process_that_cannot_restore_makes_every_process_raise(saved):
 
 def test_a_process_that_fails_alone_while_the_others_restore_plainly_keeps_the_numbering_in_step(saved):
     """Process 1 cannot restore (its path is gone) a target that shares no box across
-    processes, so process 0 restores it plainly, without a rendezvous; the next
-    cooperative restore still meets: every process numbers each cooperative restore
-    call the same way, whatever happened in it (process 1's refusal used to take a
-    number that process 0 never took, and the next restore then met the old refusal)."""
+    processes, so process 0 restores it plainly, without a rendezvous; then process 0
+    alone restores such a target. The next cooperative restore still meets: a restore
+    number is taken only by restores that share a box, and a process that fails before
+    planning decides that from its target (process 1's refusal used to take a number
+    that process 0 never took, and the next restore then met the old refusal)."""
     args = {
         "path": saved["path"],
         "targets": [_target("before", [2, 4], ["data", "model"], REPLICATED)],
-        "cases": ["unshared_missing_path", "again"],
+        "cases": ["unshared_missing_path", "alone_unshared", "again"],
     }
     results = run_processes(WORKERS / "coop_restore_worker.py", 2, 4, args, timeout_s=180)
     for r in results:
         cases = {x["case"]: x for x in r.records if x["event"] == "case"}
-        assert sorted(cases) == ["again", "unshared_missing_path"], r.describe()
+        assert sorted(cases) == ["again", "alone_unshared", "unshared_missing_path"], r.describe()
+        assert cases["alone_unshared"]["type"] is None, cases["alone_unshared"]
         first = cases["unshared_missing_path"]
         assert first["type"] == (None if r.process_id == 0 else "CheckpointNotFoundError"), first
         assert cases["again"]["type"] is None and cases["again"]["elapsed_s"] < 20, cases["again"]

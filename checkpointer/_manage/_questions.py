@@ -208,8 +208,7 @@ class StepQuestions(StepReader):
         together, then process 0 deletes (holding the writer's lock) before any returns.
         """
         step = int(step)
-        self._ensure_writer()  # raises for a read_only manager
-        n = next(_delete_round)
+        n = next(_delete_round)  # first: every process numbers every call, whatever fails below
         tag = hashlib.sha256(self.directory.encode()).hexdigest()[:12]
 
         def decide(got: Mapping[int, dict]) -> str | None:
@@ -225,6 +224,7 @@ class StepQuestions(StepReader):
             hint="Every process must call delete with the same step, in the same order.",
         )
         try:
+            self._ensure_writer()  # raises for a read_only manager
             self._check_deletable(step)
         except BaseException as e:
             vote.refuse(e)

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import jax
@@ -191,10 +192,6 @@ def _restore_cooperative(storage: Storage, path: str, target: object, options: R
     would need every process to retry together).
     """
     pidx = jax.process_index()
-    # One number per call on every process, whatever happens in it: a process that fails
-    # below refuses under it while the others may restore plainly (no box shared) and
-    # never meet under it; taking the number only when meeting put them out of step.
-    ticket = _agreement.next_ticket()
     before = _marker(storage, path)
     try:
         if before is None:
@@ -202,10 +199,14 @@ def _restore_cooperative(storage: Storage, path: str, target: object, options: R
         meta, resolved, plan, budget = _prepare(storage, path, target, options, stats, cooperative=True)
     except BaseException as e:
         # The others may be about to cooperate on this restore: let them fail at once.
-        _agreement.refuse(ticket, path, e)
+        # A restore number only where they would (a restore that shares no box takes
+        # none, so a process may make one alone): decided from the target alone.
+        if _target_may_share_boxes(target):
+            _agreement.refuse(_agreement.next_ticket(), path, e)
         raise
     if not plan.cooperative:
         return _NOT_SHARED
+    ticket = _agreement.next_ticket()
     _agreement.agree(ticket, path, before.decode("utf-8", "replace"), _agreement.target_description(resolved, options.partial, options.missing))
     stats.attempts += 1
     stats.plan = plan
@@ -230,6 +231,29 @@ def _restore_cooperative(storage: Storage, path: str, target: object, options: R
         )
     _encoding.check_pieces(plan, pieces, path)  # chunks read in pieces by several processes, alike on every process
     return _finish(meta, resolved, path, results)
+
+
+def _target_may_share_boxes(target: object) -> bool:
+    """Whether a target leaf puts one box on devices of several processes (the plan
+    would then cooperate; a box's bytes decide nothing here), from the target alone for
+    a process that failed before planning. True when it cannot tell (no target: the
+    saved shardings; a leaf it cannot read)."""
+    if target is None:
+        return True
+    try:
+        for leaf in jax.tree_util.tree_leaves(target):
+            sharding, shape = getattr(leaf, "sharding", None), getattr(leaf, "shape", None)
+            if not isinstance(sharding, NamedSharding) or shape is None:
+                continue
+            owners: dict[tuple, set[int]] = {}
+            placed: Mapping[Any, tuple] = sharding.devices_indices_map(tuple(shape))  # Any: jaxlib has no stubs for Device
+            for device, index in placed.items():
+                owners.setdefault(tuple((i.start, i.stop) for i in index), set()).add(device.process_index)
+            if any(len(procs) > 1 for procs in owners.values()):
+                return True
+        return False
+    except Exception:
+        return True
 
 
 def _marker(storage: Storage, path: str) -> bytes | None:

@@ -5,7 +5,7 @@ args: {"path": checkpoint path (`_common.replicated_values()` and "step": 7),
        "targets": [{"name", "mesh_shape", "axis_names", "specs": {leaf: spec}, "cast": {leaf: dtype},
                     "cooperative": bool}],
        "cases": [names of failure cases, run after the targets: "other_target", "missing_path",
-                 "unshared_missing_path", or "again" (the first target)]}
+                 "unshared_missing_path", "alone_unshared", or "again" (the first target)]}
 emits per target: {"event": "restored", "name", "mismatches", "bytes_read", "bytes_received",
                    "plan_bytes_read", "cooperative", "exchange_s"}
       per case: {"event": "case", "case", "type", "message", "elapsed_s"}
@@ -78,6 +78,11 @@ for case in args.get("cases", []):
         target = target_for(base, {"w": ["data"], "emb": ["data"], "b": ["data"], "key": ["data"]})
         if me == 1:
             path = args["path"] + "-deleted-by-retention"
+    if case == "alone_unshared":  # process 0 alone restores a target that shares no box
+        target = target_for(base, {"w": ["data"], "emb": ["data"], "b": ["data"], "key": ["data"]})
+        if me != 0:
+            _common.emit(event="case", case=case, type=None, message="skipped", elapsed_s=0.0)
+            continue
     t0 = time.monotonic()
     try:
         ckpt.restore(path, target)
