@@ -1,7 +1,8 @@
-"""The background save thread runs at a lower CPU priority (`BACKGROUND_NICE` added to
-its nice value, Linux), and the direct writer's threads it starts inherit it, so a
-training loop that keeps the cores busy keeps them; a blocking `save` runs its writes
-at the caller's priority."""
+"""The direct writer's threads of a background save run at a lower CPU priority
+(`BACKGROUND_NICE` added to their nice value, Linux), so a training loop that keeps the
+cores busy keeps them; the background thread itself keeps the caller's (the pools it
+may start are process-wide), and a blocking `save` runs its writes at the caller's
+priority."""
 
 import os
 import sys
@@ -44,7 +45,7 @@ def test_save_async_writes_at_a_lower_priority_than_the_caller(tmp_path, recorde
     handle = ckpt.save_async(str(tmp_path / "1"), {"w": jnp.ones((256, 256)), "b": jnp.zeros(8)}, direct_io=True)
     handle.wait()
     want = min(19, caller + BACKGROUND_NICE)
-    assert recorded["submitters"] == {want} and recorded["workers"] == {want}, recorded
+    assert recorded["submitters"] == {caller} and recorded["workers"] == {want}, recorded
     assert _nice() == caller  # the caller's own priority is untouched
     assert ckpt.restore(str(tmp_path / "1"))["w"].tolist() == [[1.0] * 256] * 256
 
@@ -61,3 +62,43 @@ def test_a_blocking_save_writes_at_the_callers_priority(tmp_path, recorded):
     caller = _nice()
     ckpt.save(str(tmp_path / "1"), {"w": jnp.ones((256, 256))}, direct_io=True)
     assert recorded["workers"] == {caller} and recorded["submitters"] == {caller}, recorded
+
+
+_FRESH_PROCESS = r"""
+import glob, os, sys, tempfile, threading
+import jax.numpy as jnp
+import checkpointer as ckpt
+
+def lowered():
+    out = []
+    for task in glob.glob("/proc/self/task/*"):
+        try:
+            stat, name = open(task + "/stat").read(), open(task + "/comm").read().strip()
+        except OSError:
+            continue
+        nice = int(stat[stat.rindex(")") + 2:].split()[16])
+        if nice != 0 and name != "checkpointer-direct":
+            out.append((name, nice))
+    return out
+
+tmp = tempfile.mkdtemp()
+state = {"w": jnp.ones((512, 512)), "b": jnp.zeros(8)}
+# The process's first TensorStore work runs on the background save thread.
+ckpt.save_async(f"{tmp}/1", state, direct_io=sys.argv[1] == "direct", pack_small_leaves_bytes=0).wait()
+ckpt.save(f"{tmp}/2", state, direct_io=False, pack_small_leaves_bytes=0)
+ckpt.restore(f"{tmp}/2")
+print(sorted(set(lowered())))
+"""
+
+
+@pytest.mark.parametrize("direct", ["direct", "buffered"])
+def test_a_background_save_leaves_no_process_wide_thread_at_its_priority(tmp_path, direct):
+    # Threads are created at their creator's nice value: process-wide pools that the
+    # background thread starts (TensorStore's workers, which every later blocking save
+    # and restore uses) must not be left at BACKGROUND_NICE.
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, direct], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

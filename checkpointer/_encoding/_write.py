@@ -62,6 +62,29 @@ DIRECT, BUFFERED = "direct", "buffered"
 # Bytes of one staging buffer (one direct write), at least one inner chunk more.
 STAGING_BYTES = 4 << 20
 _THREADS = max(2, min(8, 2 * (os.cpu_count() or 2)))
+# The nice value a direct writer's worker threads add to their own, per issuing thread
+# (`lower_workers`: the background save thread sets it). The issuing thread itself keeps
+# its priority: threads start at their creator's nice value, and process-wide pools it
+# starts lazily (TensorStore's workers) would otherwise stay lowered for every later
+# blocking save and restore.
+_workers_nice = threading.local()
+
+
+def lower_workers(nice: int) -> None:
+    """The direct writers this thread creates from now on run their workers `nice` lower."""
+    _workers_nice.value = nice
+
+
+def _lower_priority(nice: int) -> None:
+    """Adds `nice` to the calling thread's nice value (Linux only; elsewhere, or when
+    refused, nothing: the save is the same, only its CPU share differs)."""
+    if sys.platform != "linux" or nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:  # e.g. a seccomp profile; not worth failing a save
+        pass
 staging_buffers().max_free = _THREADS  # one free buffer per writer thread
 
 
@@ -105,7 +128,10 @@ class DirectWriter:
         try:
             with self._lock:
                 if self._pool is None:
-                    self._pool = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix="checkpointer-direct")
+                    self._pool = concurrent.futures.ThreadPoolExecutor(
+                        _THREADS, thread_name_prefix="checkpointer-direct",
+                        initializer=_lower_priority, initargs=(getattr(_workers_nice, "value", 0),),
+                    )
                 pool = self._pool
             return pool.submit(fn, *args)
         except RuntimeError:  # "cannot schedule new futures after interpreter shutdown"

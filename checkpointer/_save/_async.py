@@ -3,37 +3,26 @@
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
 
+from .._encoding._write import lower_workers
 from ._pipeline import Snapshot, run_background
 
 log = logging.getLogger("checkpointer")
 
-# The nice value the background save thread adds to its own (Linux: per thread; the
-# direct writer's threads, started from it, inherit it): a training step that keeps the
+# The nice value the direct writer's threads of a background save add to their own
+# (Linux: per thread; `_write.lower_workers`; the background thread itself keeps the
+# caller's, so that the process-wide pools it may start, TensorStore's, are not left
+# lowered for blocking saves and restores): a training step that keeps the
 # cores busy (a CPU backend, a busy data loader) keeps them, and the write takes the
 # time they leave. Measured in train_loss_bench (3 runs each, fresh 960 MiB state):
 # training time lost per checkpoint 0.74 s/GiB (manager) at +0, 0.53 at +10, 0.43 at +19.
 # +10 keeps about a tenth of a core for the save against one busy nice-0 thread
 # (CFS weights 110 : 1024), so a loop that waits for it is not starved as at +19 (15).
 BACKGROUND_NICE = 10
-
-
-def lower_priority(nice: int = BACKGROUND_NICE) -> None:
-    """Adds `nice` to the calling thread's nice value (Linux only; elsewhere, or when
-    refused, nothing: the save is the same, only its CPU share differs)."""
-    if sys.platform != "linux" or nice <= 0:
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as e:  # e.g. a seccomp profile; not worth failing a save
-        log.debug("could not lower the save thread's priority: %s", e)
 
 
 class _Outcome:
@@ -75,8 +64,8 @@ def _run(
     runner: Callable[[Snapshot, Callable[[], object] | None], None],
 ) -> None:
     """The background thread: write and commit, then record the outcome (at a lower
-    CPU priority: `BACKGROUND_NICE`)."""
-    lower_priority()
+    CPU priority for the direct writer's threads: `BACKGROUND_NICE`)."""
+    lower_workers(BACKGROUND_NICE)
     try:
         runner(snap, after_publish)
     except BaseException as e:  # surfaced by wait(), else logged (see _Outcome)
