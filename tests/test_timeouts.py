@@ -6,6 +6,7 @@ overflowed the coordination service's 32-bit millisecond waits in a job of many)
 import math
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import checkpointer as ckpt
@@ -30,6 +31,7 @@ def test_a_manager_with_a_bad_timeout_raises_at_construction(tmp_path, name):
         ckpt.CheckpointManager(str(tmp_path / "run"), **{name: math.inf})
 
 
-def test_a_week_and_an_int_are_accepted(tmp_path):
+def test_a_week_an_int_and_numpy_scalars_are_accepted(tmp_path):
     ckpt.save(str(tmp_path / "1"), {"w": jnp.ones(4)}, commit_timeout_s=7 * 24 * 3600, agreement_timeout_s=5)
+    ckpt.save(str(tmp_path / "2"), {"w": jnp.ones(4)}, commit_timeout_s=np.int64(30), agreement_timeout_s=np.float32(2.5))
     assert ckpt.restore(str(tmp_path / "1"))["w"].tolist() == [1.0] * 4

@@ -6,6 +6,7 @@ uses, never a device collective, so every meeting is safe from a background thre
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -24,7 +25,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 def check_timeout_s(name: str, value: object) -> float:
     """`value` as a timeout in seconds, or ValueError naming the keyword `name`: a real
     number (not a bool), finite, above 0 and at most `MAX_TIMEOUT_S`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not 0 < float(value) <= MAX_TIMEOUT_S:
         raise ValueError(
             f"{name} must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:.0f} (a week), "
             f"got {value!r}; e.g. {name}=60"

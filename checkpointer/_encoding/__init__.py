@@ -22,6 +22,6 @@ from ._registry import (
     start_restore,
     start_write,
 )
-from ._write import BUFFERED, DIRECT, LeafWrite, WriteContext, WriteResult, chunk_record, write_context
+from ._write import BUFFERED, DIRECT, LeafWrite, WriteContext, WriteResult, chunk_record, lower_workers, write_context
 
-__all__ = ['BUFFERED', 'BoxRead', 'ChunkRead', 'DIRECT', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'LeafWrite', 'PACKED', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'SharedChunk', 'VerifyContext', 'WriteContext', 'WriteResult', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'chunk_record', 'encoding_of', 'files', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'region_reader', 'replicated_files', 'start_restore', 'start_write', 'write_context']
+__all__ = ['BUFFERED', 'BoxRead', 'ChunkRead', 'DIRECT', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'LeafWrite', 'PACKED', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'SharedChunk', 'VerifyContext', 'WriteContext', 'WriteResult', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'chunk_record', 'encoding_of', 'files', 'lower_workers', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'region_reader', 'replicated_files', 'start_restore', 'start_write', 'write_context']

@@ -8,7 +8,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .._encoding._write import lower_workers
+from .._encoding import lower_workers
 from ._pipeline import Snapshot, run_background
 
 log = logging.getLogger("checkpointer")
