@@ -177,15 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "directory import keeps the steps it already imported)")
     p.set_defaults(func=_cmd_import_orbax)
 
-    p = sub.add_parser("export", parents=[common], help="write the arrays as safetensors or npz",
+    p = sub.add_parser("export", parents=[common], help="write the arrays as safetensors or npz, or everything as Orbax",
                        description="Write the array leaves of the checkpoint at PATH as safetensors (model.safetensors, "
                        "or model-0000i-of-0000N.safetensors plus model.safetensors.index.json beyond --max-shard-bytes, "
                        "as Hugging Face shards) or as one .npz, reading one slab at a time. Tensor names are the "
-                       "keys joined by --separator (params.dense.kernel). Non-array leaves are not exported.")
+                       "keys joined by --separator (params.dense.kernel). Non-array leaves are not exported. "
+                       "--format orbax writes the whole checkpoint as an Orbax checkpoint (StandardCheckpointer's "
+                       "layout), or, when PATH is a manager directory, every committed step as an Orbax "
+                       "CheckpointManager directory with its metrics; per-process state is not exported (listed).")
     p.add_argument("path", metavar="PATH")
-    p.add_argument("--format", choices=["safetensors", "npz"], default="safetensors", help="default: safetensors")
-    p.add_argument("-o", "--output", metavar="OUT", help="safetensors: a folder; npz: a file (default: PATH.safetensors "
-                   "or PATH.npz beside the checkpoint)")
+    p.add_argument("--format", choices=["safetensors", "npz", "orbax"], default="safetensors", help="default: safetensors")
+    p.add_argument("-o", "--output", metavar="OUT", help="safetensors: a folder; npz: a file; orbax: the Orbax "
+                   "checkpoint or manager directory (default: PATH.safetensors, PATH.npz or PATH.orbax beside PATH)")
     p.add_argument("--max-shard-bytes", type=_parse_bytes, default="5GB", metavar="SIZE",
                    help="safetensors: data per file, e.g. 5GB (the default, as Hugging Face), 2GiB, 500MB")
     p.add_argument("--separator", default=".", help="joins a leaf's keys into its tensor name (default: .)")
