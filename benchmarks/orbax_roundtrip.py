@@ -206,8 +206,9 @@ def _composite_restore(path, target):
 def _manager_save(path, tree):
     with ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")) as m:
         for step in (1, 2, 3):
-            m.save(step, args=ocp.args.StandardSave(jax.tree.map(lambda x: x + step if isinstance(x, jax.Array) and
-                                                                 not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)),
+            def bump(x, step=step):
+                return x + step if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+            m.save(step, args=ocp.args.StandardSave(jax.tree.map(bump, tree)),
                    metrics={"loss": 1.0 / step})
 
 
