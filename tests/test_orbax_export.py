@@ -110,6 +110,10 @@ def test_every_dtype_and_typed_keys_restore_bit_exactly_in_orbax_onto_another_me
         warnings.simplefilter("ignore", DeprecationWarning)  # 0.12.8 names it load; both are the same function
         _assert_bit_exact(v1.load_pytree(out, target), tree, other)
     _assert_bit_exact(v1.load(out, target), tree, other)
+    with pytest.warns(UserWarning, match="Sharding info not provided"):  # target-less: from `_sharding`
+        bare = ocp.PyTreeCheckpointer().restore(out)
+    assert bare["bfloat16"].sharding.mesh.shape == {"data": 2, "model": 4} and _bits(bare["keys"]) == _bits(tree["keys"])
+    assert bare["scalars"] == [3, -1.5, True] and bare["host"]["none"] is None
 
 
 def _train_state(mesh):
