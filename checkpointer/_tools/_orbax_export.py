@@ -170,6 +170,11 @@ def orbax_entries(meta: CheckpointMetadata) -> list[_Entry]:
 def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> None:
     for e in entries:
         where = f"leaf {e.keystr or '(root)'} of {meta.path}"
+        if not e.names:
+            raise UnsupportedValueError(
+                f"{meta.path} holds one leaf (or one empty node) as its whole tree; an Orbax PyTree checkpoint holds a "
+                "tree of named leaves. Save it as {'x': value} and export that"
+            )
         if isinstance(e.leaf, ArrayMetadata) and not zarr_supports_dtype(e.leaf.dtype):
             raise UnsupportedValueError(
                 f"{where} has dtype {e.leaf.dtype}, which Orbax (zarr3 through TensorStore) cannot store; nothing was "
@@ -177,7 +182,8 @@ def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> No
             )
         if isinstance(e.leaf, ValueMetadata) and not (e.leaf.value is None or isinstance(e.leaf.value, str) or _scalar(e.leaf.value) is not None):
             raise UnsupportedValueError(
-                f"{where} is a {type(e.leaf.value).__name__}, which Orbax cannot store; nothing was written"
+                f"{where} holds {e.leaf.value!r:.80} ({type(e.leaf.value).__name__}), which Orbax cannot store (its "
+                "scalars are 0-d numpy arrays: int64 at most); nothing was written. Store it as a string or an array"
             )
 
 
@@ -243,21 +249,24 @@ def _write_scalar(storage: Storage, item: str, name: str, value: np.ndarray) -> 
     store.write(value).result()
 
 
-def _sharding_json(meta: ArrayMetadata) -> str | None:
+def _sharding_json(meta: ArrayMetadata) -> str:
+    """Orbax's JSON of the leaf's sharding (`_sharding`, read by target-less restores): the
+    saved NamedSharding on devices 0..n-1 (Orbax would have recorded the real ids, which
+    our manifest does not keep); any other sharding as a one-device mesh of device 0 (a
+    SingleDeviceSharding's `device_str` names a platform, which the export cannot know)."""
     s = meta.saved_sharding
-    if s is None or s.kind != "named":
-        return None
-    ids = np.arange(math.prod(s.mesh_shape)).reshape(s.mesh_shape).tolist() if s.mesh_shape else []
+    named = s is not None and s.kind == "named"
+    mesh_shape = list(s.mesh_shape) if s is not None and named else [1]
+    axes = list(s.mesh_axis_names) if s is not None and named else ["devices"]
+    spec = [list(e) if isinstance(e, tuple) else e for e in s.spec] if s is not None and named else []
+    ids = np.arange(math.prod(mesh_shape)).reshape(mesh_shape).tolist()
 
     def devices(x: object) -> object:
         return [devices(y) for y in x] if isinstance(x, list) else {"id": x}
 
-    return json.dumps({
-        "sharding_type": "NamedSharding", "shape": list(s.mesh_shape), "axis_names": list(s.mesh_axis_names),
-        "axis_types": ["AxisType.Auto"] * len(s.mesh_shape),
-        "partition_spec": [list(e) if isinstance(e, tuple) else e for e in s.spec],
-        "device_mesh": {"mesh": devices(ids)},
-    })
+    return json.dumps({"sharding_type": "NamedSharding", "shape": mesh_shape, "axis_names": axes,
+                       "axis_types": ["AxisType.Auto"] * len(mesh_shape), "partition_spec": spec,
+                       "device_mesh": {"mesh": devices(ids)}})
 
 
 def write_item(storage: Storage, src: str, meta: CheckpointMetadata, item: str) -> tuple[dict[str, str], int]:
@@ -295,9 +304,7 @@ def write_item(storage: Storage, src: str, meta: CheckpointMetadata, item: str) 
                 value_meta = {"value_type": "np.ndarray", "skip_deserialize": False}
             else:
                 value_meta = {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(chunks)}
-                sharding = _sharding_json(m)
-                if sharding is not None:
-                    shardings[base64.b64encode(name.encode()).decode()] = sharding
+                shardings[base64.b64encode(name.encode()).decode()] = _sharding_json(m)
                 array_metadatas.append({"array_metadata": {
                     "param_name": name, "write_shape": list(chunks), "chunk_shape": list(chunks),
                     "ext_metadata": {"random_key_impl": m.key_impl} if m.key_impl else None}})
