@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import _commit, _format, _manage, _tools
-from .._errors import CheckpointError, UsageError
+from .._errors import CheckpointError, StructureMismatchError, UsageError
 from ._inputs import _lock_holder, _metadata, _open_dir
 from ._ui import _UI, PROG, _age, _json_value, _metrics_str, _shape, _spec_json
 
@@ -194,8 +194,8 @@ def _draw(figure: Callable[[], Any], out: str) -> None:
         fig = figure()
     except ModuleNotFoundError as e:
         raise UsageError(f"--png needs matplotlib ({e}); install it with `pip install 'checkpointer[notebook]'`") from e
-    except KeyError as e:
-        raise UsageError(f"--leaf: {e.args[0]}") from e
+    except StructureMismatchError as e:
+        raise UsageError(f"--leaf: {e}") from e
     _tools.save_png(fig, out)
 
 

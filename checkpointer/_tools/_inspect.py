@@ -34,7 +34,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._errors import CheckpointError, CorruptCheckpointError
+from .._errors import CheckpointError, CorruptCheckpointError, StructureMismatchError
 from .._format import (
     ArrayMetadata,
     Box,
@@ -269,7 +269,7 @@ def shard_chunks(checkpoint: str | os.PathLike | CheckpointMetadata, leaf: str) 
     Returns:
       `WrittenChunk`s in process, then record order: packed and unpacked chunks alike.
     Raises:
-      KeyError: no array leaf of that name (the message lists some).
+      StructureMismatchError: no array leaf of that name (the message lists some).
       CorruptCheckpointError: a process record is missing or malformed.
 
     Multi-process: reads every process's record; any process may call it.
@@ -301,7 +301,10 @@ def _leaf_path(meta: CheckpointMetadata, leaf: str) -> str:
         if meta.keystr(p) == leaf:
             return p
     some = ", ".join(repr(meta.keystr(p)) for p in list(arrays)[:5])
-    raise KeyError(f"{meta.path} has no array leaf {leaf!r}; its array leaves are named like {some} (jax.tree_util.keystr)")
+    raise StructureMismatchError(
+        f"{meta.path} has no array leaf {leaf!r}; its array leaves are named like {some} (as jax.tree_util.keystr prints "
+        "them), or give a glob such as \"*kernel*\""
+    )
 
 
 def _select(meta: CheckpointMetadata, leaves: str | Sequence[str] | None) -> list[str]:
@@ -367,7 +370,7 @@ def plot_shards(
       A `matplotlib.figure.Figure` (not attached to pyplot: `display(fig)` in a
       notebook, `fig.savefig(out)` elsewhere).
     Raises:
-      KeyError: a name matches no array leaf.
+      StructureMismatchError: a name matches no array leaf.
       ModuleNotFoundError: matplotlib is not installed (`pip install 'checkpointer[notebook]'`).
       CorruptCheckpointError: a process record is missing or malformed.
 
