@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -61,15 +62,33 @@ _DPI = 80
 
 
 def _import_matplotlib() -> Any:
+    """The Figure class of the pictures (`_picture_class`); a clear error without matplotlib."""
     try:
-        import matplotlib
-        from matplotlib.figure import Figure
+        import matplotlib.figure  # noqa: F401
     except ModuleNotFoundError as e:
         raise ModuleNotFoundError(
             f"checkpointer's pictures need matplotlib ({e}); install the extra: pip install 'checkpointer[notebook]'"
         ) from e
-    del matplotlib
-    return Figure
+    return _picture_class()
+
+
+@functools.cache
+def _picture_class() -> Any:
+    """A `matplotlib.figure.Figure` that a notebook shows as PNG (`_repr_png_`), with no
+    pyplot state and no `%matplotlib` magic."""
+    from matplotlib.figure import Figure
+
+    class Picture(Figure):
+        """A matplotlib Figure that renders itself in a notebook (`_repr_png_`)."""
+
+        def _repr_png_(self) -> bytes:
+            import io
+
+            out = io.BytesIO()
+            self.savefig(out, format="png", dpi=self.dpi)
+            return out.getvalue()
+
+    return Picture
 
 
 def _metadata_of(checkpoint: str | os.PathLike | CheckpointMetadata) -> CheckpointMetadata:
@@ -324,6 +343,14 @@ def _select(meta: CheckpointMetadata, leaves: str | Sequence[str] | None) -> lis
     return out
 
 
+def _chunk_label(c: WrittenChunk) -> str:
+    """`p<process>`, `dev@<mesh position>` of the writer, and the replicas skipped (short lines)."""
+    lines = [f"p{c.process_index}"] + ([f"dev@{c.writer}"] if c.writer is not None else [])
+    if c.skipped:
+        lines.append(f"skip @{','.join(map(str, c.skipped))}" if len(c.skipped) <= 2 else f"skip {len(c.skipped)}")
+    return "\n".join(lines)
+
+
 def _plane(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> tuple[int | None, int | None]:
     """The two dimensions a panel shows (rows, columns): the last two the chunk grid
     splits (or the array's last two); None for a missing one."""
@@ -367,8 +394,8 @@ def plot_shards(
         `DEFAULT_LEAVES` largest arrays.
       columns: panels per row.
     Returns:
-      A `matplotlib.figure.Figure` (not attached to pyplot: `display(fig)` in a
-      notebook, `fig.savefig(out)` elsewhere).
+      A `matplotlib.figure.Figure`, not attached to pyplot: a notebook shows it as the
+      cell's value (or `display(fig)`); `fig.savefig(out)` writes a file.
     Raises:
       StructureMismatchError: a name matches no array leaf.
       ModuleNotFoundError: matplotlib is not installed (`pip install 'checkpointer[notebook]'`).
@@ -387,8 +414,12 @@ def plot_shards(
     colors = _process_colors(meta.process_count)
     cols = max(1, min(columns, len(chosen)))
     rows = -(-len(chosen) // cols)
-    fig = Figure(figsize=(6.0 * cols, 4.2 * rows + 0.6), dpi=_DPI, layout="constrained")
-    axes = fig.subplots(rows, cols, squeeze=False)
+    # A row of 1-D (or 0-D) leaves only is a row of strips: less height.
+    flat = [all(_plane(meta.arrays[p].shape, meta.arrays[p].chunk_shape)[0] is None for p in chosen[r * cols:(r + 1) * cols])
+            for r in range(rows)]
+    heights = [2.2 if f else 4.2 for f in flat]
+    fig = Figure(figsize=(6.0 * cols, sum(heights) + 0.8), dpi=_DPI, layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False, height_ratios=heights)
     for ax in axes.flat[len(chosen):]:
         ax.set_visible(False)
     for ax, leaf_path in zip(axes.flat, chosen):
@@ -397,16 +428,16 @@ def plot_shards(
         rdim, cdim = _plane(m.shape, m.chunk_shape)
         height = m.shape[rdim] if rdim is not None else 1
         width = m.shape[cdim] if cdim is not None else 1
+        across = len({_span(c.box, cdim)[0] for c in chunks})  # chunks side by side: the labels' room
+        fontsize = _FONT - 1 if across <= 4 else _FONT - 3 if across <= 8 else 0
         for c in chunks:
             (r0, h), (c0, w) = _span(c.box, rdim), _span(c.box, cdim)
             ax.add_patch(Rectangle((c0, r0), w, h, facecolor=colors[c.process_index], edgecolor="black", linewidth=1.0,
-                                   alpha=0.8, hatch="//" if c.packed else None))
-            if len(chunks) <= MAX_LABELLED_CHUNKS:
-                label = f"p{c.process_index}" + (f" dev@{c.writer}" if c.writer is not None else "")
-                if c.skipped:
-                    at = f" (dev@{','.join(map(str, c.skipped))})" if len(c.skipped) <= 3 else ""
-                    label += f"\n{len(c.skipped)} replica{'s' * (len(c.skipped) > 1)} skipped{at}"
-                ax.text(c0 + w / 2, r0 + h / 2, label, ha="center", va="center", fontsize=_FONT - 2 if len(chunks) > 8 else _FONT - 1)
+                                   alpha=0.8, hatch="/" if c.packed else None))
+            if fontsize and len(chunks) <= MAX_LABELLED_CHUNKS:
+                ax.text(c0 + w / 2, r0 + h / 2, _chunk_label(c), ha="center", va="center", fontsize=fontsize)
+        if rdim is None:
+            ax.set_box_aspect(0.25)  # a 1-D leaf: a strip
         ax.set_xlim(0, max(width, 1))
         ax.set_ylim(max(height, 1), 0)
         if rdim is None:
@@ -423,10 +454,11 @@ def plot_shards(
     used = sorted({c.process_index for leaf_path in chosen for c in _chunks_of(meta, records, leaf_path)})
     handles = [Patch(facecolor=colors[i], label=f"process {i}") for i in used]
     if any(meta.arrays[p].packed for p in chosen):
-        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="packed"))
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="/", label="packed"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=_FONT - 1, frameon=False)
     fig.suptitle(f"Who wrote which chunk: {meta.path}" + (f" (step {meta.step})" if meta.step is not None else "")
-                 + "\ndev@k: the device at position k of the saved mesh", fontsize=_FONT)
+                 + "\npN: process N wrote the chunk, dev@k: the device at position k of the saved mesh; "
+                 "skip: the replicas not written", fontsize=_FONT)
     return fig
 
 

@@ -111,7 +111,7 @@ def plot_plan(plans: RestorePlan | Sequence[RestorePlan], *, title: str | None =
         `i`) to compare processes.
       title: a first line for the headline (default: the checkpoint path).
     Returns:
-      A `matplotlib.figure.Figure` (`display(fig)` in a notebook, `fig.savefig(out)`);
+      A `matplotlib.figure.Figure` (a notebook shows it as the cell's value; `fig.savefig(out)`);
       at most `MAX_BARS` bars a panel (neighbouring devices share one beyond). The
       numbers are `plan_bars(plans)`; the headline's totals equal the plans'
       `bytes_needed`, `bytes_read` and `read_amplification`.
