@@ -253,3 +253,22 @@ def test_without_matplotlib_or_treescope_the_error_names_the_extra(saved, monkey
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'checkpointer\[notebook\]'"):
         view._repr_html_()
     assert "['params']['w']" in str(view)  # the text needs neither
+
+
+def test_the_inspection_pages_examples_run_as_written(tmp_path, monkeypatch, capsys):
+    import pathlib
+    import re
+    import tempfile
+
+    page = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "inspection.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(blocks) == 6
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "docs/inspection.md", "exec"), namespace)
+    assert pathlib.Path(f"{namespace['path']}-shards.png").stat().st_size > 10_000
+    plan = namespace["plan"]
+    assert f"{plan.bytes_needed:,} bytes needed, {plan.bytes_read:,} read" in capsys.readouterr().out
+    assert namespace["fig"].get_suptitle().startswith("run ")  # the last picture: the run
+    assert len(namespace["plans"]) == 2
