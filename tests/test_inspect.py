@@ -272,3 +272,36 @@ def test_the_inspection_pages_examples_run_as_written(tmp_path, monkeypatch, cap
     assert f"{plan.bytes_needed:,} bytes needed, {plan.bytes_read:,} read" in capsys.readouterr().out
     assert namespace["fig"].get_suptitle().startswith("run ")  # the last picture: the run
     assert len(namespace["plans"]) == 2
+
+
+@pytest.fixture(scope="module")
+def s3():
+    from gcsserver import started_or_skipped
+    from s3server import running_s3_server
+
+    with started_or_skipped(running_s3_server) as server:
+        yield server
+
+
+def test_every_function_works_on_s3(s3):
+    run = f"s3://{s3.new_bucket()}/run"
+    state = _state(make_mesh((2, 4), ("data", "model")))
+    with ckpt.CheckpointManager(run, keep=ckpt.KeepLatest(2)) as manager:
+        for step in (1, 2):
+            manager.save(step, state, metrics={"loss": 1.0 / step})
+        manager.wait_until_finished()
+    path = f"{run}/2"
+    view = ckpt.inspect_tree(path)
+    assert {s.keystr: s.packed for s in view.leaves.values() if s.shape} == {
+        "['bias']": True, "['params']['big']": False, "['params']['w']": True}
+    for leaf_path in ("params/w", "params/big"):
+        chunks = ckpt.shard_chunks(path, leaf_path)
+        assert {(c.box.origin, c.box.shape, c.process_index, c.packed) for c in chunks} == _recorded_boxes(path, leaf_path)
+    assert len(ckpt.plot_shards(path).axes[0].patches) == 2  # the largest leaf first: ['params']['big'], 2 chunks
+    mesh = make_mesh((4, 2), ("data", "model"))
+    plan = ckpt.plan_restore(path, {"params": {"w": NamedSharding(mesh, P("data")), "big": NamedSharding(mesh, P("model"))},
+                                    "bias": NamedSharding(mesh, P()), "step": None})
+    assert f"{plan.bytes_needed:,} bytes needed, {plan.bytes_read:,} read" in ckpt.plot_plan(plan).get_suptitle()
+    fig = ckpt.plot_run(run)
+    assert fig.get_suptitle() == f"run {run}: steps 1 … 2 (2 committed)"
+    assert list(fig.axes[0].get_lines()[0].get_ydata()) == [1.0, 0.5]
