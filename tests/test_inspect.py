@@ -156,6 +156,14 @@ def test_replica_parallel_chunks_of_two_processes_each_name_their_writer(saved):
     assert bias and all(c.packed for c in bias)
 
 
+def test_an_imported_orbax_checkpoint_names_no_writing_device(saved):
+    chunks = ckpt.shard_chunks(saved["orbax"], "['big']")  # Orbax saved it P('data') on 2x4; the import wrote it from the host
+    assert [c.holders for c in chunks] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert all(c.writer is None and c.skipped == () and c.process_index == 0 for c in chunks)
+    texts = [t.get_text() for t in ckpt.plot_shards(saved["orbax"], "['big']").axes[0].texts]
+    assert texts == ["p0", "p0"]
+
+
 def test_plot_shards_selects_by_keystr_glob_and_storage_path_and_names_a_missing_leaf(saved):
     path = saved["default"]
     assert [ax.get_title().split()[0] for ax in ckpt.plot_shards(path, "['params']*").axes if ax.get_visible()] == [

@@ -229,7 +229,9 @@ class WrittenChunk:
       data_bytes: bytes of array data in it.
       holders: mesh positions (`mesh.devices.flat` order of the saved mesh) whose shard
         held the region when saved; () when the saved sharding is not a NamedSharding.
-      writer: the holder that wrote it (see the module docstring), or None if unknown.
+      writer: the holder that wrote it (see the module docstring), or None if unknown
+        (the device order does not fit, or the checkpoint was imported: `import_orbax`
+        writes from the host).
     """
 
     box: Box
@@ -242,8 +244,8 @@ class WrittenChunk:
 
     @property
     def skipped(self) -> tuple[int, ...]:
-        """The holders whose copy the save skipped (replicas)."""
-        return tuple(h for h in self.holders if h != self.writer) if self.writer is not None else self.holders[1:]
+        """The holders whose copy the save skipped (replicas); () when the writer is unknown."""
+        return tuple(h for h in self.holders if h != self.writer) if self.writer is not None else ()
 
 
 def _records(meta: CheckpointMetadata) -> dict[int, ProcessRecord]:
@@ -300,6 +302,7 @@ def shard_chunks(checkpoint: str | os.PathLike | CheckpointMetadata, leaf: str) 
 
 def _chunks_of(meta: CheckpointMetadata, records: Mapping[int, ProcessRecord], leaf_path: str) -> list[WrittenChunk]:
     m = meta.arrays[leaf_path]
+    imported = "imported_from" in meta.user_metadata  # written from the host by import_orbax: no writing device
     out = []
     for pidx, rec in sorted(records.items()):
         found: list[tuple[Box, bool, str, int | None]] = []
@@ -308,7 +311,7 @@ def _chunks_of(meta: CheckpointMetadata, records: Mapping[int, ProcessRecord], l
         found += [(c.box, False, c.key, c.data_bytes) for c in rec.chunks if c.leaf == leaf_path and c.box is not None]
         for box, packed, key, nbytes in found:
             holders, writer = _holders(m, box, meta.process_count, pidx)
-            out.append(WrittenChunk(box, pidx, packed, key, nbytes, holders, writer))
+            out.append(WrittenChunk(box, pidx, packed, key, nbytes, holders, None if imported else writer))
     return out
 
 
