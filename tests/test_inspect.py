@@ -207,6 +207,17 @@ def test_the_plan_picture_of_every_process_and_of_many_devices(saved):
     assert sum(r for _, _, r in bars.devices) == pytest.approx(sum(p.bytes_read for p in plans))
     fig = ckpt.plot_plan(plans)
     assert len(fig.axes) == 2 and f"{sum(p.bytes_read for p in plans):,} read" in fig.get_suptitle()
+    # Cooperative plans (replicated leaves, split between the processes and exchanged): the
+    # devices show their reads, the processes their needs, reads and what peers send.
+    replicated = {"rep": NamedSharding(mesh, P()), "own": NamedSharding(mesh, P()), "bias": NamedSharding(mesh, P()), "step": None}
+    coop = [ckpt.plan_restore(path, replicated, process_index=i, processes=2) for i in range(2)]
+    bars = plan_bars(coop)
+    assert bars.cooperative and bars.bytes_received == sum(p.bytes_received for p in coop) > 0
+    assert sum(r for _, _, r in bars.devices) == pytest.approx(sum(p.bytes_read for p in coop))
+    fig = ckpt.plot_plan(coop)
+    device_panel, process_panel = fig.axes[:2]
+    assert len(device_panel.patches) == len(bars.devices)  # reads only
+    assert sum(r.get_height() for r in process_panel.patches[4:]) == pytest.approx(bars.bytes_received / 2**20)
     # 256 target devices: at most 32 bars, neighbours summed.
     big = AbstractMesh((16, 16), ("data", "model"))
     plan = ckpt.plan_restore(saved["default"], {"params": {"w": NamedSharding(big, P("data", "model")),

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 # The plan picture's bars: beyond this many devices (or processes), neighbours share a bar.
 MAX_BARS = 32
+_NEEDED, _READ, _RECEIVED = "#9ecae1", "#08519c", "#fd8d3c"
 
 
 
@@ -36,6 +37,8 @@ class PlanBars:
       bytes_read: the plans' total.
       bytes_received: the plans' total.
       read_amplification: `bytes_read / bytes_needed` (1.0 when nothing is needed).
+      cooperative: some leaf is read cooperatively (`RestorePlan.cooperative`): what a
+        device needs comes partly from peers, so the device panel shows reads only.
     """
 
     devices: tuple[tuple[str, float, float], ...]
@@ -44,6 +47,7 @@ class PlanBars:
     bytes_read: int
     bytes_received: int
     read_amplification: float
+    cooperative: bool = False
 
 
 def _device_bytes(plan: RestorePlan) -> dict[int, list[float]]:
@@ -98,7 +102,8 @@ def plan_bars(plans: RestorePlan | Sequence[RestorePlan]) -> PlanBars:
     processes = tuple((label, int(v[0]), int(v[1]), int(v[2])) for label, v in _grouped(procs, ""))
     needed = sum(p.bytes_needed for p in plans)
     read = sum(p.bytes_read for p in plans)
-    return PlanBars(devices, processes, needed, read, sum(p.bytes_received for p in plans), read / needed if needed else 1.0)
+    return PlanBars(devices, processes, needed, read, sum(p.bytes_received for p in plans), read / needed if needed else 1.0,
+                    any(p.cooperative for p in plans))
 
 
 def plot_plan(plans: RestorePlan | Sequence[RestorePlan], *, title: str | None = None) -> Figure:
@@ -124,33 +129,47 @@ def plot_plan(plans: RestorePlan | Sequence[RestorePlan], *, title: str | None =
     Figure = _import_matplotlib()
     bars = plan_bars(plans)
     first = plans if not isinstance(plans, Sequence) else plans[0]
-    multi = len(bars.processes) > 1
+    per_process = len(bars.processes) > 1 or bars.cooperative
     fig = Figure(figsize=(11, 4.6), dpi=_DPI, layout="constrained")
-    axes = fig.subplots(1, 2, width_ratios=[3, 1]) if multi else [fig.subplots(1, 1)]
+    axes = fig.subplots(1, 2, width_ratios=[3, 1]) if per_process else [fig.subplots(1, 1)]
     scale, unit = _unit(max([max(n, r) for _, n, r in bars.devices] + [1]))
     ax = axes[0]
     xs = range(len(bars.devices))
-    ax.bar([x - 0.2 for x in xs], [n / scale for _, n, _ in bars.devices], width=0.4, color="#9ecae1", label="needed")
-    ax.bar([x + 0.2 for x in xs], [r / scale for _, _, r in bars.devices], width=0.4, color="#08519c", label="read")
+    if not bars.cooperative:  # with an exchange, needs are known per process only
+        ax.bar([x - 0.2 for x in xs], [n / scale for _, n, _ in bars.devices], width=0.4, color=_NEEDED, label="needed")
+    ax.bar([x + 0.2 * (not bars.cooperative) for x in xs], [r / scale for _, _, r in bars.devices], width=0.4, color=_READ,
+           label="read")
     ax.set_xticks(list(xs), [label for label, _, _ in bars.devices], fontsize=_FONT - 1,
                   rotation=45 if len(bars.devices) > 12 else 0)
     ax.set_xlabel("target device" + ("s" if any("-" in label for label, _, _ in bars.devices) else ""), fontsize=_FONT)
     ax.set_ylabel(unit, fontsize=_FONT)
     ax.tick_params(axis="y", labelsize=_FONT - 1)
-    ax.legend(fontsize=_FONT - 1, loc="lower right")
-    ax.set_title("bytes per target device", fontsize=_FONT)
-    if multi:
+    ax.set_title("bytes read from storage per target device (needs: per process, right)" if bars.cooperative
+                 else "bytes per target device", fontsize=_FONT)
+    if per_process:
         bx = axes[1]
         scale_p, unit_p = _unit(max([max(n, r) for _, n, r, _ in bars.processes] + [1]))
         ps = range(len(bars.processes))
-        bx.bar([x - 0.2 for x in ps], [n / scale_p for _, n, _, _ in bars.processes], width=0.4, color="#9ecae1")
-        bx.bar([x + 0.2 for x in ps], [r / scale_p for _, _, r, _ in bars.processes], width=0.4, color="#08519c")
+        width = 0.27 if bars.cooperative else 0.4
+        bx.bar([x - width for x in ps] if bars.cooperative else [x - 0.2 for x in ps],
+               [n / scale_p for _, n, _, _ in bars.processes], width=width, color=_NEEDED, label="needed")
+        bx.bar(list(ps) if bars.cooperative else [x + 0.2 for x in ps],
+               [r / scale_p for _, _, r, _ in bars.processes], width=width, color=_READ, label="read")
+        if bars.cooperative:
+            bx.bar([x + width for x in ps], [g / scale_p for _, _, _, g in bars.processes], width=width, color=_RECEIVED,
+                   label="from peers")
         bx.set_xticks(list(ps), [label for label, *_ in bars.processes], fontsize=_FONT - 1,
                       rotation=45 if len(bars.processes) > 8 else 0)
         bx.set_xlabel("process", fontsize=_FONT)
         bx.set_ylabel(unit_p, fontsize=_FONT)
         bx.tick_params(axis="y", labelsize=_FONT - 1)
         bx.set_title("bytes per process", fontsize=_FONT)
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=_NEEDED, label="bytes needed"), Patch(color=_READ, label="bytes read from storage")]
+    if bars.cooperative:
+        handles.append(Patch(color=_RECEIVED, label="bytes received from peers"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=_FONT - 1, frameon=False)
     fig.suptitle(f"{title or 'restore plan of ' + first.path}\n" + plan_headline(bars), fontsize=_FONT + 1)
     return fig
 
