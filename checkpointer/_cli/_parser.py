@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", parents=[common], help="show a checkpoint's tree and metadata",
                        description="Show the tree of the checkpoint at PATH (per leaf: shape, dtype, saved sharding, "
                        "chunk and inner chunk shapes, bytes), its step, process count, versions and user metadata. "
-                       "Reads only manifest.json; needs no devices.")
+                       "Reads only manifest.json (with --png also processes/<i>.json); needs no devices.")
     p.add_argument("path", metavar="PATH")
     p.add_argument("--png", metavar="OUT", help="also draw the shard maps of the selected leaves (--leaf; default: the "
                    "largest) into the PNG file OUT: which process and device wrote each chunk, replicas skipped "
