@@ -35,7 +35,7 @@ def cli_markdown() -> str:
         parser = build_parser()
         sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
         helps = {a.dest: a.help for a in sub._choices_actions}
-        out = ["```text", f"$ checkpointer --help", parser.format_help().rstrip(), "```", ""]
+        out = ["```text", "$ checkpointer --help", parser.format_help().rstrip(), "```", ""]
         for name, command in sub.choices.items():
             out += [f"## `checkpointer {name}`", "", f"{helps.get(name, '')[:1].upper()}{helps.get(name, '')[1:]}.", "",
                     "```text", f"$ checkpointer {name} --help", command.format_help().rstrip(), "```", ""]
