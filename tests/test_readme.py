@@ -23,3 +23,14 @@ def test_the_readmes_python_examples_run_as_written(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert float(done.stdout.split()[0]) < 1.01  # the printed read amplification
     assert sorted(int(n) for n in os.listdir(tmp_path / "run") if n.isdigit()) == [0, 100, 200]  # the interval's steps
+
+
+def test_the_readme_is_a_front_page_whose_links_resolve():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 15 and "docs/format.md" in local and "docs/api.md" in local
+    assert [link for link in local if not (ROOT / link).exists()] == []
+    # No hand-written timings: figures come from the benchmark scripts (benchmarks/RESULTS.md).
+    assert not re.search(r"\b\d+(\.\d+)?\s*(s|ms|seconds|minutes?)\b", text.replace("2 × 4", "")), "a timing in the README"
