@@ -62,7 +62,10 @@ def api_markdown() -> str:
                                     ("Errors", errors, "autoexception")):
         out += [f"## {title}", ""]
         for name in names:
-            out += ["```{eval-rst}", f".. {directive}:: checkpointer.{name}", "```", ""]
+            # A class's methods from its bases too (the manager's restore and listing live in
+            # base classes); an error's are BaseException's, which are not ours to document.
+            options = ["   :inherited-members:"] if directive == "autoclass" else []
+            out += ["```{eval-rst}", f".. {directive}:: checkpointer.{name}", *options, "```", ""]
     return "\n".join(out)
 
 
