@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-import shutil
 from pathlib import Path
 
 
@@ -72,13 +71,21 @@ def api_markdown() -> str:
 def notebook(docs: Path) -> None:
     """Places the inspection notebook where the toctree finds it: the executed copy the test
     suite left in build/notebooks/ if there is one, else the committed (unexecuted) notebook."""
+    import json
+
     root = docs.parent
     executed = root / "build" / "notebooks" / "inspect_checkpoint.ipynb"
     source = executed if executed.exists() else root / "notebooks" / "inspect_checkpoint.ipynb"
-    target = docs / "notebooks" / "inspect_checkpoint.ipynb"
-    target.parent.mkdir(exist_ok=True)
-    if not target.exists() or target.read_bytes() != source.read_bytes():
-        shutil.copyfile(source, target)
+    nb = json.loads(source.read_text(encoding="utf-8"))
+    if source != executed:  # say why the page has no outputs, under its title
+        note = ("*This build found no executed copy of the notebook, so it shows the code without its outputs: "
+                "the test suite executes the notebook (`make test` before `make docs`); the site never does.*")
+        at = 1 if nb["cells"] and nb["cells"][0]["cell_type"] == "markdown" else 0
+        cell = {"cell_type": "markdown", "metadata": {}, "source": [note]}
+        if nb.get("nbformat", 4) >= 4 and nb.get("nbformat_minor", 0) >= 5:
+            cell["id"] = "docs-build-note"  # cell ids are required from nbformat 4.5
+        nb["cells"].insert(at, cell)
+    _write_if_changed(docs / "notebooks" / "inspect_checkpoint.ipynb", json.dumps(nb, indent=1) + "\n")
 
 
 def all_pages(docs: Path) -> None:
