@@ -64,7 +64,7 @@ def _read_host(
         ) from e
 
 
-def _leaf_devices(lt: Any) -> dict[int, jax.sharding.Sharding]:
+def _leaf_devices(lt: Any) -> dict[int, jax.sharding.SingleDeviceSharding]:
     """Where each device's piece goes: the device, in the target's memory kind (so a
     target in pinned_host memory gets host-offloaded arrays); {} for a host target."""
     if lt.sharding is None:
