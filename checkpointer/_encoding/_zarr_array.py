@@ -54,7 +54,7 @@ def _read_host(
     if b.box.size == 0:
         return np.zeros(b.box.shape, meta.dtype)
     if store is None:
-        return _read.read_box(storage, path, meta, b, ctx.chunk_pool, ctx.stats, into)
+        return _read.read_box(storage, path, meta, b, ctx.chunk_pool, ctx.stats, into, ctx.max_over_read_ratio, ctx.read_chunk_bytes)
     try:
         return store[b.box.slices()].read().result()
     except ValueError as e:  # TensorStore reports missing, truncated and checksum-failing data as ValueError
