@@ -67,7 +67,8 @@ def _allocator(specs: tuple[tuple[tuple[int, ...], np.dtype], ...], devices: tup
 def _allocate_all(requests: Sequence[tuple[tuple[int, ...], np.dtype, Any]]) -> list[jax.Array]:
     """Per `(shape, dtype, device)` request, a single-device array whose buffer XLA
     allocated, untouched; a few programs for all of them (one per set of devices and
-    `_BATCH_ARRAYS` arrays), each compiled once per process."""
+    `_BATCH_ARRAYS` arrays, and per number of leaves sharing a shape), each compiled once
+    per process."""
     # Per (shape, dtype), each device's requests; slot k holds the k-th request of every
     # device that has more than k (two leaves of one shape on one device: two slots).
     by_spec: dict[tuple[tuple[int, ...], np.dtype], dict[Any, list[int]]] = {}
@@ -80,14 +81,22 @@ def _allocate_all(requests: Sequence[tuple[tuple[int, ...], np.dtype, Any]]) -> 
             slots.setdefault(devices, []).append((spec, [per_device[d][k] for d in devices]))
     arrays: list[Any] = [None] * len(requests)
     for devices, entries in slots.items():
-        entries.sort(key=lambda e: (e[0][0], e[0][1].str))  # the same requests give the same (cached) program
-        for at in range(0, len(entries), _BATCH_ARRAYS):
-            batch = entries[at : at + _BATCH_ARRAYS]
-            stacked = _allocator(tuple(spec for spec, _ in batch), devices)()
-            for (_, indices), whole in zip(batch, stacked, strict=True):
-                by_device = {s.device: s.data for s in whole.addressable_shards}
-                for d, i in zip(devices, indices, strict=True):
-                    arrays[i] = by_device[d]
+        # Round r allocates the r-th slot of every spec that has more than r: the same
+        # few programs however many leaves share a shape (300 leaves of one shape: one
+        # single-output program run 300 times; of 300 shapes: one 300-output program).
+        per_spec: dict[tuple[tuple[int, ...], np.dtype], list[list[int]]] = {}
+        for spec, indices in entries:
+            per_spec.setdefault(spec, []).append(indices)
+        ordered = sorted(per_spec, key=lambda sp: (sp[0], sp[1].str))  # the same requests give the same (cached) programs
+        for r in range(max(len(v) for v in per_spec.values())):
+            present = [sp for sp in ordered if len(per_spec[sp]) > r]
+            for at in range(0, len(present), _BATCH_ARRAYS):
+                batch = present[at : at + _BATCH_ARRAYS]
+                stacked = _allocator(tuple(batch), devices)()
+                for spec, whole in zip(batch, stacked, strict=True):
+                    by_device = {s.device: s.data for s in whole.addressable_shards}
+                    for d, i in zip(devices, per_spec[spec][r], strict=True):
+                        arrays[i] = by_device[d]
     for i, (shape, _, _) in enumerate(requests):
         if not shape:  # a scalar: one block of one element, reshaped (a few bytes)
             arrays[i] = arrays[i].reshape(())
