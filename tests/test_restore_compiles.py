@@ -81,3 +81,34 @@ def test_leaves_of_one_shape_on_one_device_get_their_own_buffers():
     assert len(pointers) == len(requests)
     for k, (array, _) in enumerate(made):
         np.testing.assert_array_equal(np.asarray(array), np.full(array.shape, k + 1, array.dtype))
+
+
+def test_destinations_compile_a_few_programs_whatever_the_mix_of_shapes():
+    # In a fresh process (nothing cached); one program per set of devices and per number
+    # of boxes sharing a shape on them. 300 boxes of one shape spread over 8 devices (38
+    # on 4 of them, 37 on the others): two single-output programs. 300 shapes sharded
+    # over 8 devices: one program. 300 shapes each on one device: one per device. A
+    # transformer-like mix (24 layers of 4 shapes, 3 shapes once): two.
+    script = textwrap.dedent("""
+        import jax, numpy as np
+        import jax.monitoring
+        from checkpointer._memory import device_destinations
+        compiles = []
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda event, duration_s, **kw: compiles.append(1) if event == "/jax/core/compile/backend_compile_duration" else None)
+        on = [jax.sharding.SingleDeviceSharding(d) for d in jax.devices()]
+        def count(requests):
+            before = len(compiles)
+            made = device_destinations(requests)
+            assert all(m is not None and m[0].shape == r[0] for m, r in zip(made, requests))
+            return len(compiles) - before
+        same = [((64, 32), np.float32, on[i % 8]) for i in range(300)]
+        distinct = [((8 + i, 32), np.float32, d) for i in range(300) for d in on]
+        apart = [((400 + i, 32), np.float32, on[i % 8]) for i in range(300)]
+        mixed = [((s, 16), np.float32, d) for _ in range(24) for s in (3, 5, 7, 9) for d in on] + [((2, s), np.float32, on[0]) for s in (1, 2, 3)]
+        print(count(same), count(distinct), count(apart), count(mixed))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env).stdout.split()
+    same, distinct, apart, mixed = map(int, out[-4:])
+    assert (same, distinct, apart, mixed) == (2, 1, 8, 2), out
