@@ -66,6 +66,13 @@ class CommitTimeoutError(SaveError, TimeoutError):
     """Some processes did not report their shards durable within the commit timeout."""
 
 
+class UnknownMetricError(CheckpointError, KeyError):
+    """A metric was asked for that no save of the directory ever passed (`best_step`)."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted, as a key
+        return str(self.args[0]) if self.args else ""
+
+
 class ProcessCountMismatchError(CheckpointError, ValueError):
     """Per-process state was asked for by a job whose process count differs from the
     save's, without saying how to map the saved records onto its processes."""
