@@ -291,7 +291,7 @@ def test_disk_full_for_real(small_tmpfs):
     run = f"{small_tmpfs}/run"
     ckpt.save(f"{run}/1", _tree(1.0))
     big = {"w": np.ones((3 << 20) // 4, np.float32), "v": np.ones((3 << 20) // 4, np.float32), "x": np.ones((4 << 20) // 4, np.float32)}
-    for attempt in range(2):  # twice: the first failure must have freed its space
+    for _attempt in range(2):  # twice: the first failure must have freed its space
         with pytest.raises(ckpt.SaveError, match=r"No space left on device") as e:
             ckpt.save(f"{run}/2", big)
         assert isinstance(e.value, OSError) and f"{run}/2.partial-" in str(e.value) and "(process 0)" in str(e.value)
