@@ -114,6 +114,7 @@ def test_the_probe_commit_lag_agrees_with_status_in_the_job_while_a_save_is_in_f
         monkeypatch.setattr(_save, "write_snapshot", held)
         try:
             mgr.save(12, _tree(12))
+            mgr._deleter.submit(lambda: None).result()  # the note is written off the training thread (FIFO, one thread)
             job = mgr.status()
             assert (job.latest_committed_step, job.step_in_flight, job.commit_lag_steps) == (9, 12, 3), job
             code, out, _ = _status(capsys, d, "--json", "--max-lag-steps", "2")

@@ -139,9 +139,10 @@ class DirectoryStatus:
       step_in_flight: the newest step being saved (POSIX: a partial folder whose save
         holds its lock; object stores: a newer `<step>/` without marker), or None.
       last_requested_step: the newest step the writer noted handing to `save`, or None.
-        Noted when a save starts, except that while the last noted step is still in
-        flight a newer one is noted at most every `REQUESTED_EVERY_S` (10) seconds: so
-        it may be up to 10 s behind the job, never behind a step still in flight.
+        Noted when a save starts (written off the training thread, moments later),
+        except that while the last noted step is still in flight a newer one is noted at
+        most every `REQUESTED_EVERY_S` (10) seconds: so it may be up to 10 s behind the
+        job, never behind a step still in flight.
       commit_lag_steps: the newer of `last_requested_step` and `step_in_flight`, minus
         `latest_committed_step` (0 when not behind; None when neither is known): the
         job's `CheckpointManager.status().commit_lag_steps`, counting a save in flight,
