@@ -162,7 +162,7 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
     if not storage.cheap_size:
         return
     expected = meta.layout.file_bytes
-    here = where(leaf=meta.path, path=path, process=_errors.this_process())
+    here = where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())
     seen: set[str] = set()
     for key in keys:  # may be a generator: stops at the first bad file, holding only what it checked
         if key in seen:
@@ -217,7 +217,7 @@ def read_chunk_into(
         index entry is missing or out of range, or a checksum fails; the message names
         the leaf and the chunk key.
     """
-    what = f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: chunk {read.chunk_key}"
+    what = f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())}: chunk {read.chunk_key}"
     try:
         f = _ChunkFile(storage, path, read.chunk_key, stats)
     except OSError as e:
@@ -353,14 +353,14 @@ def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[
     try:
         store = open_zarr_array(storage, path, meta).result()
     except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
-        raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: cannot open the zarr array: {e}") from e
+        raise CorruptCheckpointError(f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())}: cannot open the zarr array: {e}") from e
 
     def read(box: Box) -> np.ndarray:
         try:
             return store[box.slices()].read().result()
         except ValueError as e:  # TensorStore reports missing, truncated and damaged data as ValueError
             raise CorruptCheckpointError(
-                f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: reading box {box} failed: {e}. "
+                f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())}: reading box {box} failed: {e}. "
                 f"Run `checkpointer verify {path}` for a full report."
             ) from e
 

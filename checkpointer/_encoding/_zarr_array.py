@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import _errors, _format
-from .._errors import CorruptCheckpointError, where
+from .._errors import CorruptCheckpointError, leaf_name, where
 from .._format import ArrayMetadata, Box, ProcessRecord, cell_box, grid_cells
 from .._memory import device_destination_supported, device_destinations
 from .._storage import Storage
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 def _check_stored(store: ts.TensorStore, meta: ArrayMetadata, path: str) -> None:
     if tuple(store.shape) != meta.shape or np.dtype(store.dtype.numpy_dtype) != meta.dtype:
         raise CorruptCheckpointError(
-            f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: zarr.json says {tuple(store.shape)} "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())}: zarr.json says {tuple(store.shape)} "
             f"{store.dtype.numpy_dtype}, the manifest says {meta.shape} {meta.dtype}. Run `checkpointer verify {path}`."
         )
 
@@ -59,7 +59,7 @@ def _read_host(
         return store[b.box.slices()].read().result()
     except ValueError as e:  # TensorStore reports missing, truncated and checksum-failing data as ValueError
         raise CorruptCheckpointError(
-            f"{where(leaf=meta.path, path=path, process=ctx.process_index)}: reading box {b.box} failed: {e}. "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=ctx.process_index)}: reading box {b.box} failed: {e}. "
             f"Run `checkpointer verify {path}` for a full report."
         ) from e
 
@@ -126,7 +126,7 @@ def _read_leaf(
             store = _read.open_zarr_array(storage, path, meta).result()
         except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
             raise CorruptCheckpointError(
-                f"{where(leaf=meta.path, path=path, process=ctx.process_index)}: cannot open the zarr array: {e}. "
+                f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=ctx.process_index)}: cannot open the zarr array: {e}. "
                 f"Run `checkpointer verify {path}`."
             ) from e
         _check_stored(store, meta, path)
@@ -275,11 +275,11 @@ class ZarrArrayEncoding(LeafEncoding):
                     n = data.nbytes
                     rec = ctx.chunks.get(key)
                     if rec is None:
-                        ctx.problems.append(f"leaf {m.path!r}: chunk {key} is not in any process record")
+                        ctx.problems.append(f"leaf {leaf_name(m.path, m.keystr)}: chunk {key} is not in any process record")
                     elif rec.data_crc32c != _format.data_crc32c(data):
-                        ctx.problems.append(f"leaf {m.path!r}: chunk {key} decodes to bytes whose crc32c differs from the writer's record")
+                        ctx.problems.append(f"leaf {leaf_name(m.path, m.keystr)}: chunk {key} decodes to bytes whose crc32c differs from the writer's record")
                 except Exception as e:  # every failure is a finding, keep going
-                    ctx.problems.append(f"leaf {m.path!r}: chunk {key}: {str(e).splitlines()[0]}")
+                    ctx.problems.append(f"leaf {leaf_name(m.path, m.keystr)}: chunk {key}: {str(e).splitlines()[0]}")
                 ctx.done(1, n)
 
     def region_reader(self, storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:

@@ -103,9 +103,12 @@ def save_async(
     until `ckpt.release_host_buffers()`.
 
     Returns:
-      An `AsyncSave`: `.wait(timeout=None)` returns when committed and raises the
-      background error if there was one; `.done()`. A failure that no `wait()` raised
-      is logged at ERROR when the handle is garbage-collected or at exit.
+      An `AsyncSave`, which is a `concurrent.futures.Future`: `.wait(timeout=None)`
+      returns when committed and raises the background error if there was one;
+      `.result(timeout)` returns the path once committed (raises as `wait`),
+      `.exception()`, `.add_done_callback(fn)`, `.done()`, `.error`. A failure that no
+      `wait()`, `result()` or `exception()` saw is logged at ERROR when the handle is
+      garbage-collected or at exit.
     Raises:
       As `save`, for what is checked before the snapshot.
 

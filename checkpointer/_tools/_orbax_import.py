@@ -27,7 +27,7 @@ array, restored as a Python number), `string`, or for empty nodes `None`, `Dict`
 per item (`default/`, `state/`, ...).
 
 The import builds the tree as Orbax restores it without a target (dicts and lists,
-Python scalars), keeps each array's saved sharding and shard shape, and writes it with
+Python scalars; numpy scalars of other dtypes than Python's numbers keep their type), keeps each array's saved sharding and shard shape, and writes it with
 `_stream_save.save_leaf_by_leaf`: one chunk at a time, never the whole tree in memory.
 Typed PRNG keys keep their impl (restored as typed keys). An empty node Orbax wrote as
 `None` (optax's `EmptyState()`, any empty NamedTuple) stays a None leaf, listed as a
@@ -187,6 +187,20 @@ class OrbaxItem:
     prng_keys: tuple[str, ...]
 
 
+# The dtypes Orbax stores a Python bool, int, float or complex as: such a scalar comes back
+# as the Python number (as Orbax restores it); any other dtype was a numpy scalar.
+_PYTHON_SCALAR_DTYPES = frozenset(np.dtype(t) for t in (np.bool_, np.int64, np.float64, np.complex128))
+
+
+def _scalar(value: np.ndarray) -> object:
+    """An Orbax `scalar` leaf: a Python number for the dtypes of Python's numbers, else the
+    numpy scalar of its dtype (`np.float32(1.5)` keeps its type; `np.int64(-3)` is stored
+    as a Python int is, so it comes back as one unless the target holds a numpy scalar)."""
+    if value.ndim != 0:
+        return value
+    return value.item() if value.dtype in _PYTHON_SCALAR_DTYPES else value[()]
+
+
 def _reader(store: ts.TensorStore) -> RegionReader:
     return lambda box: store[box.slices()].read().result()
 
@@ -252,7 +266,7 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
             dtype = np.dtype(store.dtype.numpy_dtype)
             if value_type == "scalar":
                 value = np.asarray(store.read().result())
-                flat.append((keys, value.item() if value.ndim == 0 else value))
+                flat.append((keys, _scalar(value)))
                 continue
             b64 = base64.b64encode(name.encode()).decode()
             saved, shard = _saved_sharding(shardings.get(b64), shape)

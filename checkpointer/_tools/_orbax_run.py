@@ -289,9 +289,14 @@ def import_orbax(
     Reads through TensorStore only (Orbax need not be installed): OCDBT or plain zarr
     (v2 or v3) layouts, with Orbax's PyTree metadata (`_METADATA`, `_sharding`,
     `_strings.json`, `array_metadatas/`). The tree comes out as Orbax restores it
-    without a target: dicts and lists, scalars as Python numbers, strings; each array
+    without a target: dicts and lists, scalars as Python numbers (a numpy scalar
+    of a dtype no Python number is stored as, `np.float32(1.5)`, keeps its type; a target
+    holding numpy scalars gets its own types back), strings; each array
     keeps its dtype, global shape and saved sharding, and restores onto any mesh like a
-    checkpoint written by `ckpt.save`. Typed PRNG keys come back typed. Empty nodes
+    checkpoint written by `ckpt.save`. Typed PRNG keys come back typed. Integer keys
+    of NNX containers (`nnx.State`, `nnx.List` layers), which Orbax writes as strings
+    (`'0'`), stay strings without a target and match the target's integer keys on
+    restore (`restore`'s matching: for Orbax imports only). Empty nodes
     Orbax wrote as None (optax's `EmptyState()`) are None leaves that restore into the
     target's empty container; the report and `user_metadata["imported_from"]
     ["placeholders"]` list them.
