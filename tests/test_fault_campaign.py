@@ -40,6 +40,7 @@ def test_process_faults_keep_every_invariant(tmp_path):
         d = tmp_path / str(i)
         d.mkdir()
         total.add(process_job(100 + i, 1, str(d), num_processes=n, two_tiers=tiers, kinds=(kind,)))
+    assert {k for k, _ in total.injected} == {"sigterm", "sigkill", "sigstop_peer"}, (total.injected, total.missed)
     _assert_no_violation(total)
 
 

@@ -253,7 +253,7 @@ def loop_worker(run_dir: str, local_dir: str | None, first_step: int, steps: int
     layer = FaultLayer(roots, durable_root=run_dir if local_dir else None)
 
     def on_signal(sig: int) -> None:
-        testing.emit(event="signalled", sig=int(sig), op=layer.fired.op if layer.fired else "", path=layer.fired.path if layer.fired else "")
+        testing.emit(event="signalled", wall=time.time(), sig=int(sig), op=layer.fired.op if layer.fired else "", path=layer.fired.path if layer.fired else "")
         os.kill(os.getpid(), sig)
 
     layer.on_signal = on_signal
@@ -278,7 +278,7 @@ def loop_worker(run_dir: str, local_dir: str | None, first_step: int, steps: int
                 _state.differences(mgr.restore(latest), latest)
             layer.phase = None
         except BaseException as e:
-            testing.emit(event="failed", type=type(e).__name__, documented=_documented(e), message=str(e)[:500],
+            testing.emit(event="failed", wall=time.time(), type=type(e).__name__, documented=_documented(e), message=str(e)[:500],
                          elapsed_s=time.monotonic() - t0)
             raise
         finally:
@@ -330,7 +330,7 @@ def process_job(seed: int, faults: int, workdir: str, *, num_processes: int, two
         stopper = None
         if kind == "sigstop_peer":
             stopper = _Stopper(victim, run_dir, step, delay_s=rng.uniform(0.0, 1.5), kill_after_s=limit_s - 10)
-        jt = time.monotonic()
+        jt, jt_wall = time.monotonic(), time.time()
         try:
             with (stopper or _nullcontext()):
                 results = testing.run_processes(loop_worker, num_processes, 2, args, timeout_s=limit_s, fail_fast=False,
@@ -350,7 +350,19 @@ def process_job(seed: int, faults: int, workdir: str, *, num_processes: int, two
             tally.injected[(kind, point)] += 1
         else:
             tally.missed[(kind, point)] += 1
+        struck_wall = min((x["wall"] for r in results for x in r.records if x["event"] == "signalled"), default=None)
+        if stopper is not None and stopper.stopped_wall is not None:
+            struck_wall = stopper.stopped_wall
         for r in results:
+            # Every other process fails (or is ended by jax.distributed) within its timeout of the fault.
+            ended_wall = jt_wall + r.elapsed_s
+            failed = [x for x in r.records if x["event"] == "failed"]
+            if failed:
+                ended_wall = failed[0]["wall"]
+            if (struck_wall is not None and r.returncode != 0 and not r.killed_by_harness
+                    and ended_wall - struck_wall > peer_limit_s and not (stopper and r.process_id == victim)):
+                tally.violations.append((kind, point, "error too late", f"{where}: process {r.process_id} ended "
+                                         f"{ended_wall - struck_wall:.0f} s after the fault (limit {peer_limit_s:.0f} s)"))
             for rec in r.records:
                 if rec["event"] == "failed" and not rec["documented"]:
                     tally.violations.append((kind, point, "undocumented error", f"{where}: process {r.process_id}: {rec['type']}: {rec['message']}"))
@@ -362,6 +374,13 @@ def process_job(seed: int, faults: int, workdir: str, *, num_processes: int, two
         if kind == "sigterm" and fired and results and any(r.returncode != 0 for r in results):
             tally.violations.append((kind, point, "preemption not clean", f"{where}: {[r.returncode for r in results]}\n"
                                      + "\n".join(r.describe()[-1500:] for r in results if r.returncode != 0)))
+        preempted = {x["step"] for r in results for x in r.records if x["event"] == "preempted"}
+        if len(preempted) > 1:
+            tally.violations.append((kind, point, "preemption steps differ", f"{where}: {sorted(preempted)}"))
+        for s_ in preempted:  # reached_preemption(step) said the step is committed
+            if s_ not in committed_steps(run_dir):
+                tally.violations.append((kind, point, "preemption step not committed",
+                                         f"{where}: step {s_}, committed {committed_steps(run_dir)}"))
         if job_s > limit_s:
             tally.violations.append((kind, point, "error too late", f"{where}: the job took {job_s:.0f} s"))
         before = len(inv.violations)
@@ -417,6 +436,7 @@ class _Stopper:
         self.victim, self.run_dir, self.first_step = victim, run_dir, first_step
         self.delay_s, self.kill_after_s = delay_s, kill_after_s
         self.stopped = False
+        self.stopped_wall: float | None = None
         self.others_ended_s: float | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -458,7 +478,7 @@ class _Stopper:
             victim.send_signal(signal.SIGSTOP)
         except psutil.Error:
             return
-        self.stopped = True
+        self.stopped, self.stopped_wall = True, time.time()
         t = time.monotonic()
         while time.monotonic() - t < self.kill_after_s and not self._done.is_set():
             if not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in job.values()):

@@ -58,7 +58,7 @@ _SYSCALLS = {"write", "pwrite", "fsync", "open_write"}
 # restore only reads).
 POINT_KINDS = {
     "save": STORAGE_KINDS, "commit": STORAGE_KINDS, "replication": STORAGE_KINDS,
-    "retention": ("eio", "fsync_eio", "slow_io"), "restore": ("eio", "slow_io"),
+    "retention": ("eio", "slow_io"), "restore": ("eio", "slow_io"),
 }
 
 
