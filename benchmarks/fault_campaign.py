@@ -15,8 +15,11 @@ Faults:
     sigstop_peer       a process stops answering (SIGSTOP) after the job's first commit;
                        the others must fail with a documented error (or be ended by
                        jax.distributed's heartbeat) within the commit timeout + slack
-  Each in one tier and two tiers (`local_directory`), the processes' jobs resumed by a
-  fresh clean job after each fault.
+  storage faults in jobs of 4 processes too (spread over the processes, 15 a job): a
+  process's failed write must reach every process as a documented error, the loop goes
+  on (as a training loop that keeps training would) and a clean save must commit on all.
+  Each in one tier and two tiers (`local_directory`), the process-fault jobs resumed by
+  a fresh clean job after each fault.
 
 Invariants, after each fault (a violation is counted per failed check):
   - the newest committed step never goes back;
@@ -28,14 +31,15 @@ Invariants, after each fault (a violation is counted per failed check):
   - every failure raises a documented error (a `CheckpointError`) within its timeout.
 
 Run (the long campaign, >= 1,000 faults, about 1-2 h on 2 cores):
-  PYTHONPATH=. .venv/bin/python benchmarks/fault_campaign.py --seed 27 --faults 1200 --minutes 120
+  PYTHONPATH=. .venv/bin/python benchmarks/fault_campaign.py --seed 27 --faults 1500 --process-share 0.1 --minutes 110 --json /tmp/campaign.json
 
 A medium one (about 5 minutes):
-  PYTHONPATH=. .venv/bin/python benchmarks/fault_campaign.py --seed 1 --faults 150
+  PYTHONPATH=. .venv/bin/python benchmarks/fault_campaign.py --seed 1 --faults 150 --process-share 0.1
 
 Options: --seed (reproducible up to timing), --faults N, --minutes budget (stops arming
 new faults then), --process-share (share of process faults, default 0.05: each costs a
-job start), --json FILE (the tally, violations included). Exit status 1 when any
+job start and a resuming job), --mp-storage-share (share of the storage faults injected
+in jobs of 4 processes, default 0.3), --json FILE (the tally, violations included). Exit status 1 when any
 violation was found; each violation prints with its seed, job, kind, point and countdown
 (`Fault(kind, point, countdown)`), enough to replay it with `storage_job` or `process_job`.
 """
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", type=int, default=150, help="faults to arm in all")
     parser.add_argument("--minutes", type=float, default=None, help="stop arming new faults after this long")
     parser.add_argument("--process-share", type=float, default=0.05, help="share of process faults (SIGKILL, SIGTERM, SIGSTOP)")
+    parser.add_argument("--mp-storage-share", type=float, default=0.3, help="share of the storage faults in jobs of 4 processes")
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 4], help="process counts of the process jobs")
     parser.add_argument("--json", default=None, help="write the tally (with every violation) to this file")
     parser.add_argument("--workdir", default=None, help="where the runs' temporary folders go")
@@ -78,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{sum(t.missed.values())} not reached, {len(t.violations)} violations, {t.jobs} jobs")
 
     tally = run_campaign(args.seed, args.faults, minutes=args.minutes, storage_share=1.0 - args.process_share,
+                         multiprocess_storage_share=args.mp_storage_share,
                          workdir=args.workdir, process_counts=args.processes, progress=progress)
     tally.wall_s = time.monotonic() - t0
     console.print(table(tally, title=f"fault campaign: seed {args.seed}, --faults {args.faults}"))

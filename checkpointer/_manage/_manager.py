@@ -462,6 +462,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         def after_commit() -> None:
             start = time.time()
             try:
+                _commit.remove_leftovers(self.storage, self.directory)  # of failed saves: not left for recovery
                 self._apply_retention(protect={step})
             finally:
                 if snap is not None:

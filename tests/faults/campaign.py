@@ -275,7 +275,7 @@ def loop_worker(run_dir: str, local_dir: str | None, first_step: int, steps: int
                 layer.phase = "restore"
             latest = mgr.latest_step()
             if latest is not None:
-                _state.differences(mgr.restore(latest), latest)
+                testing.emit(event="restored", step=latest, diff=_state.differences(mgr.restore(latest), latest))
             layer.phase = None
         except BaseException as e:
             testing.emit(event="failed", wall=time.time(), type=type(e).__name__, documented=_documented(e), message=str(e)[:500],
@@ -364,6 +364,8 @@ def process_job(seed: int, faults: int, workdir: str, *, num_processes: int, two
                 tally.violations.append((kind, point, "error too late", f"{where}: process {r.process_id} ended "
                                          f"{ended_wall - struck_wall:.0f} s after the fault (limit {peer_limit_s:.0f} s)"))
             for rec in r.records:
+                if rec["event"] == "restored" and rec["diff"]:
+                    tally.violations.append((kind, point, "not bit-exact", f"{where}: process {r.process_id}: {rec}"))
                 if rec["event"] == "failed" and not rec["documented"]:
                     tally.violations.append((kind, point, "undocumented error", f"{where}: process {r.process_id}: {rec['type']}: {rec['message']}"))
                 if rec["event"] == "done" and rec["outside"]:
@@ -401,6 +403,130 @@ def process_job(seed: int, faults: int, workdir: str, *, num_processes: int, two
         inv.after_fault(where + " (resumed)")
         step += 1
         tally.violations += [(kind, point, c, m) for c, m in inv.violations[before:]]
+    tally.wall_s = time.monotonic() - t0
+    return tally
+
+
+def storage_loop_worker(run_dir: str, local_dir: str | None, first_step: int, plan: list, steps_per_fault: int) -> None:
+    """One process of a `multiprocess_storage_job`: the loop, with this process's storage
+    faults of `plan` (`[process, kind, point, countdown]` rows) armed one after the
+    other (the next once the previous struck). A save that fails with a documented
+    error is recorded (`save_failed`) and the loop goes on, as a training loop that
+    keeps training would; an undocumented one fails the process. At the end: one clean
+    save (`clean`, which must commit) and a restore of the newest step (`restored`)."""
+    import jax
+
+    from checkpointer import testing
+
+    me = jax.process_index()
+    layer = FaultLayer([run_dir] + ([local_dir] if local_dir else []), durable_root=run_dir if local_dir else None)
+    mine = [Fault(k, p, c) for proc, k, p, c in plan if proc == me]
+    steps = max(1, len(plan)) * steps_per_fault
+    t0 = time.monotonic()
+
+    def attempt(fn: Any, what: str) -> bool:
+        t = time.monotonic()
+        try:
+            fn()
+            return True
+        except ckpt.CheckpointError as e:
+            testing.emit(event="save_failed", what=what, type=type(e).__name__, message=str(e)[:300],
+                         took_s=time.monotonic() - t)
+            return False
+        except BaseException as e:
+            testing.emit(event="failed", wall=time.time(), type=type(e).__name__, documented=False, message=str(e)[:500],
+                         elapsed_s=time.monotonic() - t0)
+            raise
+
+    with layer.installed():
+        if mine:
+            layer.arm(mine.pop(0))
+        mgr = _manager(run_dir, local_dir)
+        step = first_step
+        for step in range(first_step, first_step + steps):
+            attempt(lambda s=step: mgr.save(s, _state.make(s)), f"save {step}")
+            if layer.fired is not None:
+                f = layer.fired
+                testing.emit(event="struck", kind=f.fault.kind, point=f.fault.point, countdown=f.fault.countdown, op=f.op,
+                             path=f.path, step=step)
+                layer.fired = None
+                if mine:
+                    layer.arm(mine.pop(0))
+        attempt(mgr.wait_until_finished, "wait")
+        if layer.fired is not None:
+            f = layer.fired
+            testing.emit(event="struck", kind=f.fault.kind, point=f.fault.point, countdown=f.fault.countdown, op=f.op,
+                         path=f.path, step=step)
+        layer.disarm()
+        clean_step = step + 1
+        ok = attempt(lambda: (mgr.save(clean_step, _state.make(clean_step)), mgr.wait_until_finished()), "clean")
+        testing.emit(event="clean", step=clean_step, ok=ok)
+        latest = mgr.latest_step()
+        if latest is not None:
+            attempt(lambda: testing.emit(event="restored", step=latest, diff=_state.differences(mgr.restore(latest), latest)),
+                    "restore")
+        attempt(mgr.close, "close")
+        testing.emit(event="done", latest=latest, outside=layer.outside)
+
+
+def multiprocess_storage_job(seed: int, faults: int, workdir: str, *, num_processes: int, two_tiers: bool,
+                             kinds: Sequence[str] = STORAGE_KINDS, points: Sequence[str] = POINTS) -> Tally:
+    """One job of `num_processes` real processes with `faults` storage faults spread over
+    its processes (`storage_loop_worker`); then the invariants. Failures of one process's
+    writes must reach every process as documented errors (`SaveError`), the processes
+    must stay in step, and the clean save after the faults must commit on all."""
+    from checkpointer import testing
+
+    rng = random.Random(seed)
+    run_dir = os.path.join(workdir, "run")
+    local_dir = os.path.join(workdir, "local") if two_tiers else None
+    inv = Invariants(run_dir, local_dir, os.path.join(workdir, "sentinel"))
+    points = [p for p in points if p != "restore" and (two_tiers or p != "replication")]
+    plan = []
+    for _ in range(faults):
+        point = rng.choice(points)
+        kind = rng.choice([k for k in kinds if k in POINT_KINDS[point]])
+        victim = 0 if point == "retention" or (point == "commit" and not two_tiers) else rng.randrange(num_processes)
+        plan.append([victim, kind, point, rng.randint(1, 4)])
+    where = f"seed {seed} {num_processes} processes tiers={two_tiers} plan {plan}"
+    tally = Tally(jobs=1)
+    t0 = time.monotonic()
+    heartbeat_s = 10
+    limit_s = 60 + faults * 3 * (COMMIT_TIMEOUT_S + ERROR_SLACK_S)
+    args = dict(run_dir=run_dir, local_dir=local_dir, first_step=1, plan=plan, steps_per_fault=3)
+    try:
+        results = testing.run_processes(storage_loop_worker, num_processes, 2, args, timeout_s=limit_s, fail_fast=False,
+                                        check=False, heartbeat_timeout_s=heartbeat_s)
+    except testing.ProcessesFailed as e:
+        tally.violations.append((*(plan[0][1:3] if plan else ("-", "-")), "job hung past its limit", f"{where}: {str(e)[:3000]}"))
+        results = []
+    struck: collections.Counter = collections.Counter()
+    for r in results:
+        for rec in r.records:
+            if rec["event"] == "struck":
+                struck[(rec["kind"], rec["point"])] += 1
+    planned = collections.Counter((k, p) for _, k, p, _ in plan)
+    tally.injected.update(struck)
+    tally.missed.update(planned - struck)
+    label = (plan[0][1], plan[0][2]) if plan else ("-", "-")
+    for r in results:
+        if r.returncode != 0:
+            tally.violations.append((*label, "process failed", f"{where}: {r.describe()[-2500:]}"))
+        for rec in r.records:
+            if rec["event"] == "failed":
+                tally.violations.append((*label, "undocumented error", f"{where}: process {r.process_id}: {rec}"))
+            if rec["event"] == "save_failed" and rec["took_s"] > COMMIT_TIMEOUT_S + heartbeat_s + ERROR_SLACK_S:
+                tally.violations.append((*label, "error too late", f"{where}: process {r.process_id}: {rec}"))
+            if rec["event"] == "clean" and not rec["ok"]:
+                tally.violations.append((*label, "clean save failed", f"{where}: process {r.process_id}: "
+                                         + "; ".join(str(x) for x in r.records if x["event"] == "save_failed")[-1500:]))
+            if rec["event"] == "restored" and rec["diff"]:
+                tally.violations.append((*label, "not bit-exact", f"{where}: process {r.process_id}: {rec}"))
+            if rec["event"] == "done" and rec["outside"]:
+                tally.violations.append((*label, "outside touched", f"{where}: {rec['outside']}"))
+    inv.after_fault(where)
+    inv.after_clean_save(where)
+    tally.violations += [(*label, c, m) for c, m in inv.violations]
     tally.wall_s = time.monotonic() - t0
     return tally
 
@@ -496,27 +622,52 @@ class _Stopper:
 
 
 def run_campaign(seed: int, faults: int, *, minutes: float | None = None, storage_share: float = 0.9,
-                 workdir: str | None = None, process_counts: Sequence[int] = (1, 4),
-                 storage_faults_per_job: int = 50, progress: Any = None) -> Tally:
-    """The campaign: `faults` faults (or until `minutes` run out), `storage_share` of them
-    storage faults in-process (jobs of `storage_faults_per_job`, tiers on and off in
-    turn), the rest process faults (SIGKILL, SIGTERM, SIGSTOP) in jobs of 1 and 4
-    processes, tiers on and off. Deterministic in `seed` (up to timing)."""
+                 multiprocess_storage_share: float = 0.3, workdir: str | None = None,
+                 process_counts: Sequence[int] = (1, 4), storage_faults_per_job: int = 50,
+                 multiprocess_faults_per_job: int = 15, progress: Any = None) -> Tally:
+    """The campaign: `faults` faults armed (or until `minutes` run out).
+
+    - `storage_share` of them are storage faults: `multiprocess_storage_share` of those
+      in jobs of the largest process count (`multiprocess_storage_job`, 15 faults a
+      job), the rest in this process (`storage_job`, 50 a job); tiers off and on in turn;
+    - the rest are process faults (SIGKILL, SIGTERM, SIGSTOP: `process_job`, 2 a job)
+      over `process_counts` x (one tier, two tiers).
+
+    Deterministic in `seed` (up to timing)."""
     rng = random.Random(seed)
     deadline_s = None if minutes is None else time.monotonic() + minutes * 60
     n_storage = round(faults * storage_share)
-    n_process = faults - n_storage
+    n_mp_storage = round(n_storage * multiprocess_storage_share) if max(process_counts) > 1 else 0
+    n_storage -= n_mp_storage
+    n_process = faults - n_storage - n_mp_storage
     total = Tally()
+
+    def armed(t: Tally) -> int:
+        return t.faults + sum(t.missed.values())
+
+    def late() -> bool:
+        return deadline_s is not None and time.monotonic() > deadline_s
+
     with tempfile.TemporaryDirectory(prefix="fault-campaign-", dir=workdir) as tmp:
+        part = Tally()
         j = 0
-        while total.faults + sum(total.missed.values()) < n_storage:
-            if deadline_s is not None and time.monotonic() > deadline_s:
-                break
-            left = n_storage - total.faults - sum(total.missed.values())
+        while armed(part) < n_storage and not late():
             d = os.path.join(tmp, f"storage-{j}")
             os.makedirs(d)
-            t = storage_job(rng.randrange(2**31), min(storage_faults_per_job, left), d, two_tiers=j % 2 == 1,
-                            async_save=j % 3 != 2, deadline_s=deadline_s)
+            t = storage_job(rng.randrange(2**31), min(storage_faults_per_job, n_storage - armed(part)), d,
+                            two_tiers=j % 2 == 1, async_save=j % 3 != 2, deadline_s=deadline_s)
+            part.add(t)
+            total.add(t)
+            j += 1
+            if progress:
+                progress(total)
+        part = Tally()
+        while armed(part) < n_mp_storage and not late():
+            d = os.path.join(tmp, f"mp-storage-{j}")
+            os.makedirs(d)
+            t = multiprocess_storage_job(rng.randrange(2**31), min(multiprocess_faults_per_job, n_mp_storage - armed(part)),
+                                         d, num_processes=max(process_counts), two_tiers=j % 2 == 1)
+            part.add(t)
             total.add(t)
             j += 1
             if progress:
@@ -524,9 +675,7 @@ def run_campaign(seed: int, faults: int, *, minutes: float | None = None, storag
         combos = [(n, tiers) for n in process_counts for tiers in (False, True)]
         k = 0
         done = 0
-        while done < n_process:
-            if deadline_s is not None and time.monotonic() > deadline_s:
-                break
+        while done < n_process and not late():
             n, tiers = combos[k % len(combos)]
             d = os.path.join(tmp, f"process-{k}")
             os.makedirs(d)
@@ -555,5 +704,5 @@ def table(tally: Tally, title: str = "fault campaign") -> Any:
     return t
 
 
-__all__ = ["KINDS", "PROCESS_KINDS", "Tally", "loop_worker", "partial_folders", "process_job", "run_campaign",
-           "storage_job", "table"]
+__all__ = ["KINDS", "PROCESS_KINDS", "Tally", "loop_worker", "multiprocess_storage_job", "partial_folders", "process_job",
+           "run_campaign", "storage_job", "storage_loop_worker", "table"]
