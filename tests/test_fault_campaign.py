@@ -4,10 +4,13 @@ that stops answering (SIGSTOP) in a job of 4 processes; fails on any violation o
 invariants (tests/faults/invariants.py). The long campaign: benchmarks/fault_campaign.py."""
 
 import logging
+import os
+import sys
 
 import pytest
 
-from tests.faults import Fault, FaultLayer, Tally, multiprocess_storage_job, process_job, storage_job, table
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root: `tests.faults`
+from tests.faults import Fault, FaultLayer, Tally, multiprocess_storage_job, process_job, storage_job, table  # noqa: E402
 
 
 def _assert_no_violation(tally: Tally) -> None:
