@@ -213,13 +213,17 @@ class FaultLayer:
     @contextlib.contextmanager
     def installed(self) -> Iterator[FaultLayer]:
         """Wraps `LocalStorage` and the `os` of the local and direct storage modules for
-        the duration; restores them after."""
+        the duration; restores them after. One layer at a time per process (RuntimeError
+        otherwise); every thread of the process goes through it (the save and
+        replication threads too)."""
         import sys
 
         import checkpointer._storage  # noqa: F401  (the package, so its modules are loaded)
 
         local_mod = sys.modules["checkpointer._storage._local"]
         direct_mod = sys.modules["checkpointer._storage._direct"]
+        if isinstance(local_mod.os, _OsProxy):
+            raise RuntimeError("a FaultLayer is already installed in this process: one at a time")
         cls = local_mod.LocalStorage
         saved_methods = {name: cls.__dict__[name] for name in _STORAGE_OPS if name in cls.__dict__}
         saved_os = (local_mod.os, direct_mod.os)
