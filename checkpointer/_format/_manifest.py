@@ -220,7 +220,8 @@ def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
 
     Raises:
       CheckpointNotFoundError: no commit marker at `path`.
-      CorruptCheckpointError: the manifest is missing or malformed.
+      CorruptCheckpointError: the manifest is missing, malformed or cannot be read (an
+        I/O error: its cause).
     """
     if not storage.exists(f"{path}/{_layout.COMMITTED}"):
         parent, name = path.rstrip("/").rsplit("/", 1)
@@ -236,8 +237,11 @@ def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
     except (FileNotFoundError, IsADirectoryError) as e:
         raise CorruptCheckpointError(f"{path} is marked committed but has no {_layout.MANIFEST} file") from e
     except OSError as e:
-        if e.errno != errno.EFBIG:
-            raise
+        if e.errno != errno.EFBIG:  # EIO and the like: the documented error, as for a chunk that cannot be read
+            raise CorruptCheckpointError(
+                f"{path}/{_layout.MANIFEST} cannot be read: {e}. An I/O error is not always damage: try again, or "
+                f"check the checkpoint with `checkpointer verify {path}`"
+            ) from e
         raise CorruptCheckpointError(f"{path}/{_layout.MANIFEST} is larger than {_json.MAX_MANIFEST_BYTES} bytes") from e
     return parse_manifest(_json.loads(data, f"{path}/{_layout.MANIFEST}"), path)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 
 from .. import _commit, _coord, _encoding, _storage, _tools
-from .._errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
+from .._errors import CheckpointError, CheckpointExistsError, SaveError, UnsupportedValueError
 from .._format import metadata_json, metrics_json
 from .._memory import HostBufferPool
 from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
@@ -191,6 +191,17 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             )
         if self._writer_ready:
             return []
+        try:
+            return self._become_writer()
+        except CheckpointError:
+            raise
+        except OSError as e:  # the directory cannot be made or cleaned up: a save cannot start
+            raise SaveError(
+                f"cannot prepare {self.directory} for saving (process {_coord.process_index()}): {e}. Nothing was "
+                "written; the next save tries again, or fix the storage (a full or failing disk, permissions)"
+            ) from e
+
+    def _become_writer(self) -> list[str]:
         done: list[str] = []
         self.storage.makedirs(self.directory)
         if self._is_primary:
@@ -451,6 +462,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         def after_commit() -> None:
             start = time.time()
             try:
+                _commit.remove_leftovers(self.storage, self.directory)  # of failed saves: not left for recovery
                 self._apply_retention(protect={step})
             finally:
                 if snap is not None:

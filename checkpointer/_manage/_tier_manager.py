@@ -143,6 +143,7 @@ class LocalTier:
                 snap.lock = None
         snap.commit_s = time.perf_counter() - t0
         log.info("step %s committed on the local tier %s (process %d)", snap.step, self.root, snap.process_index)
+        _commit.remove_leftovers(self.storage, self.root)  # of failed local saves: not left for recovery
         self.apply_retention()
 
     # --- replication --------------------------------------------------------------------

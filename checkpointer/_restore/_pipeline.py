@@ -130,8 +130,9 @@ def restore(
         device while jax_enable_x64 is off); the message names the leaves (as
         `jax.tree_util.keystr` prints them) and the fix. StructureMismatchError also for a
         None target leaf over a saved subtree without `partial=True`.
-      CorruptCheckpointError: stored bytes or metadata are missing, malformed or fail a
-        checksum; names the leaf and chunk.
+      CorruptCheckpointError: stored bytes or metadata are missing, malformed, fail a
+        checksum or cannot be read (an I/O error, e.g. EIO: its cause); names the leaf
+        and chunk, or the file.
       RestoreAgreementError: (cooperative restore) another process restores another
         path, save or target, could not restore or read its share (its error is
         named), or did not arrive in time; raised on every process before the exchange.
@@ -266,11 +267,20 @@ def _target_may_share_boxes(target: object) -> bool:
 
 
 def _marker(storage: Storage, path: str) -> bytes | None:
-    """The commit marker's content (it names the save's generation), None if absent."""
+    """The commit marker's content (it names the save's generation), None if absent.
+
+    Raises:
+      CorruptCheckpointError: it cannot be read (an I/O error: its cause).
+    """
     try:
         return storage.read_file(f"{path}/{_format.COMMITTED}")
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as e:  # the documented error, as for a chunk that cannot be read
+        raise CorruptCheckpointError(
+            f"{path}/{_format.COMMITTED} cannot be read (process {jax.process_index()}): {e}. An I/O error is not "
+            f"always damage: try again, or check the checkpoint with `checkpointer verify {path}`"
+        ) from e
 
 
 def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
