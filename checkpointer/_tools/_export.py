@@ -45,7 +45,7 @@ import numpy as np
 
 from .. import _encoding
 from .._errors import CheckpointExistsError, StructureMismatchError, UnsupportedValueError
-from .._format import ArrayMetadata, Box, CheckpointMetadata, read_metadata, row_slabs
+from .._format import ArrayMetadata, Box, CheckpointMetadata, load_json, read_metadata, row_slabs
 from .._storage import Storage, storage_for
 
 DEFAULT_MAX_SHARD_BYTES = 5 << 30  # Hugging Face's default max_shard_size ("5GB")
@@ -188,7 +188,7 @@ def safetensors_dtype(dtype: np.dtype) -> str | None:
     except Exception:
         return None
     n = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8 : 8 + n])["x"]["dtype"]
+    return load_json(raw[8 : 8 + n], what="a safetensors header")["x"]["dtype"]
 
 
 def npz_supports(dtype: np.dtype) -> bool:

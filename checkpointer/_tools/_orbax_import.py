@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -49,7 +48,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
-from .._format import SavedSharding
+from .._format import MAX_JSON_BYTES, SavedSharding, load_json
 from .._save import ArraySource, RegionReader
 from .._storage import Storage, storage_for
 
@@ -96,10 +95,7 @@ def _read_json_object(storage: Storage, path: str, *, required: bool) -> dict:
         if required:
             raise CheckpointNotFoundError(f"{path} is missing")
         return {}
-    try:
-        obj = json.loads(storage.read_file(path))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from e
+    obj = load_json(storage.read_file(path, max_bytes=MAX_JSON_BYTES), what=path)
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"{path} holds a JSON {type(obj).__name__}, expected an object")
     return obj
@@ -117,7 +113,7 @@ def _saved_sharding(raw: str | None, shape: tuple[int, ...]) -> tuple[SavedShard
     if raw is None:
         return None, shape
     try:
-        obj = json.loads(raw)
+        obj = load_json(raw, what="an Orbax sharding description")
         kind = obj.get("sharding_type")
         if kind == "NamedSharding":
             axes = tuple(str(a) for a in obj["axis_names"])

@@ -27,7 +27,6 @@ a step already imported from the same Orbax step is kept (the import resumes).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -35,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from .._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
-from .._format import metrics_json, read_metadata
+from .._format import MAX_JSON_BYTES, load_json, metrics_json, read_metadata
 from .._save import ArraySource, save_leaf_by_leaf
 from .._storage import Storage, storage_for
 from ._orbax_import import METADATA_FILE, OrbaxItem, orbax_tree
@@ -90,10 +89,7 @@ class ImportReport:
 
 
 def _json_file(storage: Storage, path: str) -> object:
-    try:
-        return json.loads(storage.read_file(path))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from e
+    return load_json(storage.read_file(path, max_bytes=MAX_JSON_BYTES), what=path)
 
 
 def _handlers(storage: Storage, step_dir: str) -> dict[str, str]:
