@@ -4,7 +4,8 @@ profiles, strategies of hostile variants of a file, and the checks of the proper
 Profiles (`CHECKPOINTER_FUZZ`, default `ci`):
 - `ci`: what `make test` runs, `CI_EXAMPLES` examples per test (scaled per test);
 - `long`: `LONG_EXAMPLES` examples per test, the longer run:
-  `CHECKPOINTER_FUZZ=long .venv/bin/python -m pytest -q tests/test_fuzz_*.py`.
+  `CHECKPOINTER_FUZZ=long .venv/bin/python -m pytest -q tests/test_fuzz_*.py`;
+- a number: that many examples per test (scaled per test), e.g. `CHECKPOINTER_FUZZ=200`.
 Both: no deadline (the machine is shared and slow), every health check off (the tests
 write files per example, and draw from large documents).
 """
@@ -27,7 +28,10 @@ LONG_EXAMPLES = 2000
 settings.register_profile("checkpointer-ci", max_examples=CI_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 settings.register_profile("checkpointer-long", max_examples=LONG_EXAMPLES, deadline=None,
                           suppress_health_check=list(HealthCheck))
-PROFILE = "checkpointer-" + os.environ.get("CHECKPOINTER_FUZZ", "ci")
+_CHOICE = os.environ.get("CHECKPOINTER_FUZZ", "ci")
+if _CHOICE.isdigit():  # a number of examples per test: a run of its own size
+    settings.register_profile(f"checkpointer-{_CHOICE}", settings.get_profile("checkpointer-ci"), max_examples=int(_CHOICE))
+PROFILE = f"checkpointer-{_CHOICE}"
 
 # The stated memory bound: a hostile file (a huge declared shape, length or offset) makes
 # the reader grow the host memory by less than this (numpy's allocations, by tracemalloc,
