@@ -126,3 +126,11 @@ def test_import_orbax_of_a_deeply_nested_metadata_is_the_documented_error(tmp_pa
     (src / "_METADATA").write_bytes(b'{"tree_metadata": ' + _nested(DEEP) + b"}")
     with pytest.raises(ckpt.CorruptCheckpointError, match="_METADATA"):
         ckpt.import_orbax(str(src), str(tmp_path / "out"))
+
+
+def test_a_dtype_that_is_not_a_string_names_the_file_and_tensor(tmp_path):
+    """Found by tests/test_fuzz_safetensors.py: a list as dtype escaped as TypeError."""
+    f = str(tmp_path / "model.safetensors")
+    _safetensors(f, json.dumps({"x": {"dtype": [], "shape": [1], "data_offsets": [0, 4]}}).encode(), b"\0" * 4)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"model\.safetensors.*tensor 'x' has dtype \[\]"):
+        ckpt.restore_safetensors(f, {"x": None})

@@ -140,6 +140,8 @@ def parse_header(file: str, header: bytes, *, data_offset: int) -> tuple[dict[st
             raise _corrupt(file, f"{what} has data_offsets {offsets!r}, not [begin, end]")
         begin, end = offsets
         spans.append((begin, end, name))
+        if not isinstance(code, str):
+            raise _corrupt(file, f"{what} has dtype {code!r}, not a dtype code (a string such as 'F32')")
         if code in _PACKED_CODES:
             packed[name] = (code, "a packed sub-byte dtype")
             continue
