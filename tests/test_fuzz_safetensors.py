@@ -116,7 +116,7 @@ def _tensors(draw):
         shape = tuple(draw(st.lists(st.integers(0, 6), max_size=3)))
         n = int(np.prod(shape)) * dtype.itemsize
         a = np.frombuffer(draw(st.binary(min_size=n, max_size=n)), np.uint8).view(dtype).reshape(shape)
-        out[name] = (a != 0) if dtype == np.bool_ else a.copy()
+        out[name] = np.asarray(a != 0) if dtype == np.bool_ else a.copy()
     return out
 
 

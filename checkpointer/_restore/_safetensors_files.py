@@ -190,6 +190,8 @@ def read_file_header(storage: Storage, file: str, counter: list[int]) -> tuple[d
     n = struct.unpack("<Q", head)[0]
     if n > MAX_HEADER_BYTES:
         raise _corrupt(file, f"its header size says {n} bytes, more than the format's limit {MAX_HEADER_BYTES}")
+    if storage.cheap_size and n > (found := storage.size(file)) - 8:  # before reading (a read allocates n first)
+        raise _corrupt(file, f"its header size says {n} bytes, the file holds {max(found - 8, 0)} after it")
     header = storage.read_range(file, 8, n) if n else b""
     counter[0] += len(header)
     if len(header) != n:
