@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from multiprocess import WORKERS, describe_all, run_processes
 
 import checkpointer as ckpt
 from checkpointer._manage import _preemption, _tier_manager, _time_policies
@@ -50,6 +51,21 @@ def test_a_loop_that_saves_when_should_save_says_so_saves_the_preemption_step(tm
         assert step == 3 and mgr.all_steps() == [3]
         assert mgr.should_save(4) is False  # one preemption step
     np.testing.assert_array_equal(ckpt.restore(str(tmp_path / "run" / "3"))["w"], _tree(3)["w"])
+
+
+@pytest.mark.multiprocess
+def test_a_should_save_loop_of_two_processes_saves_the_step_jax_picks_when_one_gets_sigterm(tmp_path):
+    directory = str(tmp_path / "run")
+    args = {"directory": directory, "signalled": [1], "signal_at": 3, "max_steps": 2000, "pause_s": 0.01,
+            "should_save": True}
+    results = run_processes(WORKERS / "preempt_worker.py", 2, 2, args, timeout_s=240)  # exit 0, or it raises
+    info = describe_all(results)
+    got = [r.record("preempted") for r in results]
+    step = got[0]["step"]
+    assert got[1]["step"] == step and step >= 3, info  # JAX's sync point: the same step on both
+    assert all(g["mode"] == _preemption.JAX_SYNC_POINT for g in got), info
+    assert all(g["saved"] and g["committed_on_return"] for g in got), info  # should_save said True there
+    assert got[0]["all_steps"] == [step], info
 
 
 @pytest.mark.usefixtures("sigterm")
