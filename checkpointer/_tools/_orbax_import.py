@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -89,13 +90,29 @@ def find_item(storage: Storage, src: str) -> str:
     )
 
 
+def read_json(storage: Storage, path: str) -> object:
+    """The JSON of the Orbax file at `path`, through the library's bounded parser.
+
+    Raises:
+      CorruptCheckpointError: not JSON, nested too deeply, or larger than `MAX_JSON_BYTES`
+        (refused before reading); names the file.
+    """
+    try:
+        raw = storage.read_file(path, max_bytes=MAX_JSON_BYTES)
+    except OSError as e:
+        if e.errno != errno.EFBIG:
+            raise
+        raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes: not an Orbax metadata file") from e
+    return load_json(raw, what=path)
+
+
 def _read_json_object(storage: Storage, path: str, *, required: bool) -> dict:
     """The JSON object in the file at `path`; {} when it is absent and not `required`."""
     if not storage.exists(path):
         if required:
             raise CheckpointNotFoundError(f"{path} is missing")
         return {}
-    obj = load_json(storage.read_file(path, max_bytes=MAX_JSON_BYTES), what=path)
+    obj = read_json(storage, path)
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"{path} holds a JSON {type(obj).__name__}, expected an object")
     return obj

@@ -34,10 +34,10 @@ import time
 from collections.abc import Callable
 
 from .._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
-from .._format import MAX_JSON_BYTES, load_json, metrics_json, read_metadata
+from .._format import metrics_json, read_metadata
 from .._save import ArraySource, save_leaf_by_leaf
 from .._storage import Storage, storage_for
-from ._orbax_import import METADATA_FILE, OrbaxItem, orbax_tree
+from ._orbax_import import METADATA_FILE, OrbaxItem, orbax_tree, read_json
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS = "commit_success.txt"
@@ -89,7 +89,7 @@ class ImportReport:
 
 
 def _json_file(storage: Storage, path: str) -> object:
-    return load_json(storage.read_file(path, max_bytes=MAX_JSON_BYTES), what=path)
+    return read_json(storage, path)
 
 
 def _handlers(storage: Storage, step_dir: str) -> dict[str, str]:
