@@ -101,3 +101,15 @@ def test_memory_stays_bounded_for_a_large_hostile_file():
         _format.load_json(raw, what=WHAT, max_depth=8)
     with pytest.raises(ckpt.CorruptCheckpointError, match=f"{WHAT} is larger than 1024 bytes"):
         _format.load_json(raw, what=WHAT, max_bytes=1024)
+
+
+@fuzz(2)
+@given(doc=documents, chunk=st.integers(1, 16))
+def test_the_depth_scan_follows_strings_and_escapes_across_any_chunk_boundary(doc, chunk):
+    raw = _format.dumps(doc)
+    real = _format._json._SCAN_CHUNK
+    _format._json._SCAN_CHUNK = chunk
+    try:
+        assert _format.json_depth(raw) == _depth(doc)
+    finally:
+        _format._json._SCAN_CHUNK = real

@@ -84,22 +84,29 @@ def json_depth(data: bytes) -> int:
     for start in range(0, len(data), _SCAN_CHUNK):
         a = np.frombuffer(data, np.uint8, min(_SCAN_CHUNK, len(data) - start), start)
         n = len(a)
-        is_backslash = a == ord("\\")
-        # last_plain[i]: the last index <= i that is not a backslash (-1: none in this chunk)
-        last_plain = np.maximum.accumulate(np.where(is_backslash, np.int32(-1), np.arange(n, dtype=np.int32)))
         quotes = np.flatnonzero(a == ord('"'))
-        if len(quotes):
+        is_backslash = a == ord("\\")
+        any_backslash = bool(is_backslash.any())
+        if any_backslash:
+            # last_plain[i]: the last index <= i that is not a backslash (-1: none in this chunk)
+            last_plain = np.maximum.accumulate(np.where(is_backslash, np.int32(-1), np.arange(n, dtype=np.int32)))
             before = last_plain[np.maximum(quotes - 1, 0)]
             run = np.where(quotes == 0, 0, quotes - 1 - before) + np.where((quotes == 0) | (before == -1), carry, 0)
-            toggles = np.zeros(n, np.uint8)
-            toggles[quotes[run % 2 == 0]] = 1  # a quote after an even run of backslashes opens or closes
-            inside = np.bitwise_xor.accumulate(toggles) ^ np.uint8(in_string)
-        else:
-            inside = np.full(n, in_string, np.uint8)
-        running = np.cumsum(np.where(inside == 1, np.int8(0), _OPEN[a]), dtype=np.int64) + depth
+            quotes = quotes[run % 2 == 0]  # a quote after an even run of backslashes opens or closes a string
+        elif carry % 2 and len(quotes) and quotes[0] == 0:
+            quotes = quotes[1:]  # escaped by the backslashes ending the previous chunk
+        toggles = np.zeros(n, np.uint8)
+        toggles[quotes] = 1
+        outside = np.bitwise_xor.accumulate(toggles) ^ np.uint8(1 - in_string)  # 1 outside strings
+        running = np.cumsum(_OPEN[a] * outside.view(np.int8), dtype=np.int32) + depth
         deepest, depth = max(deepest, int(running.max())), int(running[-1])
-        in_string = int(inside[-1])
-        carry = (n - 1 - int(last_plain[-1]) + (carry if last_plain[-1] == -1 else 0)) if is_backslash[-1] else 0
+        in_string = 1 - int(outside[-1])
+        if not any_backslash:
+            carry = 0
+        elif is_backslash[-1]:
+            carry = n - 1 - int(last_plain[-1]) + (carry if last_plain[-1] == -1 else 0)
+        else:
+            carry = 0
     return deepest
 
 
