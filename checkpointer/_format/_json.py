@@ -77,9 +77,9 @@ def dumps_large(obj: object) -> bytes:
 
 def json_depth(data: bytes) -> int:
     """The deepest nesting of arrays and objects in `data` (brackets inside strings do not
-    count), found without recursion, in time linear in `len(data)` (numpy, 1 MiB at a time:
-    ~20 ms per MiB). Exact for valid JSON; for invalid JSON whatever the scan finds (the
-    parser refuses it anyway)."""
+    count), found without recursion, in time linear in `len(data)` (numpy, 1 MiB at a
+    time: a fraction of `json.loads`' own time). Exact for valid JSON; for invalid JSON
+    whatever the scan finds (the parser refuses it anyway)."""
     deepest = depth = carry = in_string = 0  # carry: backslashes ending the previous chunk
     for start in range(0, len(data), _SCAN_CHUNK):
         a = np.frombuffer(data, np.uint8, min(_SCAN_CHUNK, len(data) - start), start)
