@@ -134,3 +134,13 @@ def test_a_dtype_that_is_not_a_string_names_the_file_and_tensor(tmp_path):
     _safetensors(f, json.dumps({"x": {"dtype": [], "shape": [1], "data_offsets": [0, 4]}}).encode(), b"\0" * 4)
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"model\.safetensors.*tensor 'x' has dtype \[\]"):
         ckpt.restore_safetensors(f, {"x": None})
+
+
+def test_an_orbax_value_type_that_is_not_a_string_is_the_documented_error(tmp_path):
+    """Found by tests/test_fuzz_tools.py: a list as value_type escaped as TypeError."""
+    src = tmp_path / "orbax"
+    src.mkdir()
+    (src / "_METADATA").write_text(json.dumps({"tree_metadata": {"('w',)": {
+        "key_metadata": [{"key": "w", "key_type": 2}], "value_metadata": {"value_type": [], "skip_deserialize": False}}}}))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"_METADATA: the value_type of \('w',\) is \[\]"):
+        ckpt.import_orbax(str(src), str(tmp_path / "out"))

@@ -239,7 +239,11 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
         value_meta = entry.get("value_metadata") or {}
         if not isinstance(value_meta, dict):
             raise CorruptCheckpointError(f"{item}/{METADATA_FILE}: the value_metadata of {keys} is not an object")
-        entries.append((keys, value_meta.get("value_type"), value_meta))
+        value_type = value_meta.get("value_type")
+        if value_type is not None and not isinstance(value_type, str):
+            raise CorruptCheckpointError(
+                f"{item}/{METADATA_FILE}: the value_type of {keys} is {value_type!r}, not a type name (a string)")
+        entries.append((keys, value_type, value_meta))
     # As Orbax's as_nested_tree: drop empty-node placeholders that prefix other entries.
     entries.sort(key=lambda e: tuple((type(k) is int, str(k)) for k in e[0]))
     all_keys = [e[0] for e in entries]
