@@ -46,7 +46,7 @@ def run_dir(tmp_path_factory):
     return d
 
 
-@fuzz(1.5)
+@fuzz(1)
 @given(data=st.data())
 def test_hostile_journal_lines_are_skipped_by_status_timeline_and_the_follower(run_dir, data, capsys):
     d = os.path.join(os.path.dirname(run_dir), f"run{next(_runs)}")
