@@ -24,7 +24,6 @@ manifest and the journal's last `TAIL_BYTES`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -203,10 +202,10 @@ def _journal_tail(storage: Storage, directory: str) -> list[dict]:
     if start > 0 and lines:
         lines = lines[1:]  # cut inside
     out = []
-    for line in lines:
+    for n, line in enumerate(lines):
         try:
-            entry = json.loads(line)
-        except ValueError:
+            entry = _format.load_json(line, what=f"{path} line {n + 1}")
+        except ValueError:  # CorruptCheckpointError: a line being written, or damaged
             continue
         if isinstance(entry, dict) and isinstance(entry.get("event"), str):
             out.append(entry)

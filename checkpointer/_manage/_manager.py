@@ -81,8 +81,11 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         (durably, with `local_directory`); `reached_preemption(step)` is then True.
         Under `jax.distributed` JAX's preemption sync point decides (its notifier owns
         SIGTERM); otherwise a SIGTERM handler is installed (main thread only, chained to
-        an earlier Python handler) and `close()` restores the previous one. The loop
-        calls `save` at every step. See `_preemption`.
+        an earlier Python handler) and `close()` restores the previous one; a child
+        forked afterwards gets the handler found before (SIGTERM's default action unless
+        the program set one). The loop calls `save`, or `should_save`, at every step;
+        `if mgr.should_save(step): mgr.save(step, state)` saves the preemption step too.
+        See `_preemption`.
       direct_io: as for `save` ("auto", True, False); with two tiers it applies to the
         local tier's writes. `status().last_write_mode` says which mode the last
         finished save used, and why.
@@ -276,8 +279,23 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
     # --- save ---------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether `save(step)` would write (the interval rule)."""
-        return step % self.save_interval_steps == 0
+        """Whether `save(step)` would write: True at the preemption step (see
+        `save_on_preemption`) and where `step % save_interval_steps == 0`. With
+        `save_interval_s`, `save` may still skip a step this says True for (the time rule is
+        decided inside `save`, by one vote of the processes).
+
+        Args:
+          step: the training step (int >= 0).
+        Returns:
+          Whether to call `save(step)`.
+
+        Multi-process: it asks the preemption notice as `save` does: under
+        `jax.distributed` JAX's preemption sync point, which every process must ask at
+        every step, in step order. Call `should_save` (or `save`) at every step on every
+        process; a `save` of the same step afterwards does not ask again, and agrees.
+        """
+        step = as_step(step)
+        return self._preemption.reached(step) or step % self.save_interval_steps == 0
 
     def save(
         self,
@@ -396,19 +414,36 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         return True
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether `step` is the step the job saves at on preemption (see
-        `save_on_preemption`): after `save(step)`, True tells the loop to stop; the step is
-        committed then.
+        """Whether the job was preempted at `step` and `step` is committed: after
+        `save(step)`, True tells the loop to stop (see `save_on_preemption`).
+
+        A loop that did not save the preemption step (it skipped `save`, or the save
+        failed) gets False and a logged warning that the preemption step was not saved:
+        the job then runs on until the grace period ends and it is killed, and resumes
+        from the newest committed step. To save it after all, call
+        `save(step, tree, force=True)`; this then returns True.
 
         Args:
           step: the step just passed to `save` (int >= 0).
         Returns:
-          True at the preemption step only (the same step on every process).
+          True at the preemption step only, once it is committed (the same on every
+          process).
 
-        Multi-process: under `jax.distributed` every process calls it (or `save`) at
-        every step, in step order, as JAX's preemption sync point requires.
+        Multi-process: under `jax.distributed` every process calls it (or `save`, or
+        `should_save`) at every step, in step order, as JAX's preemption sync point
+        requires.
         """
-        return self._preemption.reached(as_step(step))
+        step = as_step(step)
+        if not self._preemption.reached(step):
+            return False
+        if step in self.all_steps():
+            return True
+        log.warning(
+            "%s: the preemption step %d was not saved (the loop did not call save(%d), or the save failed): nothing "
+            "was committed for it; the job resumes from the newest committed step. Call save(%d, tree, force=True) "
+            "to save it now", self.directory, step, step, step,
+        )
+        return False
 
     def _save_two_tiers(self, step: int, snap: Snapshot) -> None:
         """Commits `snap` on the local tier (in the background unless `async_save=False`)

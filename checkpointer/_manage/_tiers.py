@@ -326,7 +326,8 @@ def agree(directory: str, propose: Callable[[], str], timeout_s: float) -> list[
         vote.refuse(e)
         raise
     payload = vote.agree({"vote": mine}, outcome=lambda got: json.dumps([got[i].get("vote") for i in sorted(got)]))
-    return [str(v) for v in json.loads(payload)]
+    votes = _format.load_json(payload, what=f"the vote on the tier to restore from {directory}", error=RestoreAgreementError)
+    return [str(v) for v in votes] if isinstance(votes, list) else []
 
 
 class _CountingReader(Reader):

@@ -26,7 +26,7 @@ from .. import _encoding, _format, _memory
 from .._encoding import ReadContext, RestorePlan, RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, DTypeMismatchError, where
 from .._format import ArrayMetadata, CheckpointMetadata, PyTree, ValueMetadata, read_metadata, rebuild
-from .._storage import DEFAULT_MAX_OVER_READ_RATIO, Storage, storage_for
+from .._storage import DEFAULT_MAX_OVER_READ_RATIO, LocalStorage, Storage, storage_for
 from . import _agreement
 from ._options import RestoreOptions
 from ._plan import build_plan
@@ -274,7 +274,7 @@ def _marker(storage: Storage, path: str) -> bytes | None:
     """
     try:
         return storage.read_file(f"{path}/{_format.COMMITTED}")
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # a folder in its place: no marker either
         return None
     except OSError as e:  # the documented error, as for a chunk that cannot be read
         raise CorruptCheckpointError(
@@ -294,6 +294,38 @@ def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
     ])
 
 
+def _check_no_link_out(storage: Storage, path: str) -> None:
+    """Local checkpoints: refuses a link (to a file or a folder) inside `path` whose
+    target lies outside it, before anything is read: a restore returns the checkpoint's
+    own bytes only (a chunk of another checkpoint passes the zarr checksums, a manifest
+    of another carries its values). Links within it, and a link to the whole checkpoint
+    (`path` itself), are fine. One `scandir` per folder; object stores have no links.
+
+    Raises:
+      CorruptCheckpointError: names the link, its target and the checkpoint.
+    """
+    if not isinstance(storage, LocalStorage):
+        return
+    root = os.path.realpath(path)
+    folders = [path]
+    while folders:
+        try:
+            with os.scandir(folders.pop()) as it:
+                entries = list(it)
+        except OSError:
+            continue  # absent or unreadable: the reads say so
+        for e in entries:
+            if e.is_symlink():
+                target = os.path.realpath(e.path)
+                if target != root and not target.startswith(root + os.sep):
+                    raise CorruptCheckpointError(
+                        f"{e.path} is a link to {target}, outside the checkpoint {path}: refused, a restore reads the "
+                        "checkpoint's own files only. Copy the file into the checkpoint, or restore another step"
+                    )
+            elif e.is_dir(follow_symlinks=False):
+                folders.append(e.path)
+
+
 def _prepare(
     storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats, *, cooperative: bool = False
 ) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
@@ -305,6 +337,7 @@ def _prepare(
 def _prepare_paused(
     storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats, cooperative: bool
 ) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
+    _check_no_link_out(storage, path)
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
     resolved = resolve_tree(meta, target, partial=options.partial, process_index=pidx, missing=options.missing, cooperative=cooperative)

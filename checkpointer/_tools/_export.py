@@ -45,7 +45,7 @@ import numpy as np
 
 from .. import _encoding
 from .._errors import CheckpointExistsError, StructureMismatchError, UnsupportedValueError, leaf_name
-from .._format import ArrayMetadata, Box, CheckpointMetadata, read_metadata, row_slabs
+from .._format import ArrayMetadata, Box, CheckpointMetadata, load_json, read_metadata, row_slabs
 from .._storage import Storage, storage_for
 from ._orbax_export import export_orbax
 
@@ -194,7 +194,7 @@ def safetensors_dtype(dtype: np.dtype) -> str | None:
     except Exception:
         return None
     n = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8 : 8 + n])["x"]["dtype"]
+    return load_json(raw[8 : 8 + n], what="a safetensors header")["x"]["dtype"]
 
 
 def npz_supports(dtype: np.dtype) -> bool:

@@ -27,7 +27,6 @@ a step already imported from the same Orbax step is kept (the import resumes).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -38,7 +37,7 @@ from .._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptChe
 from .._format import metrics_json, read_metadata
 from .._save import ArraySource, save_leaf_by_leaf
 from .._storage import Storage, storage_for
-from ._orbax_import import METADATA_FILE, OrbaxItem, orbax_tree
+from ._orbax_import import METADATA_FILE, OrbaxItem, orbax_tree, read_json
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS = "commit_success.txt"
@@ -90,10 +89,7 @@ class ImportReport:
 
 
 def _json_file(storage: Storage, path: str) -> object:
-    try:
-        return json.loads(storage.read_file(path))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from e
+    return read_json(storage, path)
 
 
 def _handlers(storage: Storage, step_dir: str) -> dict[str, str]:
