@@ -433,17 +433,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         `should_save`) at every step, in step order, as JAX's preemption sync point
         requires.
         """
-        step = as_step(step)
-        if not self._preemption.reached(step):
-            return False
-        if step in self.all_steps():
-            return True
-        log.warning(
-            "%s: the preemption step %d was not saved (the loop did not call save(%d), or the save failed): nothing "
-            "was committed for it; the job resumes from the newest committed step. Call save(%d, tree, force=True) "
-            "to save it now", self.directory, step, step, step,
-        )
-        return False
+        return self._preemption.reached_committed(as_step(step), self.all_steps())
 
     def _save_two_tiers(self, step: int, snap: Snapshot) -> None:
         """Commits `snap` on the local tier (in the background unless `async_save=False`)

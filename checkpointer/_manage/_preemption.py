@@ -206,6 +206,20 @@ class PreemptionWatch:
         self._asked = (step, hit)
         return hit
 
+    def reached_committed(self, step: int, committed_steps: list[int]) -> bool:
+        """`reached(step)`, and `step` among `committed_steps`; at an unsaved preemption step,
+        False and a logged warning saying so (what `CheckpointManager.reached_preemption` returns)."""
+        if not self.reached(step):
+            return False
+        if step in committed_steps:
+            return True
+        log.warning(
+            "%s: the preemption step %d was not saved (the loop did not call save(%d), or the save failed): nothing "
+            "was committed for it; the job resumes from the newest committed step. Call save(%d, tree, force=True) "
+            "to save it now", self.directory, step, step, step,
+        )
+        return False
+
     def close(self) -> None:
         """Restores the SIGTERM handler found at construction, if this one is still installed
         (a handler installed after it stays; it may chain to this one, now inert)."""
