@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._aligned import aligned_empty
-from ._staging import staging_buffers
+from ._staging import STAGING_ALIGN as PAGE_ALIGN, staging_buffers
 
 
 class HostBufferPool:
@@ -42,8 +42,8 @@ class HostBufferPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (shape, dtype) -> {id: free buffer}; `_order` holds every free buffer's id in
-        # give-back order (the oldest is dropped first).
+        # (shape, dtype, page aligned) -> {id: free buffer}; `_order` holds every free
+        # buffer's id in give-back order (the oldest is dropped first).
         self._free: dict[tuple, dict[int, np.ndarray]] = {}
         self._order: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._free_bytes = 0
@@ -66,20 +66,24 @@ class HostBufferPool:
         with self._lock:
             self._max_free_bytes = max(self._max_free_bytes, int(nbytes))
 
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def take(self, shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
         """A buffer of `shape` and `dtype`, now in use by the caller alone: a free one if
-        any, else a new 64-byte aligned one."""
-        key = (tuple(shape), np.dtype(dtype))
+        any, else a new one, its data `align`-byte aligned (64, or `PAGE_ALIGN` for the
+        shard files the direct writer submits as they are)."""
+        shape, dtype = tuple(shape), np.dtype(dtype)
+        keys = [(shape, dtype, True)] if align > 64 else [(shape, dtype, False), (shape, dtype, True)]
+        assert align <= PAGE_ALIGN and PAGE_ALIGN % align == 0
         with self._lock:
-            free = self._free.get(key)
-            if free:
-                ident, buf = free.popitem()  # the most recently given back: warmest
-                del self._order[ident]
-                if not free:
-                    del self._free[key]
-                self._free_bytes -= buf.nbytes
-                return buf
-        return aligned_empty(key[0], key[1])
+            for key in keys:
+                free = self._free.get(key)
+                if free:
+                    ident, buf = free.popitem()  # the most recently given back: warmest
+                    del self._order[ident]
+                    if not free:
+                        del self._free[key]
+                    self._free_bytes -= buf.nbytes
+                    return buf
+        return aligned_empty(shape, dtype, max(64, align))
 
     def give_back(self, arrays: Sequence[np.ndarray]) -> None:
         """Returns buffers from `take` whose contents are no longer needed; drops the
@@ -88,7 +92,7 @@ class HostBufferPool:
             for a in arrays:
                 if sys.getrefcount(a) > _UNSHARED_REFS:  # still referenced elsewhere: not ours to reuse
                     continue
-                key = (a.shape, a.dtype)
+                key = (a.shape, a.dtype, a.ctypes.data % PAGE_ALIGN == 0)
                 self._free.setdefault(key, {})[id(a)] = a
                 self._order[id(a)] = key
                 self._free_bytes += a.nbytes

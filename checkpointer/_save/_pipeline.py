@@ -46,12 +46,13 @@ from .._format import (
     write_group_nodes,
 )
 from .._memory import HostBufferPool, snapshot_to_host
-from .._storage import FileLock, Storage, storage_for, ts_context
+from .._storage import FileLock, LocalStorage, Storage, storage_for, ts_context
 from ._leaves import ArrayLeaf, chunk_data, describe_array, is_array
 from ._options import SaveOptions
 from ._plan import LeafAssignment, LeafWritePlan, plan_writes
 
 _DEFAULT_OPTIONS = SaveOptions()
+IMAGE = "shard_file"  # `copy_route_bytes`: copied straight into shard files (`_encoding.fill_images`)
 log = logging.getLogger("checkpointer")
 
 
@@ -61,7 +62,7 @@ class LeafSnapshot:
 
     meta: ArrayMetadata
     plan: LeafWritePlan
-    host: list[np.ndarray]
+    host: list[np.ndarray | _encoding.ShardImage]  # per write: a host array of its box, or its shard file
     pooled: list[bool] = dataclasses.field(default_factory=list)  # per host copy: a buffer of `Snapshot.buffers`
 
 
@@ -298,20 +299,60 @@ def _take_snapshot(
     )
     agreed.append(generation)
 
-    copies = snapshot_to_host([d for datas in device_data for d in datas], buffers)
-    hosts, pooled = iter(copies.arrays), iter(copies.pooled)
-    for leaf, datas in zip(arrays, device_data):
-        leaf.host = [next(hosts) for _ in datas]
-        leaf.pooled = [next(pooled) for _ in datas]
+    copied_bytes, route_bytes = _copy_to_host(storage, options, arrays, device_data, buffers)
     snap = Snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
         overwrite=overwrite, commit_timeout_s=options.commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
-        direct_io=options.direct_io, copied_bytes=copies.copied_bytes, copy_route_bytes=copies.route_bytes,
+        direct_io=options.direct_io, copied_bytes=copied_bytes, copy_route_bytes=route_bytes,
     )
     snap.snapshot_s = time.perf_counter() - t0  # the whole blocking call, the wait for the arrays included
     snap.phases_unix_s.update(snap_phases, snapshot=(ready, time.time()))
     return snap
+
+
+def _as_images(storage: Storage, options: SaveOptions, leaf: LeafSnapshot, datas: list) -> bool:
+    """Whether the snapshot copies this leaf's chunks straight into their shard files
+    (`_encoding.fill_images`): local files the direct writer may write (or, where the
+    file system refuses `O_DIRECT`, written through the page cache), a dtype it lays out,
+    a leaf of its own zarr array, every shard read in place (`_memory.reads_in_place`)."""
+    return (
+        isinstance(storage, LocalStorage) and options.direct_io is not False and not leaf.meta.packed
+        and _encoding.direct_supported(leaf.meta.dtype) and any(np.prod(d.shape) for d in datas)
+        and all(_memory.reads_in_place(d) for d in datas)
+    )
+
+
+def _copy_to_host(
+    storage: Storage, options: SaveOptions, arrays: list[LeafSnapshot], device_data: list[list], buffers: HostBufferPool | None,
+) -> tuple[int, dict[str, int]]:
+    """The snapshot's one copy of every chunk this process writes: into its shard file
+    (`_as_images`), else into a host array of its box (`_memory.snapshot_to_host`); sets
+    each leaf's `host` and `pooled`. Returns the bytes copied, in all and by route."""
+    images: list[tuple[int, int]] = []  # (leaf, chunk) copied into shard files
+    boxes: list[tuple[int, int]] = []  # the others
+    for i, (leaf, datas) in enumerate(zip(arrays, device_data)):
+        leaf.host, leaf.pooled = [None] * len(datas), [False] * len(datas)  # type: ignore[list-item]
+        as_images = _as_images(storage, options, leaf, datas)
+        for j, d in enumerate(datas):
+            (images if as_images and np.prod(d.shape) else boxes).append((i, j))
+    if buffers is not None and images:  # the pool's bound: the whole snapshot, shard files and boxes
+        buffers.note_snapshot(
+            sum(_encoding.image_bytes(arrays[i].meta.layout, tuple(device_data[i][j].shape)) for i, j in images)
+            + sum(np.dtype(device_data[i][j].dtype).itemsize * int(np.prod(device_data[i][j].shape)) for i, j in boxes)
+        )
+    copies = snapshot_to_host([device_data[i][j] for i, j in boxes], buffers)
+    for (i, j), host, pooled in zip(boxes, copies.arrays, copies.pooled):
+        arrays[i].host[j], arrays[i].pooled[j] = host, pooled
+    route_bytes = dict(copies.route_bytes)
+    if images:
+        take = (lambda n: buffers.take((n,), np.dtype(np.uint8), _memory.PAGE_ALIGN)) if buffers is not None else (
+            lambda n: _memory.aligned_empty((n,), np.dtype(np.uint8), _memory.PAGE_ALIGN))
+        made = _encoding.fill_images([(arrays[i].meta.layout, np.asarray(device_data[i][j])) for i, j in images], take)
+        for (i, j), image in zip(images, made):
+            arrays[i].host[j], arrays[i].pooled[j] = image, buffers is not None
+        route_bytes[IMAGE] = sum(image.data_bytes for image in made)
+    return sum(route_bytes.values()), route_bytes
 
 
 def open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool) -> Any:
@@ -446,7 +487,8 @@ def release_host(snap: Snapshot) -> None:
     for leaf in snap.arrays:
         host, leaf.host = leaf.host, []
         if snap.buffers is not None and host:  # host copies adopted from jax are not the pool's
-            mine = [h for h, pooled in zip(host, leaf.pooled or [True] * len(host)) if pooled]
+            mine = [h.buffer if isinstance(h, _encoding.ShardImage) else h
+                    for h, pooled in zip(host, leaf.pooled or [True] * len(host)) if pooled]
             del host  # `give_back` pools only buffers that nothing else references
             snap.buffers.give_back(mine)
 
