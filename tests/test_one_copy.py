@@ -171,3 +171,18 @@ def test_object_stores_and_direct_io_false_copy_boxes_not_shard_files(tmp_path):
         assert not any(isinstance(h, _encoding.ShardImage) for leaf in snap.arrays for h in leaf.host)
         _save.run_background(snap)
         np.testing.assert_array_equal(ckpt.restore(path)["h"], np.arange(3000, dtype=np.int32).reshape(1000, 3) + 1)
+
+
+def test_a_snapshot_is_an_immutable_plan_and_its_write_fills_a_result(tmp_path):
+    import dataclasses
+
+    snap = _save.take_snapshot(str(tmp_path / "1"), {"h": np.arange(3000, dtype=np.int32)}, _save.SaveOptions())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.step = 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snap.arrays[0].meta = None
+    assert set(snap.result.phases_unix_s) == {"wait_for_arrays", "snapshot"} and snap.result.write_mode is None
+    _save.run_background(snap)
+    assert snap.result.write_mode in ("direct", "buffered") and snap.result.bytes_written > 0 and snap.result.write_s > 0
+    assert {"write", "durable", "commit"} <= set(snap.result.phases_unix_s) and snap.result.lock is None
+    assert not snap.arrays[0].host  # the host copies were released once durable

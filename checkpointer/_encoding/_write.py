@@ -19,10 +19,15 @@ A zarr shard file as TensorStore writes a whole chunk (`_format.ShardFileLayout`
 inner chunks in C order, each its C-order little-endian bytes and their crc32c (an inner
 chunk of an edge chunk that the array's shape cuts is padded with zeros, the fill value;
 one entirely outside the shape is not stored and its index entry is all ones), then the
-index (offset, nbytes: u64 LE per inner chunk in C order) and its crc32c. Each inner
-chunk is copied once from the snapshot into an aligned staging buffer and its crc32c
-computed there, once; a full buffer goes to the file with one `O_DIRECT` write. The
-record's `data_crc32c` (the chunk's C-order bytes) comes from the same pass (`_encode`).
+index (offset, nbytes: u64 LE per inner chunk in C order) and its crc32c.
+
+Where the snapshot read the shard in place (CPU backend, numpy leaves), it already laid
+the file out (`_image.ShardImage`, crc32c included): the writer submits that buffer as it
+is (`write_image`). Otherwise (the host copies of accelerators' shards, a local tier's
+variant of a snapshot taken for an object store) each inner chunk is copied once from the
+snapshot's host array into an aligned staging buffer and its crc32c computed there, once;
+a full buffer goes to the file with one `O_DIRECT` write. The record's `data_crc32c` (the
+chunk's C-order bytes) comes from the same pass (`_encode`).
 """
 
 from __future__ import annotations

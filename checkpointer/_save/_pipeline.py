@@ -6,7 +6,10 @@ background thread (see `_async.py`):
 1. `take_snapshot` (caller's thread, blocking): plans the whole tree (`_save_plan`:
    every process computes every process's chunks from the shardings' global device
    maps), then copies the chunks this process writes (whole shards, or the slices of a
-   replica-parallel split) to fresh host buffers.
+   replica-parallel split) to host memory, once: straight into their zarr shard files
+   where the shard is read in place and the files are local (`_encoding.fill_images`,
+   crc32c of every inner chunk in the same pass), else into host arrays of their boxes
+   (`_memory.snapshot_to_host`); into the buffers of a pool when given one.
 2. `write_snapshot` (any thread): writes the chunks into `<path>.partial-<generation>/`,
    durably (TensorStore's file driver fsyncs, or the direct writer of local files,
    `_encoding.start_write`), then `processes/<i>.json`.
