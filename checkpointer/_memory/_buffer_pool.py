@@ -23,6 +23,7 @@ Rules (every pool):
 from __future__ import annotations
 
 import collections
+import math
 import sys
 import threading
 from collections.abc import Sequence
@@ -30,7 +31,21 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._aligned import aligned_empty
+from ._restore_memory import HUGE_PAGE_BYTES, host_buffer
 from ._staging import STAGING_ALIGN as PAGE_ALIGN, staging_buffers
+
+
+def page_aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data is `PAGE_ALIGN`-aligned (as `O_DIRECT` wants):
+    from one huge page on, its own 2 MiB-aligned mapping advised `MADV_HUGEPAGE`
+    (`host_buffer`: fresh memory costs one page fault per 2 MiB instead of 512, which is
+    most of a fresh process's first save), else a page-aligned numpy buffer."""
+    dtype = np.dtype(dtype)
+    if math.prod(shape) * dtype.itemsize >= HUGE_PAGE_BYTES:
+        out = host_buffer(tuple(shape), dtype)
+        if out.ctypes.data % PAGE_ALIGN == 0:  # else malloc's fallback (no mapping left): aligned below
+            return out
+    return aligned_empty(tuple(shape), dtype, PAGE_ALIGN)
 
 
 class HostBufferPool:
@@ -83,6 +98,8 @@ class HostBufferPool:
                         del self._free[key]
                     self._free_bytes -= buf.nbytes
                     return buf
+        if align > 64:
+            return page_aligned_empty(shape, dtype)
         return aligned_empty(shape, dtype, max(64, align))
 
     def give_back(self, arrays: Sequence[np.ndarray]) -> None:

@@ -384,7 +384,7 @@ def _copy_to_host(
     route_bytes = dict(copies.route_bytes)
     if images:
         take = (lambda n: buffers.take((n,), np.dtype(np.uint8), _memory.PAGE_ALIGN)) if buffers is not None else (
-            lambda n: _memory.aligned_empty((n,), np.dtype(np.uint8), _memory.PAGE_ALIGN))
+            lambda n: _memory.page_aligned_empty((n,), np.dtype(np.uint8)))
         made = _encoding.fill_images([(planned[i][0].layout, np.asarray(device_data[i][j])) for i, j in images], take)
         for (i, j), image in zip(images, made):
             hosts[i][j], pooled[i][j] = image, buffers is not None
