@@ -17,7 +17,7 @@ from checkpointer._commit import _directory
 from checkpointer._manage import _events
 from checkpointer._save import _pipeline as _save
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+OPERATING = os.path.join(os.path.dirname(__file__), "..", "docs", "operating.md")  # the site's page "Operating a run"
 
 
 def _tree(step):
@@ -186,13 +186,13 @@ def test_status_of_a_directory_without_read_permission_exits_3(tmp_path, capsys)
         d.chmod(0o755)
 
 
-def test_the_readme_status_probe_runs_as_written(tmp_path, capsys):
-    with open(README, encoding="utf-8") as f:
+def test_the_docs_status_probe_runs_as_written(tmp_path, capsys):
+    with open(OPERATING, encoding="utf-8") as f:
         readme = f.read()
     start = readme.index("import numpy as np\nimport checkpointer as ckpt\n\nwith ckpt.CheckpointManager(\"/tmp/questions\"")
     setup = readme[start : readme.index("```", start)]
     d = str(tmp_path / "questions")
-    exec(compile(setup.replace('"/tmp/questions"', repr(d)), "README.md", "exec"), {})  # noqa: S102
+    exec(compile(setup.replace('"/tmp/questions"', repr(d)), "docs/operating.md", "exec"), {})  # noqa: S102
     capsys.readouterr()
     probe = re.search(r"\$ checkpointer status (.*)\n((?:(?!```).*\n)*)```", readme)
     argv = probe.group(1).replace("/tmp/questions", d).split()
@@ -203,7 +203,7 @@ def test_the_readme_status_probe_runs_as_written(tmp_path, capsys):
     start = readme.index('status = ckpt.read_status("/tmp/questions")')
     code = readme[start : readme.index("```", start)].replace('"/tmp/questions"', repr(d))
     scope = {"ckpt": ckpt}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102
+    exec(compile(code, "docs/operating.md", "exec"), scope)  # noqa: S102
     assert scope["problems"] == [] and scope["status"].latest_committed_step == 3
 
 
@@ -259,8 +259,8 @@ def test_each_event_fires_once_per_save_and_restore(tmp_path, monkeypatch, event
         assert events[_events.SAVE_WRITE_S] == 3  # a failed save records no commit figures
 
 
-def test_every_event_is_in_the_readme_beside_orbaxs_nearest():
-    with open(README, encoding="utf-8") as f:
+def test_every_event_is_in_the_docs_beside_orbaxs_nearest():
+    with open(OPERATING, encoding="utf-8") as f:
         readme = f.read()
     rows = dict(re.findall(r"^\| `(/checkpointer/[^`]+)` \| \w+ \| `(/jax/[^`]+)` \|$", readme, re.M))
     assert rows == {name: orbax for name, (_, orbax, _) in _events.EVENTS.items()}

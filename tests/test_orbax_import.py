@@ -25,7 +25,7 @@ ocp = pytest.importorskip("orbax.checkpoint")
 optax = pytest.importorskip("optax")
 train_state = pytest.importorskip("flax.training.train_state")
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+ORBAX_PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "orbax.md"
 
 
 def _bits(x) -> bytes:
@@ -257,14 +257,14 @@ def test_cli_import_orbax_of_a_manager_directory(saved, tmp_path, capsys):
     assert doc["resumed"] == [1, 2, 3] and doc["steps"] == []
 
 
-def test_readme_migration_of_a_whole_run_runs_as_written(saved, tmp_path):
+def test_the_docs_migration_of_a_whole_run_runs_as_written(saved, tmp_path):
     state, _, run = saved
-    text = README.read_text(encoding="utf-8")
+    text = ORBAX_PAGE.read_text(encoding="utf-8")
     block = re.search(r"<!-- migration-of-a-run -->\s*```python\n(.*?)```", text, re.S).group(1)
     code = block.replace("/runs/orbax", run).replace("/runs/ckpt", str(tmp_path / "ckpt"))
     abstract_state = _target(state, make_mesh((4, 2), ("data", "model")))
     scope = {"ckpt": ckpt, "abstract_state": abstract_state}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/orbax.md", "exec"), scope)
     assert [r.step for r in scope["report"].steps] == [1, 2, 3]
     _assert_bit_exact(scope["state"], state, {"data": 4, "model": 2})
 

@@ -475,17 +475,17 @@ def test_read_errors_of_an_unpacked_leaf_name_the_process_too(tmp_path, monkeypa
         ckpt.restore(path, _target(state))
 
 
-def test_the_readme_zarr_recipe_for_packed_leaves_runs_as_written(tmp_path):
-    """The README's on-disk-layout recipe, run as a user copies it (only its path moved
+def test_the_format_specs_zarr_recipe_for_packed_leaves_runs_as_written(tmp_path):
+    """The zarr-python recipe of docs/format.md, run as a user copies it (only its path moved
     into tmp_path): it must save packed leaves and read every one back with zarr-python."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "format.md"), encoding="utf-8") as f:
         readme = f.read()
     start = readme.index("import numpy as np, zarr, checkpointer as ckpt\n")
     code = readme[start : readme.index("```", start)]
     assert 'path = "/tmp/small/1"' in code
     code = code.replace('"/tmp/small/1"', repr(str(tmp_path / "1")))
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (the README's own snippet)
+    exec(compile(code, "docs/format.md", "exec"), scope)  # noqa: S102 (the page's own snippet)
     chunks = scope["chunks"]
     assert len(chunks) == 100
     for i in range(100):

@@ -1,5 +1,5 @@
 """The converting commands: `import-orbax` (an Orbax checkpoint into this format) and
-`export` (the arrays as safetensors or npz)."""
+`export` (the arrays as safetensors or npz, or everything as Orbax checkpoints)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,8 @@ def _cmd_import_orbax(args, ui: _UI) -> int:
 def _cmd_export(args, ui: _UI) -> int:
     from .._tools import export
 
+    if args.format == "orbax":
+        return _export_orbax(args, ui)
     _metadata(args.path)  # the directory hint when PATH is a directory of steps
     out = args.output
     if out is None:
@@ -70,4 +72,34 @@ def _cmd_export(args, ui: _UI) -> int:
         ui.line(f"  {f}")
     if report.skipped:
         ui.line(f"not exported (not arrays): {', '.join(report.skipped)}")
+    return 0
+
+
+def _export_orbax(args, ui: _UI) -> int:
+    import warnings
+
+    from .._tools import export
+
+    given = [flag for flag, on in (("--leaves", args.leaves), ("--upcast", args.upcast), ("--separator", args.separator != "."))
+             if on]
+    if given:
+        raise ValueError(f"{', '.join(given)} do(es) not apply to --format orbax: Orbax gets every leaf, named by its "
+                         "keys joined with '.'")
+    out = args.output if args.output is not None else f"{args.path.rstrip('/')}.orbax"
+    with warnings.catch_warnings():  # the dropped state is printed below
+        warnings.simplefilter("ignore", UserWarning)
+        report = export(args.path, out, format="orbax", overwrite=args.overwrite)
+    if ui.json_mode:
+        ui.json({"out": report.files[0], "steps": list(report.steps), "params": sorted(report.tensors),
+                 "dropped": list(report.dropped), "total_bytes": report.total_bytes})
+        return 0
+    what = f"{len(report.steps)} steps" if report.steps else "1 checkpoint"
+    ui.line(f"exported {what} ({len(report.tensors)} leaves, {_format.format_bytes(report.total_bytes)}) as Orbax: "
+            f"{report.files[0]}")
+    for line in report.dropped:
+        ui.line(f"  not exported: {line}")
+    if report.steps:
+        ui.line("  open it with orbax.checkpoint.CheckpointManager(DIR) and restore with args.StandardRestore(target)")
+    else:
+        ui.line("  restore it with orbax.checkpoint.StandardCheckpointer().restore(OUT, target)")
     return 0

@@ -14,7 +14,7 @@ decides the same, and the manifest entry says `"packed": true`.
 Layout, per process i that writes at least one packed chunk:
 
   packed/process-<i>/zarr.json   a zarr v3 array: uint8, shape [n], one chunk of [n],
-                                 codecs bytes + crc32c; attributes.checkpointer.boxes
+                                 codecs bytes + crc32c; attributes.checkpointer.packed_index
                                  is the index below (with each leaf's dtype)
   packed/process-<i>/c/0         the n bytes: each packed chunk's C-order, little-endian
                                  bytes, back to back in plan order, then 4 bytes crc32c

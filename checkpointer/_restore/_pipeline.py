@@ -26,7 +26,7 @@ from .. import _encoding, _format, _memory
 from .._encoding import ReadContext, RestorePlan, RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, DTypeMismatchError, where
 from .._format import ArrayMetadata, CheckpointMetadata, PyTree, ValueMetadata, read_metadata, rebuild
-from .._storage import Storage, storage_for
+from .._storage import DEFAULT_MAX_OVER_READ_RATIO, Storage, storage_for
 from . import _agreement
 from ._options import RestoreOptions
 from ._plan import build_plan
@@ -80,6 +80,8 @@ def restore(
     max_inflight_bytes: int | None = None,
     stats: RestoreStats | None = None,
     cooperative: bool = True,
+    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO,
+    read_chunk_bytes: int | None = None,
 ) -> PyTree:
     """Restores the committed checkpoint at `path`, onto the target's shardings.
 
@@ -111,6 +113,13 @@ def restore(
         all it needs itself, with no collective; prefer it when storage serves P
         readers at P times the bandwidth and the interconnect is slower, or when
         processes restore independently (different times, paths or targets).
+      max_over_read_ratio: bound on bytes read over bytes needed (>= 1; default
+        1.05): nearby byte ranges of one file (inner chunks of a zarr shard file, the
+        column blocks of a safetensors row) are fetched by one request when the bytes
+        between them cost less than another request would, reading at most this ratio
+        of what each leaf needs. 1.0: never read bytes that are not needed.
+      read_chunk_bytes: bound on one request that gathers several ranges, bytes
+        (default: 4 MiB for local files, 16 MiB for object stores).
     Returns:
       The restored tree, with the target's own node types (NamedTuples, dataclasses,
       `TrainState`); array leaves are `jax.Array` with the target sharding, or numpy.
@@ -136,7 +145,7 @@ def restore(
     target; they agree through the coordination service before reading and after
     (a process that cannot restore makes every process raise), then exchange.
     """
-    options = RestoreOptions(partial, missing, max_inflight_bytes, stats, cooperative)
+    options = RestoreOptions(partial, missing, max_inflight_bytes, stats, cooperative, max_over_read_ratio, read_chunk_bytes)
     storage, path = storage_for(path)
     return restore_from(storage, path, target, options)
 
@@ -211,7 +220,7 @@ def _restore_cooperative(storage: Storage, path: str, target: object, options: R
     stats.attempts += 1
     stats.plan = plan
     try:
-        results, piece_crcs = _read_all(storage, path, resolved, plan, budget, stats)
+        results, piece_crcs = _read_all(storage, path, resolved, plan, budget, stats, options)
     except BaseException as e:
         _agreement.refuse(ticket, path, e, phase="read")
         if _marker(storage, path) is None and isinstance(e, (CorruptCheckpointError, OSError)):
@@ -308,7 +317,7 @@ def _prepare_paused(
 def _restore_once(storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats) -> PyTree:
     meta, resolved, plan, budget = _prepare(storage, path, target, options, stats)
     stats.plan = plan
-    results, _ = _read_all(storage, path, resolved, plan, budget, stats)
+    results, _ = _read_all(storage, path, resolved, plan, budget, stats, options)
     return _finish(meta, resolved, path, results)
 
 
@@ -322,7 +331,8 @@ def _finish(meta: CheckpointMetadata, resolved: ResolvedTarget, path: str, resul
 
 
 def _read_all(
-    storage: Storage, path: str, resolved: ResolvedTarget, plan: RestorePlan, budget: _Budget, stats: RestoreStats
+    storage: Storage, path: str, resolved: ResolvedTarget, plan: RestorePlan, budget: _Budget, stats: RestoreStats,
+    options: RestoreOptions,
 ) -> tuple[dict[str, object], dict[tuple[str, int], int]]:
     """Runs the plan: every leaf path -> its value, a `jax.Array` on the target's sharding,
     a numpy array, or, for a leaf with an exchange, the global array of its exchange layout
@@ -343,7 +353,8 @@ def _read_all(
         # jax_enable_x64 (a `with jax.enable_x64(...)` block is thread-local).
         # (Config declares its flags at runtime, hence the ignore.)
         ctx = ReadContext(budget, stats, plan.process_index, _COPIES_IN_FLIGHT, leaf_pool, chunk_pool,
-                          x64=jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+                          x64=jax.config.jax_enable_x64,  # type: ignore[attr-defined]
+                          max_over_read_ratio=options.max_over_read_ratio, read_chunk_bytes=options.read_chunk_bytes)
         results.update(_encoding.start_restore(storage, path, items, ctx)())
     return results, ctx.piece_crcs
 
@@ -411,6 +422,8 @@ def plan_restore(
     max_inflight_bytes: int | None = None,
     missing: str = "error",
     cooperative: bool = True,
+    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO,
+    read_chunk_bytes: int | None = None,
 ) -> RestorePlan:
     """Plans a restore without touching devices or chunk data.
 
@@ -429,6 +442,8 @@ def plan_restore(
       cooperative: as for `restore`: with more than one process (`processes`, or the
         job's), boxes that several processes need are split among them
         (`LeafRestorePlan.exchange_spec`, `BoxRead.receivers`, `.received`).
+      max_over_read_ratio, read_chunk_bytes: as for `restore` (checked; the plan lists
+        the inner chunks needed, the reads may also fetch small gaps between them).
     Returns:
       A `RestorePlan`: per leaf and unique box read, the chunks, inner chunks and
       bytes to read; `.bytes_needed`, `.bytes_read`, `.bytes_received` (from peers),
@@ -439,7 +454,7 @@ def plan_restore(
 
     Multi-process: pure; any process may call it alone.
     """
-    options = RestoreOptions(partial, missing, max_inflight_bytes, None, cooperative)
+    options = RestoreOptions(partial, missing, max_inflight_bytes, None, cooperative, max_over_read_ratio, read_chunk_bytes)
     storage, path = storage_for(path)
     meta = read_metadata(storage, path)
     pidx = jax.process_index() if process_index is None else process_index

@@ -296,27 +296,3 @@ def box_runs(box: Box, shape: Sequence[int]) -> tuple[int, np.ndarray]:
     for d in range(j):  # outer dims: every index of the box along each
         starts = starts[..., None] + (np.arange(box.origin[d], box.origin[d] + box.shape[d], dtype=np.int64) * strides[d])
     return run, starts.reshape(-1)
-
-
-def coalesce(starts_bytes: np.ndarray, run_bytes: int, max_gap_bytes: int, max_waste_bytes: int) -> list[tuple[int, int]]:
-    """Groups consecutive runs into reads that skip small gaps (read and thrown away).
-
-    Args:
-      starts_bytes: each run's first byte in the file, ascending.
-      run_bytes: bytes per run.
-      max_gap_bytes: a gap at most this long is read with its runs.
-      max_waste_bytes: all gaps read, together, stay within this.
-    Returns:
-      (index of the first run, number of runs) of each read, in order.
-    """
-    groups: list[tuple[int, int]] = []
-    waste, first = 0, 0
-    gaps = np.diff(starts_bytes) - run_bytes
-    for i, gap in enumerate(gaps.tolist()):
-        if 0 <= gap <= max_gap_bytes and waste + gap <= max_waste_bytes:
-            waste += gap
-            continue
-        groups.append((first, i + 1 - first))
-        first = i + 1
-    groups.append((first, len(starts_bytes) - first))
-    return groups

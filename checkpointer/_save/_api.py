@@ -51,7 +51,7 @@ def save(
         (a token bucket paced per chunk write, see `_ratelimit`); None: unlimited.
       pack_small_leaves_bytes: leaves whose chunks (saved shards) hold at most this
         many bytes are packed into one zarr array per process (`packed/process-<i>`,
-        see `_pack` and the README's on-disk layout) instead of an array each; None:
+        see `_pack` and docs/format.md) instead of an array each; None:
         256 KiB; 0 writes every leaf as its own zarr array (the layout of release 0.1).
       direct_io: how local files are written: "auto" writes the zarr shard files and
         packs with `O_DIRECT` (past the page cache, the bytes TensorStore would write)

@@ -47,14 +47,15 @@ from .. import _encoding
 from .._errors import CheckpointExistsError, StructureMismatchError, UnsupportedValueError
 from .._format import ArrayMetadata, Box, CheckpointMetadata, read_metadata, row_slabs
 from .._storage import Storage, storage_for
+from ._orbax_export import export_orbax
 
 DEFAULT_MAX_SHARD_BYTES = 5 << 30  # Hugging Face's default max_shard_size ("5GB")
 SLAB_BYTES = 64 << 20
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-FORMATS = ("safetensors", "npz")
+FORMATS = ("safetensors", "npz", "orbax")
 # Tensor names a format gives a meaning of its own: safetensors' header holds its
 # free-form metadata under `__metadata__` (the library refuses a tensor of that name).
-RESERVED_NAMES = {"safetensors": ("__metadata__",), "npz": ()}
+RESERVED_NAMES = {"safetensors": ("__metadata__",), "npz": (), "orbax": ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +67,17 @@ class ExportReport:
       tensors: tensor name -> the file that holds it.
       skipped: key paths of the non-array leaves that were not exported.
       total_bytes: bytes of tensor data written.
+      steps: `format="orbax"` of a manager directory: the steps written, ascending.
+      dropped: `format="orbax"`: what Orbax cannot hold and was left out, one line each
+        (the per-process state of a step, by process); also given as a warning.
     """
 
     files: tuple[str, ...]
     tensors: dict
     skipped: tuple[str, ...]
     total_bytes: int
+    steps: tuple[int, ...] = ()
+    dropped: tuple[str, ...] = ()
 
 
 # --- names ----------------------------------------------------------------------------------
@@ -385,13 +391,20 @@ def export(
     overwrite: bool = False,
     leaves: str | Sequence[str] | None = None,
 ) -> ExportReport:
-    """Writes the array leaves of the checkpoint at `path` as safetensors or npz.
+    """Writes the array leaves of the checkpoint at `path` as safetensors or npz, or the
+    whole checkpoint (or a manager directory) as Orbax checkpoints.
 
     Args:
-      path: a committed checkpoint.
+      path: a committed checkpoint; for `format="orbax"` also a manager directory
+        (every committed step).
       out: safetensors: a folder (created) for `model.safetensors` or the sharded files
-        and their index; npz: the `.npz` file.
-      format: `"safetensors"` or `"npz"`.
+        and their index; npz: the `.npz` file; orbax: the Orbax checkpoint folder
+        (StandardCheckpointer's layout: `StandardCheckpointer().restore(out, target)`),
+        or for a manager directory the Orbax CheckpointManager directory (`out/<step>/
+        default`, `out/<step>/metrics`), see docs/orbax_export.md.
+      format: `"safetensors"`, `"npz"` or `"orbax"` (every leaf, arrays and values, in
+        Orbax's PyTree layout without OCDBT, zarr3; Orbax is not needed to write it;
+        `max_shard_bytes`, `separator`, `upcast` and `leaves` do not apply).
       max_shard_bytes: safetensors only: data bytes per file before a new file starts.
       separator: joins the keys of a leaf into its tensor name.
       upcast: export dtypes the format cannot hold as a wider dtype that holds every
@@ -413,6 +426,10 @@ def export(
         top-level keys).
       CheckpointExistsError: an output file exists and `overwrite` is False.
       CorruptCheckpointError: stored bytes fail their checksums.
+      ValueError: an option that does not apply to `format="orbax"`.
+
+    Warns:
+      UserWarning: `format="orbax"` left out per-process state (listed in `dropped`).
 
     On every failure the temporary files are removed: the output holds either every
     file of the export or none of them (files that were there before stay).
@@ -422,6 +439,14 @@ def export(
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format == "orbax":
+        given = [n for n, v, d in (("max_shard_bytes", max_shard_bytes, DEFAULT_MAX_SHARD_BYTES), ("separator", separator, "."),
+                                   ("upcast", upcast, False), ("leaves", leaves, None)) if v != d]
+        if given:
+            raise ValueError(f"{', '.join(given)} do(es) not apply to format='orbax' (Orbax gets every leaf, named by its "
+                             "keys joined with '.')")
+        done = export_orbax(path, out, overwrite=overwrite)
+        return ExportReport((done.out,), done.params, (), done.total_bytes, done.steps, done.dropped)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
     storage, path = storage_for(path)

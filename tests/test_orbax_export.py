@@ -1,0 +1,255 @@
+"""The Orbax export against the installed orbax-checkpoint: what `export(..., format="orbax")`
+writes (through TensorStore, without Orbax) restores bit-exactly with Orbax's
+StandardCheckpointer, CheckpointManager (`args.StandardRestore`) and the v1 `load_pytree`,
+onto another mesh with sharded abstract targets: every dtype both store, typed PRNG keys, a
+flax linen TrainState with optax and an NNX state; a manager directory becomes a
+CheckpointManager directory with its metrics; Orbax -> import -> export -> Orbax is
+bit-exact; the command line; errors that name the path and the leaf."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import checkpointer as ckpt
+from checkpointer._cli import _main as _cli
+from checkpointer._tools._orbax_export import REGION_BYTES, write_chunk_shape
+
+ocp = pytest.importorskip("orbax.checkpoint")
+optax = pytest.importorskip("optax")
+train_state = pytest.importorskip("flax.training.train_state")
+nnx = pytest.importorskip("flax.nnx")
+v1 = pytest.importorskip("orbax.checkpoint.experimental.v1")
+
+# Every dtype of ml_dtypes that both libraries store (zarr3 through TensorStore), with numpy's.
+DTYPES = ["bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e4m3b11fnuz", "float8_e5m2", "float8_e5m2fnuz",
+          "float8_e3m4", "float8_e8m0fnu", "float4_e2m1fn", "int4", "int2", "float16", "float32", "float64", "int8",
+          "uint8", "int16", "uint32", "int64", "bool", "complex64"]
+
+
+def _bits(x) -> bytes:
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.ascontiguousarray(np.asarray(x)).view(np.uint8).tobytes()
+
+
+def _values(name: str, shape) -> np.ndarray:
+    dtype = np.dtype(getattr(ml_dtypes, name, None) or name)
+    rng = np.random.default_rng(len(name))
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind in "iu" or "int" in name:
+        info = ml_dtypes.iinfo(dtype) if "int" in name and dtype.kind not in "iu" else np.iinfo(dtype)
+        return rng.integers(max(info.min, -8), min(info.max, 8) + 1, shape).astype(dtype)
+    x = rng.standard_normal(shape) * 4
+    if dtype.kind == "c":
+        return (x + 1j * x[::-1]).astype(dtype)
+    x = x.astype(dtype)
+    if np.isnan(np.asarray(np.nan, dtype)):  # NaN and -0.0 where the type has them
+        x.reshape(-1)[:1] = np.nan
+    return x
+
+
+def _abstract(tree, mesh, spec_of):
+    def one(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec_of(x)))
+        return x
+    return jax.tree.map(one, tree)
+
+
+def _assert_bit_exact(got, want, mesh=None):
+    flat_got, tree_got = jax.tree_util.tree_flatten_with_path(got)
+    flat_want, tree_want = jax.tree_util.tree_flatten_with_path(want)
+    assert tree_got == tree_want
+    for (kp, g), (_, w) in zip(flat_got, flat_want):
+        name = jax.tree_util.keystr(kp)
+        if isinstance(w, jax.Array):
+            assert isinstance(g, jax.Array) and g.dtype == w.dtype and g.shape == w.shape, name
+            if mesh is not None:
+                assert g.sharding.mesh.shape == mesh.shape, name
+        elif isinstance(w, np.ndarray):
+            assert isinstance(g, np.ndarray) and g.dtype == w.dtype, name
+        else:
+            assert g == w and type(g) is type(w), name
+        assert _bits(g) == _bits(w), name
+
+
+def _spec(x) -> P:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return P("data") if x.ndim else P()
+    return {2: P("data", "model"), 1: P("model")}.get(x.ndim, P())
+
+
+def test_every_dtype_and_typed_keys_restore_bit_exactly_in_orbax_onto_another_mesh(tmp_path):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    tree = {name: jax.device_put(_values(name, (8, 16)), NamedSharding(mesh, P("data", "model"))) for name in DTYPES}
+    tree["keys"] = jax.device_put(jax.random.split(jax.random.key(1), 8), NamedSharding(mesh, P("data")))
+    tree["rbg"] = jax.random.key(7, impl="rbg")
+    tree["host"] = {"ids": np.arange(6, dtype=np.int32), "empty": {}, "none": None}
+    tree["scalars"] = [3, -1.5, True]
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    ckpt.save(src, tree)
+    report = ckpt.export(src, out, format="orbax")
+    assert report.files == (out,) and report.dropped == () and report.steps == ()
+    assert set(report.tensors) >= {"bfloat16", "keys", "host.ids", "scalars.0"}
+    other = make_mesh((4, 2), ("data", "model"))
+    target = _abstract(tree, other, _spec)
+    _assert_bit_exact(ocp.StandardCheckpointer().restore(out, target), tree, other)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 0.12.8 names it load; both are the same function
+        _assert_bit_exact(v1.load_pytree(out, target), tree, other)
+    _assert_bit_exact(v1.load(out, target), tree, other)
+    with pytest.warns(UserWarning, match="Sharding info not provided"):  # target-less: from `_sharding`
+        bare = ocp.PyTreeCheckpointer().restore(out)
+    assert bare["bfloat16"].sharding.mesh.shape == {"data": 2, "model": 4} and _bits(bare["keys"]) == _bits(tree["keys"])
+    assert bare["scalars"] == [3, -1.5, True] and bare["host"]["none"] is None
+
+
+def _train_state(mesh):
+    rng = np.random.default_rng(0)
+    params = {"dense": {"kernel": rng.standard_normal((16, 8)).astype(np.float32),
+                        "bias": rng.standard_normal(8).astype(ml_dtypes.bfloat16)}}
+    params = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, _spec(a))), params)
+    state = train_state.TrainState.create(apply_fn=lambda *a: None, params=params, tx=optax.adamw(1e-2))
+    return state.apply_gradients(grads=jax.tree.map(lambda p: jnp.full(p.shape, 0.5, p.dtype), params))
+
+
+class _Model(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(2)])
+        self.out = nnx.Linear(8, 4, rngs=rngs)
+
+
+def test_a_linen_train_state_and_an_nnx_optimizer_state_restore_in_orbax_into_their_own_targets(tmp_path):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(mesh):
+        model = _Model(nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    tree = {"linen": _train_state(mesh), "nnx": nnx.state(optimizer)}
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    ckpt.save(src, tree)
+    ckpt.export(src, out, format="orbax")
+    other = make_mesh((1, 4), ("data", "model"))
+    abstract_opt = nnx.eval_shape(lambda: nnx.Optimizer(_Model(nnx.Rngs(0)), optax.adam(1e-3), wrt=nnx.Param))
+    target = {"linen": _abstract(tree["linen"], other, _spec), "nnx": nnx.state(abstract_opt)}
+    target["nnx"] = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(other, _spec(s))),
+                                 target["nnx"])
+    got = ocp.StandardCheckpointer().restore(out, target)
+    _assert_bit_exact(got, tree, other)
+    assert isinstance(got["linen"], train_state.TrainState) and isinstance(got["nnx"], nnx.State)
+
+
+def _run(tmp_path, mesh):
+    run = str(tmp_path / "run")
+    with ckpt.CheckpointManager(run, keep=ckpt.KeepLatest(5), async_save=False) as mgr:
+        for step in (1, 2, 3):
+            tree = {"w": jax.device_put(jnp.full((8, 8), step, jnp.bfloat16), NamedSharding(mesh, P("data", "model"))),
+                    "step": step}
+            mgr.save(step, tree, metrics={"loss": 1.0 / step, "acc": float("nan") if step == 2 else 0.5},
+                     metadata={"note": "exported"}, per_process_state={"position": step * 10})
+    return run
+
+
+def test_a_manager_directory_becomes_an_orbax_checkpoint_manager_directory_with_its_metrics(tmp_path):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    run, out = _run(tmp_path, mesh), str(tmp_path / "orbax_run")
+    with pytest.warns(UserWarning, match=r"per-process state of process 0") as w:
+        report = ckpt.export(run, out, format="orbax")
+    assert report.steps == (1, 2, 3) and len(report.dropped) == 3 and f"{run}/2" in str(w[0].message)
+    mgr = ocp.CheckpointManager(out, options=ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min"))
+    assert mgr.all_steps() == [1, 2, 3] and mgr.latest_step() == 3 and mgr.best_step() == 3
+    assert mgr.metrics(1) == {"loss": 1.0, "acc": 0.5} and np.isnan(mgr.metrics(2)["acc"])
+    assert mgr.metadata(2).custom_metadata["note"] == "exported"
+    other = make_mesh((4, 2), ("data", "model"))
+    target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.bfloat16, sharding=NamedSharding(other, P("model"))), "step": 0}
+    for step in (1, 3):
+        got = mgr.restore(step, args=ocp.args.StandardRestore(target))
+        want = ckpt.restore(f"{run}/{step}")
+        _assert_bit_exact(got, {"w": jax.device_put(want["w"], target["w"].sharding), "step": step}, other)
+    assert v1.load(f"{out}/2", target)["step"] == 2  # a step folder: v1 finds its `default` item
+    mgr.close()
+
+
+def test_orbax_to_import_to_export_to_orbax_is_bit_exact(tmp_path):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    tree = {"train": _train_state(mesh), "rng": jax.random.key(42),
+            "rngs": jax.device_put(jax.random.split(jax.random.key(1), 8), NamedSharding(mesh, P("model")))}
+    orbax_in, imported, orbax_out = (str(tmp_path / n) for n in ("orbax_in", "imported", "orbax_out"))
+    with ocp.StandardCheckpointer() as c:
+        c.save(orbax_in, tree)
+    ckpt.import_orbax(orbax_in, imported)
+    ckpt.export(imported, orbax_out, format="orbax")
+    other = make_mesh((4, 2), ("data", "model"))
+    target = _abstract(tree, other, _spec)
+    want = ocp.StandardCheckpointer().restore(orbax_in, target)
+    _assert_bit_exact(ocp.StandardCheckpointer().restore(orbax_out, target), want, other)
+    meta_in = json.loads(pathlib.Path(f"{orbax_in}/_METADATA").read_text())["tree_metadata"]
+    meta_out = json.loads(pathlib.Path(f"{orbax_out}/_METADATA").read_text())["tree_metadata"]
+    assert {k: [v["key_metadata"], v["value_metadata"]["value_type"]] for k, v in meta_in.items()} == \
+           {k: [v["key_metadata"], v["value_metadata"]["value_type"]] for k, v in meta_out.items()}
+
+
+def test_cli_export_format_orbax_of_a_run_lists_what_it_left_out(tmp_path, capsys):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    run, out = _run(tmp_path, mesh), str(tmp_path / "orbax_run")
+    assert _cli.main(["export", run, "--format", "orbax", "-o", out]) == 0
+    text = capsys.readouterr().out
+    assert "exported 3 steps" in text and out in text and "per-process state of process 0" in text
+    assert ocp.CheckpointManager(out).all_steps() == [1, 2, 3]
+    assert _cli.main(["export", run, "--format", "orbax", "-o", out]) == 1  # out exists
+    assert out in capsys.readouterr().err
+    assert _cli.main(["export", f"{run}/2", "--json", "--format", "orbax", "-o", str(tmp_path / "one"), "--overwrite"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["steps"] == [] and "w" in obj["params"] and len(obj["dropped"]) == 1
+
+
+def test_export_refuses_an_existing_out_and_leaves_orbax_cannot_hold_naming_them(tmp_path):
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    ckpt.save(src, {"a": {"b": np.ones(3)}, "a.b": np.zeros(2)})
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"\['a'\]\['b'\].*\['a\.b'\].*'a\.b'"):
+        ckpt.export(src, out, format="orbax")
+    assert not os.path.exists(out) and os.listdir(tmp_path) == ["ckpt"]
+    ckpt.save(src, {"big": 2**70, "w": np.ones(3)}, overwrite=True)
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf \['big'\] of .*ckpt holds 1180591620717411303424 \(int\)"):
+        ckpt.export(src, out, format="orbax")
+    ckpt.save(src, np.ones(3), overwrite=True)
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"holds one leaf .* as its whole tree"):
+        ckpt.export(src, out, format="orbax")
+    os.makedirs(out)
+    ckpt.save(src, {"w": np.ones(3)}, overwrite=True)
+    with pytest.raises(ckpt.CheckpointExistsError, match=f"{out} exists"):
+        ckpt.export(src, out, format="orbax")
+    ckpt.export(src, out, format="orbax", overwrite=True)
+    assert np.array_equal(ocp.StandardCheckpointer().restore(out)["w"], np.ones(3))
+    with pytest.raises(ValueError, match="leaves.*format='orbax'"):
+        ckpt.export(src, str(tmp_path / "x"), format="orbax", leaves="w")
+
+
+def test_the_export_imports_nothing_of_orbax(tmp_path):
+    src = str(tmp_path / "ckpt")
+    ckpt.save(src, {"w": np.ones(3, np.float32)})
+    code = (f"import sys, checkpointer as ckpt; ckpt.export({src!r}, {str(tmp_path / 'o')!r}, format='orbax'); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('orbax', 'flax', 'optax')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "XLA_FLAGS": ""})
+    assert done.stdout.strip() == "[]"
+
+
+def test_chunks_written_hold_at_most_one_region():
+    assert write_chunk_shape((8, 16), (4, 4), 4) == (4, 4)  # small: the checkpoint's own chunks
+    big = write_chunk_shape((1 << 16, 1 << 12), (1 << 15, 1 << 12), 4)
+    assert big == (REGION_BYTES // (4 << 12), 1 << 12)
+    huge_row = write_chunk_shape((2, 1 << 26), (2, 1 << 26), 2)
+    assert huge_row[0] == 1 and huge_row[1] * 2 <= REGION_BYTES
+    assert write_chunk_shape((), (), 8) == ()
