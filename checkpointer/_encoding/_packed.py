@@ -303,6 +303,7 @@ class PackedEncoding(LeafEncoding):
         pack = _pack.PackWriter(ctx.process_index)
         for lw in leaves:
             for _, box, host in lw.chunks:
+                assert isinstance(host, np.ndarray)  # packed leaves are never shard files (`ShardImage`)
                 pack.add(lw.meta, box, host)
         if not pack:
             return lambda: WriteResult()

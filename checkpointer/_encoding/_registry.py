@@ -131,8 +131,9 @@ def start_write(storage: Storage, root: str, leaves: Sequence[LeafWrite], ctx: W
                 continue
             out.chunks.extend(r.chunks)
             out.packed = r.packed or out.packed
-        if ctx.direct is not None:
-            ctx.direct.close(sync=first is None)
+        for writer in (ctx.direct, ctx.files):
+            if writer is not None:
+                writer.close(sync=first is None)
         if first is not None:
             raise first
         return out

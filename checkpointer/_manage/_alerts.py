@@ -95,10 +95,10 @@ class RunJournal:
             return
         with self._mu:
             self._committed_step = step if self._committed_step is None else max(self._committed_step, step)
-        durable = snap.phases_unix_s.get("durable")
-        _events.save_committed(write_s=snap.write_s, commit_s=None if durable is None else time.time() - durable[1],
+        durable = snap.result.phases_unix_s.get("durable")
+        _events.save_committed(write_s=snap.result.write_s, commit_s=None if durable is None else time.time() - durable[1],
                                commit_lag_s=commit_lag_s, commit_lag_steps=commit_lag_steps,
-                               bytes_written=snap.bytes_written)
+                               bytes_written=snap.result.bytes_written)
 
     def failed(self, step: int | None, error: BaseException) -> None:
         """A save of `step` failed on this process: noted now, and a `jax.monitoring` event."""

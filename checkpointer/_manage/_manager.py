@@ -36,7 +36,7 @@ log = logging.getLogger("checkpointer")
 
 def _write_rate(snap: Snapshot) -> float | None:
     """Bytes per second this process wrote in `snap` (None before it wrote anything)."""
-    return snap.bytes_written / snap.write_s if snap.write_s > 0 and snap.bytes_written else None
+    return snap.result.bytes_written / snap.result.write_s if snap.result.write_s > 0 and snap.result.bytes_written else None
 
 
 class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
@@ -259,10 +259,10 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
     def _on_finish(self, step: int, handle: AsyncSave) -> None:
         snap = handle.snapshot
         with self._mu:
-            self._last["write_s"] = snap.write_s
+            self._last["write_s"] = snap.result.write_s
             self._last["commit_s"] = handle.commit_s
             self._last["write_bytes_per_s"] = _write_rate(snap)
-            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
+            self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
             if handle.error is not None:
                 self._pending_error = handle.error
                 self._last_error = f"step {step}: {type(handle.error).__name__}: {handle.error}"
@@ -384,14 +384,13 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             _commit.refuse(_commit.next_ticket(), f"{self.directory}/{step}", e)
             raise
         try:
-            snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers)
+            snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers, write_limiter=self._write_limiter)
         except Exception as e:
             self._journal.failed(step, e)
             raise
         if self._clock is not None:
             self._clock.saved()
         _events.save_blocked(snap.snapshot_s)
-        snap.write_limiter = self._write_limiter
         if self._tiers is not None:
             snap = self._tiers.local_snapshot(snap)
         with self._mu:
@@ -457,8 +456,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             raise
         tiers.enqueue(step, snap.generation, snap.overwrite).result()
         with self._mu:
-            self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
-            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
+            self._last["write_s"], self._last["commit_s"] = snap.result.write_s, time.perf_counter() - t0
+            self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
         self._raise_pending()
 
     def _run_sync(self, step: int, snap: Snapshot) -> None:
@@ -472,9 +471,9 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             self._journal.failed(step, e)
             raise
         with self._mu:
-            self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
+            self._last["write_s"], self._last["commit_s"] = snap.result.write_s, time.perf_counter() - t0
             self._last["write_bytes_per_s"] = _write_rate(snap)
-            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
+            self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
         self._finished(step, snap, self._last["commit_s"], None)
 
     def _retention_after(self, step: int, snap: Snapshot | None = None) -> Callable[[], object] | None:
@@ -492,8 +491,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             finally:
                 if snap is not None:
                     phases = {"retention": (start, time.time())}
-                    if "commit" in snap.phases_unix_s:
-                        phases["commit"] = snap.phases_unix_s["commit"]
+                    if "commit" in snap.result.phases_unix_s:
+                        phases["commit"] = snap.result.phases_unix_s["commit"]
                     _tools.append_journal(self.storage, self.directory, step=step, generation=snap.generation,
                                              phases_unix_s=phases)
 

@@ -23,7 +23,7 @@ from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import RestoreOptions, resolve_tree, restore_from
-from .._save import Snapshot, manifest_bytes, release_host, write_snapshot
+from .._save import SaveResult, Snapshot, manifest_bytes, release_host, write_snapshot
 from .._storage import Storage
 from . import _tiers
 from ._policies import KeepPolicy
@@ -111,6 +111,7 @@ class LocalTier:
         """The snapshot of a save, redirected to this process's local tier."""
         return dataclasses.replace(
             snap, storage=self.storage, path=f"{self.root}/{snap.step}", writes_array_metadata=True, write_limiter=None,
+            result=SaveResult(phases_unix_s=dict(snap.result.phases_unix_s)),
         )
 
     def run_local(self, snap: Snapshot, after_publish: Callable[[], object] | None = None) -> None:
@@ -138,10 +139,10 @@ class LocalTier:
             # A local replacement (the same step saved again) is always atomic: overwrite=True.
             commit.run(record.bytes_written, lambda _: manifest_bytes(snap, own, own_pack_only=True), marker=marker.to_json())
         finally:
-            if snap.lock is not None:
-                snap.lock.release(remove=True)
-                snap.lock = None
-        snap.commit_s = time.perf_counter() - t0
+            if snap.result.lock is not None:
+                snap.result.lock.release(remove=True)
+                snap.result.lock = None
+        snap.result.commit_s = time.perf_counter() - t0
         log.info("step %s committed on the local tier %s (process %d)", snap.step, self.root, snap.process_index)
         _commit.remove_leftovers(self.storage, self.root)  # of failed local saves: not left for recovery
         self.apply_retention()

@@ -119,6 +119,5 @@ def save_async(
         direct_io,
     )
     limiter = _storage.limiter_for(max_write_bytes_per_s)  # raises before the snapshot
-    snap = take_snapshot(path, tree, options, step=_step_from_path(path), buffers=shared_pool())
-    snap.write_limiter = limiter
+    snap = take_snapshot(path, tree, options, step=_step_from_path(path), buffers=shared_pool(), write_limiter=limiter)
     return AsyncSave(snap)

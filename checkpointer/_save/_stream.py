@@ -176,7 +176,7 @@ def _write(
         chunks: list[ChunkRecord] = []
         for leaf, source in arrays:
             chunks += _write_leaf(snap, leaf.meta, source, progress)
-        snap.write_s = time.perf_counter() - t0
+        snap.result.write_s = time.perf_counter() - t0
         return _pipeline.write_record(snap, chunks)
     except (SaveError, UnsupportedValueError):
         raise
