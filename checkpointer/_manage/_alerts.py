@@ -44,6 +44,7 @@ REQUESTED_EVERY_S = 10.0
 TAIL_BYTES = 1 << 20
 MAX_ERROR_CHARS = 2000
 REQUESTED, FAILED = "save_requested", "save_failed"
+PEER_COPIES = "peer_copies"  # a process's local step and how many peers hold a checked copy
 
 
 class RunJournal:
@@ -99,6 +100,15 @@ class RunJournal:
         _tools.append_journal_line(self.storage, self.directory, entry)
 
 
+def note_peer_copies(storage: Storage, directory: str, step: int, copies_checked: int) -> None:
+    """Notes in the journal how many checked peer copies this process's share of local
+    `step` has (`checkpointer status` reports per step the fewest over the processes)."""
+    entry = {"event": PEER_COPIES, "step": int(step), "process_index": _coord.process_index(),
+             "process_count": _coord.process_count(), "copies_checked": int(copies_checked),
+             "unix_s": round(time.time(), 6)}
+    _tools.append_journal_line(storage, directory, entry)
+
+
 @dataclasses.dataclass(frozen=True)
 class SaveFailure:
     """One failed save, as the journal noted it.
@@ -134,6 +144,10 @@ class DirectoryStatus:
       last_failure: the newest failed save noted, or None.
       failing: `last_failure` is newer than the newest committed step (no save has
         committed since).
+      node_losses_survived: local steps newer than the newest committed (durable) step
+        → how many node losses each survives: the fewest checked peer copies of any
+        process's share, as the processes noted them (`peer_copies=`; 0 until every
+        process noted one). Empty without peer copies.
     """
 
     directory: str
@@ -145,6 +159,7 @@ class DirectoryStatus:
     commit_lag_steps: int | None
     last_failure: SaveFailure | None
     failing: bool
+    node_losses_survived: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def problems(self, *, max_lag_steps: int | None = None, max_age_s: float | None = None) -> list[str]:
         """What an alert should say: the bounds crossed and a failing save ([] when ok)."""
@@ -254,7 +269,16 @@ def read_status(location: str | os.PathLike, *, now_unix_s: float | None = None)
     now = time.time() if now_unix_s is None else now_unix_s
     requested: int | None = None
     failure: SaveFailure | None = None
+    copies: dict[int, dict[int, int]] = {}  # step → process → checked copies
+    counts: dict[int, int] = {}  # step → process count
     for entry in _journal_tail(storage, directory):
+        if entry["event"] == PEER_COPIES and _step(entry.get("step")) is not None:
+            step_, proc, n = _step(entry.get("step")), _step(entry.get("process_index")), _step(entry.get("copies_checked"))
+            count = _step(entry.get("process_count"))
+            if step_ is not None and proc is not None and n is not None and count:
+                copies.setdefault(step_, {})[proc] = n
+                counts[step_] = count
+            continue
         if entry["event"] == REQUESTED and _step(entry.get("step")) is not None:
             requested = _step(entry.get("step"))
         elif entry["event"] == FAILED:
@@ -265,8 +289,11 @@ def read_status(location: str | os.PathLike, *, now_unix_s: float | None = None)
     else:
         lag = requested if latest is None else max(0, requested - latest)
     failing = failure is not None and (created is None or failure.unix_s > created)
+    survived = {s: min(copies[s].get(p, 0) for p in range(counts[s])) for s in sorted(copies)
+                if latest is None or s > latest}
     return DirectoryStatus(
         directory=directory, latest_committed_step=latest, latest_created_unix_s=created,
         latest_age_s=None if created is None else max(0.0, now - created), step_in_flight=_in_flight(storage, directory, names, latest),
         last_requested_step=requested, commit_lag_steps=lag, last_failure=failure, failing=failing,
+        node_losses_survived=survived,
     )

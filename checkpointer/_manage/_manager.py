@@ -18,7 +18,7 @@ from .._format import metadata_json, metrics_json
 from .._memory import HostBufferPool
 from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
 from .._storage import storage_for
-from . import _events, _tier_manager
+from . import _events, _peers, _tier_manager
 from ._alerts import RunJournal
 from ._follow import clear_finished, write_finished
 from ._lock import DirectoryLock, take_lock
@@ -86,6 +86,13 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
       direct_io: as for `save` ("auto", True, False); with two tiers it applies to the
         local tier's writes. `status().last_write_mode` says which mode the last
         finished save used, and why.
+      peer_copies: each local step is also held by this many processes on other nodes
+        (checked copies over TCP, in the background): a restart after losing that many
+        nodes resumes from it (`status().node_losses_survived`; docs/tiers_and_peers.md).
+      peer_node: this process's node name (default: its host name) for `peer_copies`.
+      durable_every_steps, durable_every_s: replicate only every n-th local step (and
+        at least s seconds apart) to `directory`; 1 and None (every local step) are
+        today's behaviour. `force=True` and preemption saves always go durable.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -121,6 +128,10 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         save_interval_s: float | None = None,
         save_on_preemption: bool = True,
         direct_io: str | bool = "auto",
+        peer_copies: int = 0,
+        peer_node: str | None = None,
+        durable_every_steps: int = 1,
+        durable_every_s: float | None = None,
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -176,7 +187,13 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
                 local_directory, self.storage, self.directory, keep_local=keep_local,
                 commit_timeout_s=commit_timeout_s, limiter=self._write_limiter,
                 retention_after=self._retention_after, on_error=self._on_replication_error,
+                peer_copies=_peers.check_copies(peer_copies), peer_node=peer_node,
+                durable_every_steps=durable_every_steps, durable_clock=None if durable_every_s is None else SaveClock(
+                    durable_every_s, self.directory + "#durable", agreement_timeout_s,
+                    first_unix_s=self._newest_created_unix_s),
             )
+        elif peer_copies:
+            raise ValueError("peer_copies needs local_directory: the copies are held in the peers' local tiers")
 
     # --- the writer's lock --------------------------------------------------------------
 
@@ -363,8 +380,10 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             self._clock.saved()
         _events.save_blocked(snap.snapshot_s)
         snap.write_limiter = self._write_limiter
+        durable = True
         if self._tiers is not None:
             snap = self._tiers.local_snapshot(snap)
+            durable = force or preempted or self._tiers.durable_due(step)
         with self._mu:
             self._last["snapshot_s"], self._last["wait_s"] = snap.snapshot_s, wait_s
             self._snapshot_history_s.append(snap.snapshot_s)
@@ -373,7 +392,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             self._created_cache.pop(step, None)
         self._journal.requested(step)
         if self._tiers is not None:
-            self._save_two_tiers(step, snap)
+            self._save_two_tiers(step, snap, durable)
         elif self.async_save:
             handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), after_publish=self._retention_after(step, snap))
             with self._mu:
@@ -399,16 +418,19 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         """
         return self._preemption.reached(as_step(step))
 
-    def _save_two_tiers(self, step: int, snap: Snapshot) -> None:
-        """Commits `snap` on the local tier (in the background unless `async_save=False`)
-        and queues its replication, in `save` order on every process."""
+    def _save_two_tiers(self, step: int, snap: Snapshot, durable: bool = True) -> None:
+        """Commits `snap` on the local tier (in the background unless `async_save=False`),
+        queues its copies to peers and (when `durable`) its replication, in `save` order
+        on every process."""
         tiers = self._tiers
         assert tiers is not None
         if self.async_save:
             handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), runner=tiers.run_local)
             with self._mu:
                 self._in_flight.append((step, handle))
-            tiers.enqueue(step, snap.generation, snap.overwrite, handle)
+            tiers.send_to_peers(step, snap.generation, handle)
+            if durable:
+                tiers.enqueue(step, snap.generation, snap.overwrite, handle)
             return
         t0 = time.perf_counter()
         try:
@@ -419,7 +441,9 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             self._forget(step)
             self._journal.failed(step, e)
             raise
-        tiers.enqueue(step, snap.generation, snap.overwrite).result()
+        tiers.send_to_peers(step, snap.generation)
+        if durable:
+            tiers.enqueue(step, snap.generation, snap.overwrite).result()
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
             self._last_write_mode = (snap.write_mode, snap.write_mode_reason)

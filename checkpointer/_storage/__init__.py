@@ -12,8 +12,8 @@ from ._direct import (
     sync_folders,
     write_file as write_direct_file,
 )
-from ._kvstore import KvStorage, storage_for, ts_context
+from ._kvstore import KvStorage, Location, StorageFactory, register_storage, registered_schemes, storage_for, ts_context
 from ._local import LocalStorage
 from ._ratelimit import TokenBucket, acquire, limiter_for
 
-__all__ = ['DIRECT_ALIGN', 'DirectFile', 'FileLock', 'KvStorage', 'LocalStorage', 'LockHeldError', 'Reader', 'Storage', 'TokenBucket', 'acquire', 'check_direct_io', 'limiter_for', 'probe_direct', 'storage_for', 'sync_folders', 'ts_context', 'write_direct_file']
+__all__ = ['DIRECT_ALIGN', 'DirectFile', 'FileLock', 'KvStorage', 'LocalStorage', 'Location', 'LockHeldError', 'Reader', 'StorageFactory', 'register_storage', 'registered_schemes', 'Storage', 'TokenBucket', 'acquire', 'check_direct_io', 'limiter_for', 'probe_direct', 'storage_for', 'sync_folders', 'ts_context', 'write_direct_file']
