@@ -100,12 +100,13 @@ class RunJournal:
         _tools.append_journal_line(self.storage, self.directory, entry)
 
 
-def note_peer_copies(storage: Storage, directory: str, step: int, copies_checked: int) -> None:
+def note_peer_copies(storage: Storage, directory: str, step: int, copies_checked: int, kept: list[int]) -> None:
     """Notes in the journal how many checked peer copies this process's share of local
-    `step` has (`checkpointer status` reports per step the fewest over the processes)."""
+    `step` has, and the local steps it keeps now (`checkpointer status` reports per step
+    still kept the fewest over the processes)."""
     entry = {"event": PEER_COPIES, "step": int(step), "process_index": _coord.process_index(),
              "process_count": _coord.process_count(), "copies_checked": int(copies_checked),
-             "unix_s": round(time.time(), 6)}
+             "kept": [int(s) for s in kept], "unix_s": round(time.time(), 6)}
     _tools.append_journal_line(storage, directory, entry)
 
 
@@ -271,6 +272,7 @@ def read_status(location: str | os.PathLike, *, now_unix_s: float | None = None)
     failure: SaveFailure | None = None
     copies: dict[int, dict[int, int]] = {}  # step → process → checked copies
     counts: dict[int, int] = {}  # step → process count
+    kept: dict[int, set[int]] = {}  # process → the local steps its newest note says it keeps
     for entry in _journal_tail(storage, directory):
         if entry["event"] == PEER_COPIES and _step(entry.get("step")) is not None:
             step_, proc, n = _step(entry.get("step")), _step(entry.get("process_index")), _step(entry.get("copies_checked"))
@@ -278,6 +280,8 @@ def read_status(location: str | os.PathLike, *, now_unix_s: float | None = None)
             if step_ is not None and proc is not None and n is not None and count:
                 copies.setdefault(step_, {})[proc] = n
                 counts[step_] = count
+                if isinstance(entry.get("kept"), list):
+                    kept[proc] = {s for s in entry["kept"] if _step(s) is not None}
             continue
         if entry["event"] == REQUESTED and _step(entry.get("step")) is not None:
             requested = _step(entry.get("step"))
@@ -290,7 +294,7 @@ def read_status(location: str | os.PathLike, *, now_unix_s: float | None = None)
         lag = requested if latest is None else max(0, requested - latest)
     failing = failure is not None and (created is None or failure.unix_s > created)
     survived = {s: min(copies[s].get(p, 0) for p in range(counts[s])) for s in sorted(copies)
-                if latest is None or s > latest}
+                if (latest is None or s > latest) and all(s in k for k in kept.values())}
     return DirectoryStatus(
         directory=directory, latest_committed_step=latest, latest_created_unix_s=created,
         latest_age_s=None if created is None else max(0.0, now - created), step_in_flight=_in_flight(storage, directory, names, latest),

@@ -211,8 +211,8 @@ class LocalTier:
         self.peers.enqueue(step, generation, self.local_steps, local_ok, self._peer_copied)
 
     def _peer_copied(self, step: int, copies: int) -> None:
-        _alerts.note_peer_copies(self.durable, self.directory, step, copies)
         self.apply_retention()
+        _alerts.note_peer_copies(self.durable, self.directory, step, copies, self.local_steps())
 
     def _replicate(self, target: _tiers.ReplicationTarget, local_save) -> None:
         if local_save is not None:
