@@ -7,6 +7,7 @@ p+1 and p+2."""
 
 import glob
 import json
+import os
 import shutil
 
 import pytest
@@ -92,3 +93,61 @@ def test_processes_whose_copies_are_of_different_saves_fail_fast_the_same_way(sa
     assert len(errors) == 1, errors  # the same error on every process
     (error,) = errors
     assert error.startswith("RestoreAgreementError") and "step 120" in error and "process 2" in error, error
+
+
+def _flip_a_chunk_byte(folder):
+    patterns = [f"{folder}/arrays/**/c/**", f"{folder}/packed/*/c/0"]  # chunk files, the pack
+    chunks = sorted(p for pattern in patterns for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    assert chunks, f"no chunk file in {folder}"
+    with open(chunks[0], "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0x01]))
+
+
+@pytest.mark.slow
+def test_with_one_peer_copy_a_damaged_copy_of_a_lost_node_falls_back_to_the_durable_step(saved_k1):
+    tmp, args, _ = saved_k1
+    run = _copy(args, tmp, "damaged-only-copy")
+    shutil.rmtree(f"{run['local']}/process-1")
+    _flip_a_chunk_byte(f"{run['local']}/process-2/peer-copies/process-1/120")  # fails its crc32c when fetched
+    for r in _restore(run):
+        rec = r.record("restored")
+        assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
+
+
+@pytest.fixture(scope="module")
+def saved_k2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("k2")
+    args, results = _save(tmp, 2)
+    for r in results:
+        assert r.record("saved")["survives"].get("120") == 2, r.describe()
+    return tmp, args
+
+
+@pytest.mark.slow
+def test_with_two_peer_copies_a_damaged_copy_is_skipped_for_the_next_one_and_a_late_replacement_is_waited_for(saved_k2):
+    tmp, args = saved_k2
+    run = _copy(args, tmp, "damaged-next")
+    shutil.rmtree(f"{run['local']}/process-1")
+    _flip_a_chunk_byte(f"{run['local']}/process-2/peer-copies/process-1/120")  # the first holder's copy
+    # The replacement process joins its manager 5 s after the others.
+    for r in _restore(run, late_s={"1": 5}):
+        rec = r.record("restored")
+        assert rec["step"] == 120 and rec["mismatches"] == [], r.describe()
+        assert rec["durable_bytes"] == 0 and rec["source"] == "local", r.describe()
+
+
+@pytest.mark.slow
+def test_a_process_killed_while_sending_its_copy_leaves_no_copy_that_counts(tmp_path):
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    args = {"directory": durable, "local": local, "phase": "save", "steps": STEPS, "peer_copies": 1,
+            "durable_every_steps": 100, "kill_sending": [1, 120]}
+    results = run_processes(WORKER, 4, 2, args, timeout_s=240, check=False, fail_fast_grace_s=3)
+    assert results[1].returncode == -9, results[1].describe()
+    # Half of process 1's copy reached process 2, which dropped it when the connection broke
+    # and kept the checked copy of step 110 (the older copy is never lost to a newer one).
+    assert sorted(os.listdir(f"{local}/process-2/peer-copies/process-1")) == ["110"]
+    for r in _restore(dict(args, phase="restore", kill_sending=None)):
+        rec = r.record("restored")
+        assert rec["step"] == 120 and rec["mismatches"] == [] and rec["durable_bytes"] == 0, r.describe()
