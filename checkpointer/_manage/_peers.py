@@ -286,6 +286,8 @@ class PeerService:
                 f"{os.strerror(e.errno)} ({e})" if isinstance(e, OSError) and e.errno is not None else str(e))
             try:
                 _send_json(sock, {"error": text})
+                while sock.recv(CHUNK_BYTES):  # the rest of the stream, so the sender reads the answer
+                    pass
             except OSError:
                 pass
             return
@@ -399,8 +401,15 @@ class PeerService:
         with socket.create_connection((address.host, address.port), timeout=self.timeout_s) as sock:
             _send_json(sock, {"op": "put", "owner": self.process_index, "step": step, "generation": generation,
                               "keep": keep, "files": files})
-            _stream_files(sock, f"{self.local_root}/{step}", files)
-            answer = _recv_json(sock)
+            try:
+                _stream_files(sock, f"{self.local_root}/{step}", files)
+            except OSError as e:  # the holder may have answered why it stopped reading
+                try:
+                    answer = _recv_json(sock)
+                except (OSError, ValueError):
+                    raise e from None
+            else:
+                answer = _recv_json(sock)
         if not answer.get("ok"):
             raise CheckpointError(str(answer.get("error", "no answer")))
 
