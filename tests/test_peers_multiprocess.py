@@ -48,7 +48,7 @@ def saved_k1(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_with_one_peer_copy_a_lost_node_resumes_from_the_newest_local_step_reading_nothing_durable(saved_k1):
+def test_with_one_peer_copy_a_lost_node_resumes_from_the_newest_local_step_reading_nothing_durable(saved_k1, capsys):
     tmp, args, results = saved_k1
     for r in results:
         saved = r.record("saved")
@@ -59,6 +59,11 @@ def test_with_one_peer_copy_a_lost_node_resumes_from_the_newest_local_step_readi
     assert glob.glob(f"{args['local']}/process-2/peer-copies/process-1/120/COMMITTED")
     # The probe reports the same from the journal.
     assert ckpt.read_status(args["directory"]).node_losses_survived == {120: 1}
+    from checkpointer._cli import _main as cli
+
+    assert cli.main(["status", args["directory"]]) == 0
+    out = capsys.readouterr().out
+    assert "node losses survived" in out and "step 120: 1" in out, out
     run = _copy(args, tmp, "one-lost")
     shutil.rmtree(f"{run['local']}/process-1")  # node 1 replaced: its own steps and the copies it held
     for r in _restore(run):
@@ -151,3 +156,14 @@ def test_a_process_killed_while_sending_its_copy_leaves_no_copy_that_counts(tmp_
     for r in _restore(dict(args, phase="restore", kill_sending=None)):
         rec = r.record("restored")
         assert rec["step"] == 120 and rec["mismatches"] == [] and rec["durable_bytes"] == 0, r.describe()
+
+
+@pytest.mark.slow
+def test_a_restart_onto_another_process_count_reads_the_durable_step_and_says_why(saved_k1):
+    tmp, args, _ = saved_k1
+    run = _copy(args, tmp, "two-processes")
+    results = run_processes(WORKER, 2, 4, dict(run, phase="restore"), timeout_s=240)
+    for r in results:
+        rec = r.record("restored")
+        assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
+        assert "saved by 4 processes, the job has 2" in r.stderr, r.describe()
