@@ -5,7 +5,8 @@ State: float32 arrays (default 1 GiB in 16 leaves; --quick: 64 MiB) sharded
 P('data', 'model') on the 4x2 mesh. The save job runs a manager with
 local_directory=<tmp>/local, peer_copies=1, local saves every 10 steps and durable ones
 every 100 (`durable_every_steps=100`), the durable tier's writes paced to --rate MiB/s per
-process (`max_write_bytes_per_s`, the library's rate limit): it saves steps 100 (local,
+process (`max_write_bytes_per_s`, the library's rate limit) and its reads too (a `paced://`
+backend registered with `ckpt.register_storage`: the library's token bucket on reads): it saves steps 100 (local,
 peers, durable) and 110 (local and peers only), and Orbax saves the same state into
 <tmp>/orbax (ocp.StandardCheckpointer, not paced: Orbax has no rate limit).
 
@@ -24,8 +25,8 @@ Cost of the copies, in the save job (each on its own manager, 2 local-only saves
 blocked seconds of `save`, wall seconds until the step is local and (with peers) copied,
 and process CPU seconds over that span, without and with peer_copies=1.
 
-Reads from the durable tier are not throttled (the rate limit paces writes): (d) and orbax
-read a local disk at page-cache speed here, so their times are lower bounds.
+Orbax reads the durable directory through TensorStore, which the paced backend cannot
+throttle: its row reads at page-cache speed, a lower bound.
 
 Run:  .venv/bin/python benchmarks/peers_bench.py [--quick] [--rate 200] [--dir /tmp]
       Prints a markdown table and replaces the peers_bench section of benchmarks/RESULTS.md
@@ -45,6 +46,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PROCESSES, DEVICES = 4, 2
 MiB = 2**20
+
+
+def register_paced_reads(rate_mib_s: float) -> None:
+    """`paced://<path>`: a local directory whose reads (files, ranges, readers) are paced to
+    `rate_mib_s` MiB/s per process by the library's token bucket; writes go through
+    unpaced (the manager paces them with max_write_bytes_per_s). A backend of the
+    storage registry, so the durable tier's restore reads are throttled too."""
+    import checkpointer as ckpt
+    from checkpointer._storage import LocalStorage, Reader, acquire, limiter_for
+
+    bucket = limiter_for(rate_mib_s * MiB)
+
+    class PacedReader(Reader):
+        def __init__(self, inner):
+            self._inner = inner
+
+        def size(self):
+            return self._inner.size()
+
+        def read_into(self, offset, buffer):
+            acquire(bucket, len(buffer))
+            self._inner.read_into(offset, buffer)
+
+        def close(self):
+            self._inner.close()
+
+    class PacedReads(LocalStorage):
+        def read_file(self, path, max_bytes=None):
+            data = super().read_file(path, max_bytes)
+            acquire(bucket, len(data))
+            return data
+
+        def read_range(self, path, offset, length):
+            data = super().read_range(path, offset, length)
+            acquire(bucket, len(data))
+            return data
+
+        def open_reader(self, path):
+            return PacedReader(super().open_reader(path))
+
+    ckpt.register_storage("paced", lambda url: (PacedReads(), url[len("paced://"):].rstrip("/")), replace=True)
 
 
 def _cpu_s() -> float:
@@ -82,7 +124,8 @@ def save_job(directory: str, mib: int, rate_mib_s: float) -> None:
     state, _ = _state(mib)
     kw = dict(local_directory=f"{directory}/local", keep_local=ckpt.KeepLatest(1), peer_node=f"node-{pidx}",
               durable_every_steps=100, max_write_bytes_per_s=rate_mib_s * MiB, commit_timeout_s=600)
-    with ckpt.CheckpointManager(f"{directory}/durable", peer_copies=1, **kw) as m:
+    register_paced_reads(rate_mib_s)
+    with ckpt.CheckpointManager(f"paced://{directory}/durable", peer_copies=1, **kw) as m:
         for step in (100, 110):
             m.save(step, {**jax.tree.map(lambda x, s=step: x + s, state), "step": step})
         m.wait_until_finished()
@@ -108,7 +151,7 @@ def save_job(directory: str, mib: int, rate_mib_s: float) -> None:
     testing.emit(event="saved", survives={str(k): v for k, v in survives.items()}, costs=costs, local_bytes=local_bytes)
 
 
-def restore_job(directory: str, mib: int, case: str) -> None:
+def restore_job(directory: str, mib: int, case: str, rate_mib_s: float) -> None:
     """One restart: restore as `case` says, timed."""
     import absl.logging
     import jax
@@ -121,6 +164,7 @@ def restore_job(directory: str, mib: int, case: str) -> None:
     absl.logging.set_verbosity(absl.logging.ERROR)
     pidx = jax.process_index()
     _, target = _state(mib)
+    register_paced_reads(rate_mib_s)
     multihost_utils.sync_global_devices(f"restore-{case}")
     if case == "orbax":
         t0 = time.perf_counter()
@@ -131,12 +175,12 @@ def restore_job(directory: str, mib: int, case: str) -> None:
     if case == "d":
         stats = ckpt.RestoreStats()
         t0 = time.perf_counter()
-        out = ckpt.restore(f"{directory}/durable/100", {**target, "step": None}, stats=stats)
+        out = ckpt.restore(f"paced://{directory}/durable/100", {**target, "step": None}, stats=stats)
         jax.block_until_ready(out)
         testing.emit(event="restored", case=case, elapsed_s=time.perf_counter() - t0, step=100,
                      durable_bytes=stats.bytes_read)
         return
-    with ckpt.CheckpointManager(f"{directory}/durable", local_directory=f"{directory}/local", peer_copies=1,
+    with ckpt.CheckpointManager(f"paced://{directory}/durable", local_directory=f"{directory}/local", peer_copies=1,
                                 peer_node=f"node-{pidx}", durable_every_steps=100, read_only=True,
                                 commit_timeout_s=600) as m:
         t0 = time.perf_counter()
@@ -171,7 +215,8 @@ def main() -> None:
             shutil.copytree(f"{d}/run", run, ignore=shutil.ignore_patterns("cost-*"))
             for p in wiped:
                 shutil.rmtree(f"{run}/local/process-{p}")
-            out = testing.run_processes(restore_job, PROCESSES, DEVICES, {"directory": run, "mib": mib, "case": case},
+            out = testing.run_processes(restore_job, PROCESSES, DEVICES, {"directory": run, "mib": mib, "case": case,
+                                                                           "rate_mib_s": args.rate},
                                         timeout_s=1800)
             results[case] = [r.record("restored") for r in out]
             shutil.rmtree(run)
@@ -200,7 +245,7 @@ def main() -> None:
                        time.perf_counter() - t0, load)
         + f"- {PROCESSES} processes x {DEVICES} CPU devices as 4 simulated nodes; state {mib} MiB float32, "
         f"P('data','model') on 4x2; local saves every 10 steps, durable every 100; durable writes paced to "
-        f"{args.rate:g} MiB/s per process; durable reads not throttled (lower bounds for (d) and orbax)\n"
+        f"{args.rate:g} MiB/s per process and its reads too (Orbax's not: a lower bound)\n"
         f"- saved: step 100 (durable) and 110 (local + 1 peer copy); node losses survived as status() said: "
         f"{recs[0]['survives']}\n\n"
         + C.table(["case", "step restored", "restore (slowest process)", "÷ (d)", "MiB read from durable (all processes)", "sources"], rows)

@@ -113,6 +113,7 @@ def _file_crc(path: str) -> tuple[int, int]:
 def _receive_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> None:
     """Writes the streamed files into `folder`, then reads each back: its length and
     crc32c must be the header's. Raises CorruptCheckpointError naming the file."""
+    view = memoryview(bytearray(CHUNK_BYTES))  # the one buffer of this transfer
     for f in files:
         key, size = str(f["key"]), int(f["size"])
         if key.startswith("/") or ".." in key.split("/"):
@@ -120,14 +121,13 @@ def _receive_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> N
         path = f"{folder}/{key}"
         os.makedirs(os.path.dirname(path), exist_ok=True)
         left = size
-        with open(path, "wb") as out:
+        with open(path, "wb", buffering=0) as out:
             while left:
-                part = sock.recv(min(left, CHUNK_BYTES))
-                if not part:
+                n = sock.recv_into(view, min(left, CHUNK_BYTES), socket.MSG_WAITALL)
+                if not n:
                     raise ConnectionError(f"the peer closed the connection in {key} ({size - left} of {size} bytes)")
-                out.write(part)
-                left -= len(part)
-            out.flush()
+                out.write(view[:n])
+                left -= n
             os.fsync(out.fileno())
     for f in files:
         path = f"{folder}/{f['key']}"
