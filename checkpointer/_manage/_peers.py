@@ -16,9 +16,9 @@ put   owner → holder   {"op": "put", "owner", "step", "generation", "keep": [s
                         "files": [{"key", "size", "crc32c"}, ...]}  then each file's bytes
                        (the marker `COMMITTED` last).  The holder writes them into
                        process-<h>/peer-copies/process-<owner>/<step>.partial-<g>/,
-                       reads every file back and checks its length and crc32c against
-                       the header (computed by the owner from its committed files),
-                       writes `peer-copy.json` (the header), renames the folder to
+                       fsyncs each and checks its length and the crc32c of the bytes
+                       it wrote against the header (computed by the owner from its
+                       committed files), writes `peer-copy.json` (the header), renames the folder to
                        <step>/, drops the owner's copies not in `keep`, and answers
                        {"ok": true} or {"error": text}.
 get   any → holder     {"op": "get", "owner", "step", "generation"}: answers the copy's
@@ -26,7 +26,7 @@ get   any → holder     {"op": "get", "owner", "step", "generation"}: answers t
                        receiver checks length and crc32c of each file against it.
 ```
 A copy counts (`node_losses_survived`) only once the holder answered ok to its put,
-i.e. after its read-back check. Nothing here issues a device collective: only sockets
+i.e. after its checks. Nothing here issues a device collective: only sockets
 and the coordination service's key-value store, so it runs on background threads. The
 sender's and the server's threads run at the direct writer's lower CPU priority
 (`BACKGROUND_NICE`), so the training step keeps its cores.
@@ -111,44 +111,49 @@ def _file_crc(path: str) -> tuple[int, int]:
 
 
 def _receive_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> None:
-    """Writes the streamed files into `folder`, then reads each back: its length and
-    crc32c must be the header's. Raises CorruptCheckpointError naming the file."""
+    """Writes the streamed files into `folder`, each file's crc32c computed over the bytes
+    as they are written and fsynced: its length and crc32c must be the header's (the
+    owner's, computed from its committed files). Raises CorruptCheckpointError naming
+    the file; memory: one `CHUNK_BYTES` buffer."""
     view = memoryview(bytearray(CHUNK_BYTES))  # the one buffer of this transfer
     for f in files:
         key, size = str(f["key"]), int(f["size"])
         if key.startswith("/") or ".." in key.split("/"):
             raise ConnectionError(f"a peer sent the file name {key!r}")
-        path = f"{folder}/{key}"
+        path = _received_path(folder, key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        left = size
+        left, crc = size, 0
         with open(path, "wb", buffering=0) as out:
             while left:
                 n = sock.recv_into(view, min(left, CHUNK_BYTES), socket.MSG_WAITALL)
                 if not n:
                     raise ConnectionError(f"the peer closed the connection in {key} ({size - left} of {size} bytes)")
                 out.write(view[:n])
+                crc = crc32c.crc32c(view[:n], crc)
                 left -= n
             os.fsync(out.fileno())
-    for f in files:
-        path = f"{folder}/{f['key']}"
-        size, crc = _file_crc(path)
-        if size != int(f["size"]) or crc != int(f["crc32c"]):
+        if crc != int(f["crc32c"]):
             raise CorruptCheckpointError(
-                f"the copy {path} reads back as {size} bytes with crc32c {crc:#010x}, expected {f['size']} bytes with "
-                f"crc32c {int(f['crc32c']):#010x}"
+                f"the copy {path} has crc32c {crc:#010x}, expected {int(f['crc32c']):#010x} ({size} bytes): the bytes "
+                "were damaged on the sender's disk or on the way"
             )
 
 
+def _received_path(folder: str, key: str) -> str:
+    """Where a received file is written: the marker under another name until every file
+    is checked (`_commit_folder`), so a holder that dies mid-copy never leaves a partial
+    folder that a listing would take for a committed one."""
+    return f"{folder}/{_format.COMMITTED}.received" if key == _format.COMMITTED else f"{folder}/{key}"
+
+
 def _stream_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> None:
+    """Sends each file's first `size` bytes (the kernel copies them: `sendfile`)."""
     for f in files:
-        left = int(f["size"])
+        size = int(f["size"])
         with open(f"{folder}/{f['key']}", "rb") as src:
-            while left:
-                chunk = src.read(min(left, CHUNK_BYTES))
-                if not chunk:
-                    raise ConnectionError(f"{folder}/{f['key']} is shorter than {f['size']} bytes")
-                sock.sendall(chunk)
-                left -= len(chunk)
+            sent = sock.sendfile(src, 0, size) if size else 0
+            if sent != size:
+                raise ConnectionError(f"{folder}/{f['key']} is shorter than {size} bytes")
 
 
 def step_files(folder: str) -> list[dict]:
@@ -173,6 +178,7 @@ def _commit_folder(partial: str, final: str, record: dict) -> None:
         json.dump(record, f)
         f.flush()
         os.fsync(f.fileno())
+    os.rename(f"{partial}/{_format.COMMITTED}.received", f"{partial}/{_format.COMMITTED}")
     if os.path.isdir(final):
         shutil.rmtree(final)
     os.rename(partial, final)
@@ -222,6 +228,7 @@ class PeerService:
         self._client = _coord.client() if self.process_count > 1 else None
         self._addresses: dict[int, PeerAddress] = {}
         self._verified: dict[int, int] = {}  # own step → copies checked by their holders
+        self._held: dict[int, PeerCopyTier] = {}
         self._mu = threading.Lock()
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-peers",
                                                              initializer=lower_thread_priority)
@@ -241,8 +248,14 @@ class PeerService:
         return "/".join(["checkpointer", "peers", self._tag, *map(str, parts)])
 
     def held(self, owner: int) -> PeerCopyTier:
-        """The copies this process holds of process `owner`'s local steps."""
-        return PeerCopyTier(_local_storage(), f"{self.local_root}/{PEER_COPIES_DIR}/process-{owner}", owner)
+        """The copies this process holds of process `owner`'s local steps (one tier, so
+        one retention lock, per owner)."""
+        root = f"{self.local_root}/{PEER_COPIES_DIR}/process-{owner}"
+        with self._mu:
+            tier = self._held.get(owner)
+            if tier is None or tier.root != root:
+                tier = self._held[owner] = PeerCopyTier(_local_storage(), root, owner)
+            return tier
 
     def _serve(self) -> socketserver.ThreadingTCPServer:
         service = self
