@@ -37,6 +37,7 @@ from ._errors import (
     SaveError,
     ShapeMismatchError,
     StructureMismatchError,
+    UnknownMetricError,
     UnsupportedValueError,
 )
 
@@ -62,7 +63,24 @@ if TYPE_CHECKING:  # THE TABLE: each lazy public name and the package that expor
     from ._restore import per_process_state, plan_restore, restore, restore_safetensors
     from ._save import AsyncSave, LeafAssignment, ProcessWrites, SavePlan, plan_save, save, save_async
     from ._storage import Storage, register_storage
-    from ._tools import DrillReport, ExportReport, ImportReport, VerifyReport, export, import_orbax, timeline, verify
+    from ._tools import (
+        CheckpointTree,
+        DrillReport,
+        ExportReport,
+        ImportReport,
+        LeafSummary,
+        VerifyReport,
+        WrittenChunk,
+        export,
+        import_orbax,
+        inspect_tree,
+        plot_plan,
+        plot_run,
+        plot_shards,
+        shard_chunks,
+        timeline,
+        verify,
+    )
 
     __version__: str
 

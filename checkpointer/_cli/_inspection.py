@@ -9,10 +9,11 @@ import datetime
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-from .. import _commit, _format, _manage
-from .._errors import CheckpointError, UsageError
+from .. import _commit, _format, _manage, _tools
+from .._errors import CheckpointError, StructureMismatchError, UsageError
 from ._inputs import _lock_holder, _metadata, _open_dir
 from ._ui import _UI, PROG, _age, _json_value, _metrics_str, _shape, _spec_json
 
@@ -127,6 +128,10 @@ def _cmd_inspect(args, ui: _UI) -> int:
     from .._format import ArrayMetadata
 
     meta = _metadata(args.path)
+    if args.leaf and not args.png:
+        raise UsageError("--leaf selects the leaves --png draws; add --png OUT")
+    if args.png:
+        _draw(lambda: _tools.plot_shards(meta, args.leaf), args.png)
     leaves = []
     for p, m in meta.leaves.items():
         if isinstance(m, ArrayMetadata):
@@ -146,6 +151,8 @@ def _cmd_inspect(args, ui: _UI) -> int:
         "created_unix_s": meta.created_unix_s, "library_version": meta.library_version, "jax_version": meta.jax_version,
         "user_metadata": meta.user_metadata, "total_bytes": meta.total_bytes, "leaves": leaves,
     }
+    if args.png:
+        info["png"] = args.png
     if ui.json_mode:
         ui.json(info)
         return 0
@@ -176,7 +183,20 @@ def _cmd_inspect(args, ui: _UI) -> int:
             rows.append((name, "-", leaf["value_type"], f"value {value}", "-", "-", "-"))
     ui.table(["leaf", "shape", "dtype", "saved sharding", "chunk", "inner chunk", "bytes"], rows, right=["bytes"],
              footer=["total", "", "", "", "", "", meta.total_bytes])
+    if args.png:
+        ui.line(f"wrote the shard map to {args.png}")
     return 0
+
+
+def _draw(figure: Callable[[], Any], out: str) -> None:
+    """Draws `figure()` into the PNG file `out`; a missing matplotlib or an unknown leaf is a usage error."""
+    try:
+        fig = figure()
+    except ModuleNotFoundError as e:
+        raise UsageError(f"--png needs matplotlib ({e}); install it with `pip install 'checkpointer[notebook]'`") from e
+    except StructureMismatchError as e:
+        raise UsageError(f"--leaf: {e}") from e
+    _tools.save_png(fig, out)
 
 
 def _cmd_timeline(args, ui: _UI) -> int:

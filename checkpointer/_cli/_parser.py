@@ -66,8 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", parents=[common], help="show a checkpoint's tree and metadata",
                        description="Show the tree of the checkpoint at PATH (per leaf: shape, dtype, saved sharding, "
                        "chunk and inner chunk shapes, bytes), its step, process count, versions and user metadata. "
-                       "Reads only manifest.json; needs no devices.")
+                       "Reads only manifest.json (with --png also processes/<i>.json); needs no devices.")
     p.add_argument("path", metavar="PATH")
+    p.add_argument("--png", metavar="OUT", help="also draw the shard maps of the selected leaves (--leaf; default: the "
+                   "largest) into the PNG file OUT: which process and device wrote each chunk, replicas skipped "
+                   "(needs matplotlib: pip install 'checkpointer[notebook]')")
+    p.add_argument("--leaf", action="append", metavar="NAME", help="with --png: a leaf's key path as inspect prints "
+                   "it (\".params['w']\"), or a glob over them (\"*kernel*\"); repeat for several")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("plan", parents=[common], help="read plan and read amplification for a target mesh",
@@ -88,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--process-index", type=int, metavar="I", help="plan for process I (default: this process)")
     p.add_argument("--processes", type=int, metavar="P", help="plan as if the mesh's devices were spread over P "
                    "processes, in mesh order, each holding a consecutive block; needs no devices")
+    p.add_argument("--png", metavar="OUT", help="also draw the read plan into the PNG file OUT: bytes needed and read "
+                   "per target device and per process, the read amplification (with --processes P: every process's "
+                   "plan; needs matplotlib: pip install 'checkpointer[notebook]')")
     p.add_argument("--no-cooperative", dest="cooperative", action="store_false", help="plan restore(..., "
                    "cooperative=False): every process reads all its boxes itself (default: boxes several processes "
                    "need are split among them and exchanged; 'received' shows the bytes from peers)")

@@ -9,6 +9,7 @@ from typing import Any
 from .. import _format, _tools
 from .._errors import UsageError
 from ._inputs import _build_mesh, _metadata, _parse_spec
+from ._inspection import _draw
 from ._ui import _UI, _mesh_str, _shape, _spec_json, _spec_str
 
 
@@ -46,6 +47,11 @@ def _cmd_plan(args, ui: _UI) -> int:
             raise UsageError(f"--process-index {pidx} must be in [0, {processes})")
     target = _tools.target_tree(meta, {p: NamedSharding(mesh, s) for p, s in specs.items()})
     plan = plan_restore(meta.path, target, process_index=pidx, processes=args.processes, cooperative=args.cooperative)
+    if args.png:
+        # With --processes the picture compares every process's plan (each is pure).
+        plans = [plan if i == pidx else plan_restore(meta.path, target, process_index=i, processes=processes, cooperative=args.cooperative)
+                 for i in range(processes)] if args.processes is not None else plan
+        _draw(lambda: _tools.plot_plan(plans, title=f"restore plan of {meta.path} onto mesh {_mesh_str(mesh)}"), args.png)
 
     leaves: list[dict[str, Any]] = []
     for leaf in plan.leaves:
@@ -65,7 +71,7 @@ def _cmd_plan(args, ui: _UI) -> int:
             "process_index": pidx, "process_count": processes, "leaves": leaves,
             "chunks": sum(r["chunks"] for r in leaves), "bytes_needed": plan.bytes_needed, "bytes_read": plan.bytes_read,
             "bytes_received": plan.bytes_received, "cooperative": plan.cooperative,
-            "read_amplification": plan.read_amplification,
+            "read_amplification": plan.read_amplification, "png": args.png,
         })
         return 0
     ui.line(f"restore plan for {meta.path}")
@@ -84,6 +90,8 @@ def _cmd_plan(args, ui: _UI) -> int:
     if plan.cooperative:
         ui.line(f"cooperative: {plan.bytes_received} bytes come from peers over the device interconnect instead of "
                 "storage (--no-cooperative: every process reads all it needs)")
+    if args.png:
+        ui.line(f"wrote the read plan to {args.png}")
     if processes > 1:
         ui.line(f"These figures are process {pidx}'s of {processes}; --process-index I shows process I (0 <= I < {processes}).")
     return 0
@@ -111,7 +119,7 @@ def _cmd_plan_save(args, ui: _UI) -> int:
     })
     plan = plan_save(state, processes=processes)
     leaves: list[dict[str, Any]] = [{
-        "leaf": a.leaf_path, "shape": list(a.shape), "spec": _spec_json(specs[a.leaf_path]),
+        "leaf": a.leaf_path, "keystr": meta.keystr(a.leaf_path), "shape": list(a.shape), "spec": _spec_json(specs[a.leaf_path]),
         "chunk_shape": list(a.chunk_shape), "replicas": a.replicas, "split_dim": a.split_dim,
         "split_factor": a.split_factor, "writers": len({p for p, _ in a.writes}), "chunks": len(a.writes),
     } for a in plan.leaves]
@@ -127,7 +135,7 @@ def _cmd_plan_save(args, ui: _UI) -> int:
     ui.line(f"save plan of {meta.path}'s state from mesh {_mesh_str(mesh)} ({n_devices} devices) on {processes} processes")
     ui.table(
         ["leaf", "saved by", "chunk", "replicas", "split", "writers"],
-        [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), _shape(r["chunk_shape"]), r["replicas"],
+        [(r["keystr"] or "<root>", _spec_str(specs[r["leaf"]]), _shape(r["chunk_shape"]), r["replicas"],
           f"{r['split_factor']} along dim {r['split_dim']}" if r["split_dim"] is not None else "-", r["writers"]) for r in leaves],
         right=["replicas", "writers"],
     )

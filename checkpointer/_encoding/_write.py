@@ -420,7 +420,7 @@ def start_zarr_writes(storage: Storage, root: str, leaves: Sequence[LeafWrite], 
                 try:
                     store = fut.result()
                 except Exception as e:
-                    raise SaveError(f"{where(leaf=meta.path, path=root, process=ctx.process_index)}: cannot create the zarr array: {e}") from e
+                    raise SaveError(f"{where(leaf=meta.path, keystr=meta.keystr, path=root, process=ctx.process_index)}: cannot create the zarr array: {e}") from e
             for chunk_index, box, host in lw.chunks:
                 acquire(ctx.limiter, host.nbytes)  # paced per chunk write
                 if host.size == 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .._errors import path_keystr
 from ._leaves import ArrayMetadata, ValueMetadata
 
 
@@ -65,4 +66,4 @@ class CheckpointMetadata:
           KeyError: no such leaf path.
         """
         name = self.leaves[leaf_path].keystr
-        return name if name is not None else leaf_path
+        return name if name is not None else path_keystr(leaf_path)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 
 from .. import _commit, _coord, _encoding, _storage, _tools
-from .._errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
+from .._errors import CheckpointError, CheckpointExistsError, SaveError, UnsupportedValueError
 from .._format import metadata_json, metrics_json
 from .._memory import HostBufferPool
 from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
@@ -30,6 +30,7 @@ from ._reader import as_step
 from ._restoring import StepRestoring
 from ._status import StatusReporting
 from ._time_policies import SaveClock
+from ._two_tier_saving import TwoTierSaving
 
 log = logging.getLogger("checkpointer")
 
@@ -39,7 +40,7 @@ def _write_rate(snap: Snapshot) -> float | None:
     return snap.bytes_written / snap.write_s if snap.write_s > 0 and snap.bytes_written else None
 
 
-class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
+class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSaving):
     """Saves steps of a training run into `directory`, keeps what the policy says.
 
     Args:
@@ -81,18 +82,16 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         (durably, with `local_directory`); `reached_preemption(step)` is then True.
         Under `jax.distributed` JAX's preemption sync point decides (its notifier owns
         SIGTERM); otherwise a SIGTERM handler is installed (main thread only, chained to
-        an earlier Python handler) and `close()` restores the previous one. The loop
-        calls `save` at every step. See `_preemption`.
+        an earlier Python handler) and `close()` restores the previous one; a child
+        forked afterwards gets the handler found before (SIGTERM's default action unless
+        the program set one). The loop calls `save`, or `should_save`, at every step;
+        `if mgr.should_save(step): mgr.save(step, state)` saves the preemption step too.
+        See `_preemption`.
       direct_io: as for `save` ("auto", True, False); with two tiers it applies to the
         local tier's writes. `status().last_write_mode` says which mode the last
         finished save used, and why.
-      peer_copies: each local step is also held by this many processes on other nodes
-        (checked copies over TCP, in the background): a restart after losing that many
-        nodes resumes from it (`status().node_losses_survived`; docs/tiers_and_peers.md).
-      peer_node: this process's node name (default: its host name) for `peer_copies`.
-      durable_every_steps, durable_every_s: replicate only every n-th local step (and
-        at least s seconds apart) to `directory`; 1 and None (every local step) are
-        today's behaviour. `force=True` and preemption saves always go durable.
+      peer_copies, peer_node, durable_every_steps, durable_every_s: local steps held by
+        peers on other nodes, and the durable schedule: see `TwoTierSaving`.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -208,6 +207,17 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             )
         if self._writer_ready:
             return []
+        try:
+            return self._become_writer()
+        except CheckpointError:
+            raise
+        except OSError as e:  # the directory cannot be made or cleaned up: a save cannot start
+            raise SaveError(
+                f"cannot prepare {self.directory} for saving (process {_coord.process_index()}): {e}. Nothing was "
+                "written; the next save tries again, or fix the storage (a full or failing disk, permissions)"
+            ) from e
+
+    def _become_writer(self) -> list[str]:
         done: list[str] = []
         self.storage.makedirs(self.directory)
         if self._is_primary:
@@ -282,8 +292,23 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
     # --- save ---------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether `save(step)` would write (the interval rule)."""
-        return step % self.save_interval_steps == 0
+        """Whether `save(step)` would write: True at the preemption step (see
+        `save_on_preemption`) and where `step % save_interval_steps == 0`. With
+        `save_interval_s`, `save` may still skip a step this says True for (the time rule is
+        decided inside `save`, by one vote of the processes).
+
+        Args:
+          step: the training step (int >= 0).
+        Returns:
+          Whether to call `save(step)`.
+
+        Multi-process: it asks the preemption notice as `save` does: under
+        `jax.distributed` JAX's preemption sync point, which every process must ask at
+        every step, in step order. Call `should_save` (or `save`) at every step on every
+        process; a `save` of the same step afterwards does not ask again, and agrees.
+        """
+        step = as_step(step)
+        return self._preemption.reached(step) or step % self.save_interval_steps == 0
 
     def save(
         self,
@@ -404,50 +429,36 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         return True
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether `step` is the step the job saves at on preemption (see
-        `save_on_preemption`): after `save(step)`, True tells the loop to stop; the step is
-        committed then.
+        """Whether the job was preempted at `step` and `step` is committed: after
+        `save(step)`, True tells the loop to stop (see `save_on_preemption`).
+
+        A loop that did not save the preemption step (it skipped `save`, or the save
+        failed) gets False and a logged warning that the preemption step was not saved:
+        the job then runs on until the grace period ends and it is killed, and resumes
+        from the newest committed step. To save it after all, call
+        `save(step, tree, force=True)`; this then returns True.
 
         Args:
           step: the step just passed to `save` (int >= 0).
         Returns:
-          True at the preemption step only (the same step on every process).
+          True at the preemption step only, once it is committed (the same on every
+          process).
 
-        Multi-process: under `jax.distributed` every process calls it (or `save`) at
-        every step, in step order, as JAX's preemption sync point requires.
+        Multi-process: under `jax.distributed` every process calls it (or `save`, or
+        `should_save`) at every step, in step order, as JAX's preemption sync point
+        requires.
         """
-        return self._preemption.reached(as_step(step))
-
-    def _save_two_tiers(self, step: int, snap: Snapshot, durable: bool = True) -> None:
-        """Commits `snap` on the local tier (in the background unless `async_save=False`),
-        queues its copies to peers and (when `durable`) its replication, in `save` order
-        on every process."""
-        tiers = self._tiers
-        assert tiers is not None
-        if self.async_save:
-            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), runner=tiers.run_local)
-            with self._mu:
-                self._in_flight.append((step, handle))
-            tiers.send_to_peers(step, snap.generation, handle)
-            if durable:
-                tiers.enqueue(step, snap.generation, snap.overwrite, handle)
-            return
-        t0 = time.perf_counter()
-        try:
-            tiers.run_local(snap)
-        except BaseException as e:
-            with self._mu:
-                self._last_error = f"step {step}: {type(e).__name__}: {e}"
-            self._forget(step)
-            self._journal.failed(step, e)
-            raise
-        tiers.send_to_peers(step, snap.generation)
-        if durable:
-            tiers.enqueue(step, snap.generation, snap.overwrite).result()
-        with self._mu:
-            self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
-            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
-        self._raise_pending()
+        step = as_step(step)
+        if not self._preemption.reached(step):
+            return False
+        if step in self.all_steps():
+            return True
+        log.warning(
+            "%s: the preemption step %d was not saved (the loop did not call save(%d), or the save failed): nothing "
+            "was committed for it; the job resumes from the newest committed step. Call save(%d, tree, force=True) "
+            "to save it now", self.directory, step, step, step,
+        )
+        return False
 
     def _run_sync(self, step: int, snap: Snapshot) -> None:
         t0 = time.perf_counter()
@@ -475,6 +486,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         def after_commit() -> None:
             start = time.time()
             try:
+                _commit.remove_leftovers(self.storage, self.directory)  # of failed saves: not left for recovery
                 self._apply_retention(protect={step})
             finally:
                 if snap is not None:

@@ -102,7 +102,7 @@ class LocalTier:
         self._retention_after = retention_after
         self._on_error = on_error
         self._mu = threading.Lock()
-        self._retention_mu = threading.Lock()  # local commits and replications both apply it
+        self._retention_mu = threading.Lock()  # held by apply_retention: local commits and replications both apply it
         self._queue = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-replicate")
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self._attempts: dict[int, int] = {}
@@ -168,6 +168,7 @@ class LocalTier:
                 snap.lock = None
         snap.commit_s = time.perf_counter() - t0
         log.info("step %s committed on the local tier %s (process %d)", snap.step, self.root, snap.process_index)
+        _commit.remove_leftovers(self.storage, self.root)  # of failed local saves: not left for recovery
         self.apply_retention()
 
     # --- replication --------------------------------------------------------------------
@@ -282,7 +283,16 @@ class LocalTier:
     def apply_retention(self) -> list[int]:
         """Removes local steps `keep_local` does not keep and that are durable (or older
         than the newest durable step and not being replicated); the newest local step and
-        steps being replicated stay. Returns the steps removed."""
+        steps being replicated stay. Returns the steps removed.
+
+        Multi-process: this process's local tier only. One call at a time per tier (the
+        save thread after a local commit and the replication thread after a durable one
+        both call it): the second waits for the first, then sees its deletions.
+        """
+        with self._retention_mu:
+            return self._apply_retention_locked()
+
+    def _apply_retention_locked(self) -> list[int]:
         steps = self.local_steps()
         if not steps:
             return []
