@@ -313,7 +313,11 @@ class LocalTier:
             )
             # A newer local step that survives as many node losses makes this one's
             # bytes a fallback only: the restore resumes from the newer one.
-            superseded = any(n > s and copies.get(n, 0) >= copies.get(s, 0) for n in steps) and s not in self._jobs
+            # Only with a durable schedule: by default every local step is replicated, and
+            # one whose replication failed stays until the durable tier has a newer step.
+            scheduled = self.durable_every_steps > 1 or self._durable_clock is not None
+            superseded = scheduled and s not in self._jobs and any(
+                n > s and copies.get(n, 0) >= copies.get(s, 0) for n in steps)
             if not durable and not (latest_durable is not None and s < latest_durable) and not superseded:
                 continue  # the only copy of a step newer than the newest durable one: kept
             try:
