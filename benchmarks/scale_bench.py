@@ -21,7 +21,8 @@ operation: wall time and the process's user + system CPU seconds (getrusage, eve
                 restore.
   batched floor (leaf series) save: `jax.device_get` of all leaves and a `np.array` copy of
                 each (their host copy); restore: `jax.device_put` of the same leaves as
-                numpy arrays onto the device, until ready.
+                numpy arrays onto the device, until ready. (Size series) save: a numpy copy
+                of every replica_id 0 shard, save_bench.py's plain copy.
 
 Per point and run the libraries alternate (order rotated from run to run); each save goes
 into a new folder that the restores of that run read, removed afterwards. Before every
@@ -31,7 +32,7 @@ leave its files uncached). Cells are medians of `--runs` (3).
 Series:
   size       16 float32 leaves (rows x 4096) P('data', 'model') on a 2x4 mesh of 8 host
              devices: 64 MiB, 256 MiB, 1 GiB, 4 GiB, 8 GiB; a size whose save or restore
-             does not fit in the available memory (2.2x the state + 1 GiB) or disk is
+             does not fit in the available memory (2.4x the state + 1 GiB) or disk is
              skipped, and the reason printed.
   leaves     10, 1,000, 10,000, 100,000 float32[256] leaves on one device (orbax up to
              10,000), with the batched floor beside.
@@ -88,7 +89,7 @@ SIZE_TARGET, LEAF_TARGET = 1.1, 2.0
 # holds the state and its snapshot, the restore child the restored arrays and its read
 # buffers; each child's peak RSS rise over its RSS once jax is imported (input included),
 # over the state's bytes, is printed to check it.
-MEMORY_FACTOR = 2.2
+MEMORY_FACTOR = 2.4
 CK, OB, PLAIN, FLOOR = "checkpointer", "orbax", "plain read", "batched floor"
 SERIES = ("size", "leaves", "processes")
 
@@ -100,17 +101,33 @@ def _rows(nbytes: int, leaves: int = N_BIG) -> int:
     return max(1, nbytes // (leaves * COLS * 4))
 
 
+def _leaf_builder(shape, sharding):
+    """jit(seed -> the leaf `_common._fill(shape, seed)` would give), one leaf per call, so
+    the build's temporaries stay one leaf's (a 16-output program's peak is ~2x the state)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def fill(offset):
+        x = lax.iota(jnp.uint32, shape[0] * shape[1]).reshape(shape) * jnp.uint32(2654435761)
+        x = x + offset
+        x = x ^ (x >> 15)
+        x = x * jnp.uint32(0x2C1B3C6D)
+        x = x ^ (x >> 12)
+        return lax.bitcast_convert_type((x >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
+
+    return jax.jit(fill, out_shardings=sharding)
+
+
 def size_state(nbytes: int) -> dict:
     """16 float32 (rows, 4096) leaves P('data', 'model') on the 2x4 mesh, `nbytes` in all."""
     import _common as C
     import jax
+    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    rows = _rows(nbytes)
-    sh = NamedSharding(C.mesh(), P("data", "model"))
-    build = jax.jit(lambda: {f"w{k:02d}": C._fill((rows, COLS), k) for k in range(N_BIG)},
-                    out_shardings={f"w{k:02d}": sh for k in range(N_BIG)})
-    return jax.block_until_ready(build())
+    build = _leaf_builder((_rows(nbytes), COLS), NamedSharding(C.mesh(), P("data", "model")))
+    return {f"w{k:02d}": jax.block_until_ready(build(np.uint32((k * 0x9E3779B9) & 0xFFFFFFFF))) for k in range(N_BIG)}
 
 
 def size_target(nbytes: int) -> dict:
@@ -209,8 +226,6 @@ def child(spec: dict) -> dict:
     out: dict = {"import_s": import_s}
     if op == "save":
         state = size_state(n) if series == "size" else leaves_state(n)
-        if spec.get("check"):
-            out["checksum"] = checksum(state)
         warm = {"x": jax.device_put(np.ones(1 << 12, np.float32))}
         if lib == CK:
             ckpt.save(path + ".warmup", warm)
@@ -230,13 +245,19 @@ def child(spec: dict) -> dict:
         elif lib == OB:
             mgr.save(0, args=ocp.args.StandardSave(state))
             mgr.wait_until_finished()
-        else:  # the batched floor: the leaves' host copy
+        elif series == "leaves":  # the batched floor: the leaves' host copy (device_get is a view on CPU)
             host = [np.array(h) for h in jax.device_get(list(state.values()))]
+        else:  # save_bench's plain copy: every replica_id 0 shard into new host memory
+            host = [np.array(sh.data, copy=True) for x in state.values() for sh in x.addressable_shards if sh.replica_id == 0]
         t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         if lib == OB:
             mgr.close()
         if lib == FLOOR:
             del host
+        if spec.get("check"):  # after the measurement: np.asarray caches a host copy on each jax.Array
+            if lib == CK:
+                ckpt.release_host_buffers()
+            out["checksum"] = checksum(state)
     else:
         if lib == FLOOR:
             src = list(leaves_host(n).values())
@@ -308,10 +329,8 @@ def proc_work(op: str, lib: str, per_process: int, path: str, check: bool) -> No
     names = [f"w{k:02d}" for k in range(N_BIG)]
     rec: dict = {"import_s": import_s}
     if op == "save":
-        build = jax.jit(lambda: {k: C._fill((rows, COLS), i) for i, k in enumerate(names)}, out_shardings={k: sh for k in names})
-        state = jax.block_until_ready(build())
-        if check:
-            rec["checksum"] = float(sum(np.asarray(s.data, np.float64).sum() for x in state.values() for s in x.addressable_shards))
+        build = _leaf_builder((rows, COLS), sh)
+        state = {k: jax.block_until_ready(build(np.uint32((i * 0x9E3779B9) & 0xFFFFFFFF))) for i, k in enumerate(names)}
         warm = {"x": jax.device_put(np.ones((n, 1024), np.float32), sh)}
         if lib == CK:
             ckpt.save(path + ".warmup", warm)
@@ -333,6 +352,8 @@ def proc_work(op: str, lib: str, per_process: int, path: str, check: bool) -> No
         t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         if lib == OB:
             mgr.close()
+        if check:
+            rec["checksum"] = float(sum(np.asarray(s.data, np.float64).sum() for x in state.values() for s in x.addressable_shards))
     else:
         target = {k: jax.ShapeDtypeStruct((rows, COLS), np.float32, sharding=sh) for k in names}
         if lib == OB:
@@ -661,7 +682,8 @@ def main() -> None:
     for sname, points in results.items():
         if not points:
             continue
-        desc = {"size": f"{N_BIG} float32 (rows × {COLS}) leaves P('data', 'model') on a 2x4 mesh of 8 host devices.",
+        desc = {"size": f"{N_BIG} float32 (rows × {COLS}) leaves P('data', 'model') on a 2x4 mesh of 8 host devices; "
+                        "batched floor of the save: a numpy copy of every replica_id 0 shard.",
                 "leaves": f"float32[256] leaves on one device; orbax up to {ORBAX_MAX_LEAVES:,} leaves; batched floor: "
                           "save = `jax.device_get` of all leaves + a numpy copy of each, restore = `jax.device_put` "
                           "of the numpy leaves (one call).",
