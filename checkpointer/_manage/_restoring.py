@@ -50,10 +50,10 @@ class StepRestoring(StepReader):
 
         Args:
           step: the step, or None for `latest_step()`.
-          target, partial, missing, max_inflight_bytes, stats, cooperative,
-            max_over_read_ratio, read_chunk_bytes: as for
+          target, partial, missing, max_inflight_bytes, stats, cooperative, max_over_read_ratio, read_chunk_bytes: as for
             `ckpt.restore` (`missing="keep_target"` keeps the target's values for
             leaves the checkpoint lacks), whichever tier the step is read from.
+
         Two tiers: `step=None` restores a step newer than the newest durable one only
         when it is committed on the local tier of every process, with the same process
         count and devices, and holds every chunk each process needs (the processes agree
