@@ -201,3 +201,24 @@ def test_one_box_of_one_chunk_is_read_by_several_threads(tmp_path, monkeypatch):
     out = ckpt.restore(path, {"w": jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=one)})
     assert len(set(seen)) >= 2
     assert np.asarray(out["w"]).tobytes() == host.tobytes()
+
+
+def test_no_cyclic_collection_runs_while_chunks_are_read(tmp_path, monkeypatch):
+    # A full collection over a large program's heap costs as much as checking a GiB.
+    import gc
+
+    path = str(tmp_path / "c")
+    host = _host()
+    ckpt.save(path, {"w": jax.device_put(host, _sharding("2x4"))})
+    enabled, read = [], _read.read_chunk_into
+
+    def reading(*args, **kwargs):
+        enabled.append(gc.isenabled())
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(_read, "read_chunk_into", reading)
+    assert gc.isenabled()
+    out = ckpt.restore(path, {"w": jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=_sharding("4x2"))})
+    assert enabled and not any(enabled)
+    assert gc.isenabled()
+    assert np.asarray(out["w"]).tobytes() == host.tobytes()
