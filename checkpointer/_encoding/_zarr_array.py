@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .. import _errors, _format
 from .._errors import CorruptCheckpointError, where
 from .._format import ArrayMetadata, Box, ProcessRecord, cell_box, grid_cells
-from .._memory import device_destination_supported, device_destinations
+from .._memory import device_destination_supported, device_destinations, populate_destination
 from .._storage import Storage
 from . import _read, _write
 from ._base import Item, LeafEncoding, ReadContext, VerifyContext
@@ -97,7 +97,7 @@ def _destinations(items: Sequence[Item]) -> list[dict[int, tuple[jax.Array, np.n
                 wanted.append((k, i))
                 requests.append((b.box.shape, dtype, devices[b.device_ids[0]]))
     out: list[dict[int, tuple[jax.Array, np.ndarray]]] = [{} for _ in items]
-    made = device_destinations(requests) if requests else []
+    made = device_destinations(requests, populate=False) if requests else []  # each box's reader populates its own
     for (k, i), m in zip(wanted, made, strict=True):
         if m is not None:
             out[k][i] = m
@@ -166,8 +166,7 @@ def _start_box_reads(
             cost = b.bytes_needed * ctx.copies_in_flight
             ctx.budget.acquire(cost)
             try:
-                fut = pool.submit(_read.read_box, storage, path, meta, b, None, ctx.stats, dest[1],
-                                  ctx.max_over_read_ratio, ctx.read_chunk_bytes)
+                fut = pool.submit(_read_into_destination, storage, path, meta, b, ctx, dest[1])
             except BaseException:
                 ctx.budget.release(cost)
                 raise
@@ -177,6 +176,13 @@ def _start_box_reads(
         concurrent.futures.wait(started.values())
         raise
     return started
+
+
+def _read_into_destination(
+    storage: Storage, path: str, meta: ArrayMetadata, b: BoxRead, ctx: ReadContext, view: np.ndarray,
+) -> None:
+    populate_destination(view)
+    _read.read_box(storage, path, meta, b, None, ctx.stats, view, ctx.max_over_read_ratio, ctx.read_chunk_bytes)
 
 
 def _release(ctx: ReadContext, cost: int, _: object) -> None:
@@ -202,6 +208,8 @@ def _place_boxes(
             for d in rest:
                 out[d] = jax.device_put(out[first], devices[d])
             continue
+        if dest is not None:
+            populate_destination(dest[1])
         for slab in b.slabs or (b,):
             # A slab in flight costs up to three copies of its bytes in host memory: the
             # file reads, the assembled host box and (on CPU) the device staging copy.
