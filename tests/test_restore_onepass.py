@@ -123,7 +123,7 @@ def test_a_corrupted_inner_chunk_is_reported_naming_leaf_and_path(tmp_path, targ
     sharding = _sharding("2x4") if target == "2x4" else jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"crc32c mismatch") as e:
         ckpt.restore(path, {"w": jax.ShapeDtypeStruct((1024, 1024), np.float32, sharding=sharding)})
-    assert f"leaf 'w' in {path}: chunk arrays/w/c/0/1 inner chunk 0: crc32c mismatch" in str(e.value)
+    assert f"leaf ['w'] in {path}: chunk arrays/w/c/0/1 inner chunk 0: crc32c mismatch" in str(e.value)
 
 
 class _CountingCrc:
