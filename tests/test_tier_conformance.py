@@ -114,3 +114,36 @@ def test_storage_backends_come_from_one_registry_and_a_storage_object_is_a_locat
     assert storage_for(mem) == (mem, "memory://")
     with pytest.raises(TypeError, match=r"pass \(storage, path\)"):
         storage_for(LocalStorage())
+
+
+def test_a_peer_put_whose_names_would_leave_the_tier_is_refused_and_touches_nothing(tmp_path):
+    """Owner, step and generation of a put become folder names on the holder (which
+    removes a stale partial folder first): a hostile or broken peer must not reach
+    anything outside the holder's tier."""
+    import json
+    import os
+    import socket
+    import struct
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    root = str(tmp_path / "process-0")
+    peers = PeerService(root, str(tmp_path / "dir"), copies=1, node="a", timeout_s=30)
+    try:
+        address = peers.address(0)
+        hostile = "x/../../../../victim"  # <tier>/5.partial-x/../../../../victim is tmp_path/victim
+        for owner, step, generation in ((0, 5, hostile), (0, 5, hostile), (0, 5, "a/b"), (0, -1, "g"), (7, 5, "g")):
+            request = json.dumps({"op": "put", "owner": owner, "step": step, "generation": generation,
+                                  "keep": [], "files": []}).encode()
+            with socket.create_connection((address.host, address.port), timeout=30) as sock:
+                sock.sendall(struct.pack(">I", len(request)) + request)
+                sock.shutdown(socket.SHUT_WR)
+                answer = b"".join(iter(lambda: sock.recv(1 << 16), b""))
+                assert b'"ok": true' not in answer
+        assert (victim / "keep.txt").read_text() == "precious"
+        assert peers.held(0).steps() == []
+        assert not os.path.exists(f"{root}/peer-copies") or all(
+            not name.startswith("5") for _, dirs, files in os.walk(f"{root}/peer-copies") for name in dirs + files)
+    finally:
+        peers.close()

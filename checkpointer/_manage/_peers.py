@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import socketserver
@@ -61,6 +62,7 @@ CHUNK_BYTES = 4 << 20  # bytes of a file in memory at once, per transfer
 MAX_HEADER_BYTES = 64 << 20  # a header lists the files of one step
 COPY_RECORD = "peer-copy.json"
 _LEN = struct.Struct(">I")
+_GENERATION_RE = re.compile(r"[0-9a-z-]{1,64}")  # what `_format.new_generation` writes, loosely
 
 
 def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
@@ -94,7 +96,7 @@ def _recv_json(sock: socket.socket) -> dict:
     (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
     if n > MAX_HEADER_BYTES:
         raise ConnectionError(f"a peer message of {n} bytes (at most {MAX_HEADER_BYTES})")
-    obj = json.loads(_recv_exact(sock, n))
+    obj = _format.load_json(_recv_exact(sock, n), what="a peer message", max_bytes=MAX_HEADER_BYTES)
     if not isinstance(obj, dict):
         raise ConnectionError("a peer message is not a JSON object")
     return obj
@@ -285,6 +287,9 @@ class PeerService:
 
     def _handle_put(self, sock: socket.socket, request: dict) -> None:
         owner, step, generation = int(request["owner"]), int(request["step"]), str(request["generation"])
+        if step < 0 or not _GENERATION_RE.fullmatch(generation) or not 0 <= owner < self.process_count:
+            # Names from the network become folder names: refuse any that could leave the tier.
+            raise ValueError(f"a peer sent owner {owner!r}, step {step!r}, generation {generation!r}")
         tier = self.held(owner)
         os.makedirs(tier.root, exist_ok=True)
         partial = f"{tier.root}/{_format.partial_name(str(step), generation)}"
@@ -318,8 +323,8 @@ class PeerService:
         owner, step = int(request["owner"]), int(request["step"])
         folder = f"{self.held(owner).root}/{step}"
         try:
-            with open(f"{folder}/{COPY_RECORD}") as f:
-                record = json.load(f)
+            with open(f"{folder}/{COPY_RECORD}", "rb") as f:
+                record = _format.load_json(f.read(MAX_HEADER_BYTES + 1), what=f"{folder}/{COPY_RECORD}", max_bytes=MAX_HEADER_BYTES)
             if str(record.get("generation")) != str(request.get("generation")):
                 raise FileNotFoundError(f"{folder} holds generation {record.get('generation')}")
         except (OSError, ValueError) as e:
@@ -339,7 +344,7 @@ class PeerService:
             return self._address
         assert self._client is not None
         raw = self._client.blocking_key_value_get(self._key("addr", process), int(self.timeout_s * 1000))
-        obj = json.loads(raw)
+        obj = _format.load_json(raw, what=f"the peer address of process {process}")
         address = PeerAddress(str(obj["host"]), int(obj["port"]), str(obj["node"]))
         with self._mu:
             self._addresses[process] = address
@@ -464,7 +469,7 @@ class PeerService:
         per: dict[int, dict[int, int]] = {}
         for key, value in entries.items():
             try:
-                per[int(key.rsplit("/", 1)[1])] = {int(s): int(n) for s, n in json.loads(value).items()}
+                per[int(key.rsplit("/", 1)[1])] = {int(s): int(n) for s, n in _format.load_json(value, what=key).items()}
             except (ValueError, AttributeError):
                 continue
         per[self.process_index] = mine

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .. import _commit, _coord, _encoding, _storage
+from .. import _commit, _coord, _encoding, _format, _storage
 from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
@@ -486,7 +486,7 @@ class LocalTier:
                         self.directory)
         votes = _tiers.agree(self.directory, lambda: _coord.canonical(self.peers.inventory(own, latest_durable)),  # type: ignore[union-attr]
                              self.commit_timeout_s)
-        chosen = _peers.choose_peer_step([json.loads(v) for v in votes], self.directory)
+        chosen = _peers.choose_peer_step([_format.load_json(v, what="a peer-step vote") for v in votes], self.directory)
         if chosen is None:
             return None
         step, generation, sources = chosen
