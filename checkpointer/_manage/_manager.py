@@ -14,7 +14,7 @@ from types import TracebackType
 
 from .. import _commit, _coord, _encoding, _storage, _tools
 from .._errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
-from .._format import metadata_json, metrics_json
+from .._format import is_step_name, metadata_json, metrics_json
 from .._memory import HostBufferPool
 from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
 from .._storage import storage_for
@@ -86,6 +86,11 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
       direct_io: as for `save` ("auto", True, False); with two tiers it applies to the
         local tier's writes. `status().last_write_mode` says which mode the last
         finished save used, and why.
+      incremental: as for `save`: a step stores the chunks unchanged since the newest
+        committed step as references to where they lie (docs/incremental.md). Retention
+        keeps a step that a kept step references (`checkpointer gc` says for whom);
+        `force=True` refuses to replace a referenced step. Off by default (format_version
+        2, readable by this release and later only). Not with `local_directory`.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -121,6 +126,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         save_interval_s: float | None = None,
         save_on_preemption: bool = True,
         direct_io: str | bool = "auto",
+        incremental: bool = False,
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -135,6 +141,14 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         # Two tiers pack as a direct save does: each process replicates its own pack.
         self._pack_bytes = _encoding.check_threshold(pack_small_leaves_bytes)
         self._direct_io = _storage.check_direct_io(direct_io)
+        if not isinstance(incremental, bool):
+            raise TypeError(f"incremental must be True or False, got {incremental!r}")
+        if incremental and local_directory is not None:
+            raise ValueError(
+                "incremental=True with local_directory= is not supported yet: a local tier's step cannot reference "
+                "the durable directory's steps. Pass one or the other"
+            )
+        self._incremental = incremental
         self._last_write_mode: tuple[str | None, str | None] = (None, None)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
@@ -346,7 +360,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             options = SaveOptions(
                 metadata=user_metadata, overwrite=force, commit_timeout_s=self.commit_timeout_s,
                 agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
-                pack_small_leaves_bytes=self._pack_bytes, direct_io=self._direct_io,
+                pack_small_leaves_bytes=self._pack_bytes, direct_io=self._direct_io, incremental=self._incremental,
             )
         except BaseException as e:
             # Before the snapshot (which takes the save's number itself): a process that
@@ -543,7 +557,10 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
     def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
         def in_flight() -> set[int]:
             with self._mu:
-                return {s for s, h in self._in_flight if not h.done()} | set(protect)
+                steps = {s for s, h in self._in_flight if not h.done()} | set(protect)
+                # Incremental saves in flight reference their base: it stays until they commit.
+                bases = {h.snapshot.base.folder for _, h in self._in_flight if not h.done() and h.snapshot.base is not None}
+                return steps | {int(f) for f in bases if is_step_name(f)}
 
         # Removing the bytes of an unpublished step (a GiB takes a while) runs on the
         # deleter thread, so it does not delay the commit being announced.

@@ -47,6 +47,7 @@ from .._format import (
 )
 from .._memory import HostBufferPool, snapshot_to_host
 from .._storage import FileLock, Storage, storage_for, ts_context
+from . import _incremental
 from ._leaves import ArrayLeaf, chunk_data, describe_array, is_array
 from ._options import SaveOptions
 from ._plan import LeafAssignment, LeafWritePlan, plan_writes
@@ -63,6 +64,7 @@ class LeafSnapshot:
     plan: LeafWritePlan
     host: list[np.ndarray]
     pooled: list[bool] = dataclasses.field(default_factory=list)  # per host copy: a buffer of `Snapshot.buffers`
+    references: list | None = None  # incremental saves: every chunk unchanged by identity (`_incremental`), nothing copied
 
 
 @dataclasses.dataclass
@@ -101,6 +103,11 @@ class Snapshot:
     direct_io: str | bool = "auto"  # `SaveOptions.direct_io`
     write_mode: str | None = None  # once writing: "direct" or "buffered" (`_encoding.write_context`)
     write_mode_reason: str | None = None  # why
+    # Incremental saves (`_incremental`): the checkpoint this save may reference, the
+    # references this process made (leaf path, ChunkRef), and the jax.Arrays it saved.
+    base: _incremental.Base | None = None
+    references: list = dataclasses.field(default_factory=list)
+    saved_arrays: dict = dataclasses.field(default_factory=dict)
 
     @property
     def partial_path(self) -> str:
@@ -169,6 +176,14 @@ def check_target(storage: Storage, path: str, pidx: int, overwrite: bool) -> Non
             f"{path} is already a committed checkpoint (process {pidx}); pass overwrite=True "
             "(CheckpointManager: force=True) to replace it atomically, or save to a new path"
         )
+    if overwrite and _committed(storage, path):
+        users = _incremental.referencing(storage, path)
+        if users:
+            raise CheckpointExistsError(
+                f"cannot replace {path} (process {pidx}): the committed checkpoints {users} of the same directory reference "
+                "its chunks (incremental saves), and replacing it would leave them without their data. Save to a new "
+                "step, or delete the referencing steps first"
+            )
 
 
 def _check_target_folder(storage: Storage, path: str, pidx: int) -> None:
@@ -252,6 +267,7 @@ def _take_snapshot(
     if per_process_state is not None:
         per_process_state = _check_per_process_state(per_process_state, path, pidx)
     leaves = flatten(tree)
+    base = _incremental.find_base(storage, path) if options.incremental else None
     entries: dict[str, dict] = {}  # leaf path -> manifest entry, in tree order (the agreement's digest)
     described: list[ArrayLeaf] = []
     values: dict[str, dict] = {}
@@ -272,6 +288,7 @@ def _take_snapshot(
         entries[leaf_path] = {"type": "value", "value": value}
     # Every process plans every process's writes from the same global shard maps.
     assignments = _plan_tree(described)
+    by_path = dict(leaves) if base is not None else {}
     arrays: list[LeafSnapshot] = []
     device_data = []
     for d, assignment in zip(described, assignments):
@@ -281,7 +298,10 @@ def _take_snapshot(
             d.kind, packed=_encoding.packs_leaf(d.shards.shape, plan.chunk_shape, d.dtype, pack_bytes),
         )
         arrays.append(LeafSnapshot(meta, plan, []))
-        device_data.append([chunk_data(d, w) for w in plan.writes])
+        leaf_object = by_path.get(meta.path)
+        if base is not None and base.unchanged_by_identity(meta, leaf_object):  # unchanged: nothing to copy
+            arrays[-1].references = base.refs_by_identity(meta, [w.chunk_index for w in plan.writes])
+        device_data.append([] if arrays[-1].references is not None else [chunk_data(d, w) for w in plan.writes])
         entries[meta.path] = meta.to_json()
     structure = describe(tree, is_array)
     # Wait for the computations that produce the leaves (JAX dispatches asynchronously: a
@@ -308,6 +328,7 @@ def _take_snapshot(
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
         overwrite=overwrite, commit_timeout_s=options.commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
         direct_io=options.direct_io, copied_bytes=copies.copied_bytes, copy_route_bytes=copies.route_bytes,
+        base=base, saved_arrays=_incremental.weak_arrays(leaves) if options.incremental else {},
     )
     snap.snapshot_s = time.perf_counter() - t0  # the whole blocking call, the wait for the arrays included
     snap.phases_unix_s.update(snap_phases, snapshot=(ready, time.time()))
@@ -352,6 +373,7 @@ def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord], packed: PackReco
         per_process_state=snap.per_process_state,  # additive: absent when the save gave none
         phases_unix_s=dict(snap.phases_unix_s) or None,
         packed=packed,  # additive: absent when this process packed nothing
+        references=tuple(_incremental.references_json(snap.references)) or None,  # additive: incremental saves
     )
     snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps_large(record.to_json()))
     return record
@@ -379,8 +401,15 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             limiter=snap.write_limiter,
         )
         snap.write_mode, snap.write_mode_reason = ctx.mode, ctx.mode_reason
-        leaves = [_encoding.LeafWrite(leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)])
-                  for leaf in snap.arrays]
+        leaves = []
+        for leaf in snap.arrays:
+            chunks = [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)]
+            if leaf.references is not None:  # unchanged by identity
+                snap.references += [(leaf.meta.path, r) for r in leaf.references]
+            elif snap.base is not None:  # the equality check's one seam (`_incremental`)
+                chunks, refs = snap.base.split(leaf.meta, chunks)
+                snap.references += [(leaf.meta.path, r) for r in refs]
+            leaves.append(_encoding.LeafWrite(leaf.meta, chunks))
         finish = _encoding.start_write(snap.storage, root, leaves, ctx)
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays if not leaf.meta.packed])
@@ -415,9 +444,14 @@ def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: b
         else:
             packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.pack_index, snap.process_count) if (
                 any(leaf.meta.packed for leaf in snap.arrays)) else []
+        arrays = [leaf.meta for leaf in snap.arrays]
+        if snap.base is not None:  # every process's references, by leaf (format_version 2 when any)
+            refs = _incremental.gather(snap.storage, snap.write_path, snap.process_index, snap.references,
+                                       1 if own_pack_only else snap.process_count, snap.base)
+            arrays = [dataclasses.replace(m, references=refs[m.path]) if m.path in refs else m for m in arrays]
         return _format.dumps_large(manifest_json(
             step=snap.step, generation=snap.generation, process_count=snap.process_count,
-            process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
+            process_bytes_written=process_bytes, structure=snap.structure, arrays=arrays,
             values=snap.values, user_metadata=snap.user_metadata,
             save_phases_unix_s={k: v for k, v in snap.phases_unix_s.items() if k == "wait"} or None,
             packed=packed, packed_processes=[snap.process_index] if own_pack_only else None,
@@ -478,6 +512,9 @@ def run_background(
             phases=snap.phases_unix_s,
         )
         snap.commit_s = time.perf_counter() - t0
+        if snap.saved_arrays:  # the next incremental save's identity check
+            _incremental.remember(snap.storage, snap.path, snap.generation, snap.saved_arrays)
+            snap.saved_arrays = {}
     finally:
         release_host(snap)
         if snap.lock is not None:
