@@ -10,6 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
@@ -87,6 +88,12 @@ def test_unchanged_chunks_are_references_and_every_reader_follows_them(tmp_path,
     ckpt.export(f"{d}/3", f"{tmp_path}/out.npz", format="npz")
     with np.load(f"{tmp_path}/out.npz") as z:
         np.testing.assert_array_equal(next(z[k] for k in z.files if "base" in k), changed)
+    ckpt.export(f"{d}/2", f"{tmp_path}/st", format="safetensors")
+    tensors = {}
+    for name in os.listdir(f"{tmp_path}/st"):
+        if name.endswith(".safetensors"):
+            tensors.update(safetensors.numpy.load_file(f"{tmp_path}/st/{name}"))
+    np.testing.assert_array_equal(tensors["base"], np.asarray(base))
     assert ckpt.metadata(f"{d}/3").referenced_bytes == 15 * (N * N * 4) // 8
 
 
@@ -225,3 +232,19 @@ def test_a_crash_at_any_point_of_retention_leaves_no_dangling_reference(tmp_path
     assert res.returncode == 0, res.stderr[-2000:]
     for step in ckpt.CheckpointManager(d, read_only=True).all_steps():
         assert ckpt.verify(f"{d}/{step}").ok
+
+
+def test_ls_shows_owned_and_shared_bytes_and_pictures_show_references(tmp_path, sharding, capsys):
+    d = str(tmp_path / "run")
+    base = _arr(sharding, seed=6)
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(10), incremental=True, async_save=False) as mgr:
+        for step in range(2):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+    capsys.readouterr()
+    assert _cli.main(["ls", d, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert rows[0]["shared_bytes"] == 0 and rows[1]["shared_bytes"] == N * N * 4 and rows[1]["shared_from"] == ["0"]
+    assert _cli.main(["ls", d]) == 0
+    assert "shares" in capsys.readouterr().out
+    chunks = ckpt.shard_chunks(f"{d}/1", "['base']")
+    assert len(chunks) == 8 and {c.referenced_in for c in chunks} == {"0"}

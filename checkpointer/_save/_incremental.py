@@ -10,10 +10,11 @@ reference the base" or "write", from
   since: JAX arrays are immutable, so its bytes are the base's. Such a leaf is not even
   copied to host memory (`unchanged_by_identity`, asked before the snapshot);
 - content: the chunk's crc32c differs from the base's -> changed (no more work). It
-  matches -> proven by XXH3-128: against the hash the base's reference kept, or, the
-  first time a chunk is found unchanged (the base wrote it: nothing kept a hash, and
-  hashing every written chunk would cost every save a pass), by comparing with the
-  base's bytes, read back once; the new reference keeps the hash for the next save.
+  matches -> proven by XXH3-128 (128 bits, ~0.07 CPU-s/GiB here; BLAKE2b ~1.1): against
+  the hash the base's reference kept, or, the first time a chunk is found unchanged
+  (the base wrote it: nothing kept a hash, and hashing every written chunk would cost
+  every save where everything changes a second pass), against the hash of the base's
+  bytes, read back once; the new reference keeps the hash for the next save.
 
 Where the crc32c comes from: today the writer computes it while encoding each zarr
 shard file (`_encoding._write._encode`), i.e. after the decision is needed, so
@@ -187,10 +188,9 @@ class Base:
             else:  # the first time: compare with the bytes where they lie (following the base's reference), once
                 if reader is None:
                     reader = _encoding.region_reader(self.storage, self.path, b)
-                theirs = reader(box)
+                theirs = reader(box)  # crc32c-checked by the reader, inner chunk by inner chunk
                 self.stats.bytes_compared += host.nbytes
-                same = theirs.shape == host.shape and np.ascontiguousarray(theirs).view(np.uint8).tobytes() == (
-                    np.ascontiguousarray(host).view(np.uint8).tobytes())
+                same = theirs.shape == host.shape and xxh3_128(theirs) == h
                 self.stats.chunks_by_comparison += same
             ref = self._ref(b, cell, crc, h) if same else None
             if ref is None:
