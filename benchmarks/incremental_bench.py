@@ -42,8 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from _common import OtherLoad, header_lines, mesh, table, write_section  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import (
+    NamedSharding,  # noqa: E402
+    PartitionSpec as P,  # noqa: E402
+)
 
 import checkpointer as ckpt  # noqa: E402
 
