@@ -97,7 +97,8 @@ def _lora(args, sharding, mode: str, root: str) -> dict:
         mu = [a * 0.1 for a in adapters]
         nu = [a * a for a in adapters]
         b = base if mode != "incr-content" else [jax.device_put(np.asarray(x), sharding) for x in base]
-        state = {"base": b, "lora": adapters, "opt": {"mu": mu, "nu": nu, "count": np.int32(step)}}
+        count = jax.device_put(np.int32(step), NamedSharding(sharding.mesh, P()))
+        state = {"base": b, "lora": adapters, "opt": {"mu": mu, "nu": nu, "count": count}}
         jax.block_until_ready(state)
         t0 = time.perf_counter()
         if orbax:
@@ -111,10 +112,7 @@ def _lora(args, sharding, mode: str, root: str) -> dict:
         committed.append(t2 - t0)
         written.append(_du(f"{d}/{step}") if orbax else sum(ckpt.metadata(f"{d}/{step}").process_bytes_written))
     newest = args.steps - 1
-    if orbax:
-        mgr.close()
-    else:
-        mgr.close()
+    mgr.close()
     disk = _du(d)
     target = jax.tree.map(lambda a: a.sharding if isinstance(a, jax.Array) else None, state)
     restore_s = []

@@ -248,3 +248,18 @@ def test_ls_shows_owned_and_shared_bytes_and_pictures_show_references(tmp_path, 
     assert "shares" in capsys.readouterr().out
     chunks = ckpt.shard_chunks(f"{d}/1", "['base']")
     assert len(chunks) == 8 and {c.referenced_in for c in chunks} == {"0"}
+
+
+def test_a_leaf_that_stops_changing_is_referenced_again_within_the_recheck_interval(tmp_path, sharding, monkeypatch):
+    from checkpointer._save import _incremental
+
+    monkeypatch.setattr(_incremental, "RECHECK_EVERY", 3)
+    d = str(tmp_path)
+    for step in range(2):  # changes: the second save checks it and finds every chunk changed
+        ckpt.save(f"{d}/{step}", {"w": _arr(sharding, float(step))}, incremental=True)
+    found = []
+    for step in range(2, 6):  # stops changing (a fresh copy each time: by content)
+        ckpt.save(f"{d}/{step}", {"w": _arr(sharding, 1.0)}, incremental=True)
+        found.append(len(_refs(f"{d}/{step}", "w")))
+    assert found[:2] == [0, 0] and found[2] == 8, found  # skipped twice without looking, then rechecked
+    np.testing.assert_array_equal(ckpt.restore(f"{d}/5")["w"], np.full((N, N), 1.0, np.float32))
