@@ -263,3 +263,31 @@ def test_a_leaf_that_stops_changing_is_referenced_again_within_the_recheck_inter
         found.append(len(_refs(f"{d}/{step}", "w")))
     assert found[:2] == [0, 0] and found[2] == 8, found  # skipped twice without looking, then rechecked
     np.testing.assert_array_equal(ckpt.restore(f"{d}/5")["w"], np.full((N, N), 1.0, np.float32))
+
+
+@pytest.mark.multiprocess
+def test_two_processes_reference_their_own_chunks_and_process_0_gathers_them(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from multiprocess import WORKERS, run_processes
+
+    d = str(tmp_path / "run")
+    results = run_processes(WORKERS / "incremental_worker.py", 2, 4, {"directory": d}, timeout_s=120)
+    for r in results:
+        rec = r.record("saved")
+        assert rec["steps"] == [0, 1, 2] and rec["base_ok"] and rec["adapter"] == 2.0
+        # Both processes' chunks of the base (4 each) are references in the manifest.
+        assert rec["refs"]["2"] == {"base": 8, "adapter": 0} and rec["refs"]["0"] == {"base": 0, "adapter": 0}
+        assert rec["cooperative"] and "0" in rec["sources"]  # the cooperative plan reads the base from step 0
+    assert ckpt.verify(f"{d}/2").ok
+
+
+def test_object_stores_reference_and_retain_alike(sharding):
+    d = "memory://incremental-test/run"  # written in place, the commit marker decides
+    base = _arr(sharding, seed=7)
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(1), incremental=True, async_save=False) as mgr:
+        for step in range(3):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+        assert mgr.all_steps() == [0, 2]
+        np.testing.assert_array_equal(np.asarray(mgr.restore(2)["base"]), np.asarray(base))
+    assert ckpt.metadata(f"{d}/2").referenced_bytes == N * N * 4
+    assert ckpt.verify(f"{d}/2").ok
