@@ -291,3 +291,15 @@ def test_object_stores_reference_and_retain_alike(sharding):
         np.testing.assert_array_equal(np.asarray(mgr.restore(2)["base"]), np.asarray(base))
     assert ckpt.metadata(f"{d}/2").referenced_bytes == N * N * 4
     assert ckpt.verify(f"{d}/2").ok
+
+
+def test_a_base_with_a_dangling_reference_gives_a_full_save_not_a_failed_one(tmp_path, sharding, caplog):
+    d = str(tmp_path)
+    base = _arr(sharding, seed=8)
+    for step in range(3):
+        ckpt.save(f"{d}/{step}", {"base": base}, incremental=True)
+    os.remove(f"{d}/0/COMMITTED")  # step 1 and 2 now dangle (damage from outside the library)
+    ckpt.save(f"{d}/3", {"base": base}, incremental=True)
+    assert _refs(f"{d}/3", "base") == [] and _manifest(f"{d}/3")["format_version"] == 1
+    assert "cannot read the base" in caplog.text
+    np.testing.assert_array_equal(ckpt.restore(f"{d}/3")["base"], np.asarray(base))

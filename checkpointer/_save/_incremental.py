@@ -244,7 +244,9 @@ def find_base(storage: Storage, path: str) -> Base | None:
     folder = candidates[-1]
     base_path = f"{parent}/{folder}"
     try:
-        meta = _format.read_metadata(storage, base_path, check_references=False)
+        # The base's own references are checked: a save copies them (references are flat),
+        # and one that dangles would fail the commit; such a base is skipped instead.
+        meta = _format.read_metadata(storage, base_path)
         if meta.generation is None:
             return None
         crcs: dict[str, int] = {}
