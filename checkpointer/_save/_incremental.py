@@ -62,6 +62,9 @@ _IDENTITY_LOCK = threading.Lock()
 # is referenced again within RECHECK_EVERY saves. Unneeded once the snapshot gives the
 # crc32c for free (the one-copy issue): then every leaf is checked every save.
 RECHECK_EVERY = 8
+# The chunk crc32c of the last few bases, by (storage, path, generation): a training loop
+# reads each base's process records once, not on every save.
+_BASES: dict[tuple[str, str, str], dict[str, int]] = {}
 _CHANGING: dict[tuple[str, str], int] = {}
 
 
@@ -244,15 +247,24 @@ def find_base(storage: Storage, path: str) -> Base | None:
     folder = candidates[-1]
     base_path = f"{parent}/{folder}"
     try:
-        # The base's own references are checked: a save copies them (references are flat),
-        # and one that dangles would fail the commit; such a base is skipped instead.
-        meta = _format.read_metadata(storage, base_path)
+        meta = _format.read_metadata(storage, base_path, check_references=False)
         if meta.generation is None:
             return None
-        crcs: dict[str, int] = {}
-        for rec_name in storage.list_dir(f"{base_path}/{_format.PROCESSES}"):
-            record = _format.read_process_record(storage, f"{base_path}/{_format.PROCESSES}/{rec_name}")
-            crcs.update((c.key, c.data_crc32c) for c in record.chunks if c.data_crc32c is not None and c.leaf is not None)
+        key = (type(storage).__name__, base_path, meta.generation)
+        with _IDENTITY_LOCK:
+            crcs = _BASES.get(key)
+        if crcs is None:  # first use of this base (a committed generation never changes: cached)
+            # The base's own references are checked: a save copies them (references are
+            # flat), and one that dangles would fail the commit; such a base is skipped.
+            _format.check_reference_targets(storage, base_path, meta)
+            crcs = {}
+            for rec_name in storage.list_dir(f"{base_path}/{_format.PROCESSES}"):
+                record = _format.read_process_record(storage, f"{base_path}/{_format.PROCESSES}/{rec_name}")
+                crcs.update((c.key, c.data_crc32c) for c in record.chunks if c.data_crc32c is not None and c.leaf is not None)
+            with _IDENTITY_LOCK:
+                _BASES[key] = crcs
+                while len(_BASES) > 4:
+                    _BASES.pop(next(iter(_BASES)))
     except (CheckpointError, OSError) as e:
         log.warning("incremental save to %s: cannot read the base %s (%s); saving every chunk", path, base_path, e)
         return None
