@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv demo lint test bench clean
+.PHONY: venv demo lint test docs bench clean
 
 venv: $(VENV)/.installed
 
@@ -27,6 +27,12 @@ lint: venv
 test: lint
 	$(PY) -m pytest -q
 
+# The documentation site (docs/, Sphinx + MyST-NB) into docs/_build/html: offline, warnings are
+# errors, every executed page run once in a fresh kernel (docs/conf.py).
+docs: venv
+	rm -rf docs/_build/html docs/_build/.doctrees
+	$(PY) -m sphinx -W --keep-going -j 1 -b html -d docs/_build/.doctrees docs docs/_build/html
+
 bench: venv
 	$(PY) benchmarks/save_bench.py
 	$(PY) benchmarks/restore_bench.py
@@ -39,4 +45,4 @@ bench: venv
 	$(PY) benchmarks/page_cache_bench.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info demo_out .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info demo_out .mypy_cache .ruff_cache docs/_build docs/_generated docs/notebooks

@@ -157,7 +157,7 @@ def report(args, results, nbytes, wall_s, load) -> str:
     phases = ", ".join(f"{n} {statistics.median(r['phases'][n] for r in results[CK]):.3f} s" for n in names)
     first = results[CK][0]
     notes = (f"Layout: {first['packed_leaves']} of {2 * N_EACH} leaves packed (chunks of at most 256 KiB: "
-             f"`pack_small_leaves_bytes`, see the README's on-disk layout) into {first['packs']} pack(s) "
+             f"`pack_small_leaves_bytes`, see docs/format.md) into {first['packs']} pack(s) "
              "`packed/process-<i>` (one zarr v3 uint8 array per process, its index in the manifest); the "
              f"{first['files']} files are the pack's `zarr.json` and chunk, the manifest, the process record, the "
              "marker and the root group node. Where checkpointer's save goes (its own records, `checkpointer "

@@ -37,6 +37,7 @@ from ._errors import (
     SaveError,
     ShapeMismatchError,
     StructureMismatchError,
+    UnknownMetricError,
     UnsupportedValueError,
 )
 

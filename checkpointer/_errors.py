@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import sys
+import urllib.parse
 
 
 class CheckpointError(Exception):
@@ -64,6 +65,13 @@ class SaveError(CheckpointError, OSError):
 
 class CommitTimeoutError(SaveError, TimeoutError):
     """Some processes did not report their shards durable within the commit timeout."""
+
+
+class UnknownMetricError(CheckpointError, KeyError):
+    """A metric was asked for that no save of the directory ever passed (`best_step`)."""
+
+    def __str__(self) -> str:  # KeyError would print the message quoted, as a key
+        return str(self.args[0]) if self.args else ""
 
 
 class ProcessCountMismatchError(CheckpointError, ValueError):
@@ -131,23 +139,53 @@ def this_process() -> int | None:
     return jax.process_index() if jax.process_count() > 1 else None
 
 
+def path_keystr(leaf_path: str) -> str:
+    """A leaf path (escaped storage name, `_format._tree`) written as
+    `jax.tree_util.keystr` writes a key path, for when the saved key string is not at
+    hand: `"opt_state/0/nu/params/l2/bias"` -> `"['opt_state'][0]['nu']['params']['l2']['bias']"`.
+    Exact for dict keys; an attribute (`.params` of a `TrainState`) comes out as
+    `['params']`, a str key made of digits as `[0]`. `""` (a root leaf) stays `""`."""
+    if not leaf_path:
+        return ""
+    out = []
+    for c in leaf_path.split("/"):
+        if c.startswith("@int:"):
+            out.append(f"[{c[len('@int:'):]}]")
+        elif c.startswith("@") and ":" in c:
+            out.append(f"[{urllib.parse.unquote(c.split(':', 1)[1])}]")  # a repr, as keystr prints other keys
+        elif c.isdigit():
+            out.append(f"[{c}]")
+        else:
+            out.append(f"[{'' if c == '%' else urllib.parse.unquote(c)!r}]")
+    return "".join(out)
+
+
+def leaf_name(leaf_path: str | None = None, keystr: str | None = None) -> str:
+    """The one name a user reads for a leaf, everywhere (errors, plans, the command
+    line, reports): its key string as `jax.tree_util.keystr` writes it for the saved
+    tree (`.opt_state[0].nu['params']`, `['params']['dense']['kernel']`), `<root>` for
+    a root leaf. Give `keystr` when known (`ArrayMetadata.keystr`,
+    `CheckpointMetadata.keystr`, `keystr(key_path)` at save); else it is rebuilt from
+    the leaf path (`path_keystr`). Storage paths are never shown as leaf names."""
+    name = keystr if keystr is not None else path_keystr(leaf_path or "")
+    return name or "<root>"
+
+
 def where(
     *, leaf: str | None = None, path: str | None = None, process: int | None = None, keystr: str | None = None
 ) -> str:
     """Formats the location part of an error message: `leaf ['a']['b'] in /ckpt/100 (process 0)`.
 
     Args:
-      leaf: the leaf path (escaped storage name), shown quoted when `keystr` is None.
+      leaf: the leaf path (escaped storage name): named as `leaf_name` writes it.
       path: the checkpoint path.
       process: the process index.
-      keystr: the leaf's key string (as `jax.tree_util.keystr` prints it), shown
-        instead of the leaf path when known (`<root>` for a root leaf).
+      keystr: the leaf's key string (as `jax.tree_util.keystr` prints it), when known
+        (`<root>` for a root leaf).
     """
     parts = []
-    if keystr is not None:
-        parts.append(f"leaf {keystr or '<root>'}")
-    elif leaf is not None:
-        parts.append(f"leaf {leaf!r}")
+    if keystr is not None or leaf is not None:
+        parts.append(f"leaf {leaf_name(leaf, keystr)}")
     if path is not None:
         parts.append(f"in {path}")
     if process is not None:

@@ -45,7 +45,7 @@ QUICK_FILES = {
     "test_safetensors_restore.py", "test_orbax_import.py", "test_save_plan.py",
     "test_fresh_restore.py", "test_inputs.py", "test_interop.py", "test_export.py",
     "test_coop_restore.py", "test_hostile.py", "test_storage_faults.py", "test_direct_io.py",
-    "test_rendezvous.py",
+    "test_rendezvous.py", "test_zarr_dtypes.py",
 }
 # Tests of those files left out of it, and why.
 QUICK_EXCLUDED = {

@@ -197,4 +197,4 @@ def test_cooperative_restore_of_a_replicated_packed_leaf_reads_each_packed_byte_
         assert intact["bytes_received"] == (nbytes + values["small"].nbytes) // 2, intact
         bad = next(x for x in r.records if x.get("name") == "damaged")
         assert bad["event"] == "failed" and bad["type"] == "CorruptCheckpointError", bad
-        assert "leaf 'w'" in bad["message"] and "crc32c mismatch" in bad["message"] and "processes [0, 1]" in bad["message"], bad
+        assert "leaf ['w']" in bad["message"] and "crc32c mismatch" in bad["message"] and "processes [0, 1]" in bad["message"], bad

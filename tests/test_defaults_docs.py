@@ -1,5 +1,5 @@
 """Defaults and docs agree (issue 22 item 8): the commit timeout below JAX's heartbeat,
-the README's `jax.make_mesh` examples on the installed JAX, `checkpointer ls`'s text on
+the docs' `jax.make_mesh` examples on the installed JAX, `checkpointer ls`'s text on
 crashed saves, the linen example's leaf names, the Python requirement, and
 `repr(RestoreStats)`."""
 
@@ -18,6 +18,8 @@ from checkpointer._cli import _main as _cli
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+# The README and the site's pages: the examples and figures these tests check live on the pages now.
+DOCS = "\n".join([README, *((ROOT / "docs" / f"{page}.md").read_text() for page in ("getting_started", "flax", "many_hosts", "elastic_resume"))])
 
 
 def _default(fn, name):
@@ -28,7 +30,7 @@ def test_the_commit_timeout_default_is_below_jaxs_heartbeat_timeout():
     heartbeat_s = _default(jax.distributed.initialize, "heartbeat_timeout_seconds")
     for fn in (ckpt.save, ckpt.save_async, ckpt.CheckpointManager.__init__):
         assert _default(fn, "commit_timeout_s") < heartbeat_s, fn
-    assert f"default {heartbeat_s} s" in " ".join(README.split())
+    assert f"default {heartbeat_s} s" in " ".join(DOCS.split())
 
 
 def _make_mesh_calls(text):
@@ -45,25 +47,25 @@ def _make_mesh_calls(text):
     return calls
 
 
-def test_the_readmes_make_mesh_examples_give_auto_axes_on_the_installed_jax():
+def test_the_docs_make_mesh_examples_give_auto_axes_on_the_installed_jax():
     scope = {"jax": jax, "N_DATA": 2, "N_MODEL": 4}
-    for line in README.splitlines():
+    for line in DOCS.splitlines():
         if line.startswith("auto = "):
-            exec(line, scope)  # noqa: S102 (the README's own line)
-    calls = _make_mesh_calls(README)
+            exec(line, scope)  # noqa: S102 (the page's own line)
+    calls = _make_mesh_calls(DOCS)
     assert len(calls) >= 3
     for call in calls:
-        mesh = eval(call, scope)  # noqa: S307 (the README's own expression)
+        mesh = eval(call, scope)  # noqa: S307 (the page's own expression)
         assert set(mesh.axis_types) == {jax.sharding.AxisType.Auto}, (call, mesh.axis_types)
 
 
-def test_the_readmes_nnx_mesh_runs_a_tensor_parallel_nnx_model():
+def test_the_docs_nnx_mesh_runs_a_tensor_parallel_nnx_model():
     nnx = pytest.importorskip("flax.nnx")
     scope = {"jax": jax}
-    exec(next(line for line in README.splitlines() if line.startswith("auto = ")), scope)  # noqa: S102
-    mesh = eval(_make_mesh_calls(README[README.index("## Flax NNX"):])[0], scope)  # noqa: S307
+    exec(next(line for line in DOCS.splitlines() if line.startswith("auto = ")), scope)  # noqa: S102
+    mesh = eval(_make_mesh_calls(DOCS[DOCS.index("## Flax NNX"):])[0], scope)  # noqa: S307
 
-    class Model(nnx.Module):  # column- then row-parallel, as the README's comment says
+    class Model(nnx.Module):  # column- then row-parallel, as the page's comment says
         def __init__(self, rngs):
             self.l1 = nnx.Linear(8, 32, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model")), rngs=rngs)
             self.l2 = nnx.Linear(32, 8, kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("model", None)), rngs=rngs)
@@ -107,7 +109,7 @@ def test_the_linen_examples_leaf_names_are_the_ones_a_train_state_gets(tmp_path)
     ckpt.save(str(tmp_path / "1"), state)
     restored = ckpt.restore(str(tmp_path / "1"), state)
     names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(restored)}
-    shown = re.search(r"# leaves named (\S+), ", README)
+    shown = re.search(r"# leaves named (\S+), ", DOCS)
     assert shown, "the linen example names its leaves"
     assert shown.group(1) in names, (shown.group(1), sorted(names))
     assert "params/params/Dense_0/kernel" in ckpt.metadata(str(tmp_path / "1")).arrays  # as stored
@@ -127,6 +129,7 @@ def test_repr_of_restore_stats_summarises_the_plan(tmp_path):
     stats = ckpt.RestoreStats()
     ckpt.restore(path, stats=stats)
     text = repr(stats)
-    assert stats.plan is not None and len(repr(stats.plan)) > 2000  # what repr used to print
+    assert stats.plan is not None and len(str(stats.plan).splitlines()) == 25  # the whole table: title, head, rule, 20 leaves, rule, total
+    assert repr(stats.plan).startswith("<RestorePlan for ") and "['w0']" in repr(stats.plan)  # a summary, by key string
     assert len(text) < 600 and "<RestorePlan: 20 leaves, " in text and "ChunkRead" not in text, text
     assert text.startswith("RestoreStats(bytes_read=") and f"chunk_reads={stats.chunk_reads}" in text

@@ -100,8 +100,8 @@ def test_a_destination_xla_gives_in_another_dtype_is_refused_not_filled(monkeypa
     # never be handed to the reader as the 64-bit destination it asked for.
     from checkpointer._memory import _device_destination, device_destinations
 
-    narrowed = lambda shape, dtype, devices: {d: jax.device_put(np.zeros(shape, np.float32), d) for d in devices}  # noqa: E731
-    monkeypatch.setattr(_device_destination, "_allocate", narrowed)
+    narrowed = lambda requests: [jax.device_put(np.zeros(shape, np.float32), d) for shape, _, d in requests]  # noqa: E731
+    monkeypatch.setattr(_device_destination, "_allocate_all", narrowed)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     assert device_destinations([((4, 4), np.dtype(np.float64), sharding)]) == [None]
 

@@ -39,7 +39,7 @@ def test_verify_passes_on_intact_checkpoint(saved):
 def test_deleted_chunk_raises_and_verify_lists_it(saved):
     path, _ = saved
     os.remove(f"{path}/arrays/params/w/c/1/2")
-    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'params/w'.*c/1/2") as e:
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf \['params'\]\['w'\].*c/1/2") as e:
         ckpt.restore(path, _target())
     assert isinstance(e.value, ValueError)
     report = ckpt.verify(path)
@@ -57,7 +57,7 @@ def test_damaged_chunk_never_returns_wrong_values(saved, damage):
         data = data[: len(data) // 2]
     with open(chunk, "wb") as f:
         f.write(bytes(data))
-    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'params/w'"):
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf \['params'\]\['w'\]"):
         ckpt.restore(path, _target())
     os.remove(f"{path}/arrays/b/c/0")
     report = ckpt.verify(path)

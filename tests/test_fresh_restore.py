@@ -164,7 +164,7 @@ def test_a_damaged_inner_chunk_read_straight_into_the_destination_raises(rows_la
         f.seek(100)
         f.write(bytes([b[0] ^ 0x10]))
     calls = _count_direct_runs(monkeypatch)
-    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'tall'.*c/0/0 inner chunk 0: crc32c mismatch.*checkpointer verify"):
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf \['tall'\].*c/0/0 inner chunk 0: crc32c mismatch.*checkpointer verify"):
         ckpt.restore(path, shardings)
     assert calls
 

@@ -221,10 +221,14 @@ def test_a_crash_at_any_point_of_retention_leaves_no_dangling_reference(tmp_path
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     res = subprocess.run([sys.executable, WORKER, d, kill_point], env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == -9, (res.returncode, res.stdout, res.stderr[-2000:])
-    steps = ckpt.CheckpointManager(d, read_only=True).all_steps()
+    reader = ckpt.CheckpointManager(d, read_only=True)
+    steps = reader.all_steps()
     assert steps
-    for step in steps:  # every committed step restores whole: no reference dangles
-        r = ckpt.restore(f"{d}/{step}")
+    # Every committed step restores whole: no reference dangles. Through the manager: the
+    # kill (on the deleter thread) may land between the next step's marker and its rename,
+    # leaving a committed `<step>.partial-*` that the manager reads until recovery renames it.
+    for step in steps:
+        r = reader.restore(step)
         assert r["step"] == step and float(r["adapter"].reshape(-1)[0]) == step - step % 2
         assert r["base"].shape == (256, 256)
     # The next writer's retention finishes the job.
@@ -254,15 +258,66 @@ def test_a_leaf_that_stops_changing_is_referenced_again_within_the_recheck_inter
     from checkpointer._save import _incremental
 
     monkeypatch.setattr(_incremental, "RECHECK_EVERY", 3)
-    d = str(tmp_path)
-    for step in range(2):  # changes: the second save checks it and finds every chunk changed
-        ckpt.save(f"{d}/{step}", {"w": _arr(sharding, float(step))}, incremental=True)
-    found = []
-    for step in range(2, 6):  # stops changing (a fresh copy each time: by content)
-        ckpt.save(f"{d}/{step}", {"w": _arr(sharding, 1.0)}, incremental=True)
-        found.append(len(_refs(f"{d}/{step}", "w")))
-    assert found[:2] == [0, 0] and found[2] == 8, found  # skipped twice without looking, then rechecked
-    np.testing.assert_array_equal(ckpt.restore(f"{d}/5")["w"], np.full((N, N), 1.0, np.float32))
+    for direct_io, want in [(False, [0, 0, 8, 8]), ("auto", [8, 8, 8, 8])]:
+        d = str(tmp_path / str(direct_io))
+        for step in range(2):  # changes: the second save checks it and finds every chunk changed
+            ckpt.save(f"{d}/{step}", {"w": _arr(sharding, float(step))}, incremental=True, direct_io=direct_io)
+        found = []
+        for step in range(2, 6):  # stops changing (a fresh copy each time: by content)
+            ckpt.save(f"{d}/{step}", {"w": _arr(sharding, 1.0)}, incremental=True, direct_io=direct_io)
+            found.append(len(_refs(f"{d}/{step}", "w")))
+        # Host arrays (direct_io=False): skipped twice without the crc32c pass, then rechecked.
+        # Shard images: their crc32c came with the snapshot, so checked (and referenced) at once.
+        assert found == want, (direct_io, found)
+        np.testing.assert_array_equal(ckpt.restore(f"{d}/5")["w"], np.full((N, N), 1.0, np.float32))
+
+
+def _check_stats(d, step, tree, direct_io):
+    handle = ckpt.save_async(f"{d}/{step}", tree, incremental=True, direct_io=direct_io)
+    handle.wait()
+    return handle.snapshot.result.incremental
+
+
+def test_the_check_takes_the_crc32c_of_shard_images_from_the_snapshot(tmp_path, sharding, monkeypatch):
+    from checkpointer._save import _incremental
+
+    monkeypatch.setattr(_incremental, "RECHECK_EVERY", 1)  # host arrays checked on every save too
+    nbytes = N * N * 4
+    for direct_io, crc_pass in [("auto", 0), (False, nbytes)]:
+        d = str(tmp_path / str(direct_io))
+        ckpt.save(f"{d}/0", {"w": _arr(sharding, 0.0)}, incremental=True, direct_io=direct_io)
+        changed = _check_stats(d, 1, {"w": _arr(sharding, 1.0)}, direct_io)
+        assert changed.chunks_changed == 8 and changed.bytes_hashed == crc_pass, (direct_io, changed)
+        # Unchanged (a fresh copy): the crc32c matches, then XXH3-128 of the bytes, compared
+        # with the base's bytes read back once; the next save by the kept hash alone.
+        same = _check_stats(d, 2, {"w": _arr(sharding, 1.0)}, direct_io)
+        assert same.chunks_by_comparison == 8 and same.bytes_hashed == crc_pass + nbytes, (direct_io, same)
+        again = _check_stats(d, 3, {"w": _arr(sharding, 1.0)}, direct_io)
+        assert again.chunks_by_hash == 8 and again.bytes_compared == 0 and again.bytes_referenced == nbytes
+        np.testing.assert_array_equal(ckpt.restore(f"{d}/3")["w"], np.full((N, N), 1.0, np.float32))
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_a_shard_images_data_reads_back_as_the_chunks_c_order_bytes(strided):
+    from test_direct_io import LAYOUTS, _values
+
+    from checkpointer import _encoding, _memory
+    from checkpointer._format import ArrayMetadata
+
+    for name, (shape, chunk, inner, cells) in sorted(LAYOUTS.items()):
+        meta = ArrayMetadata("w", shape, np.dtype(np.float32), chunk, inner, None)
+        values = _values(shape, np.float32, seed=len(name))
+        for cell in cells:
+            box = _format.cell_box(cell, meta.chunk_shape, meta.shape)
+            host = np.array(values[box.slices()], order="C")
+            src = host
+            if strided and host.ndim:
+                wide = np.zeros((*host.shape[:-1], host.shape[-1] * 2), host.dtype)
+                wide[..., ::2] = host
+                src = wide[..., ::2]
+            (image,) = _encoding.fill_images([(meta.layout, src)], lambda n: _memory.page_aligned_empty((n,), np.dtype(np.uint8)))
+            pieces = _encoding.image_data(image, meta.layout, tuple(box.shape), meta.dtype)
+            assert b"".join(p.tobytes() for p in pieces) == host.tobytes(), (name, cell)
 
 
 @pytest.mark.multiprocess

@@ -107,7 +107,7 @@ def test_every_device_dtype_round_trips_bit_exact_or_is_refused_by_name(tmp_path
     held = np.asarray(src)  # what JAX holds (sub-byte types keep only their low bits)
     path = str(tmp_path / "1")
     if name in _NOT_STORABLE and not _zarr_arrays.zarr_supports_dtype(dtype):
-        with pytest.raises(ckpt.UnsupportedValueError, match=rf"leaf 'layer/x'.*dtype {name}.*astype") as e:
+        with pytest.raises(ckpt.UnsupportedValueError, match=rf"leaf \['layer'\]\['x'\].*dtype {name}.*astype") as e:
             ckpt.save(path, {"layer": {"x": src}})
         assert isinstance(e.value, TypeError)
         assert not os.path.exists(path) and os.listdir(tmp_path) == []  # refused before writing
@@ -131,9 +131,9 @@ def test_some_dtype_jax_has_is_not_storable_and_the_save_names_it(tmp_path):
     if _zarr_arrays.zarr_supports_dtype(np.dtype(jnp.uint4)):
         pytest.skip("this TensorStore stores uint4")
     tree = {"ok": jnp.ones(4), "deep": {"q": jnp.arange(4).astype(jnp.uint4)}}
-    with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf 'deep/q' in .*/1: dtype uint4.*jnp.uint8"):
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf \['deep'\]\['q'\] in .*/1: dtype uint4.*jnp.uint8"):
         ckpt.save(str(tmp_path / "1"), tree)
-    with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf 'h'.*float6_e2m3fn"):
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf \['h'\].*float6_e2m3fn"):
         ckpt.save(str(tmp_path / "2"), {"h": np.zeros(3, ml_dtypes.float6_e2m3fn)})
     assert os.listdir(tmp_path) == []
 
@@ -626,13 +626,13 @@ def test_non_array_leaves_round_trip_exactly(tmp_path):
 
 def test_unstorable_leaves_and_overlong_keys_are_named(tmp_path):
     for tree, match in [
-        ({"a": {"fn": print}}, r"leaf 'a/fn'.*builtin_function_or_method"),
-        ({"b": b"bytes"}, r"leaf 'b'.*bytes"),
-        ({"o": np.array([1, "x"], dtype=object)}, r"leaf 'o'.*dtype object"),
-        ({"s": np.array(["x"])}, r"leaf 's'.*dtype <U1"),
-        ({"t": np.zeros(2, "datetime64[s]")}, r"leaf 't'.*datetime64"),
-        ({"k" * 300: jnp.ones(2)}, r"leaf 'kkk.*300 bytes.*255"),
-        ({"ü" * 50: jnp.ones(2)}, r"leaf '%C3%BC.*300 bytes.*shorten"),
+        ({"a": {"fn": print}}, r"leaf \['a'\]\['fn'\].*builtin_function_or_method"),
+        ({"b": b"bytes"}, r"leaf \['b'\].*bytes"),
+        ({"o": np.array([1, "x"], dtype=object)}, r"leaf \['o'\].*dtype object"),
+        ({"s": np.array(["x"])}, r"leaf \['s'\].*dtype <U1"),
+        ({"t": np.zeros(2, "datetime64[s]")}, r"leaf \['t'\].*datetime64"),
+        ({"k" * 300: jnp.ones(2)}, r"leaf \['kkk.*300 bytes.*255"),
+        ({"ü" * 50: jnp.ones(2)}, r"leaf \['üüü.*300 bytes.*shorten"),
     ]:
         with pytest.raises(ckpt.UnsupportedValueError, match=match):
             ckpt.save(str(tmp_path / "1"), tree)

@@ -136,7 +136,7 @@ def _map_rows(markdown: str, heading: str) -> set[str]:
     return rows
 
 
-@pytest.mark.parametrize("doc, heading", [("docs/DESIGN-decisions.md", "## Module map"), ("README.md", "## Code layout")])
+@pytest.mark.parametrize("doc, heading", [("docs/DESIGN-decisions.md", "## Module map")])
 def test_the_module_map_names_every_module(doc, heading):
     rows = _map_rows((ROOT / doc).read_text(), heading)
     modules = _modules_of_the_package()

@@ -1,5 +1,6 @@
 """CheckpointManager and save_async: committed steps only, retention, errors that surface."""
 
+import concurrent.futures
 import errno
 import logging
 import os
@@ -16,9 +17,9 @@ from conftest import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
+from checkpointer import _storage
 from checkpointer._commit import _directory
 from checkpointer._save import _pipeline as _save
-from checkpointer import _storage
 
 
 def _state(value=0.0):
@@ -75,6 +76,40 @@ def test_save_async_join_waits_without_raising(ckpt_dir, monkeypatch):
     assert isinstance(handle.error, ckpt.SaveError)
     with pytest.raises(ckpt.SaveError, match="boom"):
         handle.wait()
+
+
+def test_save_async_returns_a_concurrent_future_resolved_at_the_commit(ckpt_dir, monkeypatch):
+    """Issue 25 item 4: the handle is a concurrent.futures.Future (as torch's async_save
+    returns), keeping wait() and error."""
+    handle = ckpt.save_async(f"{ckpt_dir}/1", _state(2.0))
+    assert isinstance(handle, concurrent.futures.Future)
+    seen = []
+    handle.add_done_callback(lambda f: seen.append(f.result()))
+    assert handle.cancel() is False  # a save in flight is not cancelled
+    assert handle.result(timeout=60) == f"{ckpt_dir}/1" and handle.exception() is None and handle.error is None
+    assert seen == [f"{ckpt_dir}/1"] and handle.done() and not handle.cancelled()
+    assert float(ckpt.restore(f"{ckpt_dir}/1")["w"][0, 0]) == 2.0
+    handle.wait()  # still there
+
+    release = threading.Event()
+
+    def blocked_then_broken(snap):
+        release.wait(30)
+        raise ckpt.SaveError("boom")
+
+    monkeypatch.setattr(_save, "write_snapshot", blocked_then_broken)
+    failing = ckpt.save_async(f"{ckpt_dir}/2", _state())
+    with pytest.raises(TimeoutError):
+        failing.result(timeout=0.01)
+    release.set()
+    done, _ = concurrent.futures.wait([failing, handle], timeout=60)
+    assert done == {failing, handle}
+    assert isinstance(failing.exception(), ckpt.SaveError) and failing.exception() is failing.error
+    with pytest.raises(ckpt.SaveError, match="boom"):
+        failing.result()
+    later = []
+    failing.add_done_callback(later.append)  # called at once when already resolved
+    assert later == [failing]
 
 
 def test_manager_lists_committed_steps_only(ckpt_dir):

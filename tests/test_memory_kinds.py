@@ -109,7 +109,7 @@ def test_the_pinned_host_route_keeps_its_copies_out_of_the_pool_and_aliases_noth
         state[k].delete()
     release.set()
     handle.wait()
-    assert snap.write_mode == ("direct" if direct_io else "buffered")
+    assert snap.result.write_mode == ("direct" if direct_io else "buffered")
     assert empty_shared_pool.free_bytes == state["host"].nbytes  # only the numpy leaf's pool buffer came back
     _assert_bit_exact(ckpt.restore(str(tmp_path / "1")), expected)
 

@@ -25,7 +25,7 @@ ocp = pytest.importorskip("orbax.checkpoint")
 optax = pytest.importorskip("optax")
 train_state = pytest.importorskip("flax.training.train_state")
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+ORBAX_PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "orbax.md"
 
 
 def _bits(x) -> bytes:
@@ -257,14 +257,14 @@ def test_cli_import_orbax_of_a_manager_directory(saved, tmp_path, capsys):
     assert doc["resumed"] == [1, 2, 3] and doc["steps"] == []
 
 
-def test_readme_migration_of_a_whole_run_runs_as_written(saved, tmp_path):
+def test_the_docs_migration_of_a_whole_run_runs_as_written(saved, tmp_path):
     state, _, run = saved
-    text = README.read_text(encoding="utf-8")
+    text = ORBAX_PAGE.read_text(encoding="utf-8")
     block = re.search(r"<!-- migration-of-a-run -->\s*```python\n(.*?)```", text, re.S).group(1)
     code = block.replace("/runs/orbax", run).replace("/runs/ckpt", str(tmp_path / "ckpt"))
     abstract_state = _target(state, make_mesh((4, 2), ("data", "model")))
     scope = {"ckpt": ckpt, "abstract_state": abstract_state}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/orbax.md", "exec"), scope)
     assert [r.step for r in scope["report"].steps] == [1, 2, 3]
     _assert_bit_exact(scope["state"], state, {"data": 4, "model": 2})
 
@@ -280,3 +280,70 @@ def test_a_stored_none_restores_into_an_empty_container_of_the_target_and_nothin
         ckpt.restore(path, {"empty": {"x": w}, "w": w})
     with pytest.raises(ckpt.StructureMismatchError, match=r"in the checkpoint but not in the target \(1\): \['empty'\]"):
         ckpt.restore(path, {"w": w})
+
+
+# --- issue 25 item 2: Orbax's NNX states imported whole; numpy scalars keep their types ---
+
+def _nnx_optimizer(n_layers, mesh=None):
+    """An `nnx.Optimizer` (AdamW) over a model whose layers are an `nnx.List`; with `mesh`,
+    made under `nnx.eval_shape` and returned as its natural abstract state, every leaf
+    replicated over `mesh`."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(n_layers)])
+
+    def make():
+        return nnx.Optimizer(Stack(nnx.Rngs(0)), optax.adamw(1e-2), wrt=nnx.Param)
+
+    if mesh is None:
+        opt = make()
+        return opt, nnx.state(opt)
+    abstract = nnx.state(nnx.eval_shape(make))
+    return None, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())), abstract)
+
+
+def test_orbax_nnx_optimizer_state_with_nnx_list_layers_restores_into_its_natural_target(tmp_path):
+    """Orbax writes the integer keys of `nnx.State` (`opt_state[0]`, `layers[1]`) as '0',
+    '1'; they match the target's integers without partial=True, and come back as ints."""
+    _, state = _nnx_optimizer(2)
+    with ocp.StandardCheckpointer() as c:
+        c.save(str(tmp_path / "orbax"), state)
+    ckpt.import_orbax(str(tmp_path / "orbax"), str(tmp_path / "1"))
+    _, target = _nnx_optimizer(2, make_mesh((2, 4), ("data", "model")))
+    out = ckpt.restore(str(tmp_path / "1"), target)
+    assert type(out) is type(state)
+    got, want = jax.tree_util.tree_flatten_with_path(out)[0], jax.tree_util.tree_flatten_with_path(state)[0]
+    assert [kp for kp, _ in got] == [kp for kp, _ in want]  # DictKey(0), not DictKey('0')
+    assert any(jax.tree_util.DictKey(1) in kp for kp, _ in got)
+    for (kp, g), (_, w) in zip(got, want):
+        assert g.dtype == w.dtype and _bits(g) == _bits(w), kp
+    # A real mismatch still raises: a model of three layers has a layer 2 the checkpoint lacks.
+    _, three = _nnx_optimizer(3, make_mesh((2, 4), ("data", "model")))
+    with pytest.raises(ckpt.StructureMismatchError, match=r"in the target but not in the checkpoint \(\d+\): .*\['layers'\]\[2\]"):
+        ckpt.restore(str(tmp_path / "1"), three)
+
+
+def test_an_integer_key_does_not_match_a_string_key_in_a_checkpoint_not_imported_from_orbax(tmp_path):
+    """Our own manifests keep key types: '0' against 0 is a mismatch there."""
+    ckpt.save(str(tmp_path / "1"), {"0": np.ones(2)})
+    with pytest.raises(ckpt.StructureMismatchError, match=r"not in the checkpoint \(1\): \[0\]"):
+        ckpt.restore(str(tmp_path / "1"), {0: None})
+
+
+def test_orbax_numpy_scalars_keep_their_types_through_the_import(tmp_path):
+    tree = {"f32": np.float32(1.5), "i64": np.int64(-3), "i32": np.int32(7), "py_float": 2.5, "py_int": 4,
+            "w": np.arange(3, dtype=np.float32)}
+    with ocp.PyTreeCheckpointer() as c:
+        c.save(str(tmp_path / "orbax"), tree)
+    ckpt.import_orbax(str(tmp_path / "orbax"), str(tmp_path / "1"))
+    out = ckpt.restore(str(tmp_path / "1"))
+    assert type(out["f32"]) is np.float32 and out["f32"] == 1.5
+    assert type(out["i32"]) is np.int32 and out["i32"] == 7
+    # int64 and float64 are how Orbax stores Python numbers too: without a target they are Python's.
+    assert type(out["py_float"]) is float and type(out["py_int"]) is int and out["i64"] == -3
+    # A target holding numpy scalars gets its own types back.
+    out = ckpt.restore(str(tmp_path / "1"), {**tree, "w": None})
+    for k in ("f32", "i64", "i32", "py_float", "py_int"):
+        assert type(out[k]) is type(tree[k]) and out[k] == tree[k], k

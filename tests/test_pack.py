@@ -225,8 +225,8 @@ def test_verify_and_restore_name_a_damaged_packed_leaf(tmp_path):
         f.seek(box["offset"] + 5)
         f.write(bytes([byte[0] ^ 0xFF]))
     report = ckpt.verify(path)
-    assert not report.ok and any("'mat/1'" in p for p in report.problems)
-    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'mat/1'.*crc32c mismatch"):
+    assert not report.ok and any("['mat']['1']" in p for p in report.problems)
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf \['mat'\]\['1'\].*crc32c mismatch"):
         ckpt.restore(path, _target(state))
     # Leaves in other parts of the pack still restore alone.
     out = ckpt.restore(path, {"vec": {"0": _target(state)["vec"]["0"]}}, partial=True)
@@ -244,14 +244,14 @@ def test_verify_names_every_leaf_a_missing_pack_loses(tmp_path, lost):
     packed = [leaf for leaf, m in ckpt.metadata(path).arrays.items() if m.packed]
     assert len(packed) == 7  # vec/0, vec/1, mat/0, mat/1, bf, ids, key
     for leaf in packed:
-        assert any(f"leaf {leaf!r}" in p and "packed/process-0/c/0" in p for p in report.problems), (leaf, report.problems)
+        assert any(f"leaf {ckpt.metadata(path).keystr(leaf)}" in p and "packed/process-0/c/0" in p for p in report.problems), (leaf, report.problems)
     assert report.bytes_checked == state["big"].nbytes  # nothing of the pack was checked
 
 
 @pytest.mark.parametrize("how", ["renamed", "removed"])
 def test_a_step_deleted_while_its_pack_is_read_is_not_found(tmp_path, monkeypatch, how):
-    from checkpointer._commit import _directory
     from checkpointer import _storage
+    from checkpointer._commit import _directory
 
     run = str(tmp_path / "run")
     ckpt.save(f"{run}/1", {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)})
@@ -292,7 +292,7 @@ def test_a_pack_that_cannot_be_read_names_the_leaves_in_the_read(tmp_path, monke
     with open(f"{path}/packed/process-0/c/0", "r+b") as f:
         f.truncate(100)
     monkeypatch.setattr(_storage.LocalStorage, "cheap_size", False)
-    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'a' in .*1: pack file packed/process-0/c/0, bytes 0..512, cannot be read"):
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf \['a'\] in .*1: pack file packed/process-0/c/0, bytes 0..512, cannot be read"):
         ckpt.restore(path, {"a": None}, partial=True)
 
 
@@ -336,7 +336,7 @@ def test_plan_and_inspect_show_packed_leaves(tmp_path, capsys):
     plan = ckpt.plan_restore(path, _target(state, make_mesh((4, 2), ("data", "model"))))
     lp = next(lp for lp in plan.leaves if lp.leaf_path == "mat/0")
     assert lp.bytes_needed == 64 * 64 * 4 and all(b.packed and not b.reads for b in lp.boxes)
-    assert "mat/0" in str(plan)
+    assert "['mat']['0']" in str(plan) and "mat/0" not in str(plan)
     assert main(["inspect", path]) == 0
     out = capsys.readouterr().out
     assert "['mat']['0']" in out and "packed" in out
@@ -458,7 +458,7 @@ def test_read_errors_name_the_process_in_a_multi_process_job(tmp_path, monkeypat
         f.seek(box["offset"])
         f.write(b"\xff\xff\xff\xff")
     monkeypatch.setattr(_errors, "this_process", lambda: 3)  # as process 3 of a larger job would
-    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'mat/1' in \S+ \(process 3\)"):
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf \['mat'\]\['1'\] in \S+ \(process 3\)"):
         ckpt.restore(path, _target(state))
 
 
@@ -471,21 +471,21 @@ def test_read_errors_of_an_unpacked_leaf_name_the_process_too(tmp_path, monkeypa
     with open(f"{path}/arrays/mat/1/c/0/0", "r+b") as f:
         f.write(b"\xff\xff\xff\xff")
     monkeypatch.setattr(_errors, "this_process", lambda: 3)
-    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'mat/1' in \S+ \(process 3\)"):
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf \['mat'\]\['1'\] in \S+ \(process 3\)"):
         ckpt.restore(path, _target(state))
 
 
-def test_the_readme_zarr_recipe_for_packed_leaves_runs_as_written(tmp_path):
-    """The README's on-disk-layout recipe, run as a user copies it (only its path moved
+def test_the_format_specs_zarr_recipe_for_packed_leaves_runs_as_written(tmp_path):
+    """The zarr-python recipe of docs/format.md, run as a user copies it (only its path moved
     into tmp_path): it must save packed leaves and read every one back with zarr-python."""
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "format.md"), encoding="utf-8") as f:
         readme = f.read()
     start = readme.index("import numpy as np, zarr, checkpointer as ckpt\n")
     code = readme[start : readme.index("```", start)]
     assert 'path = "/tmp/small/1"' in code
     code = code.replace('"/tmp/small/1"', repr(str(tmp_path / "1")))
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (the README's own snippet)
+    exec(compile(code, "docs/format.md", "exec"), scope)  # noqa: S102 (the page's own snippet)
     chunks = scope["chunks"]
     assert len(chunks) == 100
     for i in range(100):
@@ -508,12 +508,12 @@ def test_a_damaged_or_truncated_pack_fails_the_leaves_whose_bytes_are_gone(tmp_p
     with open(pack, "r+b") as f:
         if damage == "truncated":
             f.truncate(1280)  # inside 'w': 'other' is whole, 'w' and 'z' are gone
-            expected = rf"leaf 'w' in {path}: pack file packed/process-0/c/0 has 1280 bytes, expected \d+ .*'z'.*verify"
+            expected = rf"leaf \['w'\] in {path}: pack file packed/process-0/c/0 has 1280 bytes, expected \d+ .*'z'.*verify"
         else:
             for leaf in ("w", "z"):
                 f.seek(boxes[leaf]["offset"] + 8)
                 f.write(b"\xff\xff\xff\xff")
-            expected = rf"leaf 'w' in {path}: packed bytes .* crc32c mismatch.*'z'.*verify"
+            expected = rf"leaf \['w'\] in {path}: packed bytes .* crc32c mismatch.*'z'.*verify"
     with pytest.raises(ckpt.CorruptCheckpointError, match=expected) as raised:
         ckpt.restore(path)
     assert "'other'" not in str(raised.value)
@@ -567,7 +567,7 @@ def test_verify_names_the_copy_and_the_entry_of_a_pack_index_that_disagrees(tmp_
     report = ckpt.verify(path)
     assert not report.ok
     [problem] = [p for p in report.problems if name in p]
-    assert "'mat/1'" in problem and "[0, 16]" in problem and f"{field} {entry[field]}" in problem, problem
+    assert "['mat']['1']" in problem and "[0, 16]" in problem and f"{field} {entry[field]}" in problem, problem
     assert "manifest" in problem, problem
 
 
@@ -626,7 +626,7 @@ def test_a_cooperative_share_splits_a_packed_chunk_only_into_contiguous_pieces()
     plan = RestorePlan("/ckpt/1", 0, (lp,))
     halves = np.array([crc32c.crc32c(data[:128]), crc32c.crc32c(data[128:])], np.uint32)
     check_pieces(plan, halves, "/ckpt/1")
-    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf 'w' in /ckpt/1: packed bytes 100..356 of .* processes \[0, 1\]: crc32c mismatch"):
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"leaf \['w'\] in /ckpt/1: packed bytes 100..356 of .* processes \[0, 1\]: crc32c mismatch"):
         check_pieces(plan, halves ^ np.array([0, 1], np.uint32), "/ckpt/1")
     # Column halves are strided in the chunk: not split, each process reads it whole.
     cols = {Box((0, 0), (8, 4)): frozenset({0}), Box((0, 4), (8, 4)): frozenset({1})}

@@ -5,7 +5,7 @@ Real processes: SIGTERM to process 1 only of a 2-process job (JAX's preemption s
 point), and to a one-process job (the manager's SIGTERM handler); both save the same
 step, exit 0, and the step restores on another mesh. In this process: the handler's
 chaining and restoring, the main-thread rule, JAX's sync point asked once per step, and
-the README's preemption-aware loop run as written.
+the preemption-aware loop of docs/operating.md run as written.
 """
 
 import os
@@ -166,11 +166,11 @@ def test_a_preempted_save_with_two_tiers_is_durable_when_save_returns(tmp_path):
     assert ckpt.restore(f"{durable}/3")["step"] == 3
 
 
-# --- the README's loop, as written ---------------------------------------------------------
+# --- the docs' loop (docs/operating.md), as written ---------------------------------------------------------
 
 
 def _readme_loop(directory: str) -> str:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "operating.md").read_text()
     imports = re.search(r"^import jax, numpy as np, checkpointer as ckpt$", readme, re.M).group(0)
     start = readme.index('state = {"w": np.zeros((256, 256), np.float32), "step": 0}\n')
     code = readme[start: readme.index("```", start)]
@@ -195,7 +195,7 @@ def _run_until_preempted(code: str, directory: str, committed_before: int, log_p
     assert "SIGTERM received" in text, text  # by the preemption, not the end of the range
 
 
-def test_the_readme_preemption_loop_runs_as_written_and_resumes(tmp_path):
+def test_the_docs_preemption_loop_runs_as_written_and_resumes(tmp_path):
     directory = str(tmp_path / "run")
     code = _readme_loop(directory)
     _run_until_preempted(code, directory, -1, tmp_path / "first.log")

@@ -33,7 +33,9 @@ def test_best_step_ranks_by_min_or_max_and_ignores_steps_without_the_metric_or_w
         assert mgr.best_step("loss") == 2
         assert mgr.best_step("loss", mode="max") == 1
         assert mgr.best_step("acc", mode="max") == 2
-        assert mgr.best_step("no such metric") is None
+        with pytest.raises(ckpt.UnknownMetricError, match=r"no such metric.*the metrics saved are \['acc', 'loss'\]") as e:
+            mgr.best_step("no such metric")
+        assert isinstance(e.value, KeyError)
         with pytest.raises(ValueError, match="'min' or 'max'"):
             mgr.best_step("loss", mode="lowest")
     # A new manager (a resumed job) reads the same answers from the manifests.
@@ -200,3 +202,24 @@ def test_every_process_gets_the_same_answers_and_deletes_together(tmp_path):
         assert got["after_delete"] == [1, 3], info  # process 0 deleted before either returned
         assert got["absent"][0] == "CheckpointNotFoundError" and "step 7 is not a committed step" in got["absent"][1], info
     assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) == ["1", "3"]
+
+
+def test_best_step_follows_the_mode_of_the_managers_keep_best_and_an_explicit_mode_wins(tmp_path):
+    """Issue 25 item 4: a manager keeping KeepBest("acc", mode="max") ranks acc by max."""
+    d = str(tmp_path / "run")
+    keep = ckpt.KeepLatest(5) | ckpt.KeepBest("acc", mode="max")
+    with ckpt.CheckpointManager(d, keep=keep, async_save=False) as mgr:
+        assert mgr.best_step("acc") is None  # nothing committed yet: no number for it, no error
+        for step, acc in ((1, 0.5), (2, 0.9), (3, 0.7)):
+            mgr.save(step, _tree(step), metrics={"acc": acc, "loss": 1 - acc})
+        assert mgr.best_step("acc") == 2
+        assert mgr.best_step("acc", mode="min") == 1
+        assert mgr.best_step("loss") == 2  # no KeepBest for loss: "min"
+        with pytest.raises(ckpt.UnknownMetricError, match=r"'accuracy'.*\['acc', 'loss'\]"):
+            mgr.best_step("accuracy")
+
+
+def test_best_step_is_none_while_no_committed_step_has_a_number_for_a_metric_that_was_passed(tmp_path):
+    d = str(tmp_path / "run")
+    with _run(d, {1: float("nan"), 2: None}) as mgr:
+        assert mgr.best_step("loss") is None

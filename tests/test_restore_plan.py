@@ -324,8 +324,8 @@ def test_str_lists_leaves_and_totals():
     lines = text.splitlines()
     assert lines[0] == "RestorePlan for /ckpt/100 (process 1)"
     rows = {line.split()[0]: line.split() for line in lines[1:] if not set(line) <= {"-", " "}}
-    assert rows["small"] == ["small", "8x8", "float32", "3", "5", "196", "B", "880", "B", "4.490"]
-    assert rows["params/w"] == ["params/w", "4096x4096", "float32", "1", "8", "64.0", "MiB", "64.0", "MiB", "1.000"]
+    assert rows["['small']"] == ["['small']", "8x8", "float32", "3", "5", "196", "B", "880", "B", "4.490"]  # by key string
+    assert rows["['params']['w']"] == ["['params']['w']", "4096x4096", "float32", "1", "8", "64.0", "MiB", "64.0", "MiB", "1.000"]
     # The 0-d root leaf: 4 B needed, 4 + 4 + 16 + 4 = 28 B read.
     assert rows["<root>"] == ["<root>", "()", "float32", "1", "1", "4", "B", "28", "B", "7.000"]
     # Totals: 13 + 1 reads; 196 + 64 MiB + 4 needed.

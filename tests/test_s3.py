@@ -461,3 +461,38 @@ def test_restore_safetensors_from_an_object_store_reads_its_ranges_and_checks_th
     store.put(bucket, "cut/model.safetensors", blob[:-3])
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"cut/model\.safetensors.*ends before the end of tensor"):
         ckpt.restore_safetensors(f"{store.scheme}://{bucket}/cut", target)
+
+
+def test_a_16_mib_column_sharded_tensor_comes_from_s3_in_at_most_16_gets(s3, tmp_path, monkeypatch):
+    """Issue 28 item 3: the column blocks of every row are side by side in the file, so
+    the eight devices' boxes are read together, not one GET per row and device (32,654
+    GETs and 346 s before). GETs are counted as the kvstore's ranged reads (one each)."""
+    from safetensors.numpy import save_file
+
+    from checkpointer._storage import _kvstore
+
+    bucket = s3.new_bucket()
+    w = np.random.default_rng(6).standard_normal((4096, 1024)).astype(np.float32)  # 16 MiB
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    s3.put(bucket, "hf/model.safetensors", (tmp_path / "model.safetensors").read_bytes())
+    gets: list[int] = []
+    real = _kvstore.KvStorage.read_range
+
+    def counted(self, path, offset, n):
+        gets.append(n)
+        if len(gets) > 64:  # a GET per row would take minutes: fail now
+            raise AssertionError("more than 64 GETs")
+        return real(self, path, offset, n)
+
+    monkeypatch.setattr(_kvstore.KvStorage, "read_range", counted)
+    mesh = make_mesh((1, 8), ("data", "model"))
+    stats = ckpt.RestoreStats()
+    from checkpointer._restore import RestoreOptions
+    from checkpointer._restore._safetensors import read_safetensors
+
+    out = read_safetensors(*storage_for(f"s3://{bucket}/hf/model.safetensors"), {"w": NamedSharding(mesh, P(None, "model"))},
+                           RestoreOptions(), stats=stats)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(np.asarray(out["w"]), w)
+    assert len(gets) <= 16, gets
+    assert stats.bytes_read <= 1.1 * w.nbytes

@@ -280,7 +280,7 @@ def test_chunk_shape_for():
 )
 def test_shard_off_the_chunk_grid_raises_naming_the_leaf(box):
     shards = [ShardInfo(Box((0, 0), (4, 6)), 0, 0, 0), ShardInfo(box, 1, 0, 0)]
-    with pytest.raises(UnsupportedValueError, match=re.escape("'params/mlp/~/linear_0/w'")):
+    with pytest.raises(UnsupportedValueError, match=re.escape("['params']['mlp']['~']['linear_0']['w']")):
         plan_leaf_write("params/mlp/~/linear_0/w", (8, 6), 4, (4, 6), shards, 0)
 
 

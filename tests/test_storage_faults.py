@@ -137,7 +137,7 @@ def _inject(monkeypatch, where, code):
 FAULTS = [
     ("makedirs", errno.EACCES, "Permission denied"),
     ("create_array", errno.EACCES, "cannot create the zarr array.*Permission denied"),
-    ("chunk_write", errno.ENOSPC, "leaf '(w|b)'.*writing a chunk failed.*No space left"),
+    ("chunk_write", errno.ENOSPC, r"leaf \['(w|b)'\].*writing a chunk failed.*No space left"),
     ("process_record", errno.ENOSPC, "No space left"),
     ("manifest", errno.ENOSPC, "committing .*/2 failed.*No space left"),
     ("marker", errno.EIO, "committing .*/2 failed.*Input/output error"),
@@ -291,7 +291,7 @@ def test_disk_full_for_real(small_tmpfs):
     run = f"{small_tmpfs}/run"
     ckpt.save(f"{run}/1", _tree(1.0))
     big = {"w": np.ones((3 << 20) // 4, np.float32), "v": np.ones((3 << 20) // 4, np.float32), "x": np.ones((4 << 20) // 4, np.float32)}
-    for attempt in range(2):  # twice: the first failure must have freed its space
+    for _attempt in range(2):  # twice: the first failure must have freed its space
         with pytest.raises(ckpt.SaveError, match=r"No space left on device") as e:
             ckpt.save(f"{run}/2", big)
         assert isinstance(e.value, OSError) and f"{run}/2.partial-" in str(e.value) and "(process 0)" in str(e.value)
@@ -394,11 +394,11 @@ def test_every_kind_of_chunk_damage_is_caught_and_named(run_dir, damage):
         with open(chunk, "wb") as f:
             f.write(bytes(data))
     for target in (_target(), None):
-        with pytest.raises(ckpt.CorruptCheckpointError, match=rf"leaf 'w' in {path}.*chunk {key}") as e:
+        with pytest.raises(ckpt.CorruptCheckpointError, match=rf"leaf \['w'\] in {path}.*chunk {key}") as e:
             ckpt.restore(path, target)
         assert isinstance(e.value, ValueError)
     report = ckpt.verify(path)
-    assert not report.ok and len(report.problems) == 1 and key in report.problems[0] and "leaf 'w'" in report.problems[0]
+    assert not report.ok and len(report.problems) == 1 and key in report.problems[0] and "leaf ['w']" in report.problems[0]
 
 
 def test_verify_lists_every_damaged_chunk(run_dir):
@@ -447,7 +447,7 @@ def test_damaged_zarr_json(run_dir, damage):
     # But the array is no longer readable by TensorStore alone: verify lists every chunk.
     report = ckpt.verify(path)
     assert not report.ok and len(report.problems) == 8
-    assert all("leaf 'w'" in p and "arrays/w/c/" in p for p in report.problems)
+    assert all("leaf ['w']" in p and "arrays/w/c/" in p for p in report.problems)
 
 
 def test_missing_or_damaged_process_record(run_dir):
@@ -491,6 +491,6 @@ def test_read_faults_on_restore_name_the_leaf_and_chunk(run_dir, monkeypatch, wh
 
     monkeypatch.setattr(os, "open", fake_open)
     monkeypatch.setattr(_read._ChunkFile, "read", fake_read)
-    with pytest.raises(ckpt.CorruptCheckpointError, match=rf"leaf 'w' in {path}.*c/1/2.*{os.strerror(code)}") as e:
+    with pytest.raises(ckpt.CorruptCheckpointError, match=rf"leaf \['w'\] in {path}.*c/1/2.*{os.strerror(code)}") as e:
         ckpt.restore(path, _target())
     assert isinstance(e.value.__cause__, OSError) and e.value.__cause__.errno == code

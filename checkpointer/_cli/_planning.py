@@ -119,7 +119,7 @@ def _cmd_plan_save(args, ui: _UI) -> int:
     })
     plan = plan_save(state, processes=processes)
     leaves: list[dict[str, Any]] = [{
-        "leaf": a.leaf_path, "shape": list(a.shape), "spec": _spec_json(specs[a.leaf_path]),
+        "leaf": a.leaf_path, "keystr": meta.keystr(a.leaf_path), "shape": list(a.shape), "spec": _spec_json(specs[a.leaf_path]),
         "chunk_shape": list(a.chunk_shape), "replicas": a.replicas, "split_dim": a.split_dim,
         "split_factor": a.split_factor, "writers": len({p for p, _ in a.writes}), "chunks": len(a.writes),
     } for a in plan.leaves]
@@ -135,7 +135,7 @@ def _cmd_plan_save(args, ui: _UI) -> int:
     ui.line(f"save plan of {meta.path}'s state from mesh {_mesh_str(mesh)} ({n_devices} devices) on {processes} processes")
     ui.table(
         ["leaf", "saved by", "chunk", "replicas", "split", "writers"],
-        [(r["leaf"] or "<root>", _spec_str(specs[r["leaf"]]), _shape(r["chunk_shape"]), r["replicas"],
+        [(r["keystr"] or "<root>", _spec_str(specs[r["leaf"]]), _shape(r["chunk_shape"]), r["replicas"],
           f"{r['split_factor']} along dim {r['split_dim']}" if r["split_dim"] is not None else "-", r["writers"]) for r in leaves],
         right=["replicas", "writers"],
     )

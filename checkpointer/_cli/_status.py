@@ -31,7 +31,7 @@ def _cmd_status(args, ui: _UI) -> int:
         f"{status.latest_committed_step} ({_age(status.latest_age_s)} ago)" if status.latest_age_s is not None
         else str(status.latest_committed_step))
     lag = "-" if status.commit_lag_steps is None else f"{status.commit_lag_steps} steps" + (
-        f" (step {status.last_requested_step} handed to save)" if status.commit_lag_steps else "")
+        f" (step {status.newest_step} handed to save)" if status.commit_lag_steps else "")
     f = status.last_failure
     failure = "-" if f is None else (f"step {f.step} on process {f.process_index}, {_age(time.time() - f.unix_s)} ago"
                                      f"{'' if status.failing else ' (a later step committed)'}: {f.error}")

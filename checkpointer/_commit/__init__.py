@@ -22,7 +22,7 @@ from ._directory import (
     repair,
     unpublish_step,
 )
-from ._publish import Commit, commit_round
+from ._publish import Commit, commit_round, remove_leftovers
 from ._strategies import strategy_for
 
-__all__ = ['Commit', 'DEFAULT_AGREEMENT_TIMEOUT_S', 'FINISHED_NAME', 'LOCK_NAME', 'SAVE_JOURNAL', 'SAVE_LOCK_SUFFIX', 'StepEntry', 'add_entry', 'agree', 'commit_round', 'committed_folders', 'committed_steps', 'delete_step', 'entries', 'foreign_entries', 'next_ticket', 'plan_recovery', 'proposal', 'recover', 'refuse', 'repair', 'strategy_for', 'unpublish_step']
+__all__ = ['Commit', 'DEFAULT_AGREEMENT_TIMEOUT_S', 'FINISHED_NAME', 'LOCK_NAME', 'SAVE_JOURNAL', 'SAVE_LOCK_SUFFIX', 'StepEntry', 'add_entry', 'agree', 'commit_round', 'committed_folders', 'committed_steps', 'delete_step', 'entries', 'foreign_entries', 'next_ticket', 'plan_recovery', 'proposal', 'recover', 'refuse', 'remove_leftovers', 'repair', 'strategy_for', 'unpublish_step']

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-import json
 import threading
 from collections.abc import Callable, Mapping
 
@@ -219,7 +218,7 @@ def _keystrs(trees: list[dict[str, str] | None]) -> dict[str, str]:
     out: dict[str, str] = {}
     for tree in trees:
         try:
-            names = _format.keystrs(json.loads((tree or {})["(structure)"]))
+            names = _format.keystrs(_format.loads((tree or {})["(structure)"], "a process's tree structure"))
         except (KeyError, ValueError, CorruptCheckpointError):
             continue
         for leaf, name in names.items():
@@ -232,7 +231,7 @@ def _human(desc: str | None) -> str:
     if desc is None:
         return "absent"
     try:
-        entry = json.loads(desc)
+        entry = _format.load_json(desc, what="a leaf description")
     except ValueError:
         return desc[:200]
     if isinstance(entry, dict) and entry.get("type") == "array":

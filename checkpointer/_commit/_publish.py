@@ -34,6 +34,35 @@ from ._strategies import strategy_for
 
 log = logging.getLogger("checkpointer")
 
+# Write folders of failed saves whose removal failed (EIO, a busy mount), by parent
+# directory: no save writes into them any more (a folder is only removed once every
+# process reported), so the writer retries after its next commit (`remove_leftovers`)
+# instead of leaving them until the next writer's recovery.
+_leftovers_mu = threading.Lock()
+_leftovers: dict[str, set[str]] = {}
+
+
+def remove_leftovers(storage: Storage, directory: str) -> list[str]:
+    """Retries removing the write folders of this process's failed saves into
+    `directory` whose removal failed; returns those removed now (a failure is logged,
+    and retried next time).
+
+    Multi-process: process 0 (the only one that removes them) calls it after a commit.
+    """
+    with _leftovers_mu:
+        folders = sorted(_leftovers.get(directory, ()))
+    removed = []
+    for folder in folders:
+        try:
+            storage.delete_tree(folder)
+        except OSError as e:
+            log.warning("could not remove %s (left by a failed save) again: %s", folder, e)
+            continue
+        with _leftovers_mu:
+            _leftovers.get(directory, set()).discard(folder)
+        removed.append(folder)
+    return removed
+
 # Extra time processes other than 0 allow process 0 to publish (manifest, marker, rename).
 PUBLISH_MARGIN_S = 60.0
 
@@ -221,8 +250,10 @@ class Commit:
                 return
             try:
                 self.storage.delete_tree(folder)
-            except OSError:
-                log.warning("could not remove %s after a failed commit", folder)
+            except OSError as e:
+                log.warning("could not remove %s after a failed commit (retried after the next commit): %s", folder, e)
+                with _leftovers_mu:
+                    _leftovers.setdefault(folder.rstrip("/").rsplit("/", 1)[0], set()).add(folder)
 
         if r is None or r.count == 1 or timed_out:
             remove()

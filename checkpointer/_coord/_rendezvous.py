@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
 from .._errors import CheckpointError
+from .._format import load_json
 from ._distributed import _client, process_count, process_index
 
 log = logging.getLogger("checkpointer")
@@ -277,7 +278,7 @@ class Round:
         got: dict[int, dict] = {}
         for key, value in entries:
             try:
-                i, proposal = int(key.rsplit("/", 1)[1]), json.loads(value)
+                i, proposal = int(key.rsplit("/", 1)[1]), load_json(value, what=f"proposal {key}")
             except (ValueError, TypeError):
                 continue
             if isinstance(proposal, dict) and 0 <= i < self.count:
@@ -297,7 +298,7 @@ class Round:
                 continue
             try:
                 ms = max(1, int((wait_until - time.monotonic()) * 1000))
-                descriptions[i] = json.loads(self._client.blocking_key_value_get(self._key("detail", i), ms))
+                descriptions[i] = load_json(self._client.blocking_key_value_get(self._key("detail", i), ms), what="a description")
             except Exception:
                 descriptions[i] = None
         message = details.message(descriptions)
@@ -356,7 +357,7 @@ class Round:
             if i == self.index or self._key("ack", i) in entries:
                 continue
             try:
-                if "refused" in json.loads(entries.get(self._key("p", i), "")):
+                if "refused" in load_json(entries.get(self._key("p", i), ""), what="a proposal"):
                     continue
             except (ValueError, TypeError):
                 pass
@@ -383,7 +384,7 @@ class Round:
         verdict = self._wait_verdict()
         kind, _, body = verdict.partition(":")
         if kind == "details":
-            if self.index in json.loads(body):
+            if self.index in load_json(body, what="the verdict", error=self.error):
                 self._client.key_value_set(self._key("detail", self.index), json.dumps(self._own_detail()))
             wait_s = self.timeout_s + 5
             try:

@@ -34,7 +34,7 @@ import numpy as np
 
 from .._errors import CheckpointError
 from .._format import PROCESSES, ArrayMetadata, Box, ChunkRecord, ProcessRecord, read_process_record
-from .._storage import Storage
+from .._storage import DEFAULT_MAX_OVER_READ_RATIO, Storage
 from ._leaf_plan import LeafRestorePlan
 from ._read import RestoreStats
 from ._write import LeafWrite, WriteContext, WriteResult
@@ -65,6 +65,8 @@ class ReadContext:
       piece_crcs: filled by the reads: `(file key, offset)` → crc32c of each piece of a
         shared chunk (`LeafRestorePlan.shared`) this process read, for the check after
         the exchange.
+      max_over_read_ratio, read_chunk_bytes: how nearby byte ranges of one file are
+        fetched together (`restore`'s options of these names, `_storage.coalesce_ranges`).
     """
 
     budget: Budget
@@ -75,6 +77,8 @@ class ReadContext:
     chunk_pool: concurrent.futures.Executor | None = None
     x64: bool = False
     piece_crcs: dict[tuple[str, int], int] = dataclasses.field(default_factory=dict)
+    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO
+    read_chunk_bytes: int | None = None
 
 
 @dataclasses.dataclass

@@ -104,7 +104,7 @@ def _pieces(plan: RestorePlan) -> Iterator[tuple[str, SharedChunk, int, int, int
     for lp in plan.leaves:
         for chunk in lp.shared:
             for offset, nbytes, reader in chunk.pieces:
-                yield lp.leaf_path, chunk, offset, nbytes, reader
+                yield lp.name, chunk, offset, nbytes, reader
 
 
 def piece_values(plan: RestorePlan, piece_crcs: Mapping[tuple[str, int], int]) -> np.ndarray:
@@ -139,7 +139,7 @@ def check_pieces(plan: RestorePlan, values: np.ndarray, path: str) -> None:
         readers = sorted({r for _, _, r in c.pieces})
         more = f"; {len(bad) - 1} more shared chunks fail too" if len(bad) > 1 else ""
         raise CorruptCheckpointError(
-            f"{where(leaf=leaf, path=path, process=_errors.this_process())}: packed bytes {c.offset}..{c.offset + c.nbytes} of "
+            f"{where(keystr=leaf, path=path, process=_errors.this_process())}: packed bytes {c.offset}..{c.offset + c.nbytes} of "
             f"{c.key}, read in pieces by processes {readers}: crc32c mismatch (stored {c.crc32c:#010x}, the pieces give "
             f"{computed:#010x}): the data is damaged{more}. Run `checkpointer verify {path}` for a full report."
         )

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from .. import _format
+from .._errors import leaf_name
 from .._format import ArrayMetadata, Box, cell_box, grid_cells, row_slabs
 
 
@@ -232,7 +233,8 @@ class LeafRestorePlan:
     """The reads of one array leaf.
 
     Attributes:
-      leaf_path: the leaf path.
+      leaf_path: the leaf path (escaped storage name; `name` is what people read).
+      keystr: the leaf's key string as saved (`ArrayMetadata.keystr`; None in old manifests).
       shape: the global shape (of the stored array; PRNG key data included).
       dtype: the stored dtype.
       boxes: what this process reads from storage: one entry per unique target box
@@ -256,6 +258,13 @@ class LeafRestorePlan:
     target_boxes: tuple[Box, ...] = ()
     received: tuple[PeerPiece, ...] = ()
     shared: tuple[SharedChunk, ...] = ()
+    keystr: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The leaf's name for people: its key string as `jax.tree_util.keystr` writes it
+        for the saved tree (`_errors.leaf_name`; `<root>` for a root leaf)."""
+        return leaf_name(self.leaf_path, self.keystr)
 
     @property
     def bytes_needed(self) -> int:
@@ -340,6 +349,13 @@ class RestorePlan:
             out[None] = out.get(None, 0) + packed
         return out
 
+    def __repr__(self) -> str:
+        """A summary naming the leaves by key string (the whole plan lists every chunk read)."""
+        names = [leaf.name for leaf in self.leaves]
+        shown = ", ".join(names[:5]) + (f", ... ({len(names) - 5} more)" if len(names) > 5 else "")
+        return (f"<RestorePlan for {self.path} (process {self.process_index}): {len(self.leaves)} leaves ({shown}), "
+                f"{len(self.reads)} chunk reads, {self.bytes_read} bytes read>")
+
     def __str__(self) -> str:
         # The "received" column (bytes from peers) only for a cooperative plan.
         coop = self.cooperative
@@ -348,7 +364,7 @@ class RestorePlan:
             chunks = sum(len(b.reads) + len(b.packed) for b in leaf.boxes)
             amp = leaf.bytes_read / leaf.bytes_needed if leaf.bytes_needed else 1.0
             received = (_format.format_bytes(leaf.bytes_received),) if coop else ()
-            rows.append((leaf.leaf_path or "<root>", "x".join(map(str, leaf.shape)) or "()", str(leaf.dtype), str(len(leaf.boxes)),
+            rows.append((leaf.name, "x".join(map(str, leaf.shape)) or "()", str(leaf.dtype), str(len(leaf.boxes)),
                          str(chunks), _format.format_bytes(leaf.bytes_needed), _format.format_bytes(leaf.bytes_read))
                         + received + (f"{amp:.3f}",))
         received = (_format.format_bytes(self.bytes_received),) if coop else ()
@@ -448,7 +464,7 @@ def plan_array_leaf(
         ids = tuple(sorted(by_box[box]))
         slabs = _slabs(meta, box, ids, slab_bytes) if slab_bytes is not None else ()
         boxes.append(BoxRead(box, ids, _plan_box(meta, box), box.size * itemsize, slabs))
-    return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes))
+    return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes), keystr=meta.keystr)
 
 
 def by_box(device_boxes: Mapping[int, Box] | Iterable[tuple[int, Box]]) -> dict[Box, list[int]]:

@@ -14,7 +14,7 @@ decides the same, and the manifest entry says `"packed": true`.
 Layout, per process i that writes at least one packed chunk:
 
   packed/process-<i>/zarr.json   a zarr v3 array: uint8, shape [n], one chunk of [n],
-                                 codecs bytes + crc32c; attributes.checkpointer.boxes
+                                 codecs bytes + crc32c; attributes.checkpointer.packed_index
                                  is the index below (with each leaf's dtype)
   packed/process-<i>/c/0         the n bytes: each packed chunk's C-order, little-endian
                                  bytes, back to back in plan order, then 4 bytes crc32c
@@ -235,8 +235,9 @@ def gone_leaves(boxes: Sequence[tuple[int, int, str]], size: int | None) -> list
 
 
 def name_leaves(leaves: Sequence[str], shown: int = 3) -> str:
-    """`'a'`, `'a' and 'b'`, `'a', 'b', 'c' and 4 more leaves`, for messages."""
-    names = [repr(leaf) for leaf in leaves[:shown]]
+    """`['a']`, `['a'] and ['b']`, `['a'], ['b'], ['c'] and 4 more leaves`, for messages
+    (`leaves`: names as `_errors.leaf_name` gives them)."""
+    names = list(leaves[:shown])
     rest = len(leaves) - len(names)
     if rest:
         return f"{', '.join(names)} and {rest} more leaves"
@@ -276,7 +277,7 @@ def read_runs(
                 leaves = list(dict.fromkeys(leaves))
                 others = f" (and {len(leaves) - 1} other leaves packed next to it)" if len(leaves) > 1 else ""
                 raise CorruptCheckpointError(
-                    f"{where(leaf=leaves[0], path=path, process=process)}: pack file {run.key}, bytes {run.offset}..{run.offset + run.nbytes}{others}, "
+                    f"{where(keystr=leaves[0], path=path, process=process)}: pack file {run.key}, bytes {run.offset}..{run.offset + run.nbytes}{others}, "
                     f"cannot be read: {e}. Run `checkpointer verify {path}`."
                 ) from e
             # Counted as planned: the packed chunks' bytes (`LeafRestorePlan.bytes_read`),
@@ -300,7 +301,7 @@ def read_runs(
         leaves = list(dict.fromkeys(leaf for leaf, _ in damaged))
         first = damaged[0][1]
         raise CorruptCheckpointError(
-            f"{where(leaf=leaves[0], path=path, process=process)}: packed {first}: the data is damaged"
+            f"{where(keystr=leaves[0], path=path, process=process)}: packed {first}: the data is damaged"
             + (f"; so are the packed bytes of {name_leaves(leaves[1:])}" if len(leaves) > 1 else "")
             + f". Run `checkpointer verify {path}` for a full report; restore the other leaves with partial=True."
         )

@@ -15,6 +15,7 @@ from typing import Any
 import crc32c
 
 from .. import _format
+from .._errors import leaf_name
 from .._format import ZARR_JSON, ArrayMetadata, PackedBox, PackRecord
 from .._storage import Storage, ts_context
 from . import _pack
@@ -28,14 +29,14 @@ _FIELDS = ("shape", "offset", "data_bytes", "data_crc32c", "dtype")
 _Index = Mapping[tuple[str, tuple[int, ...]], tuple[object, ...]]
 
 
-def _compare(key: str, copy: str, truth: _Index, got: _Index, problems: list[str]) -> None:
+def _compare(key: str, copy: str, truth: _Index, got: _Index, problems: list[str], names: Mapping[str, str]) -> None:
     lines = []
     for entry in sorted(truth.keys() | got.keys(), key=lambda e: (e[0], tuple(map(str, e[1])))):
         want, have = truth.get(entry), got.get(entry)
         if want == have:
             continue
         leaf, origin = entry
-        at = f"the entry of leaf {leaf!r}, box at {list(origin)}"
+        at = f"the entry of leaf {names.get(leaf) or leaf_name(leaf)}, box at {list(origin)}"
         if have is None:
             lines.append(f"pack {key}: {copy} lacks {at}, which the manifest's 'packed' index (the truth) has")
         elif want is None:
@@ -49,7 +50,7 @@ def _compare(key: str, copy: str, truth: _Index, got: _Index, problems: list[str
 
 
 def _check_record(key: str, expected: int, truth: _Index, dtypes: Mapping[str, str], found: tuple[str, PackRecord] | None,
-                  problems: list[str]) -> None:
+                  problems: list[str], names: Mapping[str, str]) -> None:
     if found is None:
         problems.append(f"pack {key}: no process record (processes/<i>.json) holds its index; the writer's copy is lost")
         return
@@ -58,10 +59,11 @@ def _check_record(key: str, expected: int, truth: _Index, dtypes: Mapping[str, s
     if pack.file_bytes != expected:
         problems.append(f"pack {key}: {copy} says it has {pack.file_bytes} bytes, the manifest's 'packed' index {expected}")
     got = {(b.leaf, b.box.origin): (b.box.shape, b.offset, b.data_bytes, b.data_crc32c, dtypes.get(b.leaf)) for b in pack.boxes}
-    _compare(key, copy, truth, got, problems)
+    _compare(key, copy, truth, got, problems, names)
 
 
-def _check_attributes(storage: Storage, path: str, key: str, expected: int, truth: _Index, problems: list[str]) -> None:
+def _check_attributes(storage: Storage, path: str, key: str, expected: int, truth: _Index, problems: list[str],
+                      names: Mapping[str, str]) -> None:
     array = key.rsplit("/c/", 1)[0]
     copy = f"{array}/{ZARR_JSON} (attributes checkpointer.packed_index)"
     try:
@@ -78,7 +80,7 @@ def _check_attributes(storage: Storage, path: str, key: str, expected: int, trut
     if shape != [expected - _pack.CRC_BYTES]:
         problems.append(f"pack {key}: {copy} gives the shape {shape!r}, the manifest's 'packed' index {[expected - _pack.CRC_BYTES]} "
                         f"({expected} bytes with the crc32c)")
-    _compare(key, copy, truth, got, problems)
+    _compare(key, copy, truth, got, problems, names)
 
 
 def verify_packs(storage: Storage, path: str, metas: Sequence[ArrayMetadata], ctx: VerifyContext) -> None:
@@ -93,6 +95,7 @@ def verify_packs(storage: Storage, path: str, metas: Sequence[ArrayMetadata], ct
         for b in m.pack_boxes:
             by_key.setdefault(b.key, []).append((m.path, b))
     dtypes = {m.path: _format.dtype_name(m.dtype) for m in metas}
+    names = {m.path: leaf_name(m.path, m.keystr) for m in metas}
     record_packs = {r.packed.key: (name, r.packed) for name, r in sorted(ctx.records.items()) if r.packed is not None}
     problems = ctx.problems
     for key in sorted(record_packs.keys() - by_key.keys()):
@@ -101,8 +104,8 @@ def verify_packs(storage: Storage, path: str, metas: Sequence[ArrayMetadata], ct
     for key, boxes in sorted(by_key.items()):
         expected = boxes[0][1].file_bytes
         truth: _Index = {(leaf, b.box.origin): (b.box.shape, b.offset, b.nbytes, b.crc32c, dtypes[leaf]) for leaf, b in boxes}
-        _check_record(key, expected, truth, dtypes, record_packs.get(key), problems)
-        _check_attributes(storage, path, key, expected, truth, problems)
+        _check_record(key, expected, truth, dtypes, record_packs.get(key), problems, names)
+        _check_attributes(storage, path, key, expected, truth, problems, names)
         try:
             size = storage.size(f"{path}/{key}")
         except OSError:
@@ -110,7 +113,7 @@ def verify_packs(storage: Storage, path: str, metas: Sequence[ArrayMetadata], ct
         if size is not None and size != expected:
             ranges = sorted((b.offset, b.nbytes, leaf) for leaf, b in boxes)
             gone = _pack.gone_leaves(ranges, size)
-            lost = f": the packed bytes of {_pack.name_leaves(gone)} lie past its end" if gone else ""
+            lost = f": the packed bytes of {_pack.name_leaves([names[g] for g in gone])} lie past its end" if gone else ""
             problems.append(f"pack {key} has {size} bytes, the manifest's 'packed' index says {expected}{lost}")
         raw: memoryview
         n_bytes = 0
@@ -131,12 +134,12 @@ def verify_packs(storage: Storage, path: str, metas: Sequence[ArrayMetadata], ct
                 raw = memoryview(storage.read_file(f"{path}/{key}"))
             except OSError as read_error:  # nothing of the pack is checkable: every leaf in it is lost
                 for leaf in dict.fromkeys(leaf for leaf, _ in boxes):
-                    problems.append(f"leaf {leaf!r}: its packed chunks in {key} cannot be read ({read_error.strerror or read_error})")
+                    problems.append(f"leaf {names.get(leaf) or leaf_name(leaf)}: its packed chunks in {key} cannot be read ({read_error.strerror or read_error})")
                 ctx.done(len(boxes))
                 continue
         for leaf, b in boxes:
             if b.offset + b.nbytes > len(raw) or crc32c.crc32c(raw[b.offset : b.offset + b.nbytes]) != b.crc32c:
-                problems.append(f"leaf {leaf!r}: packed chunk at {b.box.origin} (bytes {b.offset}..{b.offset + b.nbytes} "
+                problems.append(f"leaf {names.get(leaf) or leaf_name(leaf)}: packed chunk at {b.box.origin} (bytes {b.offset}..{b.offset + b.nbytes} "
                                 f"of {key}) does not match its crc32c in the manifest")
             else:
                 n_bytes += b.nbytes

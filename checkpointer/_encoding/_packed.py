@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from .. import _errors, _memory
-from .._errors import CorruptCheckpointError, SaveError, where
+from .._errors import CorruptCheckpointError, SaveError, leaf_name, where
 from .._format import ZARR_JSON, ArrayMetadata, Box, PackedBox, ProcessRecord, cell_box, grid_cells
 from .._storage import Storage, acquire
 from . import _pack, _pack_verify
@@ -43,7 +43,7 @@ def _chunks_of(meta: ArrayMetadata, box: Box, chunks: Mapping[tuple[int, ...], P
         pb = chunks.get(chunk_box.origin)
         if pb is None or pb.box != chunk_box:
             raise CorruptCheckpointError(
-                f"{where(leaf=meta.path, process=_errors.this_process())}: the chunk at {chunk_box.origin} of a packed leaf "
+                f"{where(leaf=meta.path, keystr=meta.keystr, process=_errors.this_process())}: the chunk at {chunk_box.origin} of a packed leaf "
                 "is in no pack (the manifest's 'packed' index lacks it). Run `checkpointer verify` on the checkpoint."
             )
         yield pb, region
@@ -135,7 +135,7 @@ def place(meta: ArrayMetadata, sharding: jax.sharding.Sharding, hosts: dict[Box,
 def _restore_batch(storage: Storage, path: str, batch: Sequence[Item], cost: int, ctx: ReadContext, out: dict[str, object]) -> None:
     ctx.budget.acquire(cost)
     try:
-        runs = coalesce_packed((lp.leaf_path, p) for _, _, lp in batch for b in lp.boxes for p in b.packed)
+        runs = coalesce_packed((lp.name, p) for _, _, lp in batch for b in lp.boxes for p in b.packed)  # named for messages
         data = _pack.read_runs(storage, path, runs, ctx.stats, ctx.piece_crcs)
         for meta, lt, lp in batch:
             hosts: dict[Box, np.ndarray] = {}
@@ -197,7 +197,7 @@ class PackedEncoding(LeafEncoding):
                                         Box((0,) * len(region.shape), region.shape), dest))
             boxes.append(BoxRead(box, devices, (), box.size * itemsize, packed=tuple(reads)))
         shared = tuple(split[o] for o in sorted(split))
-        return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes), shared=shared)
+        return LeafRestorePlan(meta.path, meta.shape, meta.dtype, tuple(boxes), shared=shared, keystr=meta.keystr)
 
     def plan_share(
         self, meta: ArrayMetadata, mine: Sequence[tuple[int, Box]], holders: Mapping[Box, frozenset[int]],
@@ -228,7 +228,7 @@ class PackedEncoding(LeafEncoding):
         needed: dict[str, tuple[int, list[tuple[int, int, str]]]] = {}
         for meta, boxes in leaves:
             for pb in self._needed(meta, boxes):
-                needed.setdefault(pb.key, (pb.file_bytes, []))[1].append((pb.offset, pb.nbytes, meta.path))
+                needed.setdefault(pb.key, (pb.file_bytes, []))[1].append((pb.offset, pb.nbytes, leaf_name(meta.path, meta.keystr)))
         process = _errors.this_process()
         for key, (expected, ranges) in needed.items():
             try:
@@ -252,7 +252,7 @@ class PackedEncoding(LeafEncoding):
                 lost = "every byte"
             others = f" (and of {_pack.name_leaves(gone[1:])})" if len(gone) > 1 else ""
             raise CorruptCheckpointError(
-                f"{where(leaf=gone[0], path=path, process=process)}: pack file {key} {found}: the leaf's packed bytes{others} "
+                f"{where(keystr=gone[0], path=path, process=process)}: pack file {key} {found}: the leaf's packed bytes{others} "
                 f"are gone ({lost} of the pack). Run `checkpointer verify {path}` for a full report; restore the other "
                 "leaves with partial=True."
             )
@@ -288,7 +288,7 @@ class PackedEncoding(LeafEncoding):
 
         def read(box: Box) -> np.ndarray:
             b = self.plan(meta, {box: [-1]}).boxes[0]
-            runs = coalesce_packed((meta.path, p) for p in b.packed)
+            runs = coalesce_packed((leaf_name(meta.path, meta.keystr), p) for p in b.packed)
             return _pack.assemble_box(meta, b, _pack.read_runs(storage, path, runs, stats))
 
         return read
@@ -303,6 +303,7 @@ class PackedEncoding(LeafEncoding):
         pack = _pack.PackWriter(ctx.process_index)
         for lw in leaves:
             for _, box, host in lw.chunks:
+                assert isinstance(host, np.ndarray)  # packed leaves are never shard files (`ShardImage`)
                 pack.add(lw.meta, box, host)
         if not pack:
             return lambda: WriteResult()

@@ -33,7 +33,7 @@ from .. import _errors, _format
 from .._errors import CorruptCheckpointError, where
 from .._format import ArrayMetadata, Box, ShardFileLayout, is_whole_byte_dtype
 from .._memory import host_buffer
-from .._storage import Storage, ts_context
+from .._storage import DEFAULT_MAX_OVER_READ_RATIO, Storage, coalesce_ranges, ts_context
 from ._leaf_plan import BoxRead, ChunkRead, RestorePlan, plan_array_leaf
 
 if TYPE_CHECKING:
@@ -128,6 +128,10 @@ class _ChunkFile:
     def run_bytes(self) -> int:
         return self._reader.run_bytes
 
+    @property
+    def request_cost_bytes(self) -> int:
+        return self._reader.request_cost_bytes
+
     def read(self, offset: int, n: int) -> memoryview:
         """`n` bytes from `offset`: a view of a per-thread scratch buffer that is valid
         until this thread's next read."""
@@ -159,7 +163,7 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
     if not storage.cheap_size:
         return
     expected = meta.layout.file_bytes
-    here = where(leaf=meta.path, path=path, process=_errors.this_process())
+    here = where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())
     seen: set[str] = set()
     for item in keys:  # may be a generator: stops at the first bad file, holding only what it checked
         key, source = (item, None) if isinstance(item, str) else item
@@ -201,16 +205,22 @@ def _check_crc(blob: memoryview, what: str, path: str) -> memoryview:
 
 
 def read_chunk_into(
-    storage: Storage, path: str, meta: ArrayMetadata, read: ChunkRead, out: np.ndarray, stats: RestoreStats
+    storage: Storage, path: str, meta: ArrayMetadata, read: ChunkRead, out: np.ndarray, stats: RestoreStats,
+    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO, read_chunk_bytes: int | None = None,
 ) -> None:
     """Executes one planned chunk read into `out` (the buffer of the read's box).
+
+    The inner chunks needed are fetched in file order, nearby ones by one request
+    (`coalesce_ranges`: a gap of inner chunks not needed is read and thrown away when it
+    costs less than another request, within `max_over_read_ratio` of the bytes needed;
+    a request spans at most `read_chunk_bytes`, default the reader's `run_bytes`).
 
     Raises:
       CorruptCheckpointError: the file is missing, of another size than planned, an
         index entry is missing or out of range, or a checksum fails; the message names
         the leaf and the chunk key.
     """
-    what = f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: chunk {read.chunk_key}"
+    what = f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())}: chunk {read.chunk_key}"
     if read.source is not None:
         what += f" (referenced in {_format.source_path(path, read.source)})"
     try:
@@ -240,23 +250,33 @@ def read_chunk_into(
         # Coalesce inner chunks that are adjacent in the file into one read; a run is
         # either read straight into `out` (every inner chunk a contiguous part of it) or
         # through the scratch buffer.
+        # Inner chunks apart in the file (a gap of others) are one request when
+        # `coalesce_ranges` says so; such a request goes through the scratch buffer.
         runs: list[list[tuple[int, int, tuple, memoryview | None]]] = []
-        run_bytes = min(_MAX_RUN_BYTES, f.run_bytes)
+        run_bytes = read_chunk_bytes or min(_MAX_RUN_BYTES, f.run_bytes)
         per_run = max(1, run_bytes // step)
         per_direct_run = max(1, min(run_bytes // step, _DIRECT_RUN_INNER_CHUNKS))
-        for item in wanted:
-            if (runs and runs[-1][-1][0] + step == item[0] and (runs[-1][-1][3] is None) == (item[3] is None)
-                    and len(runs[-1]) < (per_run if item[3] is None else per_direct_run)):
-                runs[-1].append(item)
-            else:
-                runs.append([item])
+        starts = np.fromiter((w[0] for w in wanted), np.int64, len(wanted))
+        firsts = coalesce_ranges(starts, starts + step, request_cost_bytes=f.request_cost_bytes,
+                                 max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=run_bytes).tolist()
+        for a, b in zip(firsts, firsts[1:] + [len(wanted)]):
+            group = wanted[a:b]
+            if group[-1][0] - group[0][0] != (len(group) - 1) * step:  # gaps: one read through scratch
+                runs.append([(o, i, sp, None) for o, i, sp, _ in group])
+                continue
+            for item in group:
+                if (runs and runs[-1][-1][0] + step == item[0] and (runs[-1][-1][3] is None) == (item[3] is None)
+                        and len(runs[-1]) < (per_run if item[3] is None else per_direct_run) and item is not group[0]):
+                    runs[-1].append(item)
+                else:
+                    runs.append([item])
         dtype = meta.dtype.newbyteorder("<") if meta.dtype.itemsize > 1 and meta.dtype.kind in "iufc" else meta.dtype
         for run in runs:
             start = run[0][0]
             if run[0][3] is not None:
                 _read_run_direct(f, start, run, what, path)
                 continue
-            blob = f.read(start, len(run) * step)
+            blob = f.read(start, run[-1][0] + step - start)
             for offset, inner_id, spans, _ in run:
                 rel = offset - start
                 data = _check_crc(blob[rel : rel + step], f"{what} inner chunk {inner_id}", path)
@@ -338,14 +358,14 @@ def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[
     try:
         store = open_zarr_array(storage, path, meta).result()
     except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
-        raise CorruptCheckpointError(f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: cannot open the zarr array: {e}") from e
+        raise CorruptCheckpointError(f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())}: cannot open the zarr array: {e}") from e
 
     def read(box: Box) -> np.ndarray:
         try:
             return store[box.slices()].read().result()
         except ValueError as e:  # TensorStore reports missing, truncated and damaged data as ValueError
             raise CorruptCheckpointError(
-                f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: reading box {box} failed: {e}. "
+                f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())}: reading box {box} failed: {e}. "
                 f"Run `checkpointer verify {path}` for a full report."
             ) from e
 
@@ -354,15 +374,18 @@ def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[
 
 def read_box(
     storage: Storage, path: str, meta: ArrayMetadata, box_read: BoxRead, pool, stats: RestoreStats, out: np.ndarray | None = None,
+    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO, read_chunk_bytes: int | None = None,
 ) -> np.ndarray:
     """Assembles one target box (or slab) from its chunk reads (concurrently when `pool` is given),
-    into `out` (C-contiguous, of the box's shape and the stored dtype) or a new host buffer."""
+    into `out` (C-contiguous, of the box's shape and the stored dtype) or a new host buffer;
+    requests as `read_chunk_into` makes them."""
     if out is None:
         out = host_buffer(box_read.box.shape, meta.dtype)
+    how = (max_over_read_ratio, read_chunk_bytes)
     if pool is None or len(box_read.reads) <= 1:
         for r in box_read.reads:
-            read_chunk_into(storage, path, meta, r, out, stats)
+            read_chunk_into(storage, path, meta, r, out, stats, *how)
     else:
-        for fut in [pool.submit(read_chunk_into, storage, path, meta, r, out, stats) for r in box_read.reads]:
+        for fut in [pool.submit(read_chunk_into, storage, path, meta, r, out, stats, *how) for r in box_read.reads]:
             fut.result()
     return out

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .._errors import CorruptCheckpointError
+from .._errors import CorruptCheckpointError, leaf_name
 from .._format import ArrayMetadata, Box, ProcessRecord
 from .._storage import Storage
 from ._base import Item, LeafEncoding, ReadContext
@@ -32,7 +32,7 @@ def encoding_of(meta: ArrayMetadata) -> LeafEncoding:
     for encoding in ENCODINGS:
         if encoding.stores(meta):
             return encoding
-    raise CorruptCheckpointError(f"leaf {meta.path!r}: no stored-leaf encoding of this release reads it; upgrade checkpointer")
+    raise CorruptCheckpointError(f"leaf {leaf_name(meta.path, meta.keystr)}: no stored-leaf encoding of this release reads it; upgrade checkpointer")
 
 
 def by_encoding(metas: Iterable[ArrayMetadata]) -> list[tuple[LeafEncoding, list[ArrayMetadata]]]:
@@ -131,8 +131,9 @@ def start_write(storage: Storage, root: str, leaves: Sequence[LeafWrite], ctx: W
                 continue
             out.chunks.extend(r.chunks)
             out.packed = r.packed or out.packed
-        if ctx.direct is not None:
-            ctx.direct.close(sync=first is None)
+        for writer in (ctx.direct, ctx.files):
+            if writer is not None:
+                writer.close(sync=first is None)
         if first is not None:
             raise first
         return out

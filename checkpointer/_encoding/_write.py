@@ -19,18 +19,21 @@ A zarr shard file as TensorStore writes a whole chunk (`_format.ShardFileLayout`
 inner chunks in C order, each its C-order little-endian bytes and their crc32c (an inner
 chunk of an edge chunk that the array's shape cuts is padded with zeros, the fill value;
 one entirely outside the shape is not stored and its index entry is all ones), then the
-index (offset, nbytes: u64 LE per inner chunk in C order) and its crc32c. Each inner
-chunk is copied once from the snapshot into an aligned staging buffer and its crc32c
-computed there, once; a full buffer goes to the file with one `O_DIRECT` write. The
-record's `data_crc32c` (the chunk's C-order bytes) comes from the same pass (`_encode`).
+index (offset, nbytes: u64 LE per inner chunk in C order) and its crc32c.
+
+Where the snapshot read the shard in place (CPU backend, numpy leaves), it already laid
+the file out (`_image.ShardImage`, crc32c included): the writer submits that buffer as it
+is (`write_image`). Otherwise (the host copies of accelerators' shards, a local tier's
+variant of a snapshot taken for an object store) each inner chunk is copied once from the
+snapshot's host array into an aligned staging buffer and its crc32c computed there, once;
+a full buffer goes to the file with one `O_DIRECT` write. The record's `data_crc32c` (the
+chunk's C-order bytes) comes from the same pass (`_encode`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
-import itertools
 import os
 import struct
 import sys
@@ -55,8 +58,10 @@ from .._storage import (
     probe_direct,
     sync_folders,
     ts_context,
+    write_direct_file,
 )
 from . import _crc
+from ._image import ShardImage, row_bands, stored_inner_chunks
 
 DIRECT, BUFFERED = "direct", "buffered"
 # Bytes of one staging buffer (one direct write), at least one inner chunk more.
@@ -91,10 +96,11 @@ staging_buffers().max_free = _THREADS  # one free buffer per writer thread
 @dataclasses.dataclass
 class LeafWrite:
     """One array leaf's chunks this process writes: `(chunk index, box, host bytes of
-    the box)` each, in plan order."""
+    the box)` each, in plan order; the host bytes are an array of the box, or the
+    chunk's whole shard file (`ShardImage`: the snapshot's one copy, written as it is)."""
 
     meta: ArrayMetadata
-    chunks: Sequence[tuple[tuple[int, ...], Box, np.ndarray]]
+    chunks: Sequence[tuple[tuple[int, ...], Box, np.ndarray | ShardImage]]
 
 
 @dataclasses.dataclass
@@ -113,8 +119,9 @@ class DirectWriter:
     holds none, and `close` (which `start_write`'s function calls whatever happens)
     stops those that started."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, direct: bool = True) -> None:
         self.root = root.rstrip("/")
+        self.direct = direct  # False: writes shard images through the page cache (`write_image`)
         self.staging = staging_buffers()  # process-wide: reused by every save's writer
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -175,6 +182,9 @@ class WriteContext:
       limiter: `max_write_bytes_per_s`'s bucket, charged per chunk (None: unlimited).
       mode, mode_reason: "direct" or "buffered", and why (`choose_mode`).
       direct: the direct writer (mode "direct"), else None: TensorStore writes.
+      files: the writer of shard images in mode "buffered" on local files (their
+        bytes are the file's already: written through the page cache, not by
+        TensorStore); None elsewhere.
     """
 
     process_index: int
@@ -183,6 +193,12 @@ class WriteContext:
     mode: str = BUFFERED
     mode_reason: str = "direct_io=False"
     direct: DirectWriter | None = None
+    files: DirectWriter | None = None
+
+    @property
+    def image_writer(self) -> DirectWriter | None:
+        """The writer of shard images: the direct writer, else `files`."""
+        return self.direct if self.direct is not None else self.files
 
 
 def direct_supported(dtype: np.dtype) -> bool:
@@ -227,8 +243,9 @@ def write_context(
       SaveError, OSError: as `choose_mode`.
     """
     mode, reason = choose_mode(storage, root, direct_io, process_index)
+    files = DirectWriter(root, direct=False) if mode == BUFFERED and isinstance(storage, LocalStorage) else None
     return WriteContext(
-        process_index, writes_array_metadata, limiter, mode, reason, DirectWriter(root) if mode == DIRECT else None,
+        process_index, writes_array_metadata, limiter, mode, reason, DirectWriter(root) if mode == DIRECT else None, files,
     )
 
 
@@ -263,43 +280,52 @@ def write_shard_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk
     return chunk_record(meta, chunk_index, box, host, data_crc)
 
 
-def _row_bands(layout: ShardFileLayout, box_shape: tuple[int, ...]) -> bool:
-    """Whether the inner chunks are bands of whole rows of the box (split along the first
-    axis only, the box not cut along any other): then the box's C-order bytes are the
-    inner chunks' real rows, in order, and its crc32c combines from theirs."""
-    return all(i == c == b for i, c, b in zip(layout.inner_chunk_shape[1:], layout.chunk_shape[1:], box_shape[1:]))
+def write_image(path: str, image: ShardImage, direct: bool) -> None:
+    """Writes a chunk's shard file from its `ShardImage` as it is, durably: with
+    `O_DIRECT` (`direct`), else through the page cache (a file system that refuses
+    `O_DIRECT`); no copy, no checksum.
+
+    Raises:
+      OSError: from the file system.
+    """
+    if direct:
+        write_direct_file(path, image.buffer, image.file_bytes)
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        view = memoryview(image.buffer.data).cast("B")[: image.file_bytes]
+        while view:
+            view = view[os.pwrite(fd, view, image.file_bytes - len(view)) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-@functools.lru_cache(maxsize=256)
-def _stored_inner_chunks(layout: ShardFileLayout, box_shape: tuple[int, ...]) -> tuple[tuple[int, int, tuple, tuple | None], ...]:
-    """The inner chunks a box of `box_shape` stores, in C order: `(index in the file's
-    grid, first-axis index, the box's slices, the slices of the inner chunk they fill
-    where the box's shape cuts it, else None)`. Those entirely outside are left out.
-    Cached: a save writes many chunks of one layout and shape."""
-    inner = layout.inner_chunk_shape
-    out = []
-    for ident, cell in enumerate(itertools.product(*(range(g) for g in layout.inner_grid))):
-        lo = [c * i for c, i in zip(cell, inner)]
-        if any(lo_d >= b for lo_d, b in zip(lo, box_shape)):
-            continue  # entirely outside the array's shape: not stored
-        part = tuple(slice(lo_d, min(lo_d + i, b)) for lo_d, i, b in zip(lo, inner, box_shape))
-        cut = None if all(p.stop - p.start == i for p, i in zip(part, inner)) else tuple(slice(0, p.stop - p.start) for p in part)
-        out.append((ident, cell[0] if cell else 0, part, cut))
-    return tuple(out)
+def image_record(meta: ArrayMetadata, chunk_index: Sequence[int], box: Box, image: ShardImage) -> ChunkRecord:
+    """The record of one chunk written from its `ShardImage`."""
+    return ChunkRecord(
+        leaf=meta.path, key=_format.chunk_key(meta.path, chunk_index), box=box, file_bytes=meta.layout.file_bytes,
+        data_bytes=image.data_bytes, data_crc32c=image.data_crc32c,
+    )
+
+
+def _write_image_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk_index: tuple[int, ...], box: Box, image: ShardImage) -> ChunkRecord:
+    write_image(path, image, writer.direct)
+    return image_record(meta, chunk_index, box, image)
 
 
 def _encode(f: DirectFile, stage: np.ndarray, layout: ShardFileLayout, inner: tuple[int, ...], box: Box, host: np.ndarray) -> int:
     """Fills `stage` with the shard file's bytes, writing each full aligned part; ends
     the file. Returns the crc32c of `host`'s C-order bytes (the record's `data_crc32c`),
     computed in the same pass as the inner chunks': combined from theirs where the inner
-    chunks are row bands (`_row_bands`), else from each band of host rows right after
+    chunks are row bands (`row_bands`), else from each band of host rows right after
     its inner chunks were copied (while it is in the CPU cache)."""
     align, inner, shape = DIRECT_ALIGN, tuple(inner), tuple(box.shape)
     n, nc, cap = layout.inner_bytes, layout.inner_bytes_with_crc, stage.nbytes
     view = stage.data  # for the crc32c words
-    stored = _stored_inner_chunks(layout, shape)
+    stored = stored_inner_chunks(layout, shape)
     pos = base = 0  # next byte in `stage`; file offset of stage[0]
-    bands = _row_bands(layout, shape)
+    bands = row_bands(layout, shape)
     flat = host.reshape(-1).view(np.uint8) if host.flags.c_contiguous and not bands else None
     band_bytes = (host.nbytes // shape[0] if host.ndim else host.nbytes) * (inner[0] if inner else 1)
     data_crc, band = 0, -1  # crc32c of no bytes; the first-axis inner index of the band in progress
@@ -407,7 +433,13 @@ def start_zarr_writes(storage: Storage, root: str, leaves: Sequence[LeafWrite], 
     opened = []
     try:
         for lw in leaves:
-            direct = ctx.direct is not None and direct_supported(lw.meta.dtype)
+            images = any(isinstance(host, ShardImage) for _, _, host in lw.chunks)
+            if images and ctx.image_writer is None:
+                raise SaveError(
+                    f"{where(leaf=lw.meta.path, path=root, process=ctx.process_index)}: the snapshot holds shard files "
+                    "(local files) but the write goes elsewhere; this is a bug of checkpointer, please report it"
+                )
+            direct = images or (ctx.direct is not None and direct_supported(lw.meta.dtype))
             fut = None
             if ctx.writes_array_metadata or not direct:
                 fut = open_array(storage, root, lw.meta, create=ctx.writes_array_metadata)
@@ -420,8 +452,16 @@ def start_zarr_writes(storage: Storage, root: str, leaves: Sequence[LeafWrite], 
                 try:
                     store = fut.result()
                 except Exception as e:
-                    raise SaveError(f"{where(leaf=meta.path, path=root, process=ctx.process_index)}: cannot create the zarr array: {e}") from e
+                    raise SaveError(f"{where(leaf=meta.path, keystr=meta.keystr, path=root, process=ctx.process_index)}: cannot create the zarr array: {e}") from e
             for chunk_index, box, host in lw.chunks:
+                if isinstance(host, ShardImage):  # the snapshot laid the file out: written as it is
+                    acquire(ctx.limiter, host.data_bytes)
+                    writer = ctx.image_writer
+                    assert writer is not None
+                    path = f"{root}/{_format.chunk_key(meta.path, chunk_index)}"
+                    writer.makedirs(path.rsplit("/", 1)[0])
+                    pending.append((meta.path, writer.submit(_write_image_file, writer, path, meta, chunk_index, box, host)))
+                    continue
                 acquire(ctx.limiter, host.nbytes)  # paced per chunk write
                 if host.size == 0:
                     pending.append((meta.path, _Done(chunk_record(meta, chunk_index, box, host))))

@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import _errors, _format
-from .._errors import CorruptCheckpointError, where
+from .._errors import CorruptCheckpointError, leaf_name, where
 from .._format import ArrayMetadata, Box, ProcessRecord, cell_box, grid_cells
 from .._memory import device_destination_supported, device_destinations
 from .._storage import Storage
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 def _check_stored(store: ts.TensorStore, meta: ArrayMetadata, path: str) -> None:
     if tuple(store.shape) != meta.shape or np.dtype(store.dtype.numpy_dtype) != meta.dtype:
         raise CorruptCheckpointError(
-            f"{where(leaf=meta.path, path=path, process=_errors.this_process())}: zarr.json says {tuple(store.shape)} "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())}: zarr.json says {tuple(store.shape)} "
             f"{store.dtype.numpy_dtype}, the manifest says {meta.shape} {meta.dtype}. Run `checkpointer verify {path}`."
         )
 
@@ -54,33 +54,62 @@ def _read_host(
     if b.box.size == 0:
         return np.zeros(b.box.shape, meta.dtype)
     if store is None:
-        return _read.read_box(storage, path, meta, b, ctx.chunk_pool, ctx.stats, into)
+        return _read.read_box(storage, path, meta, b, ctx.chunk_pool, ctx.stats, into, ctx.max_over_read_ratio, ctx.read_chunk_bytes)
     try:
         return store[b.box.slices()].read().result()
     except ValueError as e:  # TensorStore reports missing, truncated and checksum-failing data as ValueError
         raise CorruptCheckpointError(
-            f"{where(leaf=meta.path, path=path, process=ctx.process_index)}: reading box {b.box} failed: {e}. "
+            f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=ctx.process_index)}: reading box {b.box} failed: {e}. "
             f"Run `checkpointer verify {path}` for a full report."
         ) from e
 
 
-def _destinations(
-    boxes: Sequence[BoxRead], store: ts.TensorStore | None, devices: Mapping[int, Any], dtype: np.dtype,
-) -> dict[int, tuple[jax.Array, np.ndarray]]:
-    """XLA-owned device buffers, each with a writable view, for the whole boxes (by index)
-    placed on a CPU device's default memory: the box is read straight into its first
-    device's buffer, which a donating step then reuses (an adopted host buffer it would
-    not). Boxes read in slabs, empty ones, TensorStore's reads and other devices and
-    memory kinds are placed from host arrays."""
-    wanted = [i for i, b in enumerate(boxes) if not b.slabs and b.box.size and device_destination_supported(devices[b.device_ids[0]])]
-    if store is not None or not wanted:
+def _leaf_devices(lt: Any) -> dict[int, jax.sharding.SingleDeviceSharding]:
+    """Where each device's piece goes: the device, in the target's memory kind (so a
+    target in pinned_host memory gets host-offloaded arrays); {} for a host target."""
+    if lt.sharding is None:
         return {}
-    made = device_destinations([(boxes[i].box.shape, dtype, devices[boxes[i].device_ids[0]]) for i in wanted])
-    return {i: m for i, m in zip(wanted, made, strict=True) if m is not None}
+    addressable: set[Any] = lt.sharding.addressable_devices  # Any: jaxlib has no stubs for Device
+    memory_kind = lt.sharding.memory_kind
+    return {d.id: jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in addressable}
 
 
-def _read_leaf(storage: Storage, path: str, meta: ArrayMetadata, lt: Any, lp: LeafRestorePlan, ctx: ReadContext) -> dict[int, object]:
-    """Reads every unique box of one leaf as planned and puts it on the devices that hold it.
+def _destinations(items: Sequence[Item]) -> list[dict[int, tuple[jax.Array, np.ndarray]]]:
+    """Per item, XLA-owned device buffers, each with a writable view, for its whole boxes
+    (by index) placed on a CPU device's default memory: the box is read straight into its
+    first device's buffer, which a donating step then reuses (an adopted host buffer it
+    would not). Boxes read in slabs, empty ones, TensorStore's reads (dtypes the byte-range
+    reader does not decode) and other devices and memory kinds are placed from host arrays.
+
+    Every item's buffers are allocated in one call, before any is filled: one compiled
+    program for all of them (not one per distinct box shape), and whole pages for huge pages.
+    """
+    wanted: list[tuple[int, int]] = []  # (item, box)
+    requests = []
+    for k, (meta, lt, lp) in enumerate(items):
+        if lt.sharding is None or not _read.fast_path_supported(meta.dtype):
+            continue
+        devices = _leaf_devices(lt)
+        dtype = lt.dtype if lt.dtype is not None else meta.dtype
+        for i, b in enumerate(lp.boxes):
+            if not b.slabs and b.box.size and device_destination_supported(devices[b.device_ids[0]]):
+                wanted.append((k, i))
+                requests.append((b.box.shape, dtype, devices[b.device_ids[0]]))
+    out: list[dict[int, tuple[jax.Array, np.ndarray]]] = [{} for _ in items]
+    made = device_destinations(requests) if requests else []
+    for (k, i), m in zip(wanted, made, strict=True):
+        if m is not None:
+            out[k][i] = m
+    return out
+
+
+def _read_leaf(
+    storage: Storage, path: str, meta: ArrayMetadata, lt: Any, lp: LeafRestorePlan, ctx: ReadContext,
+    dests: dict[int, tuple[jax.Array, np.ndarray]],
+) -> dict[int, object]:
+    """Reads every unique box of one leaf as planned and puts it on the devices that hold
+    it; a box with an entry in `dests` (its device buffer and view, `_destinations`) is
+    read into that buffer.
 
     Returns {device id: single-device jax.Array}, or {-1: numpy array} for a host target.
     Host memory in use stays within the budget: a box is read, cast, put on its
@@ -97,21 +126,13 @@ def _read_leaf(storage: Storage, path: str, meta: ArrayMetadata, lt: Any, lp: Le
             store = _read.open_zarr_array(storage, path, meta).result()
         except (ValueError, OSError) as e:  # TensorStore: zarr.json missing, unreadable or disagreeing
             raise CorruptCheckpointError(
-                f"{where(leaf=meta.path, path=path, process=ctx.process_index)}: cannot open the zarr array: {e}. "
+                f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=ctx.process_index)}: cannot open the zarr array: {e}. "
                 f"Run `checkpointer verify {path}`."
             ) from e
         _check_stored(store, meta, path)
-    # Where each device's piece goes: the device, in the target's memory kind (so a
-    # target in pinned_host memory gets host-offloaded arrays).
-    devices: dict[int, jax.sharding.Sharding] = {}
-    if lt.sharding is not None:
-        addressable: set[Any] = lt.sharding.addressable_devices  # Any: jaxlib has no stubs for Device
-        memory_kind = lt.sharding.memory_kind
-        devices = {d.id: jax.sharding.SingleDeviceSharding(d, memory_kind=memory_kind) for d in addressable}
+    devices = _leaf_devices(lt)
     dtype = lt.dtype if lt.dtype is not None else meta.dtype
     out: dict[int, object] = {}
-    # Allocated together, before any is filled, so that their pages can be huge pages.
-    dests = _destinations(lp.boxes, store, devices, dtype) if lt.sharding is not None else {}
     for i, b in enumerate(lp.boxes):
         bufs = None
         dest = dests.pop(i, None)
@@ -192,7 +213,7 @@ def _verify_reference(storage: Storage, path: str, m: ArrayMetadata, cell: tuple
     ref = m.references[cell]
     target = _format.source_path(path, ref.folder)
     crc = _format.data_crc32c(data)
-    here = f"leaf {m.path!r}: chunk {key} referenced in {target}"
+    here = f"leaf {leaf_name(m.path, m.keystr)}: chunk {key} referenced in {target}"
     if crc != ref.data_crc32c:
         ctx.problems.append(f"{here}: its bytes' crc32c {crc:#010x} differs from the reference's {ref.data_crc32c:#010x}")
     elif ref.xxh3_128 is not None and xxhash.xxh3_128_hexdigest(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data) != ref.xxh3_128:
@@ -245,10 +266,15 @@ class ZarrArrayEncoding(LeafEncoding):
 
     def start_restore(self, storage: Storage, path: str, items: Sequence[Item], ctx: ReadContext) -> Callable[[], dict[str, object]]:
         read_leaf = functools.partial(_with_x64, ctx.x64, _read_leaf)
+        with jax.enable_x64(ctx.x64):
+            dests = _destinations(items)
         if ctx.leaf_pool is None:
-            done = {m.path: _assemble(m, lt, read_leaf(storage, path, m, lt, lp, ctx), lp.exchange_spec) for m, lt, lp in items}
+            done = {m.path: _assemble(m, lt, read_leaf(storage, path, m, lt, lp, ctx, d), lp.exchange_spec)
+                    for (m, lt, lp), d in zip(items, dests, strict=True)}
             return lambda: done
-        futures = [(m, lt, lp, ctx.leaf_pool.submit(read_leaf, storage, path, m, lt, lp, ctx)) for m, lt, lp in items]
+        futures = [(m, lt, lp, ctx.leaf_pool.submit(read_leaf, storage, path, m, lt, lp, ctx, d))
+                   for (m, lt, lp), d in zip(items, dests, strict=True)]
+        del dests  # each leaf's reader holds its own (a view must not outlive its array)
 
         def finish() -> dict[str, object]:
             return {m.path: _assemble(m, lt, f.result(), lp.exchange_spec) for m, lt, lp, f in futures}
@@ -275,11 +301,11 @@ class ZarrArrayEncoding(LeafEncoding):
                     if source is not None:  # a reference: the bytes it names, and the target's own record
                         _verify_reference(storage, path, m, cell, key, data, ctx)
                     elif rec is None:
-                        ctx.problems.append(f"leaf {m.path!r}: chunk {key} is not in any process record")
+                        ctx.problems.append(f"leaf {leaf_name(m.path, m.keystr)}: chunk {key} is not in any process record")
                     elif rec.data_crc32c != _format.data_crc32c(data):
-                        ctx.problems.append(f"leaf {m.path!r}: chunk {key} decodes to bytes whose crc32c differs from the writer's record")
+                        ctx.problems.append(f"leaf {leaf_name(m.path, m.keystr)}: chunk {key} decodes to bytes whose crc32c differs from the writer's record")
                 except Exception as e:  # every failure is a finding, keep going
-                    ctx.problems.append(f"leaf {m.path!r}: chunk {key}: {str(e).splitlines()[0]}")
+                    ctx.problems.append(f"leaf {leaf_name(m.path, m.keystr)}: chunk {key}: {str(e).splitlines()[0]}")
                 ctx.done(1, n)
 
     def region_reader(self, storage: Storage, path: str, meta: ArrayMetadata) -> Callable[[Box], np.ndarray]:

@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._storage import Storage, storage_for
 from . import _json, _layout, _leaves, _references, _values
 from ._box import Box
@@ -243,8 +243,9 @@ def read_metadata(storage: Storage, path: str, *, check_references: bool = True)
 
     Raises:
       CheckpointNotFoundError: no commit marker at `path`.
-      CorruptCheckpointError: the manifest is missing or malformed, or a reference's
-        target is missing, replaced, of another layout or itself a reference.
+      CorruptCheckpointError: the manifest is missing, malformed or cannot be read (an
+        I/O error: its cause), or a reference's target is missing, replaced, of another
+        layout or itself a reference.
     """
     if not storage.exists(f"{path}/{_layout.COMMITTED}"):
         parent, name = path.rstrip("/").rsplit("/", 1)
@@ -260,13 +261,39 @@ def read_metadata(storage: Storage, path: str, *, check_references: bool = True)
     except (FileNotFoundError, IsADirectoryError) as e:
         raise CorruptCheckpointError(f"{path} is marked committed but has no {_layout.MANIFEST} file") from e
     except OSError as e:
-        if e.errno != errno.EFBIG:
-            raise
+        if e.errno != errno.EFBIG:  # EIO and the like: the documented error, as for a chunk that cannot be read
+            raise CorruptCheckpointError(
+                f"{path}/{_layout.MANIFEST} cannot be read: {e}. An I/O error is not always damage: try again, or "
+                f"check the checkpoint with `checkpointer verify {path}`"
+            ) from e
         raise CorruptCheckpointError(f"{path}/{_layout.MANIFEST} is larger than {_json.MAX_MANIFEST_BYTES} bytes") from e
-    meta = parse_manifest(_json.loads(data, f"{path}/{_layout.MANIFEST}"), path)
+    raw = _json.loads(data, f"{path}/{_layout.MANIFEST}")
+    _check_one_save(storage, path, raw)
+    meta = parse_manifest(raw, path)
     if check_references and meta.format_version == _references.FORMAT_VERSION_REFERENCES:
         check_reference_targets(storage, path, meta)
     return meta
+
+
+def _check_one_save(storage: Storage, path: str, raw: object) -> None:
+    """Refuses a manifest and a commit marker of two different saves (their `generation`s
+    differ): one of them is a file of another checkpoint (a link out of this one, or a
+    copy), whose values must not be returned as this one's. A marker without a generation
+    (or unreadable) is not compared."""
+    generation = raw.get("generation") if isinstance(raw, dict) else None
+    if not isinstance(generation, str):
+        return
+    try:
+        marker = _json.load_json(storage.read_file(f"{path}/{_layout.COMMITTED}", max_bytes=1 << 20), what=path)
+    except (CheckpointError, OSError):
+        return
+    committed = marker.get("generation") if isinstance(marker, dict) else None
+    if isinstance(committed, str) and committed != generation:
+        raise CorruptCheckpointError(
+            f"{path}/{_layout.MANIFEST} belongs to save {generation!r}, its commit marker {_layout.COMMITTED} to save "
+            f"{committed!r}: one of them is another checkpoint's file (a link out of this one, or a copy). Restore "
+            "another step, or copy the checkpoint's own files back"
+        )
 
 
 def _target_of(storage: Storage, path: str, folder: str, leaf: str, targets: dict) -> CheckpointMetadata:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .._errors import path_keystr
 from ._leaves import ArrayMetadata, ValueMetadata
 
 
@@ -78,4 +79,4 @@ class CheckpointMetadata:
           KeyError: no such leaf path.
         """
         name = self.leaves[leaf_path].keystr
-        return name if name is not None else leaf_path
+        return name if name is not None else path_keystr(leaf_path)

@@ -1,6 +1,6 @@
 """References of incremental saves: a chunk stored as "the same chunk of an earlier
 committed checkpoint of the same directory" instead of as bytes (docs/incremental.md,
-docs/format_references.md).
+docs/format.md, "format_version 2: references").
 
 In the manifest, an array leaf's entry lists its referenced chunks:
 ```

@@ -6,8 +6,11 @@ The writing manager notes two things in the directory's journal
 object a line, `"event"` naming the kind):
 
 ```
-{"event": "save_requested", "step": 120, "unix_s": ...}   process 0, at most every
-                                                           REQUESTED_EVERY_S seconds
+{"event": "save_requested", "step": 120, "unix_s": ...}   process 0, when a save starts
+                                                           (after its snapshot), unless the
+                                                           last note is younger than
+                                                           REQUESTED_EVERY_S seconds and
+                                                           its step not yet committed
 {"event": "save_failed", "step": 121, "process_index": 3, "error": "CommitTimeoutError: ...", "unix_s": ...}
                                                            each failed save, by the process it failed on
 ```
@@ -21,7 +24,6 @@ manifest and the journal's last `TAIL_BYTES`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import threading
@@ -62,16 +64,22 @@ class RunJournal:
         self._submit = submit
         self._mu = threading.Lock()
         self._noted_unix_s: float | None = None
+        self._noted_step: int | None = None
+        self._committed_step: int | None = None
 
     def requested(self, step: int, *, now_unix_s: float | None = None) -> None:
-        """A save of `step` started: noted when the last note is `REQUESTED_EVERY_S` old."""
+        """A save of `step` started: noted when the last note is `REQUESTED_EVERY_S` old,
+        or when the step it carries has committed since (so that the journal always
+        carries a step in flight: a probe's commit lag counts it, as `status()` does;
+        saves that commit before the next starts are each noted, once)."""
         if not self.is_primary:
             return
         now = time.time() if now_unix_s is None else now_unix_s
         with self._mu:
-            if self._noted_unix_s is not None and now - self._noted_unix_s < REQUESTED_EVERY_S:
+            stale = self._noted_step is not None and self._committed_step is not None and self._noted_step <= self._committed_step
+            if self._noted_unix_s is not None and now - self._noted_unix_s < REQUESTED_EVERY_S and not stale:
                 return
-            self._noted_unix_s = now
+            self._noted_unix_s, self._noted_step = now, int(step)
         entry = {"event": REQUESTED, "step": int(step), "unix_s": round(now, 6)}
         try:
             self._submit(lambda: _tools.append_journal_line(self.storage, self.directory, entry, replaces=REQUESTED))
@@ -85,10 +93,12 @@ class RunJournal:
         if error is not None:
             self.failed(step, error)
             return
-        durable = snap.phases_unix_s.get("durable")
-        _events.save_committed(write_s=snap.write_s, commit_s=None if durable is None else time.time() - durable[1],
+        with self._mu:
+            self._committed_step = step if self._committed_step is None else max(self._committed_step, step)
+        durable = snap.result.phases_unix_s.get("durable")
+        _events.save_committed(write_s=snap.result.write_s, commit_s=None if durable is None else time.time() - durable[1],
                                commit_lag_s=commit_lag_s, commit_lag_steps=commit_lag_steps,
-                               bytes_written=snap.bytes_written)
+                               bytes_written=snap.result.bytes_written)
 
     def failed(self, step: int | None, error: BaseException) -> None:
         """A save of `step` failed on this process: noted now, and a `jax.monitoring` event."""
@@ -127,10 +137,15 @@ class DirectoryStatus:
       latest_age_s: seconds since then (None without a committed step).
       step_in_flight: the newest step being saved (POSIX: a partial folder whose save
         holds its lock; object stores: a newer `<step>/` without marker), or None.
-      last_requested_step: the newest step a writer noted handing to `save` (noted at
-        most every 10 s), or None.
-      commit_lag_steps: `last_requested_step` minus `latest_committed_step` (0 when
-        not behind; None without a noted step).
+      last_requested_step: the newest step the writer noted handing to `save`, or None.
+        Noted when a save starts (written off the training thread, moments later),
+        except that while the last noted step is still in flight a newer one is noted at
+        most every `REQUESTED_EVERY_S` (10) seconds: so it may be up to 10 s behind the
+        job, never behind a step still in flight.
+      commit_lag_steps: the newer of `last_requested_step` and `step_in_flight`, minus
+        `latest_committed_step` (0 when not behind; None when neither is known): the
+        job's `CheckpointManager.status().commit_lag_steps`, counting a save in flight,
+        as of the last note (at most 10 s old while saves pile up) and the listing.
       last_failure: the newest failed save noted, or None.
       failing: `last_failure` is newer than the newest committed step (no save has
         committed since).
@@ -146,12 +161,17 @@ class DirectoryStatus:
     last_failure: SaveFailure | None
     failing: bool
 
+    @property
+    def newest_step(self) -> int | None:
+        """The newest step the writer handed to `save` or has in flight (the lag's)."""
+        return max((s for s in (self.last_requested_step, self.step_in_flight) if s is not None), default=None)
+
     def problems(self, *, max_lag_steps: int | None = None, max_age_s: float | None = None) -> list[str]:
         """What an alert should say: the bounds crossed and a failing save ([] when ok)."""
         out = []
         if max_lag_steps is not None and self.commit_lag_steps is not None and self.commit_lag_steps > max_lag_steps:
             out.append(f"commit lag {self.commit_lag_steps} steps > --max-lag-steps {max_lag_steps} (step "
-                       f"{self.last_requested_step} handed to save, {self.latest_committed_step} committed)")
+                       f"{self.newest_step} handed to save, {self.latest_committed_step} committed)")
         if max_age_s is not None:
             if self.latest_age_s is None:
                 out.append(f"no committed step in {self.directory} (--max-age-s {max_age_s:g})")
@@ -182,10 +202,10 @@ def _journal_tail(storage: Storage, directory: str) -> list[dict]:
     if start > 0 and lines:
         lines = lines[1:]  # cut inside
     out = []
-    for line in lines:
+    for n, line in enumerate(lines):
         try:
-            entry = json.loads(line)
-        except ValueError:
+            entry = _format.load_json(line, what=f"{path} line {n + 1}")
+        except ValueError:  # CorruptCheckpointError: a line being written, or damaged
             continue
         if isinstance(entry, dict) and isinstance(entry.get("event"), str):
             out.append(entry)
@@ -217,7 +237,14 @@ def read_status(location: str | os.PathLike, *, now_unix_s: float | None = None)
     """The state of a manager's directory, for a probe (see `DirectoryStatus`).
 
     Reads without any lock beside a running writer: one listing, the newest step's
-    manifest, the journal's tail.
+    manifest, the journal's tail. What a probe can know is what the directory holds:
+    the committed steps, the saves in flight (a partial step folder whose save holds
+    its lock; on object stores a newer step without its marker), and what the writer's
+    process 0 noted in the journal (the step it last handed to `save`, the failed
+    saves). Its commit lag agrees with the job's `status()` as of the writer's last
+    note: at most `REQUESTED_EVERY_S` (10) seconds stale while saves pile up, and never
+    missing a save in flight. Steps handed to `save` that a manager skipped or that
+    are still waiting for the snapshot are not known to it.
 
     Args:
       location: a manager's directory (local path or URL).
@@ -260,13 +287,15 @@ def read_status(location: str | os.PathLike, *, now_unix_s: float | None = None)
         elif entry["event"] == FAILED:
             failure = SaveFailure(_step(entry.get("step")), _step(entry.get("process_index")), str(entry.get("error")),
                                   _number(entry.get("unix_s")) or 0.0)
-    if requested is None:
+    in_flight = _in_flight(storage, directory, names, latest)
+    newest = max((s for s in (requested, in_flight) if s is not None), default=None)
+    if newest is None:
         lag = None
     else:
-        lag = requested if latest is None else max(0, requested - latest)
+        lag = newest if latest is None else max(0, newest - latest)
     failing = failure is not None and (created is None or failure.unix_s > created)
     return DirectoryStatus(
         directory=directory, latest_committed_step=latest, latest_created_unix_s=created,
-        latest_age_s=None if created is None else max(0.0, now - created), step_in_flight=_in_flight(storage, directory, names, latest),
+        latest_age_s=None if created is None else max(0.0, now - created), step_in_flight=in_flight,
         last_requested_step=requested, commit_lag_steps=lag, last_failure=failure, failing=failing,
     )

@@ -5,7 +5,7 @@ already listen to (`jax.monitoring.register_event_duration_secs_listener`,
 Every process records its own figures, once per save (or restore) of a
 `CheckpointManager`; process 0's commit includes retention. `EVENTS` lists each name with
 its kind and Orbax's nearest `/jax/orbax/...` (or `/jax/checkpoint/...`) event; the
-README's table is written from it (tests/test_alerts.py checks they agree).
+table in docs/operating.md is written from it (tests/test_alerts.py checks they agree).
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ are skipped; read incrementally), counted in `removed_steps` and logged.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -105,9 +104,9 @@ class _JournalSteps:
         self._offset += len(whole)
         for line in whole.splitlines():
             try:
-                entry = json.loads(line)
+                entry = _format.load_json(line, what=self.path)
                 step = entry.get("step")
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError):  # CorruptCheckpointError is a ValueError
                 continue
             if "event" in entry or "generation" not in entry:
                 continue  # a note of another kind (a requested or failed save: `_alerts`), not a commit

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 from .. import _commit, _format
 from .._errors import CheckpointError
 from .._storage import Storage
 from ._policies import KeepPolicy
+
+if TYPE_CHECKING:
+    from .._save import Snapshot
 
 log = logging.getLogger("checkpointer")
 
@@ -122,3 +126,10 @@ def referenced_steps(storage: Storage, directory: str, folder: str) -> set[int]:
         log.warning("cannot read the references of %s/%s: %s", directory, folder, e)
         return set()
     return {int(r.folder) for m in meta.arrays.values() for r in m.references.values() if _format.is_step_name(r.folder)}
+
+
+def bases_in_flight(snapshots: Iterable[Snapshot]) -> set[int]:
+    """The steps that incremental saves in flight reference (their base): retention keeps
+    them until those saves commit."""
+    folders = {snap.base.folder for snap in snapshots if snap.base is not None}
+    return {int(f) for f in folders if _format.is_step_name(f)}

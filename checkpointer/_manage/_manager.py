@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 
 from .. import _commit, _coord, _encoding, _storage, _tools
-from .._errors import CheckpointError, CheckpointExistsError, UnsupportedValueError
-from .._format import is_step_name, metadata_json, metrics_json
+from .._errors import CheckpointError, CheckpointExistsError, SaveError, UnsupportedValueError
+from .._format import metadata_json, metrics_json
 from .._memory import HostBufferPool
 from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
 from .._storage import storage_for
@@ -22,21 +22,16 @@ from . import _events, _tier_manager
 from ._alerts import RunJournal
 from ._follow import clear_finished, write_finished
 from ._lock import DirectoryLock, take_lock
-from ._maintenance import maintain
+from ._maintenance import bases_in_flight, maintain
 from ._policies import KeepLatest, KeepPolicy
 from ._preemption import PreemptionWatch
 from ._questions import StepQuestions
 from ._reader import as_step
 from ._restoring import StepRestoring
-from ._status import StatusReporting
+from ._status import StatusReporting, write_rate
 from ._time_policies import SaveClock
 
 log = logging.getLogger("checkpointer")
-
-
-def _write_rate(snap: Snapshot) -> float | None:
-    """Bytes per second this process wrote in `snap` (None before it wrote anything)."""
-    return snap.bytes_written / snap.write_s if snap.write_s > 0 and snap.bytes_written else None
 
 
 class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
@@ -81,16 +76,17 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         (durably, with `local_directory`); `reached_preemption(step)` is then True.
         Under `jax.distributed` JAX's preemption sync point decides (its notifier owns
         SIGTERM); otherwise a SIGTERM handler is installed (main thread only, chained to
-        an earlier Python handler) and `close()` restores the previous one. The loop
-        calls `save` at every step. See `_preemption`.
+        an earlier Python handler) and `close()` restores the previous one; a child
+        forked afterwards gets the handler found before (SIGTERM's default action unless
+        the program set one). The loop calls `save`, or `should_save`, at every step;
+        `if mgr.should_save(step): mgr.save(step, state)` saves the preemption step too.
+        See `_preemption`.
       direct_io: as for `save` ("auto", True, False); with two tiers it applies to the
         local tier's writes. `status().last_write_mode` says which mode the last
         finished save used, and why.
-      incremental: as for `save`: a step stores the chunks unchanged since the newest
-        committed step as references to where they lie (docs/incremental.md). Retention
-        keeps a step that a kept step references (`checkpointer gc` says for whom);
-        `force=True` refuses to replace a referenced step. Off by default (format_version
-        2, readable by this release and later only). Not with `local_directory`.
+      incremental: as for `save` (docs/incremental.md). Retention keeps a step that a
+        kept step references (`checkpointer gc` says for whom); `force=True` refuses to
+        replace a referenced step. Not with `local_directory`.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -141,14 +137,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         # Two tiers pack as a direct save does: each process replicates its own pack.
         self._pack_bytes = _encoding.check_threshold(pack_small_leaves_bytes)
         self._direct_io = _storage.check_direct_io(direct_io)
-        if not isinstance(incremental, bool):
-            raise TypeError(f"incremental must be True or False, got {incremental!r}")
-        if incremental and local_directory is not None:
-            raise ValueError(
-                "incremental=True with local_directory= is not supported yet: a local tier's step cannot reference "
-                "the durable directory's steps. Pass one or the other"
-            )
-        self._incremental = incremental
+        self._incremental = _tier_manager.check_incremental(incremental, local_directory)
         self._last_write_mode: tuple[str | None, str | None] = (None, None)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
@@ -205,6 +194,17 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             )
         if self._writer_ready:
             return []
+        try:
+            return self._become_writer()
+        except CheckpointError:
+            raise
+        except OSError as e:  # the directory cannot be made or cleaned up: a save cannot start
+            raise SaveError(
+                f"cannot prepare {self.directory} for saving (process {_coord.process_index()}): {e}. Nothing was "
+                "written; the next save tries again, or fix the storage (a full or failing disk, permissions)"
+            ) from e
+
+    def _become_writer(self) -> list[str]:
         done: list[str] = []
         self.storage.makedirs(self.directory)
         if self._is_primary:
@@ -259,10 +259,10 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
     def _on_finish(self, step: int, handle: AsyncSave) -> None:
         snap = handle.snapshot
         with self._mu:
-            self._last["write_s"] = snap.write_s
+            self._last["write_s"] = snap.result.write_s
             self._last["commit_s"] = handle.commit_s
-            self._last["write_bytes_per_s"] = _write_rate(snap)
-            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
+            self._last["write_bytes_per_s"] = write_rate(snap)
+            self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
             if handle.error is not None:
                 self._pending_error = handle.error
                 self._last_error = f"step {step}: {type(handle.error).__name__}: {handle.error}"
@@ -279,8 +279,23 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
     # --- save ---------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether `save(step)` would write (the interval rule)."""
-        return step % self.save_interval_steps == 0
+        """Whether `save(step)` would write: True at the preemption step (see
+        `save_on_preemption`) and where `step % save_interval_steps == 0`. With
+        `save_interval_s`, `save` may still skip a step this says True for (the time rule is
+        decided inside `save`, by one vote of the processes).
+
+        Args:
+          step: the training step (int >= 0).
+        Returns:
+          Whether to call `save(step)`.
+
+        Multi-process: it asks the preemption notice as `save` does: under
+        `jax.distributed` JAX's preemption sync point, which every process must ask at
+        every step, in step order. Call `should_save` (or `save`) at every step on every
+        process; a `save` of the same step afterwards does not ask again, and agrees.
+        """
+        step = as_step(step)
+        return self._preemption.reached(step) or step % self.save_interval_steps == 0
 
     def save(
         self,
@@ -369,14 +384,13 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             _commit.refuse(_commit.next_ticket(), f"{self.directory}/{step}", e)
             raise
         try:
-            snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers)
+            snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers, write_limiter=self._write_limiter)
         except Exception as e:
             self._journal.failed(step, e)
             raise
         if self._clock is not None:
             self._clock.saved()
         _events.save_blocked(snap.snapshot_s)
-        snap.write_limiter = self._write_limiter
         if self._tiers is not None:
             snap = self._tiers.local_snapshot(snap)
         with self._mu:
@@ -399,19 +413,26 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         return True
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether `step` is the step the job saves at on preemption (see
-        `save_on_preemption`): after `save(step)`, True tells the loop to stop; the step is
-        committed then.
+        """Whether the job was preempted at `step` and `step` is committed: after
+        `save(step)`, True tells the loop to stop (see `save_on_preemption`).
+
+        A loop that did not save the preemption step (it skipped `save`, or the save
+        failed) gets False and a logged warning that the preemption step was not saved:
+        the job then runs on until the grace period ends and it is killed, and resumes
+        from the newest committed step. To save it after all, call
+        `save(step, tree, force=True)`; this then returns True.
 
         Args:
           step: the step just passed to `save` (int >= 0).
         Returns:
-          True at the preemption step only (the same step on every process).
+          True at the preemption step only, once it is committed (the same on every
+          process).
 
-        Multi-process: under `jax.distributed` every process calls it (or `save`) at
-        every step, in step order, as JAX's preemption sync point requires.
+        Multi-process: under `jax.distributed` every process calls it (or `save`, or
+        `should_save`) at every step, in step order, as JAX's preemption sync point
+        requires.
         """
-        return self._preemption.reached(as_step(step))
+        return self._preemption.reached_committed(as_step(step), self.all_steps())
 
     def _save_two_tiers(self, step: int, snap: Snapshot) -> None:
         """Commits `snap` on the local tier (in the background unless `async_save=False`)
@@ -435,8 +456,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             raise
         tiers.enqueue(step, snap.generation, snap.overwrite).result()
         with self._mu:
-            self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
-            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
+            self._last["write_s"], self._last["commit_s"] = snap.result.write_s, time.perf_counter() - t0
+            self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
         self._raise_pending()
 
     def _run_sync(self, step: int, snap: Snapshot) -> None:
@@ -450,9 +471,9 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             self._journal.failed(step, e)
             raise
         with self._mu:
-            self._last["write_s"], self._last["commit_s"] = snap.write_s, time.perf_counter() - t0
-            self._last["write_bytes_per_s"] = _write_rate(snap)
-            self._last_write_mode = (snap.write_mode, snap.write_mode_reason)
+            self._last["write_s"], self._last["commit_s"] = snap.result.write_s, time.perf_counter() - t0
+            self._last["write_bytes_per_s"] = write_rate(snap)
+            self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
         self._finished(step, snap, self._last["commit_s"], None)
 
     def _retention_after(self, step: int, snap: Snapshot | None = None) -> Callable[[], object] | None:
@@ -465,12 +486,13 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         def after_commit() -> None:
             start = time.time()
             try:
+                _commit.remove_leftovers(self.storage, self.directory)  # of failed saves: not left for recovery
                 self._apply_retention(protect={step})
             finally:
                 if snap is not None:
                     phases = {"retention": (start, time.time())}
-                    if "commit" in snap.phases_unix_s:
-                        phases["commit"] = snap.phases_unix_s["commit"]
+                    if "commit" in snap.result.phases_unix_s:
+                        phases["commit"] = snap.result.phases_unix_s["commit"]
                     _tools.append_journal(self.storage, self.directory, step=step, generation=snap.generation,
                                              phases_unix_s=phases)
 
@@ -557,10 +579,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
     def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
         def in_flight() -> set[int]:
             with self._mu:
-                steps = {s for s, h in self._in_flight if not h.done()} | set(protect)
-                # Incremental saves in flight reference their base: it stays until they commit.
-                bases = {h.snapshot.base.folder for _, h in self._in_flight if not h.done() and h.snapshot.base is not None}
-                return steps | {int(f) for f in bases if is_step_name(f)}
+                running = [(s, h.snapshot) for s, h in self._in_flight if not h.done()]
+                return {s for s, _ in running} | set(protect) | bases_in_flight([snap for _, snap in running])
 
         # Removing the bytes of an unpublished step (a GiB takes a while) runs on the
         # deleter thread, so it does not delay the commit being announced.

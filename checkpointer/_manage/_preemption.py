@@ -14,10 +14,15 @@ the interval still decides what is written otherwise):
 - otherwise (one process, no coordination service), a SIGTERM handler installed from the
   main thread sets a flag; the first step asked after it is the preemption step. The
   handler chains to a Python handler installed before it (never to the default action,
-  which would end the process) and `close()` restores the previous handler.
+  which would end the process) and `close()` restores the previous handler. A child
+  forked from the process (`os.fork`, `multiprocessing`'s fork start method) gets the
+  handler found before the first manager's back (SIGTERM's default action unless the
+  program installed its own): it is not the process that saves, and a handler that
+  never falls back to the default action would leave it unstoppable by SIGTERM.
 
 A step's answer is asked of JAX once (`reached` remembers the last step asked), so
-`save(step)` and `mgr.reached_preemption(step)` in one loop iteration agree.
+`mgr.should_save(step)`, `save(step)` and `mgr.reached_preemption(step)` in one loop
+iteration agree, whichever of them asks first.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ _MAX_SYNC_STEP = 2**31 - 1
 # A closed watch's handler that a later one still chains to (it was not the newest when
 # closed) -> the handler it found: a later close restores past it, never back to it.
 _CLOSED: dict[Callable[[int, FrameType | None], None], Callable[[int, FrameType | None], Any] | int | None] = {}
+# Open watches' installed handlers -> the handler each found (what a forked child gets back).
+_INSTALLED: dict[Callable[[int, FrameType | None], None], Callable[[int, FrameType | None], Any] | int | None] = {}
 
 
 def _past_closed(handler: Any) -> Any:
@@ -48,6 +55,51 @@ def _past_closed(handler: Any) -> Any:
     while handler in _CLOSED:
         handler = _CLOSED.pop(handler)
     return handler
+
+
+_fork_masks = threading.local()  # the forking thread's signal mask before `_before_fork`
+
+
+def _ours_installed() -> bool:
+    handler = signal.getsignal(signal.SIGTERM)
+    return handler in _INSTALLED or handler in _CLOSED
+
+
+def _before_fork() -> None:
+    """SIGTERM blocked on the forking thread while a manager's handler is installed: a
+    SIGTERM sent to the child before `_after_fork_in_child` stays pending until the child
+    has its own handler back (else the inherited handler would take it, and swallow it)."""
+    _fork_masks.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if _ours_installed() else None
+
+
+def _after_fork_in_parent() -> None:
+    old, _fork_masks.old = getattr(_fork_masks, "old", None), None
+    if old is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: SIGTERM's handler as it was before any manager's (the managers'
+    handlers are the parent's business: the child saves nothing); then a SIGTERM sent to
+    it meanwhile is delivered, to that handler."""
+    old, _fork_masks.old = getattr(_fork_masks, "old", None), None
+    try:
+        handler = signal.getsignal(signal.SIGTERM)
+        if handler in _INSTALLED or handler in _CLOSED:
+            while handler in _INSTALLED or handler in _CLOSED:
+                handler = _INSTALLED[handler] if handler in _INSTALLED else _CLOSED[handler]
+            signal.signal(signal.SIGTERM, handler)
+        _INSTALLED.clear()
+        _CLOSED.clear()
+    except (ValueError, OSError) as e:  # not the main thread of the main interpreter
+        log.warning("a forked child could not restore SIGTERM's handler: %s", e)
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+if hasattr(os, "register_at_fork") and hasattr(signal, "pthread_sigmask"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
 
 
 def _distributed_state() -> Any:  # Any: jax's distributed State has no stubs
@@ -131,6 +183,7 @@ class PreemptionWatch:
                 previous(signum, frame)
 
         self._previous, self._installed = previous, on_sigterm  # before: a SIGTERM at once finds it open
+        _INSTALLED[on_sigterm] = previous
         signal.signal(signal.SIGTERM, on_sigterm)
         self.mode = SIGTERM_HANDLER
 
@@ -153,18 +206,34 @@ class PreemptionWatch:
         self._asked = (step, hit)
         return hit
 
+    def reached_committed(self, step: int, committed_steps: list[int]) -> bool:
+        """`reached(step)`, and `step` among `committed_steps`; at an unsaved preemption step,
+        False and a logged warning saying so (what `CheckpointManager.reached_preemption` returns)."""
+        if not self.reached(step):
+            return False
+        if step in committed_steps:
+            return True
+        log.warning(
+            "%s: the preemption step %d was not saved (the loop did not call save(%d), or the save failed): nothing "
+            "was committed for it; the job resumes from the newest committed step. Call save(%d, tree, force=True) "
+            "to save it now", self.directory, step, step, step,
+        )
+        return False
+
     def close(self) -> None:
         """Restores the SIGTERM handler found at construction, if this one is still installed
         (a handler installed after it stays; it may chain to this one, now inert)."""
         installed, self._installed = self._installed, None
         if installed is None:
             return
+        _INSTALLED.pop(installed, None)
         try:
             if signal.getsignal(signal.SIGTERM) is installed:
                 signal.signal(signal.SIGTERM, _past_closed(self._previous))  # a handler, SIG_DFL or SIG_IGN
             else:
                 _CLOSED[installed] = self._previous
         except ValueError:  # not the main thread
+            _CLOSED[installed] = self._previous  # a child forked from now on skips it too
             log.warning("%s: closed off the main thread: its SIGTERM handler stays installed until the next SIGTERM, "
                         "which it hands to the handler found before it", self.directory)
         self._noticed.clear()

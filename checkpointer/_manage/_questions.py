@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from .. import _commit, _coord
-from .._errors import CheckpointError, CheckpointNotFoundError
+from .._errors import CheckpointError, CheckpointNotFoundError, UnknownMetricError
 from .._format import CheckpointMetadata, read_metadata
+from ._policies import KeepAny, KeepBest
 from ._reader import StepReader
 
 if TYPE_CHECKING:
@@ -36,6 +37,18 @@ def _score(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         return None
     return float(value)
+
+
+def _keep_best_mode(policy: object, metric: str) -> str | None:
+    """The mode of the first `KeepBest` for `metric` in a retention policy (or a union)."""
+    if isinstance(policy, KeepBest):
+        return policy.mode if policy.metric == metric else None
+    if isinstance(policy, KeepAny):
+        for p in policy.policies:
+            mode = _keep_best_mode(p, metric)
+            if mode is not None:
+                return mode
+    return None
 
 
 class StepQuestions(StepReader):
@@ -145,30 +158,48 @@ class StepQuestions(StepReader):
                 cached = self._metrics_cache[step]
         return dict(cached)
 
-    def best_step(self, metric: str, mode: str = "min") -> int | None:
+    def best_step(self, metric: str, mode: str | None = None) -> int | None:
         """The committed step with the best value of `metric`, as `KeepBest` ranks it.
 
         Args:
           metric: a key of `save(..., metrics=)`.
-          mode: "min" (lowest is best, e.g. a loss) or "max" (e.g. an accuracy).
+          mode: "min" (lowest is best, e.g. a loss) or "max" (e.g. an accuracy). By
+            default the mode of the manager's `KeepBest` policy for `metric` (in `keep`,
+            also inside a `|` union), else "min". An explicit `mode` wins.
         Returns:
-          The step, the newest one on a tie; None when no committed step has a number
+          The step, the newest one on a tie; None while no committed step has a number
           for `metric` (steps without it, with NaN, or whose manifest cannot be read
-          are ignored).
+          are ignored), e.g. before the first save committed.
         Raises:
           ValueError: `mode` is neither "min" nor "max".
+          UnknownMetricError (a KeyError): steps are committed, but neither they nor a
+            save of this manager passed `metric`; names the metrics that were passed.
 
         Multi-process: any process may call it alone; reads only the manifests (once
         per step: they are cached).
         """
+        if mode is None:
+            mode = _keep_best_mode(getattr(self, "keep", None), metric) or "min"
         if mode not in ("min", "max"):
             raise ValueError(f"best_step mode must be 'min' or 'max', got {mode!r}")
         folders = _commit.committed_folders(self.storage, self.directory)
         scored = []
+        passed: set[str] = set()
         for step in folders:
-            v = _score(self._metrics(step, folders).get(metric))
+            metrics = self._metrics(step, folders)
+            passed.update(metrics)
+            v = _score(metrics.get(metric))
             if v is not None:
                 scored.append((v if mode == "min" else -v, -step))
+        if not scored and folders:
+            with self._mu:
+                passed.update(k for m in self._metrics_cache.values() for k in m)
+            if metric not in passed:
+                raise UnknownMetricError(
+                    f"best_step({metric!r}): no save to {self.directory} passed a metric {metric!r}; the metrics "
+                    f"saved are {sorted(passed) if passed else 'none (save(..., metrics={...}) records them)'}. "
+                    "Check the name against save(..., metrics=)"
+                )
         return -min(scored)[1] if scored else None
 
     def user_metadata(self, step: int | None = None) -> dict[str, object]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from .._encoding import RestoreStats
 from .._format import PyTree
 from .._restore import RestoreOptions, restore_from
-from .._storage import storage_for
+from .._storage import DEFAULT_MAX_OVER_READ_RATIO, storage_for
 from . import _events
 from ._reader import StepReader, as_step
 
@@ -43,12 +43,15 @@ class StepRestoring(StepReader):
         max_inflight_bytes: int | None = None,
         stats: RestoreStats | None = None,
         cooperative: bool = True,
+        max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO,
+        read_chunk_bytes: int | None = None,
     ) -> PyTree:
         """Restores `step` (default: the newest committed step) onto `target`.
 
         Args:
           step: the step, or None for `latest_step()`.
-          target, partial, missing, max_inflight_bytes, stats, cooperative: as for
+          target, partial, missing, max_inflight_bytes, stats, cooperative,
+            max_over_read_ratio, read_chunk_bytes: as for
             `ckpt.restore` (`missing="keep_target"` keeps the target's values for
             leaves the checkpoint lacks), whichever tier the step is read from.
         Two tiers: `step=None` restores a step newer than the newest durable one only
@@ -71,7 +74,7 @@ class StepRestoring(StepReader):
         Multi-process: every process calls it.
         """
         stats = RestoreStats() if stats is None else stats  # its figures become events
-        options = RestoreOptions(partial, missing, max_inflight_bytes, stats, cooperative)
+        options = RestoreOptions(partial, missing, max_inflight_bytes, stats, cooperative, max_over_read_ratio, read_chunk_bytes)
         t0 = time.perf_counter()
         tree = self._restore(step, target, options)
         _events.restored(time.perf_counter() - t0, stats.bytes_read)

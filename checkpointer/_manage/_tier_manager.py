@@ -23,7 +23,7 @@ from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import RestoreOptions, resolve_tree, restore_from
-from .._save import Snapshot, manifest_bytes, release_host, write_snapshot
+from .._save import SaveResult, Snapshot, manifest_bytes, release_host, write_snapshot
 from .._storage import Storage
 from . import _tiers
 from ._policies import KeepPolicy
@@ -89,7 +89,7 @@ class LocalTier:
         self._retention_after = retention_after
         self._on_error = on_error
         self._mu = threading.Lock()
-        self._retention_mu = threading.Lock()  # local commits and replications both apply it
+        self._retention_mu = threading.Lock()  # held by apply_retention: local commits and replications both apply it
         self._queue = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-replicate")
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self._attempts: dict[int, int] = {}
@@ -111,6 +111,7 @@ class LocalTier:
         """The snapshot of a save, redirected to this process's local tier."""
         return dataclasses.replace(
             snap, storage=self.storage, path=f"{self.root}/{snap.step}", writes_array_metadata=True, write_limiter=None,
+            result=SaveResult(phases_unix_s=dict(snap.result.phases_unix_s)),
         )
 
     def run_local(self, snap: Snapshot, after_publish: Callable[[], object] | None = None) -> None:
@@ -138,11 +139,12 @@ class LocalTier:
             # A local replacement (the same step saved again) is always atomic: overwrite=True.
             commit.run(record.bytes_written, lambda _: manifest_bytes(snap, own, own_pack_only=True), marker=marker.to_json())
         finally:
-            if snap.lock is not None:
-                snap.lock.release(remove=True)
-                snap.lock = None
-        snap.commit_s = time.perf_counter() - t0
+            if snap.result.lock is not None:
+                snap.result.lock.release(remove=True)
+                snap.result.lock = None
+        snap.result.commit_s = time.perf_counter() - t0
         log.info("step %s committed on the local tier %s (process %d)", snap.step, self.root, snap.process_index)
+        _commit.remove_leftovers(self.storage, self.root)  # of failed local saves: not left for recovery
         self.apply_retention()
 
     # --- replication --------------------------------------------------------------------
@@ -224,7 +226,16 @@ class LocalTier:
     def apply_retention(self) -> list[int]:
         """Removes local steps `keep_local` does not keep and that are durable (or older
         than the newest durable step and not being replicated); the newest local step and
-        steps being replicated stay. Returns the steps removed."""
+        steps being replicated stay. Returns the steps removed.
+
+        Multi-process: this process's local tier only. One call at a time per tier (the
+        save thread after a local commit and the replication thread after a durable one
+        both call it): the second waits for the first, then sees its deletions.
+        """
+        with self._retention_mu:
+            return self._apply_retention_locked()
+
+    def _apply_retention_locked(self) -> list[int]:
         steps = self.local_steps()
         if not steps:
             return []
@@ -434,3 +445,20 @@ class LocalTier:
         before = options.stats.bytes_read
         tree = restore_from(self.durable, path, target, options)
         return tree, "durable", options.stats.bytes_read - before
+
+
+def check_incremental(incremental: object, local_directory: object) -> bool:
+    """The manager's `incremental` option, checked: not with a local tier.
+
+    Raises:
+      TypeError: not a bool.
+      ValueError: True with `local_directory`.
+    """
+    if not isinstance(incremental, bool):
+        raise TypeError(f"incremental must be True or False, got {incremental!r}")
+    if incremental and local_directory is not None:
+        raise ValueError(
+            "incremental=True with local_directory= is not supported yet: a local tier's step cannot reference "
+            "the durable directory's steps. Pass one or the other"
+        )
+    return incremental

@@ -102,10 +102,11 @@ def own_device_ids() -> tuple[int, ...]:
 
 
 def read_marker(storage: Storage, path: str) -> LocalMarker | None:
-    """The local marker of the step folder `path`, or None (absent or not local)."""
+    """The local marker of the step folder `path`, or None (absent, not local, or
+    unreadable, e.g. EIO: the local copy is then not used, and never removed as durable)."""
     try:
         return LocalMarker.from_json(_format.loads(storage.read_file(f"{path}/{_format.COMMITTED}"), path))
-    except (FileNotFoundError, NotADirectoryError, CheckpointError):
+    except (OSError, CheckpointError):
         return None
 
 
@@ -117,7 +118,9 @@ def local_steps(storage: Storage, root: str) -> dict[int, str]:
 def durable_generation(
     storage: Storage, directory: str, step: int, folders: Mapping[int, str] | None = None
 ) -> str | None:
-    """The generation of committed durable `step` (from its marker), or None. One
+    """The generation of committed durable `step` (from its marker), or None (also when
+    the marker cannot be read: the local copy is then kept, a restore reads the durable
+    tier, which raises the documented error). One
     listing of `directory`, or none when `folders` (`_commit.committed_folders`) is
     given."""
     folders = _commit.committed_folders(storage, directory) if folders is None else folders
@@ -126,7 +129,7 @@ def durable_generation(
     path = f"{directory}/{folders[step]}"
     try:
         marker = _format.loads(storage.read_file(f"{path}/{_format.COMMITTED}"), path)
-    except (FileNotFoundError, NotADirectoryError, CheckpointError):
+    except (OSError, CheckpointError):  # absent, or unreadable (EIO): not known durable, the safe answer
         return None
     return str(marker.get("generation")) if isinstance(marker, dict) else None
 
@@ -323,7 +326,8 @@ def agree(directory: str, propose: Callable[[], str], timeout_s: float) -> list[
         vote.refuse(e)
         raise
     payload = vote.agree({"vote": mine}, outcome=lambda got: json.dumps([got[i].get("vote") for i in sorted(got)]))
-    return [str(v) for v in json.loads(payload)]
+    votes = _format.load_json(payload, what=f"the vote on the tier to restore from {directory}", error=RestoreAgreementError)
+    return [str(v) for v in votes] if isinstance(votes, list) else []
 
 
 class _CountingReader(Reader):

@@ -6,6 +6,10 @@ Every time is a step's manifest `created_unix_s` (written by process 0 when it c
 never a file's modification time: copies, restores from backup and object stores change
 those, the manifest says when the state was saved. A step whose manifest has no time
 (0.0, written by an old version) is kept by these policies: nothing says it is old.
+So is a step created more than `FUTURE_SKEW_TOLERANCE_S` after now (a host whose clock
+was ahead when it committed, or this one stepped back): its age is unknown, it is kept,
+and it never anchors `KeepEverySeconds` (counting from a time a day ahead would drop
+every later step for a day). The first such step logs a warning, once per process.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +25,15 @@ from collections.abc import Callable, Mapping, Sequence
 from .. import _coord
 from .._errors import SaveAgreementError
 from ._policies import KeepPolicy
+
+log = logging.getLogger("checkpointer")
+
+# How far after now a creation time may lie and still count as a time (seconds). Hosts
+# synchronised by NTP differ by milliseconds; 5 minutes covers a host whose sync is late or
+# slewing, the bound Kerberos uses for clock skew, and is short against the intervals these
+# policies keep (an hour, a day), so a time within it changes nothing that matters.
+FUTURE_SKEW_TOLERANCE_S = 300.0
+_warned_future = False
 
 
 def _check_seconds(name: str, s: object) -> float:
@@ -30,6 +44,24 @@ def _check_seconds(name: str, s: object) -> float:
 
 def _known(t: float | None) -> bool:
     return t is not None and math.isfinite(t) and t > 0
+
+
+def _dated(step: int, t: float | None, now_unix_s: float) -> bool:
+    """Whether `t` is a creation time the policies count with: known, and not beyond
+    `FUTURE_SKEW_TOLERANCE_S` after now (then its age is unknown; warns once)."""
+    global _warned_future
+    if not _known(t):
+        return False
+    if t <= now_unix_s + FUTURE_SKEW_TOLERANCE_S:  # type: ignore[operator]  # _known: a float
+        return True
+    if not _warned_future:
+        _warned_future = True
+        log.warning(
+            "step %d was created %.0f s in the future (its manifest's created_unix_s, beyond the %.0f s of clock skew "
+            "tolerated): a clock is wrong. Time-based retention keeps the step and does not count from its time "
+            "(this warning is shown once)", step, t - now_unix_s, FUTURE_SKEW_TOLERANCE_S,  # type: ignore[operator]
+        )
+    return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +84,9 @@ class KeepEverySeconds(_SecondsPolicy):
     """Keeps one step every `s` seconds of creation time (Orbax's `EveryNSeconds`).
 
     The oldest step is kept; then, in step order, each step created at least `s`
-    seconds after the last step kept. Steps without a creation time are kept.
+    seconds after the last step kept. Steps without a creation time, or created more
+    than `FUTURE_SKEW_TOLERANCE_S` (300 s) in the future, are kept and do not count as
+    "the last step kept".
 
     Args:
       s: seconds between the steps kept (> 0).
@@ -69,7 +103,7 @@ class KeepEverySeconds(_SecondsPolicy):
         last: float | None = None
         for step in sorted(steps):
             t = created_unix_s.get(step)
-            if not _known(t):
+            if not _dated(step, t, now_unix_s):
                 out.add(step)
             elif last is None or t - last >= self.s:  # type: ignore[operator]  # _known: a float
                 out.add(step)
@@ -81,8 +115,9 @@ class KeepEverySeconds(_SecondsPolicy):
 class KeepNewerThan(_SecondsPolicy):
     """Keeps the steps created less than `s` seconds ago (Orbax's `LatestDuration`).
 
-    Steps without a creation time are kept; so are steps "created" in the future (a
-    clock stepped back): their age is unknown.
+    Steps without a creation time are kept; so are steps "created" more than
+    `FUTURE_SKEW_TOLERANCE_S` (300 s) in the future (a clock stepped back): their age
+    is unknown.
 
     Args:
       s: the age below which a step is kept, seconds (> 0).
@@ -98,7 +133,7 @@ class KeepNewerThan(_SecondsPolicy):
         out = set()
         for step in steps:
             t = created_unix_s.get(step)
-            if not _known(t) or now_unix_s - t < self.s:  # type: ignore[operator]  # _known: a float
+            if not _dated(step, t, now_unix_s) or now_unix_s - t < self.s:  # type: ignore[operator]  # _known: a float
                 out.add(step)
         return out
 

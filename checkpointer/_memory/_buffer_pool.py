@@ -23,6 +23,7 @@ Rules (every pool):
 from __future__ import annotations
 
 import collections
+import math
 import sys
 import threading
 from collections.abc import Sequence
@@ -30,7 +31,21 @@ from collections.abc import Sequence
 import numpy as np
 
 from ._aligned import aligned_empty
-from ._staging import staging_buffers
+from ._restore_memory import HUGE_PAGE_BYTES, host_buffer
+from ._staging import STAGING_ALIGN as PAGE_ALIGN, staging_buffers
+
+
+def page_aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data is `PAGE_ALIGN`-aligned (as `O_DIRECT` wants):
+    from one huge page on, its own 2 MiB-aligned mapping advised `MADV_HUGEPAGE`
+    (`host_buffer`: fresh memory costs one page fault per 2 MiB instead of 512, which is
+    most of a fresh process's first save), else a page-aligned numpy buffer."""
+    dtype = np.dtype(dtype)
+    if math.prod(shape) * dtype.itemsize >= HUGE_PAGE_BYTES:
+        out = host_buffer(tuple(shape), dtype)
+        if out.ctypes.data % PAGE_ALIGN == 0:  # else malloc's fallback (no mapping left): aligned below
+            return out
+    return aligned_empty(tuple(shape), dtype, PAGE_ALIGN)
 
 
 class HostBufferPool:
@@ -42,8 +57,8 @@ class HostBufferPool:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (shape, dtype) -> {id: free buffer}; `_order` holds every free buffer's id in
-        # give-back order (the oldest is dropped first).
+        # (shape, dtype, page aligned) -> {id: free buffer}; `_order` holds every free
+        # buffer's id in give-back order (the oldest is dropped first).
         self._free: dict[tuple, dict[int, np.ndarray]] = {}
         self._order: collections.OrderedDict[int, tuple] = collections.OrderedDict()
         self._free_bytes = 0
@@ -66,20 +81,26 @@ class HostBufferPool:
         with self._lock:
             self._max_free_bytes = max(self._max_free_bytes, int(nbytes))
 
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def take(self, shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
         """A buffer of `shape` and `dtype`, now in use by the caller alone: a free one if
-        any, else a new 64-byte aligned one."""
-        key = (tuple(shape), np.dtype(dtype))
+        any, else a new one, its data `align`-byte aligned (64, or `PAGE_ALIGN` for the
+        shard files the direct writer submits as they are)."""
+        shape, dtype = tuple(shape), np.dtype(dtype)
+        keys = [(shape, dtype, True)] if align > 64 else [(shape, dtype, False), (shape, dtype, True)]
+        assert align <= PAGE_ALIGN and PAGE_ALIGN % align == 0
         with self._lock:
-            free = self._free.get(key)
-            if free:
-                ident, buf = free.popitem()  # the most recently given back: warmest
-                del self._order[ident]
-                if not free:
-                    del self._free[key]
-                self._free_bytes -= buf.nbytes
-                return buf
-        return aligned_empty(key[0], key[1])
+            for key in keys:
+                free = self._free.get(key)
+                if free:
+                    ident, buf = free.popitem()  # the most recently given back: warmest
+                    del self._order[ident]
+                    if not free:
+                        del self._free[key]
+                    self._free_bytes -= buf.nbytes
+                    return buf
+        if align > 64:
+            return page_aligned_empty(shape, dtype)
+        return aligned_empty(shape, dtype, max(64, align))
 
     def give_back(self, arrays: Sequence[np.ndarray]) -> None:
         """Returns buffers from `take` whose contents are no longer needed; drops the
@@ -88,7 +109,7 @@ class HostBufferPool:
             for a in arrays:
                 if sys.getrefcount(a) > _UNSHARED_REFS:  # still referenced elsewhere: not ours to reuse
                     continue
-                key = (a.shape, a.dtype)
+                key = (a.shape, a.dtype, a.ctypes.data % PAGE_ALIGN == 0)
                 self._free.setdefault(key, {})[id(a)] = a
                 self._order[id(a)] = key
                 self._free_bytes += a.nbytes

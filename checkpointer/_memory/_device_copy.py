@@ -99,6 +99,14 @@ def _route_of(data: jax.Array | np.ndarray) -> str:
     return snapshot_route(next(iter(data.devices())))
 
 
+def reads_in_place(data: jax.Array | np.ndarray) -> bool:
+    """Whether the snapshot reads this shard's bytes in place (`np.asarray` is a view: the
+    `POOL` route of the CPU backend and of numpy arrays), so that its one copy can go
+    anywhere the caller wants: a file-ordered shard file (`_encoding.fill_images`)
+    instead of a pool buffer. On accelerators the device-to-host transfer is the copy."""
+    return _route_of(data) == POOL
+
+
 def snapshot_to_host(datas: Sequence[jax.Array | np.ndarray], pool: HostBufferPool | None = None) -> HostCopies:
     """Real host copies of single-device arrays (or numpy arrays), in the same order,
     each shard copied once.

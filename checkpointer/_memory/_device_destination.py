@@ -4,8 +4,9 @@
 copy, but the device buffer is then external memory that XLA does not own, and a jitted
 step with `donate_argnums` gives its output a fresh buffer instead of reusing it: the
 first training step after a restore allocates (and page-faults) the whole state again.
-Here XLA allocates the device buffer itself (the output of a no-op
-`jax.experimental.buffer_callback`, which leaves its pages untouched), the pages are
+Here XLA allocates the device buffer itself (an output of a no-op
+`jax.experimental.buffer_callback`, which leaves its pages untouched; one program
+allocates every buffer a restore asks for at once, so distinct shapes share a compile), the pages are
 advised `MADV_HUGEPAGE` as `host_buffer` does, and the reader fills the buffer through a
 writable view of its memory before the array is handed to anyone. See
 docs/DESIGN-decisions.md, "Donatable restored arrays".
@@ -36,28 +37,70 @@ def _libc() -> Any:
     return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 
+# One compiled program allocates at most this many arrays (per set of devices): a
+# restore of N distinct box shapes compiles ceil(N / this) programs, not N.
+_BATCH_ARRAYS = 512
+
+
 @functools.cache
-def _allocator(shape: tuple[int, ...], dtype: np.dtype, devices: tuple[Any, ...]) -> Any:
-    """A compiled function that returns an XLA-allocated, uninitialised array of one
-    `shape` block per device, stacked along the first axis (one compile per shape, dtype
-    and set of devices: a leaf's boxes on its devices share one)."""
+def _allocator(specs: tuple[tuple[tuple[int, ...], np.dtype], ...], devices: tuple[Any, ...]) -> Any:
+    """A compiled function that returns, per `(shape, dtype)` of `specs`, an XLA-allocated,
+    uninitialised array of one `shape` block per device, stacked along the first axis.
+
+    One compile per list of specs and set of devices (~20 ms for one spec, ~0.3 s for
+    300 here): every box a restore places on these devices is allocated by one program,
+    so distinct shapes do not cost a compile each (docs/DESIGN-decisions.md, "Distinct
+    shapes, one compile")."""
     from jax.experimental.buffer_callback import buffer_callback
 
-    def leave(ctx: object, out: object) -> None:
+    def leave(ctx: object, *out: object) -> None:
         del ctx, out  # the reader fills the buffers afterwards
 
     mesh = jax.sharding.Mesh(np.array(devices, dtype=object), ("devices",))
     spec = jax.sharding.PartitionSpec("devices")
-    per_device = buffer_callback(leave, jax.ShapeDtypeStruct(shape, dtype))  # inside shard_map: each device's own block
-    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(), out_specs=spec), out_shardings=jax.sharding.NamedSharding(mesh, spec))
+    # Inside shard_map: each device's own block of every output.
+    per_device = buffer_callback(leave, [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs])
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(), out_specs=[spec] * len(specs)),
+                   out_shardings=[jax.sharding.NamedSharding(mesh, spec)] * len(specs))
 
 
-def _allocate(shape: tuple[int, ...], dtype: np.dtype, devices: Sequence[Any]) -> dict[Any, jax.Array]:
-    """{device: a single-device array of `shape` whose buffer XLA allocated, untouched}."""
-    if not shape:  # a scalar: one block of one element per device, reshaped (a few bytes)
-        return {d: a.reshape(()) for d, a in _allocate((1,), dtype, devices).items()}
-    stacked = _allocator(shape, dtype, tuple(devices))()
-    return {s.device: s.data for s in stacked.addressable_shards}
+def _allocate_all(requests: Sequence[tuple[tuple[int, ...], np.dtype, Any]]) -> list[jax.Array]:
+    """Per `(shape, dtype, device)` request, a single-device array whose buffer XLA
+    allocated, untouched; a few programs for all of them (one per set of devices and
+    `_BATCH_ARRAYS` arrays, and per number of leaves sharing a shape), each compiled once
+    per process."""
+    # Per (shape, dtype), each device's requests; slot k holds the k-th request of every
+    # device that has more than k (two leaves of one shape on one device: two slots).
+    by_spec: dict[tuple[tuple[int, ...], np.dtype], dict[Any, list[int]]] = {}
+    for i, (shape, dtype, device) in enumerate(requests):
+        by_spec.setdefault((tuple(shape) or (1,), np.dtype(dtype)), {}).setdefault(device, []).append(i)
+    slots: dict[tuple[Any, ...], list[tuple[tuple[tuple[int, ...], np.dtype], list[int]]]] = {}
+    for spec, per_device in by_spec.items():
+        for k in range(max(len(v) for v in per_device.values())):
+            devices = tuple(sorted((d for d, v in per_device.items() if len(v) > k), key=lambda d: d.id))
+            slots.setdefault(devices, []).append((spec, [per_device[d][k] for d in devices]))
+    arrays: list[Any] = [None] * len(requests)
+    for devices, entries in slots.items():
+        # Round r allocates the r-th slot of every spec that has more than r: the same
+        # few programs however many leaves share a shape (300 leaves of one shape: one
+        # single-output program run 300 times; of 300 shapes: one 300-output program).
+        per_spec: dict[tuple[tuple[int, ...], np.dtype], list[list[int]]] = {}
+        for spec, indices in entries:
+            per_spec.setdefault(spec, []).append(indices)
+        ordered = sorted(per_spec, key=lambda sp: (sp[0], sp[1].str))  # the same requests give the same (cached) programs
+        for r in range(max(len(v) for v in per_spec.values())):
+            present = [sp for sp in ordered if len(per_spec[sp]) > r]
+            for at in range(0, len(present), _BATCH_ARRAYS):
+                batch = present[at : at + _BATCH_ARRAYS]
+                stacked = _allocator(tuple(batch), devices)()
+                for spec, whole in zip(batch, stacked, strict=True):
+                    by_device = {s.device: s.data for s in whole.addressable_shards}
+                    for d, i in zip(devices, per_spec[spec][r], strict=True):
+                        arrays[i] = by_device[d]
+    for i, (shape, _, _) in enumerate(requests):
+        if not shape:  # a scalar: one block of one element, reshaped (a few bytes)
+            arrays[i] = arrays[i].reshape(())
+    return arrays
 
 
 def supported(sharding: jax.sharding.SingleDeviceSharding) -> bool:
@@ -85,6 +128,9 @@ def device_destinations(
     at the start of its mapping keeps out of huge pages) are populated in one call
     (`MADV_POPULATE_WRITE`) instead of one page fault per 4 KiB.
 
+    Ask for all of a restore's arrays in one call: they are allocated by one compiled
+    program per set of devices (and per `_BATCH_ARRAYS` arrays), not one per shape.
+
     Args:
       requests: per array its shape (elements per dimension), dtype and device (a CPU
         device in its default memory: `supported`).
@@ -96,12 +142,7 @@ def device_destinations(
 
     Multi-process: per process, on its own devices.
     """
-    groups: dict[tuple[tuple[int, ...], np.dtype], list[Any]] = {}
-    for shape, dtype, sharding in requests:
-        groups.setdefault((tuple(shape), np.dtype(dtype)), []).append(next(iter(sharding.device_set)))
-    made = {key: _allocate(*key, devices) for key, devices in groups.items()}
-    arrays = [made[(tuple(shape), np.dtype(dtype))][next(iter(sharding.device_set))] for shape, dtype, sharding in requests]
-    del made
+    arrays = _allocate_all([(tuple(shape), np.dtype(dtype), next(iter(sharding.device_set))) for shape, dtype, sharding in requests])
     out: list[tuple[jax.Array, np.ndarray] | None] = []
     for a, (shape, dtype, _) in zip(arrays, requests):
         a.block_until_ready()

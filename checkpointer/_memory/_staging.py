@@ -2,9 +2,10 @@
 saves, process-wide (`staging_buffers`), freed with the snapshot buffers by
 `ckpt.release_host_buffers()`.
 
-The direct writer (`_encoding._write`) copies each inner chunk from the snapshot into
-one of these and writes it from there with `O_DIRECT` (which wants aligned addresses and
-lengths). At most `max_free` free buffers (the writer threads' number, each 4 MiB unless
+The direct writer (`_encoding._write`) copies each inner chunk of a host array of the
+snapshot into one of these and writes it from there with `O_DIRECT` (which wants aligned
+addresses and lengths). Snapshots read in place need none: they hold the shard files
+themselves (`_encoding.ShardImage`). At most `max_free` free buffers (the writer threads' number, each 4 MiB unless
 an inner chunk is larger) stay allocated between saves.
 """
 

@@ -7,8 +7,11 @@ otherwise; a target leaf the checkpoint lacks is kept as it is with
 `missing="keep_target"` (a concrete value only) and an error otherwise; a stored leaf
 the target lacks is an error unless `partial=True`, except a stored None where the
 target holds an empty container (optax's `EmptyState()`, `()`, `{}`), which comes back
-as the target's container (Orbax writes empty nodes as None placeholders). Messages name
-leaves by key string (`jax.tree_util.keystr`).
+as the target's container (Orbax writes empty nodes as None placeholders). In a checkpoint
+imported from Orbax, a target's integer dict key matches the string Orbax wrote for it
+(`0` and `'0'`: NNX states), and a stored Python number restored into a numpy scalar comes
+back as the target's numpy type when that holds it exactly. Messages name leaves by key
+string (`jax.tree_util.keystr`).
 """
 
 from __future__ import annotations
@@ -85,6 +88,8 @@ def match(meta: CheckpointMetadata, target: object, *, partial: bool, path: str,
         flat, jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_target_leaf)[0])}
     saved = list(meta.leaves)
     inner = {q.rsplit("/", i)[0] for q in saved for i in range(1, q.count("/") + 1)}  # the saved subtrees' paths
+    if _imported_from_orbax(meta):
+        flat, names = _orbax_int_keys(flat, names, set(saved) | inner)
     pairs: list[tuple[str, ArrayMetadata | ValueMetadata, object]] = []
     kept: dict[str, object] = {}
     covered: set[str] = set()
@@ -93,7 +98,7 @@ def match(meta: CheckpointMetadata, target: object, *, partial: bool, path: str,
     abstract_kept: list[str] = []
     for p, leaf in flat:
         if p in meta.leaves:
-            pairs.append((p, meta.leaves[p], leaf))
+            pairs.append((p, _typed_value(meta.leaves[p], leaf), leaf))
             covered.add(p)
             continue
         below = _under(p, saved) if leaf is None and (p == "" or p in inner) else []
@@ -160,6 +165,50 @@ def match(meta: CheckpointMetadata, target: object, *, partial: bool, path: str,
     treedef = jax.tree_util.tree_structure(target, is_leaf=_is_target_leaf)
     kept_names = tuple(names[p] for p in kept)
     return Match(treedef, pairs, kept, tuple(p for p, _ in flat), kept_names)
+
+
+def _imported_from_orbax(meta: CheckpointMetadata) -> bool:
+    origin = meta.user_metadata.get("imported_from") if isinstance(meta.user_metadata, dict) else None
+    return isinstance(origin, dict) and origin.get("format") == "orbax"
+
+
+def _orbax_int_keys(flat: list[tuple[str, object]], names: dict[str, str], stored: set[str]) -> tuple[list[tuple[str, object]], dict[str, str]]:
+    """Target leaf paths with integer dict keys (`@int:0`, an `nnx.State` over an
+    `nnx.List` or an optimizer's `opt_state`) renamed to the stored path where Orbax wrote
+    the key as the string `'0'` (Orbax's metadata records every dict key as a string).
+    Only paths the checkpoint holds and the target does not already hold are renamed: a
+    key that differs (`1` against `'0'`) still mismatches."""
+    own = {p for p, _ in flat}
+    out, out_names = [], dict(names)
+    for p, leaf in flat:
+        if p not in stored and "@int:" in p:
+            alt = "/".join(c[len("@int:"):] if c.startswith("@int:") else c for c in p.split("/"))
+            if alt in stored and alt not in own:
+                out_names[alt] = names[p]
+                p = alt
+        out.append((p, leaf))
+    return out, out_names
+
+
+_KINDS = {bool: "b", int: "iu", float: "f", complex: "c"}
+
+
+def _typed_value(m: ArrayMetadata | ValueMetadata, target: object) -> ArrayMetadata | ValueMetadata:
+    """A stored Python number restored into a numpy scalar of its kind comes back as the
+    target's numpy type (`np.int64(-3)`: Orbax, and Python, store it as an int), when that
+    type holds the value exactly; anything else is returned as stored."""
+    if not (isinstance(m, ValueMetadata) and isinstance(target, np.generic)) or isinstance(m.value, np.generic):
+        return m
+    kind = _KINDS.get(type(m.value))
+    if kind is None or target.dtype.kind not in kind:
+        return m
+    try:
+        typed = target.dtype.type(m.value)
+    except (OverflowError, ValueError, TypeError):
+        return m
+    if typed != m.value:
+        return m
+    return dataclasses.replace(m, value=typed)
 
 
 def _name(keystr: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from .._encoding import RestoreStats
+from .._storage import DEFAULT_MAX_OVER_READ_RATIO, check_read_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +18,8 @@ class RestoreOptions:
 
     Raises:
       ValueError: `max_inflight_bytes` is not a positive int or None, or `cooperative`
-        is not a bool (`missing` is checked where the target is matched, `_matching.match`).
+        is not a bool, `max_over_read_ratio` is not a number >= 1, or `read_chunk_bytes`
+        is not a positive int or None (`missing` is checked where the target is matched, `_matching.match`).
     """
 
     partial: bool = False
@@ -25,6 +27,8 @@ class RestoreOptions:
     max_inflight_bytes: int | None = None
     stats: RestoreStats | None = None
     cooperative: bool = True
+    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO
+    read_chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         m = self.max_inflight_bytes
@@ -32,3 +36,4 @@ class RestoreOptions:
             raise ValueError(f"max_inflight_bytes must be a positive int (bytes) or None, got {m!r}")
         if not isinstance(self.cooperative, bool):
             raise ValueError(f"cooperative must be True or False, got {self.cooperative!r}")
+        check_read_options(self.max_over_read_ratio, self.read_chunk_bytes)

@@ -26,7 +26,7 @@ from .. import _encoding, _format, _memory
 from .._encoding import ReadContext, RestorePlan, RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, DTypeMismatchError, where
 from .._format import ArrayMetadata, CheckpointMetadata, PyTree, ValueMetadata, read_metadata, rebuild
-from .._storage import Storage, storage_for
+from .._storage import DEFAULT_MAX_OVER_READ_RATIO, LocalStorage, Storage, storage_for
 from . import _agreement
 from ._options import RestoreOptions
 from ._plan import build_plan
@@ -80,6 +80,8 @@ def restore(
     max_inflight_bytes: int | None = None,
     stats: RestoreStats | None = None,
     cooperative: bool = True,
+    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO,
+    read_chunk_bytes: int | None = None,
 ) -> PyTree:
     """Restores the committed checkpoint at `path`, onto the target's shardings.
 
@@ -111,6 +113,13 @@ def restore(
         all it needs itself, with no collective; prefer it when storage serves P
         readers at P times the bandwidth and the interconnect is slower, or when
         processes restore independently (different times, paths or targets).
+      max_over_read_ratio: bound on bytes read over bytes needed (>= 1; default
+        1.05): nearby byte ranges of one file (inner chunks of a zarr shard file, the
+        column blocks of a safetensors row) are fetched by one request when the bytes
+        between them cost less than another request would, reading at most this ratio
+        of what each leaf needs. 1.0: never read bytes that are not needed.
+      read_chunk_bytes: bound on one request that gathers several ranges, bytes
+        (default: 4 MiB for local files, 16 MiB for object stores).
     Returns:
       The restored tree, with the target's own node types (NamedTuples, dataclasses,
       `TrainState`); array leaves are `jax.Array` with the target sharding, or numpy.
@@ -121,8 +130,9 @@ def restore(
         device while jax_enable_x64 is off); the message names the leaves (as
         `jax.tree_util.keystr` prints them) and the fix. StructureMismatchError also for a
         None target leaf over a saved subtree without `partial=True`.
-      CorruptCheckpointError: stored bytes or metadata are missing, malformed or fail a
-        checksum; names the leaf and chunk.
+      CorruptCheckpointError: stored bytes or metadata are missing, malformed, fail a
+        checksum or cannot be read (an I/O error, e.g. EIO: its cause); names the leaf
+        and chunk, or the file.
       RestoreAgreementError: (cooperative restore) another process restores another
         path, save or target, could not restore or read its share (its error is
         named), or did not arrive in time; raised on every process before the exchange.
@@ -136,7 +146,7 @@ def restore(
     target; they agree through the coordination service before reading and after
     (a process that cannot restore makes every process raise), then exchange.
     """
-    options = RestoreOptions(partial, missing, max_inflight_bytes, stats, cooperative)
+    options = RestoreOptions(partial, missing, max_inflight_bytes, stats, cooperative, max_over_read_ratio, read_chunk_bytes)
     storage, path = storage_for(path)
     return restore_from(storage, path, target, options)
 
@@ -211,7 +221,7 @@ def _restore_cooperative(storage: Storage, path: str, target: object, options: R
     stats.attempts += 1
     stats.plan = plan
     try:
-        results, piece_crcs = _read_all(storage, path, resolved, plan, budget, stats)
+        results, piece_crcs = _read_all(storage, path, resolved, plan, budget, stats, options)
     except BaseException as e:
         _agreement.refuse(ticket, path, e, phase="read")
         if _marker(storage, path) is None and isinstance(e, (CorruptCheckpointError, OSError)):
@@ -257,11 +267,20 @@ def _target_may_share_boxes(target: object) -> bool:
 
 
 def _marker(storage: Storage, path: str) -> bytes | None:
-    """The commit marker's content (it names the save's generation), None if absent."""
+    """The commit marker's content (it names the save's generation), None if absent.
+
+    Raises:
+      CorruptCheckpointError: it cannot be read (an I/O error: its cause).
+    """
     try:
         return storage.read_file(f"{path}/{_format.COMMITTED}")
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # a folder in its place: no marker either
         return None
+    except OSError as e:  # the documented error, as for a chunk that cannot be read
+        raise CorruptCheckpointError(
+            f"{path}/{_format.COMMITTED} cannot be read (process {jax.process_index()}): {e}. An I/O error is not "
+            f"always damage: try again, or check the checkpoint with `checkpointer verify {path}`"
+        ) from e
 
 
 def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
@@ -275,6 +294,38 @@ def _check_files(storage: Storage, path: str, resolved: ResolvedTarget) -> None:
     ])
 
 
+def _check_no_link_out(storage: Storage, path: str) -> None:
+    """Local checkpoints: refuses a link (to a file or a folder) inside `path` whose
+    target lies outside it, before anything is read: a restore returns the checkpoint's
+    own bytes only (a chunk of another checkpoint passes the zarr checksums, a manifest
+    of another carries its values). Links within it, and a link to the whole checkpoint
+    (`path` itself), are fine. One `scandir` per folder; object stores have no links.
+
+    Raises:
+      CorruptCheckpointError: names the link, its target and the checkpoint.
+    """
+    if not isinstance(storage, LocalStorage):
+        return
+    root = os.path.realpath(path)
+    folders = [path]
+    while folders:
+        try:
+            with os.scandir(folders.pop()) as it:
+                entries = list(it)
+        except OSError:
+            continue  # absent or unreadable: the reads say so
+        for e in entries:
+            if e.is_symlink():
+                target = os.path.realpath(e.path)
+                if target != root and not target.startswith(root + os.sep):
+                    raise CorruptCheckpointError(
+                        f"{e.path} is a link to {target}, outside the checkpoint {path}: refused, a restore reads the "
+                        "checkpoint's own files only. Copy the file into the checkpoint, or restore another step"
+                    )
+            elif e.is_dir(follow_symlinks=False):
+                folders.append(e.path)
+
+
 def _prepare(
     storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats, *, cooperative: bool = False
 ) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
@@ -286,6 +337,7 @@ def _prepare(
 def _prepare_paused(
     storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats, cooperative: bool
 ) -> tuple[CheckpointMetadata, ResolvedTarget, RestorePlan, _Budget]:
+    _check_no_link_out(storage, path)
     meta = read_metadata(storage, path)
     pidx = jax.process_index()
     resolved = resolve_tree(meta, target, partial=options.partial, process_index=pidx, missing=options.missing, cooperative=cooperative)
@@ -308,7 +360,7 @@ def _prepare_paused(
 def _restore_once(storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats) -> PyTree:
     meta, resolved, plan, budget = _prepare(storage, path, target, options, stats)
     stats.plan = plan
-    results, _ = _read_all(storage, path, resolved, plan, budget, stats)
+    results, _ = _read_all(storage, path, resolved, plan, budget, stats, options)
     return _finish(meta, resolved, path, results)
 
 
@@ -322,7 +374,8 @@ def _finish(meta: CheckpointMetadata, resolved: ResolvedTarget, path: str, resul
 
 
 def _read_all(
-    storage: Storage, path: str, resolved: ResolvedTarget, plan: RestorePlan, budget: _Budget, stats: RestoreStats
+    storage: Storage, path: str, resolved: ResolvedTarget, plan: RestorePlan, budget: _Budget, stats: RestoreStats,
+    options: RestoreOptions,
 ) -> tuple[dict[str, object], dict[tuple[str, int], int]]:
     """Runs the plan: every leaf path -> its value, a `jax.Array` on the target's sharding,
     a numpy array, or, for a leaf with an exchange, the global array of its exchange layout
@@ -343,7 +396,8 @@ def _read_all(
         # jax_enable_x64 (a `with jax.enable_x64(...)` block is thread-local).
         # (Config declares its flags at runtime, hence the ignore.)
         ctx = ReadContext(budget, stats, plan.process_index, _COPIES_IN_FLIGHT, leaf_pool, chunk_pool,
-                          x64=jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+                          x64=jax.config.jax_enable_x64,  # type: ignore[attr-defined]
+                          max_over_read_ratio=options.max_over_read_ratio, read_chunk_bytes=options.read_chunk_bytes)
         results.update(_encoding.start_restore(storage, path, items, ctx)())
     return results, ctx.piece_crcs
 
@@ -411,6 +465,8 @@ def plan_restore(
     max_inflight_bytes: int | None = None,
     missing: str = "error",
     cooperative: bool = True,
+    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO,
+    read_chunk_bytes: int | None = None,
 ) -> RestorePlan:
     """Plans a restore without touching devices or chunk data.
 
@@ -429,6 +485,8 @@ def plan_restore(
       cooperative: as for `restore`: with more than one process (`processes`, or the
         job's), boxes that several processes need are split among them
         (`LeafRestorePlan.exchange_spec`, `BoxRead.receivers`, `.received`).
+      max_over_read_ratio, read_chunk_bytes: as for `restore` (checked; the plan lists
+        the inner chunks needed, the reads may also fetch small gaps between them).
     Returns:
       A `RestorePlan`: per leaf and unique box read, the chunks, inner chunks and
       bytes to read; `.bytes_needed`, `.bytes_read`, `.bytes_received` (from peers),
@@ -439,7 +497,7 @@ def plan_restore(
 
     Multi-process: pure; any process may call it alone.
     """
-    options = RestoreOptions(partial, missing, max_inflight_bytes, None, cooperative)
+    options = RestoreOptions(partial, missing, max_inflight_bytes, None, cooperative, max_over_read_ratio, read_chunk_bytes)
     storage, path = storage_for(path)
     meta = read_metadata(storage, path)
     pidx = jax.process_index() if process_index is None else process_index

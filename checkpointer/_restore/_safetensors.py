@@ -6,9 +6,10 @@ tensor of the files' headers (`_safetensors_files`), and resolved as a stored le
 would be (`resolve_target`: shape, dtype cast, sharding; `device_boxes`: this
 process's boxes). A tensor is one C-order byte range, so a box is a set of equal row
 runs (`box_runs`); the runs of a box, or of each slab of it (`row_slabs`, within
-`max_inflight_bytes`), are read with the storage's ranged reader straight into one
-host buffer (a scatter read: small gaps between runs go to a scratch buffer, within
-3% of the bytes needed), then put on the devices that hold the box, as the restore
+`max_inflight_bytes`), are read with the storage's ranged reader into one
+host buffer, the runs of all the leaf's boxes together (`_read_boxes`: runs side by
+side in the file are one request, small gaps are read and thrown away within
+`max_over_read_ratio`), then put on the devices that hold the box, as the restore
 pipeline does for a zarr leaf.
 """
 
@@ -32,18 +33,20 @@ from .._encoding import RestoreStats
 from .._errors import CorruptCheckpointError, InvalidTargetError, StructureMismatchError
 from .._format import ArrayMetadata, Box, PyTree, row_slabs
 from .._memory import host_buffer
-from .._storage import Reader, Storage, storage_for
+from .._storage import (
+    DEFAULT_MAX_OVER_READ_RATIO,
+    DEFAULT_READ_CHUNK_BYTES,
+    Reader,
+    Storage,
+    coalesce_ranges as _coalesce,
+    storage_for,
+)
 from . import _safetensors_files as _files
 from ._matching import _is_target_leaf
 from ._options import RestoreOptions
 from ._pipeline import _COPIES_IN_FLIGHT, DEFAULT_MAX_INFLIGHT_BYTES, _Budget, _check_device_dtype
 from ._safetensors_files import TensorEntry
 from ._targets import LeafTarget, device_boxes, resolve_target
-
-# A gap between two runs of a box is read (into scratch) when it is at most this many
-# bytes and all such gaps of the box stay within `_WASTE_FRACTION` of its bytes.
-_MAX_GAP_BYTES = 64 << 10
-_WASTE_FRACTION = 0.03
 
 _T = TypeVar("_T")
 
@@ -81,6 +84,8 @@ def restore_safetensors(
     name_fn: Callable[[tuple[Any, ...]], str] | None = None,
     partial: bool = False,
     max_inflight_bytes: int | None = None,
+    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO,
+    read_chunk_bytes: int | None = None,
 ) -> PyTree:
     """Restores the tensors of a safetensors file or a Hugging Face sharded folder onto
     the target's shardings.
@@ -103,6 +108,12 @@ def restore_safetensors(
         StructureMismatchError).
       max_inflight_bytes: bound on host bytes of reads in flight (default 1 GiB); a
         larger box is read in slabs of rows, one row at least.
+      max_over_read_ratio: bound on bytes read over bytes needed (>= 1; default 1.05):
+        the row runs of a leaf's boxes (column blocks side by side in the file) are
+        fetched together, and a gap between them is read (and thrown away) when it
+        costs less than another request would, within this ratio of each leaf's bytes.
+      read_chunk_bytes: bound on one request that gathers several runs, bytes (default:
+        4 MiB for local files, 16 MiB for object stores).
     Returns:
       The target's tree with every leaf restored: a `jax.Array` on the target
       sharding, or a numpy array for a host leaf.
@@ -116,7 +127,8 @@ def restore_safetensors(
       UnsupportedValueError: a tensor to read has a packed sub-byte dtype (F4, F6).
       InvalidTargetError: also for a `name_fn` that returns no str.
       FileNotFoundError: no safetensors file at `path`.
-      ValueError: `max_inflight_bytes` is not a positive int or None.
+      ValueError: `max_inflight_bytes` or `read_chunk_bytes` is not a positive int or
+        None, or `max_over_read_ratio` is not a number >= 1.
 
     Host memory: the restored host leaves, plus at most about `max_inflight_bytes` of
     reads in flight.
@@ -125,7 +137,8 @@ def restore_safetensors(
     processes hold is read by each of them). No collective: processes do not wait for
     each other.
     """
-    options = RestoreOptions(partial=partial, max_inflight_bytes=max_inflight_bytes)
+    options = RestoreOptions(partial=partial, max_inflight_bytes=max_inflight_bytes, max_over_read_ratio=max_over_read_ratio,
+                             read_chunk_bytes=read_chunk_bytes)
     storage, location = storage_for(path)
     return read_safetensors(storage, location, target, options, separator=separator, name_fn=name_fn)
 
@@ -250,42 +263,136 @@ class _Counter:
             self.reads += 1
 
 
-def _read_box(reader: Reader, e: TensorEntry, box: Box, counter: _Counter) -> np.ndarray:
-    """The box's elements of tensor `e`, read from its file (only the box's runs and the
-    small gaps between them)."""
-    out = host_buffer(box.shape, e.dtype)
-    if box.size == 0:
-        return out
+_local = threading.local()
+
+
+def _staging(n: int) -> np.ndarray:
+    """A reusable per-thread buffer of at least `n` bytes for coalesced reads (no
+    zero-fill, no page faults after the first use)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = np.empty(max(n, 1 << 20), np.uint8)
+        _local.buf = buf
+    return buf[:n]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Requests:
+    """How one reader's requests are made: the options' bounds and the reader's cost."""
+
+    max_over_read_ratio: float
+    read_chunk_bytes: int
+    request_cost_bytes: int
+
+    @classmethod
+    def of(cls, options: RestoreOptions, reader: Reader) -> _Requests:
+        chunk = options.read_chunk_bytes or max(DEFAULT_READ_CHUNK_BYTES, reader.run_bytes)
+        return cls(options.max_over_read_ratio, chunk, reader.request_cost_bytes)
+
+
+def _read_boxes(reader: Reader, e: TensorEntry, boxes: Sequence[Box], counter: _Counter, how: _Requests) -> list[np.ndarray]:
+    """The elements of each of `boxes` of tensor `e`, read from its file together.
+
+    Every box is a set of equal runs (`box_runs`); the runs of all boxes are sorted by
+    file offset and grouped into requests (`coalesce_ranges`: the runs of boxes side by
+    side, such as the column blocks of one row, are one range; small gaps are read and
+    thrown away within `max_over_read_ratio`). A request that is one contiguous part of
+    one box is read straight into it, in reads of at most `read_chunk_bytes`; any other
+    is read into a staging buffer and copied out, one strided copy per box and stretch
+    of equally spaced runs.
+    """
     item = e.dtype.itemsize
-    run, starts = _files.box_runs(box, e.shape)
-    run_bytes = run * item
-    starts_bytes = starts * item + e.offset_bytes
-    dest = memoryview(out.reshape(-1).view(np.uint8).data)
-    waste = int(box.size * item * _WASTE_FRACTION)
-    groups = _files.coalesce(starts_bytes, run_bytes, min(_MAX_GAP_BYTES, waste), waste)
-    scratch = memoryview(bytearray(min(_MAX_GAP_BYTES, waste))) if len(groups) < len(starts) else None
-    for first, count in groups:
-        if count == 1:
-            reader.read_into(int(starts_bytes[first]), dest[first * run_bytes : (first + 1) * run_bytes])
-            counter.add(run_bytes)
+    outs = [host_buffer(box.shape, e.dtype) for box in boxes]
+    flat = [o.reshape(-1).view(np.uint8) for o in outs]
+    parts = []
+    for k, box in enumerate(boxes):
+        if box.size == 0:
             continue
-        assert scratch is not None
-        bufs: list[memoryview] = []
-        for k in range(first, first + count):
-            if k > first:
-                gap = int(starts_bytes[k] - starts_bytes[k - 1]) - run_bytes
-                if gap:
-                    bufs.append(scratch[:gap])
-            bufs.append(dest[k * run_bytes : (k + 1) * run_bytes])
-        span = int(starts_bytes[first + count - 1] - starts_bytes[first]) + run_bytes
-        reader.read_into_buffers(int(starts_bytes[first]), bufs)
-        counter.add(span)
-    if sys.byteorder == "big" and out.dtype.itemsize > 1:  # the file is little-endian
-        out.byteswap(inplace=True)
-    return out
+        run, starts = _files.box_runs(box, e.shape)
+        n = len(starts)
+        parts.append((starts * item + e.offset_bytes, np.full(n, run * item, np.int64), np.full(n, k, np.int64),
+                      np.arange(n, dtype=np.int64) * (run * item)))
+    if not parts:
+        return outs
+    file_at, length, owner, dest_at = (np.concatenate(c) for c in zip(*parts))
+    order = np.argsort(file_at, kind="stable")
+    file_at, length, owner, dest_at = file_at[order], length[order], owner[order], dest_at[order]
+    end = file_at + length
+    first = _coalesce(file_at, end, request_cost_bytes=how.request_cost_bytes,
+                      max_over_read_ratio=how.max_over_read_ratio, read_chunk_bytes=how.read_chunk_bytes)
+    request = np.zeros(len(file_at), np.int64)
+    request[first[1:]] = 1
+    request = np.cumsum(request)
+    # Within each request, each box's runs in file (= destination) order; a stretch is a
+    # maximal sequence of one request and box with equally spaced runs that land one
+    # after another in the box.
+    order = np.lexsort((file_at, owner, request))
+    f, ln, ow, d, rq = file_at[order], length[order], owner[order], dest_at[order], request[order]
+    step = np.zeros(len(f), np.int64)
+    step[1:] = f[1:] - f[:-1]
+    cut = np.ones(len(f), bool)
+    cut[1:] = (rq[1:] != rq[:-1]) | (ow[1:] != ow[:-1]) | (d[1:] != d[:-1] + ln[:-1])
+    cut[2:] |= step[2:] != step[1:-1]
+    stretch = np.flatnonzero(cut)
+    stretch_end = np.append(stretch[1:], len(f))
+    by_request = np.searchsorted(rq[stretch], np.arange(len(first) + 1))
+    spans_end = np.maximum.reduceat(end, first)
+    for r in range(len(first)):
+        lo, hi = int(file_at[first[r]]), int(spans_end[r])
+        mine = range(by_request[r], by_request[r + 1])
+        if len(mine) == 1:
+            s0, s1 = int(stretch[mine[0]]), int(stretch_end[mine[0]])
+            if s1 - s0 == 1 or int(step[s0 + 1]) == int(ln[s0]):  # one contiguous part of one box
+                dest = flat[int(ow[s0])][int(d[s0]) : int(d[s0]) + hi - lo]
+                for at in range(0, hi - lo, how.read_chunk_bytes):
+                    piece = dest[at : at + how.read_chunk_bytes]
+                    reader.read_into(lo + at, piece.data)
+                    counter.add(len(piece))
+                continue
+        staged = _staging(hi - lo)
+        reader.read_into(lo, staged.data)
+        counter.add(hi - lo)
+        for m in mine:
+            s0, s1 = int(stretch[m]), int(stretch_end[m])
+            count, run = s1 - s0, int(ln[s0])
+            stride = int(step[s0 + 1]) if count > 1 else run
+            src = np.lib.stride_tricks.as_strided(staged[int(f[s0]) - lo :], (count, run), (stride, 1), writeable=False)
+            dst = flat[int(ow[s0])][int(d[s0]) : int(d[s0]) + count * run].reshape(count, run)
+            np.copyto(dst, src)
+    if sys.byteorder == "big" and e.dtype.itemsize > 1:  # the file is little-endian
+        for out in outs:
+            out.byteswap(inplace=True)
+    return outs
 
 
-def _read_leaf(storage: Storage, leaf: _Leaf, budget: _Budget, slab_bytes: int, counter: _Counter) -> object:
+def _rounds(leaf: _Leaf, item: int, slab_bytes: int, sliced: bool) -> list[list[tuple[int, Box, bool]]]:
+    """The reads of one leaf, in rounds of at most about `slab_bytes`: per round, per box
+    read, `(index in leaf.boxes, box or slab, whether it is a slab)`.
+
+    Boxes that are each one contiguous range of the file are read one per round (a box
+    larger than `slab_bytes` in slabs of rows, as `restore` does). Boxes made of many
+    runs (a column-sharded tensor: each row's blocks side by side in the file) are read
+    together, so that their runs coalesce into few requests: all in one round when they
+    fit, else slab `k` of every box in round `k`.
+    """
+    boxes = [b for b, _ in leaf.boxes]
+    nbytes = [b.size * item for b in boxes]
+    if not sliced:  # a host leaf: the whole tensor at once
+        return [[(0, boxes[0], False)]]
+    strided = len(boxes) > 1 and any(len(_files.box_runs(b, leaf.entry.shape)[1]) > 1 for b in boxes if b.size)
+    if not strided:
+        out = []
+        for k, b in enumerate(boxes):
+            slabs = row_slabs(b, item, slab_bytes) if b.size else [b]
+            out += [[(k, s, len(slabs) > 1)] for s in slabs]
+        return out
+    if sum(nbytes) <= slab_bytes:
+        return [[(k, b, False) for k, b in enumerate(boxes)]]
+    per = [row_slabs(b, item, max(1, slab_bytes // len(boxes))) if b.size else [b] for b in boxes]
+    return [[(k, s[r], len(s) > 1) for k, s in enumerate(per) if r < len(s)] for r in range(max(len(s) for s in per))]
+
+
+def _read_leaf(storage: Storage, leaf: _Leaf, budget: _Budget, slab_bytes: int, counter: _Counter, options: RestoreOptions) -> object:
     """Reads one leaf's boxes and places them; returns its restored value."""
     e, lt = leaf.entry, leaf.target
     sharding = lt.sharding
@@ -295,45 +402,46 @@ def _read_leaf(storage: Storage, leaf: _Leaf, budget: _Budget, slab_bytes: int, 
         devices = {d.id: jax.sharding.SingleDeviceSharding(d, memory_kind=sharding.memory_kind) for d in addressable}
     dtype = lt.dtype if lt.dtype is not None else e.dtype
     placed: dict[int, Any] = {}
+    bufs: dict[int, dict[int, Any]] = {}  # box index -> device id -> device buffer of a box read in slabs
     try:
         reader = storage.open_reader(e.file)
     except FileNotFoundError as err:
         raise CorruptCheckpointError(f"{e.file} (tensor {e.name!r}) vanished while it was being restored") from err
     with reader:
-        for box, ids in leaf.boxes:
-            # A host leaf is the whole tensor, in one buffer: it is the result.
-            slabs = row_slabs(box, e.dtype.itemsize, slab_bytes) if box.size and sharding is not None else [box]
-            bufs: dict[int, Any] | None = None
-            for slab in slabs:
-                cost = max(1, slab.size * e.dtype.itemsize) * _COPIES_IN_FLIGHT
-                budget.acquire(cost)
+        how = _Requests.of(options, reader)
+        for group in _rounds(leaf, e.dtype.itemsize, slab_bytes, sharding is not None):
+            cost = max(1, sum(s.size for _, s, _ in group) * e.dtype.itemsize) * _COPIES_IN_FLIGHT
+            budget.acquire(cost)
+            try:
                 try:
-                    try:
-                        host = _read_box(reader, e, slab, counter)
-                    except EOFError as err:
-                        raise CorruptCheckpointError(f"{e.file}: tensor {e.name!r} ends early ({err}). Download it again.") from err
+                    hosts = _read_boxes(reader, e, [s for _, s, _ in group], counter, how)
+                except EOFError as err:
+                    raise CorruptCheckpointError(f"{e.file}: tensor {e.name!r} ends early ({err}). Download it again.") from err
+                for (k, slab, is_slab), host in zip(group, hosts, strict=True):
                     if lt.dtype is not None:
                         with np.errstate(all="ignore"):  # the cast was asked for
                             host = host.astype(lt.dtype)
                     if sharding is None:
                         return host
-                    if len(slabs) == 1:
+                    box, ids = leaf.boxes[k]
+                    if not is_slab:
                         first, *rest = ids
                         placed[first] = jax.device_put(host, devices[first])
                         for d in rest:
                             placed[d] = jax.device_put(placed[first], devices[d])
                     else:
-                        if bufs is None:
-                            bufs = {d: jnp.zeros(box.shape, dtype, device=devices[d]) for d in ids}
+                        mine = bufs.setdefault(k, {})
+                        if not mine:
+                            mine.update({d: jnp.zeros(box.shape, dtype, device=devices[d]) for d in ids})
                         offsets = tuple(s.start for s in slab.relative_to(box))
                         for d in ids:
-                            bufs[d] = _update(bufs[d], jax.device_put(host, devices[d]), offsets)
-                            bufs[d].block_until_ready()
-                    del host
-                finally:
-                    budget.release(cost)
-            if bufs is not None:
-                placed.update(bufs)
+                            mine[d] = _update(mine[d], jax.device_put(host, devices[d]), offsets)
+                            mine[d].block_until_ready()
+                del hosts
+            finally:
+                budget.release(cost)
+    for mine in bufs.values():
+        placed.update(mine)
     assert sharding is not None
     every: set[Any] = sharding.addressable_devices  # Any: no Device stubs
     ordered = sorted(every, key=lambda d: d.id)
@@ -353,7 +461,7 @@ def _read_leaves(storage: Storage, leaves: list[_Leaf], options: RestoreOptions,
     x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]  # worker threads see the caller's x64
     workers = max(4, 2 * (os.cpu_count() or 2))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {leaf.index: pool.submit(_with_x64, x64, _read_leaf, storage, leaf, budget, slab_bytes, counter) for leaf in leaves}
+        futures = {leaf.index: pool.submit(_with_x64, x64, _read_leaf, storage, leaf, budget, slab_bytes, counter, options) for leaf in leaves}
         try:
             results = {i: f.result() for i, f in futures.items()}
         finally:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import struct
 from collections.abc import Sequence
@@ -29,13 +28,18 @@ from collections.abc import Sequence
 import numpy as np
 
 from .._errors import CorruptCheckpointError, UnsupportedValueError
-from .._format import Box
+from .._format import Box, load_json
 from .._storage import Storage
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 METADATA_KEY = "__metadata__"
 MAX_HEADER_BYTES = 100_000_000  # the `safetensors` package's limit on N
+# A header is {name: {dtype, shape, data_offsets}, __metadata__: {str: str}}: 3 levels.
+HEADER_MAX_DEPTH = 8
+# numpy's bounds on an array (np.empty refuses more, even with a zero size: `[0, 2**62]`).
+MAX_RANK = 32
+_MAX_INDEXABLE_BYTES = np.iinfo(np.intp).max
 # Packed codes the format defines (several values per byte), which are not read here.
 _PACKED_CODES = ("F4", "F6_E2M3", "F6_E3M2")
 # Every dtype numpy or ml_dtypes has that safetensors might name (`dtype_codes` asks the package).
@@ -84,7 +88,7 @@ def dtype_codes() -> dict[str, np.dtype]:
         except Exception:  # this version of safetensors lacks the dtype
             continue
         n = struct.unpack("<Q", raw[:8])[0]
-        out[json.loads(raw[8 : 8 + n])["x"]["dtype"]] = dtype
+        out[load_json(raw[8 : 8 + n], what="a safetensors header")["x"]["dtype"]] = dtype
     return out
 
 
@@ -110,9 +114,10 @@ def parse_header(file: str, header: bytes, *, data_offset: int) -> tuple[dict[st
     if not header.startswith(b"{"):
         raise _corrupt(file, "the header does not start with '{'")
     try:
-        obj = json.loads(header.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _corrupt(file, f"the header is not UTF-8 JSON ({e})") from e
+        header.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _corrupt(file, f"the header is not UTF-8 ({e})") from e
+    obj = load_json(header, what=f"{file} (its safetensors header)", max_bytes=MAX_HEADER_BYTES, max_depth=HEADER_MAX_DEPTH)
     if not isinstance(obj, dict):
         raise _corrupt(file, "the header is not a JSON object")
     codes = dtype_codes()
@@ -135,6 +140,8 @@ def parse_header(file: str, header: bytes, *, data_offset: int) -> tuple[dict[st
             raise _corrupt(file, f"{what} has data_offsets {offsets!r}, not [begin, end]")
         begin, end = offsets
         spans.append((begin, end, name))
+        if not isinstance(code, str):
+            raise _corrupt(file, f"{what} has dtype {code!r}, not a dtype code (a string such as 'F32')")
         if code in _PACKED_CODES:
             packed[name] = (code, "a packed sub-byte dtype")
             continue
@@ -142,6 +149,9 @@ def parse_header(file: str, header: bytes, *, data_offset: int) -> tuple[dict[st
             raise _corrupt(file, f"{what} has dtype {code!r}, which safetensors does not define (known: {', '.join(sorted(codes))})")
         dtype = codes[code]
         nbytes = math.prod(shape) * dtype.itemsize
+        if len(shape) > MAX_RANK or math.prod(max(s, 1) for s in shape) * dtype.itemsize > _MAX_INDEXABLE_BYTES:
+            raise _corrupt(file, f"{what} has shape {tuple(shape)} of dtype {code}, beyond what an array holds "
+                                 f"(rank at most {MAX_RANK}, at most {_MAX_INDEXABLE_BYTES} bytes ignoring zero sizes)")
         if end - begin != nbytes:
             raise _corrupt(file, f"{what} of shape {tuple(shape)} and dtype {code} needs {nbytes} bytes, its data_offsets "
                                  f"{offsets} hold {end - begin}")
@@ -180,6 +190,8 @@ def read_file_header(storage: Storage, file: str, counter: list[int]) -> tuple[d
     n = struct.unpack("<Q", head)[0]
     if n > MAX_HEADER_BYTES:
         raise _corrupt(file, f"its header size says {n} bytes, more than the format's limit {MAX_HEADER_BYTES}")
+    if storage.cheap_size and n > (found := storage.size(file)) - 8:  # before reading (a read allocates n first)
+        raise _corrupt(file, f"its header size says {n} bytes, the file holds {max(found - 8, 0)} after it")
     header = storage.read_range(file, 8, n) if n else b""
     counter[0] += len(header)
     if len(header) != n:
@@ -226,7 +238,7 @@ def files_of(storage: Storage, path: str, counter: list[int]) -> tuple[list[str]
         return [single], None, None
     counter[0] += len(raw)
     try:
-        weight_map = json.loads(raw)["weight_map"]
+        weight_map = load_json(raw, what=index, max_bytes=MAX_HEADER_BYTES, max_depth=HEADER_MAX_DEPTH)["weight_map"]
         if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
             raise ValueError("weight_map is not an object of file names")
     except (ValueError, KeyError, TypeError) as e:
@@ -296,27 +308,3 @@ def box_runs(box: Box, shape: Sequence[int]) -> tuple[int, np.ndarray]:
     for d in range(j):  # outer dims: every index of the box along each
         starts = starts[..., None] + (np.arange(box.origin[d], box.origin[d] + box.shape[d], dtype=np.int64) * strides[d])
     return run, starts.reshape(-1)
-
-
-def coalesce(starts_bytes: np.ndarray, run_bytes: int, max_gap_bytes: int, max_waste_bytes: int) -> list[tuple[int, int]]:
-    """Groups consecutive runs into reads that skip small gaps (read and thrown away).
-
-    Args:
-      starts_bytes: each run's first byte in the file, ascending.
-      run_bytes: bytes per run.
-      max_gap_bytes: a gap at most this long is read with its runs.
-      max_waste_bytes: all gaps read, together, stay within this.
-    Returns:
-      (index of the first run, number of runs) of each read, in order.
-    """
-    groups: list[tuple[int, int]] = []
-    waste, first = 0, 0
-    gaps = np.diff(starts_bytes) - run_bytes
-    for i, gap in enumerate(gaps.tolist()):
-        if 0 <= gap <= max_gap_bytes and waste + gap <= max_waste_bytes:
-            waste += gap
-            continue
-        groups.append((first, i + 1 - first))
-        first = i + 1
-    groups.append((first, len(starts_bytes) - first))
-    return groups

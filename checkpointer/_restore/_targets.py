@@ -154,12 +154,12 @@ def resolve_target(meta: ArrayMetadata, target: object, path: str, *, concrete: 
             data = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0, impl=meta.key_impl)))
         except (ValueError, TypeError, KeyError) as e:
             raise CorruptCheckpointError(
-                f"{where(leaf=meta.path, path=path)}: unknown PRNG key impl {meta.key_impl!r:.100} ({e})"
+                f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: unknown PRNG key impl {meta.key_impl!r:.100} ({e})"
             ) from e
         key_dims = len(data.shape)
         if meta.shape[len(meta.shape) - key_dims :] != tuple(data.shape) or meta.dtype != data.dtype:
             raise CorruptCheckpointError(
-                f"{where(leaf=meta.path, path=path)}: a {meta.key_impl} key array needs key data of trailing "
+                f"{where(leaf=meta.path, keystr=meta.keystr, path=path)}: a {meta.key_impl} key array needs key data of trailing "
                 f"shape {tuple(data.shape)} and dtype {data.dtype}; the manifest says {meta.shape} {meta.dtype}"
             )
         stored_shape = meta.shape[: len(meta.shape) - key_dims]

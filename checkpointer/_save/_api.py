@@ -53,7 +53,7 @@ def save(
         (a token bucket paced per chunk write, see `_ratelimit`); None: unlimited.
       pack_small_leaves_bytes: leaves whose chunks (saved shards) hold at most this
         many bytes are packed into one zarr array per process (`packed/process-<i>`,
-        see `_pack` and the README's on-disk layout) instead of an array each; None:
+        see `_pack` and docs/format.md) instead of an array each; None:
         256 KiB; 0 writes every leaf as its own zarr array (the layout of release 0.1).
       direct_io: how local files are written: "auto" writes the zarr shard files and
         packs with `O_DIRECT` (past the page cache, the bytes TensorStore would write)
@@ -115,9 +115,12 @@ def save_async(
     until `ckpt.release_host_buffers()`.
 
     Returns:
-      An `AsyncSave`: `.wait(timeout=None)` returns when committed and raises the
-      background error if there was one; `.done()`. A failure that no `wait()` raised
-      is logged at ERROR when the handle is garbage-collected or at exit.
+      An `AsyncSave`, which is a `concurrent.futures.Future`: `.wait(timeout=None)`
+      returns when committed and raises the background error if there was one;
+      `.result(timeout)` returns the path once committed (raises as `wait`),
+      `.exception()`, `.add_done_callback(fn)`, `.done()`, `.error`. A failure that no
+      `wait()`, `result()` or `exception()` saw is logged at ERROR when the handle is
+      garbage-collected or at exit.
     Raises:
       As `save`, for what is checked before the snapshot.
 
@@ -128,6 +131,5 @@ def save_async(
         direct_io, _incremental.check_option(incremental),
     )
     limiter = _storage.limiter_for(max_write_bytes_per_s)  # raises before the snapshot
-    snap = take_snapshot(path, tree, options, step=_step_from_path(path), buffers=shared_pool())
-    snap.write_limiter = limiter
+    snap = take_snapshot(path, tree, options, step=_step_from_path(path), buffers=shared_pool(), write_limiter=limiter)
     return AsyncSave(snap)

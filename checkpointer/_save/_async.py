@@ -1,7 +1,9 @@
-"""`AsyncSave`: the handle of a save whose write and commit run on a background thread."""
+"""`AsyncSave`: the handle of a save whose write and commit run on a background thread;
+a `concurrent.futures.Future` resolved when the save is committed (or failed)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -91,16 +93,32 @@ def _finish(
             outcome.error_text = f"{type(error).__name__}: {error}"
             if outcome.abandoned:
                 outcome.log_unobserved()
-    if on_finish is not None and handle is not None:
-        on_finish(handle)
+    try:
+        if on_finish is not None and handle is not None:
+            on_finish(handle)
+    finally:
+        # Resolved last: a done-callback or `result()` sees the manager's bookkeeping done.
+        if handle is not None:
+            if error is None:
+                handle.set_result(handle.path)
+            else:
+                handle.set_exception(error)
 
 
-class AsyncSave:
+class AsyncSave(concurrent.futures.Future[str]):
     """A save in flight. Created by `save_async` once the host snapshot is taken.
 
     Two moments matter (as in `jax.experimental.array_serialization`): the snapshot,
     after which the caller may donate or change the arrays (already past when you hold
     this handle), and the commit, which `wait()` waits for.
+
+    It is a `concurrent.futures.Future` (as torch's `async_save` returns), resolved
+    when the background work ends: `result(timeout)` returns the checkpoint path once
+    committed and raises the save's error (`SaveError`, ...) otherwise; `exception()`,
+    `add_done_callback(fn)` (called on the save thread, or at once when done),
+    `done()`, and `concurrent.futures.wait` / `as_completed` work as for any future.
+    It is running from the start, so `cancel()` returns False: a save in flight is
+    not cancelled. `wait()` and `error` are the library's own, as before.
     """
 
     def __init__(
@@ -111,6 +129,8 @@ class AsyncSave:
         after_publish: Callable[[], object] | None = None,
         runner: Callable[[Snapshot, Callable[[], object] | None], None] = run_background,
     ) -> None:
+        super().__init__()
+        self.set_running_or_notify_cancel()  # running: cancel() is refused
         self.snapshot = snap
         self.path = snap.path
         self.started_s = time.monotonic()
@@ -141,8 +161,39 @@ class AsyncSave:
         return self._outcome.finished_s
 
     def done(self) -> bool:
-        """Whether the background work has finished (committed or failed)."""
-        return not self._thread.is_alive()
+        """Whether the background work has finished (committed or failed): the future
+        is resolved."""
+        return super().done()
+
+    def result(self, timeout: float | None = None) -> str:
+        """The checkpoint path, once committed (`concurrent.futures.Future.result`).
+
+        Args:
+          timeout: seconds to wait at most; None waits for as long as it takes.
+        Raises:
+          TimeoutError: still running after `timeout` seconds (the save goes on).
+          CheckpointError (SaveError, CommitTimeoutError, ...): the background failed;
+            nothing was committed.
+
+        Multi-process: as `wait`.
+        """
+        try:
+            return super().result(timeout)
+        except BaseException as e:
+            if e is self._error:
+                self._observed()
+            raise
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The background error once failed, None once committed (waits as `result`)."""
+        error = super().exception(timeout)
+        if error is not None:
+            self._observed()
+        return error
+
+    def _observed(self) -> None:
+        with self._outcome.lock:
+            self._outcome.observed = True
 
     def join(self, timeout: float | None = None) -> bool:
         """Waits until the background work has finished, without raising its error.
@@ -173,8 +224,7 @@ class AsyncSave:
         if not self.join(timeout):
             raise TimeoutError(f"save of {self.path} still running after {timeout} s")
         if self._error is not None:
-            with self._outcome.lock:
-                self._outcome.observed = True
+            self._observed()
             raise self._error
 
     @property

@@ -16,14 +16,16 @@ reference the base" or "write", from
   every save where everything changes a second pass), against the hash of the base's
   bytes, read back once; the new reference keeps the hash for the next save.
 
-Where the crc32c comes from: today the writer computes it while encoding each zarr
-shard file (`_encoding._write._encode`), i.e. after the decision is needed, so
-`split` computes it itself, one crc32c pass over each chunk of a leaf that has a base
-(~0.08 CPU-s/GiB here), and skips that pass for a leaf that changed entirely at its last
-check for `RECHECK_EVERY` saves (a pretraining loop pays 1/8 of a pass). Once the
-snapshot copy computes the per-inner-chunk crc32c in its single pass (the one-copy
-issue), `split` takes the chunk's crc32c from there (combined with `_encoding._crc`),
-this pass and `RECHECK_EVERY` disappear; the decision stays here.
+Where the crc32c comes from: where the snapshot copied a chunk straight into its zarr
+shard file (`_encoding.ShardImage`: the CPU backend or numpy leaves, saved to local
+files), from that copy's own pass (`ShardImage.data_crc32c`, combined from its rows'
+crc32c with `_encoding._crc`): the check costs nothing more until a chunk's crc32c
+matches. Elsewhere (accelerators' `pinned_host`/host copies, object stores, buffered
+writes, `direct_io=False`: host arrays the writer checksums only while encoding, after
+the decision is needed) `split` runs one crc32c pass of its own over each chunk of a leaf
+that has a base (~0.08 CPU-s/GiB here), and skips that pass for a leaf that changed
+entirely at its last check for `RECHECK_EVERY` saves (a pretraining loop pays 1/8 of a
+pass). A leaf whose chunks are all images is checked on every save (no pass to save).
 
 Not deduplicated: packed small leaves (`_pack`: their pack is rewritten, at most
 `pack_small_leaves_bytes` per leaf), dtypes the byte-range reader does not decode
@@ -38,14 +40,14 @@ import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
 import xxhash
 
 from .. import _commit, _encoding, _format
-from .._errors import CheckpointError, SaveError
+from .._errors import CheckpointError, CheckpointExistsError, SaveError
 from .._format import ArrayMetadata, Box, CheckpointMetadata, ChunkRef
 from .._storage import Storage
 
@@ -59,8 +61,8 @@ _IDENTITY_LOCK = threading.Lock()
 # changes): directory key, leaf path -> saves since that check. Such a leaf is written
 # without the crc32c pass until RECHECK_EVERY saves have passed, so the check costs a loop
 # where everything changes 1/RECHECK_EVERY of a crc32c pass, and a leaf that stops changing
-# is referenced again within RECHECK_EVERY saves. Unneeded once the snapshot gives the
-# crc32c for free (the one-copy issue): then every leaf is checked every save.
+# is referenced again within RECHECK_EVERY saves. Only for leaves with chunks that are no
+# `ShardImage` (whose crc32c is a pass of its own): an image's crc32c came with the snapshot.
 RECHECK_EVERY = 8
 # The chunk crc32c of the last few bases, by (storage, path, generation): a training loop
 # reads each base's process records once, not on every save.
@@ -91,7 +93,7 @@ def weak_arrays(leaves: Sequence[tuple[str, object]]) -> dict[str, weakref.ref]:
     return out
 
 
-def remember(storage: Storage, path: str, generation: str, arrays: dict[str, weakref.ref]) -> None:
+def remember(storage: Storage, path: str, generation: str, arrays: Mapping[str, weakref.ref]) -> None:
     """After a commit: the jax.Arrays this process just saved to `path` (`weak_arrays`),
     for the next incremental save's identity check."""
     parent, name = path.rstrip("/").rsplit("/", 1)
@@ -122,7 +124,6 @@ class Base:
     meta: CheckpointMetadata
     crcs: dict[str, int]  # chunk key -> data_crc32c of the chunks the base holds itself
     same: dict[str, weakref.ref]  # leaf path -> the jax.Array the base saved (this process)
-    stats: Stats = dataclasses.field(default_factory=Stats)
 
     @property
     def generation(self) -> str:
@@ -160,29 +161,33 @@ class Base:
         except Exception:  # a deleted or foreign array: checked by content instead
             return False
 
-    def refs_by_identity(self, meta: ArrayMetadata, chunks: Sequence[tuple[int, ...]]) -> list[ChunkRef] | None:
-        """References for every chunk of a leaf unchanged by identity (None: a chunk
-        the base's records do not know, so the leaf is checked by content instead)."""
+    def identical(self, meta: ArrayMetadata, leaf: object, chunks: Sequence[tuple[int, ...]]) -> tuple[ChunkRef, ...] | None:
+        """References for every chunk of a leaf unchanged by identity, or None: the
+        leaf is not (`unchanged_by_identity`), or a chunk the base's records do not know
+        (the leaf is then checked by content)."""
         b = self.leaf(meta)
-        assert b is not None
+        if b is None or not self.unchanged_by_identity(meta, leaf):
+            return None
         refs = [self._ref(b, tuple(c), None, None) for c in chunks]
         if any(r is None for r in refs):
             return None
-        self.stats.chunks_by_identity += len(refs)
-        return [r for r in refs if r is not None]
+        return tuple(r for r in refs if r is not None)
 
-    def split(self, meta: ArrayMetadata, chunks: Sequence[tuple[tuple[int, ...], Box, np.ndarray]]):
+    def split(self, meta: ArrayMetadata, chunks: Sequence[tuple[tuple[int, ...], Box, np.ndarray | _encoding.ShardImage]],
+              stats: Stats) -> tuple[list, list[ChunkRef]]:
         """The seam: `(chunks to write, references)` of one leaf's chunks `(chunk index,
-        box, host bytes)`, deciding by content (module docstring)."""
+        box, host copy)` (a host array of the box, or its `ShardImage`), deciding by
+        content (module docstring); adds what it found and cost to `stats`."""
         b = self.leaf(meta)
         if b is None:
             return list(chunks), []
         key = (self.path.rsplit("/", 1)[0], meta.path)
+        passes = any(not isinstance(host, _encoding.ShardImage) for _, _, host in chunks)  # a crc32c pass of its own
         with _IDENTITY_LOCK:
-            since = _CHANGING.get(key)
+            since = _CHANGING.get(key) if passes else None
             if since is not None and since + 1 < RECHECK_EVERY:
                 _CHANGING[key] = since + 1
-                self.stats.chunks_changed += len(chunks)
+                stats.chunks_changed += len(chunks)
                 return list(chunks), []  # changed at its last check: written without looking
         write, refs = [], []
         reader = None
@@ -190,40 +195,93 @@ class Base:
             cell = tuple(chunk_index)
             old = b.references.get(cell)
             base_crc = old.data_crc32c if old is not None else self.crcs.get(_format.chunk_key(b.path, cell))
-            if base_crc is None or host.size == 0:
+            image = host if isinstance(host, _encoding.ShardImage) else None
+            nbytes = image.data_bytes if image is not None else host.nbytes
+            if base_crc is None or nbytes == 0:
                 write.append((chunk_index, box, host))
                 continue
-            crc = _format.data_crc32c(host)  # moves to the snapshot's pass with the one-copy issue
-            self.stats.bytes_hashed += host.nbytes
+            if image is not None:
+                crc = image.data_crc32c  # the snapshot's pass
+            else:
+                crc = _format.data_crc32c(np.asarray(host))
+                stats.bytes_hashed += nbytes
             if crc != base_crc:
-                self.stats.chunks_changed += 1
+                stats.chunks_changed += 1
                 write.append((chunk_index, box, host))
                 continue
-            h = xxh3_128(host)
-            self.stats.bytes_hashed += host.nbytes
+            h = _xxh3_128_of(meta, box, host)
+            stats.bytes_hashed += nbytes
             if old is not None and old.xxh3_128 is not None:
                 same = h == old.xxh3_128
-                self.stats.chunks_by_hash += same
+                stats.chunks_by_hash += same
             else:  # the first time: compare with the bytes where they lie (following the base's reference), once
                 if reader is None:
                     reader = _encoding.region_reader(self.storage, self.path, b)
                 theirs = reader(box)  # crc32c-checked by the reader, inner chunk by inner chunk
-                self.stats.bytes_compared += host.nbytes
-                same = theirs.shape == host.shape and xxh3_128(theirs) == h
-                self.stats.chunks_by_comparison += same
+                stats.bytes_compared += nbytes
+                same = tuple(theirs.shape) == tuple(box.shape) and xxh3_128(theirs) == h
+                stats.chunks_by_comparison += same
             ref = self._ref(b, cell, crc, h) if same else None
             if ref is None:
-                self.stats.chunks_changed += 1
+                stats.chunks_changed += 1
                 write.append((chunk_index, box, host))
             else:
-                self.stats.bytes_referenced += host.nbytes
+                stats.bytes_referenced += nbytes
                 refs.append(ref)
-        with _IDENTITY_LOCK:
-            if write and not refs:
-                _CHANGING[key] = 0
-            else:
-                _CHANGING.pop(key, None)
+        if passes:
+            with _IDENTITY_LOCK:
+                if write and not refs:
+                    _CHANGING[key] = 0
+                else:
+                    _CHANGING.pop(key, None)
         return write, refs
+
+
+def _xxh3_128_of(meta: ArrayMetadata, box: Box, host: np.ndarray | _encoding.ShardImage) -> str:
+    """XXH3-128 of a chunk's C-order bytes, from its host array or read back from its image."""
+    if not isinstance(host, _encoding.ShardImage):
+        return xxh3_128(host)
+    h = xxhash.xxh3_128()
+    for piece in _encoding.image_data(host, meta.layout, tuple(box.shape), meta.dtype):
+        h.update(piece.data)
+    return h.hexdigest()
+
+
+def chunks_to_write(base: Base | None, meta: ArrayMetadata, chunks: list, identical: Sequence[ChunkRef] | None,
+                    references: list[tuple[str, ChunkRef]], stats: Stats) -> list:
+    """The chunks of one leaf to write (`chunks`, each `(chunk index, box, host copy)`,
+    all of them for a save that is not incremental); the references made instead are
+    appended to `references` (`(leaf path, ChunkRef)`): `identical`, those of a leaf
+    unchanged by identity (nothing was copied), else what `base.split` found."""
+    if identical is not None:
+        stats.chunks_by_identity += len(identical)
+        references += [(meta.path, r) for r in identical]
+        return []
+    if base is None:
+        return chunks
+    chunks, refs = base.split(meta, chunks, stats)  # the equality check's one seam
+    references += [(meta.path, r) for r in refs]
+    return chunks
+
+
+def with_references(arrays: Sequence[ArrayMetadata], refs: dict[str, dict[tuple[int, ...], ChunkRef]]) -> list[ArrayMetadata]:
+    """The manifest's leaves with every process's references (`gather`)."""
+    return [dataclasses.replace(m, references=refs[m.path]) if m.path in refs else m for m in arrays]
+
+
+def check_unreferenced(storage: Storage, path: str, pidx: int) -> None:
+    """Refuses to replace the committed checkpoint `path` that others reference.
+
+    Raises:
+      CheckpointExistsError: naming the referencing checkpoints.
+    """
+    users = referencing(storage, path)
+    if users:
+        raise CheckpointExistsError(
+            f"cannot replace {path} (process {pidx}): the committed checkpoints {users} of the same directory reference "
+            "its chunks (incremental saves), and replacing it would leave them without their data. Save to a new "
+            "step, or delete the referencing steps first"
+        )
 
 
 def _encoding_reads_directly(dtype: np.dtype) -> bool:

@@ -6,7 +6,10 @@ background thread (see `_async.py`):
 1. `take_snapshot` (caller's thread, blocking): plans the whole tree (`_save_plan`:
    every process computes every process's chunks from the shardings' global device
    maps), then copies the chunks this process writes (whole shards, or the slices of a
-   replica-parallel split) to fresh host buffers.
+   replica-parallel split) to host memory, once: straight into their zarr shard files
+   where the shard is read in place and the files are local (`_encoding.fill_images`,
+   crc32c of every inner chunk in the same pass), else into host arrays of their boxes
+   (`_memory.snapshot_to_host`); into the buffers of a pool when given one.
 2. `write_snapshot` (any thread): writes the chunks into `<path>.partial-<generation>/`,
    durably (TensorStore's file driver fsyncs, or the direct writer of local files,
    `_encoding.start_write`), then `processes/<i>.json`.
@@ -22,7 +25,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -46,30 +50,76 @@ from .._format import (
     write_group_nodes,
 )
 from .._memory import HostBufferPool, snapshot_to_host
-from .._storage import FileLock, Storage, storage_for, ts_context
+from .._storage import FileLock, LocalStorage, Storage, storage_for, ts_context
 from . import _incremental
 from ._leaves import ArrayLeaf, chunk_data, describe_array, is_array
 from ._options import SaveOptions
 from ._plan import LeafAssignment, LeafWritePlan, plan_writes
 
 _DEFAULT_OPTIONS = SaveOptions()
+IMAGE = "shard_file"  # `copy_route_bytes`: copied straight into shard files (`_encoding.fill_images`)
 log = logging.getLogger("checkpointer")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LeafSnapshot:
-    """One array leaf's plan, metadata and this process's host copies (one per write)."""
+    """One array leaf's plan, metadata and this process's host copies (one per write).
+
+    `host` is the one list a snapshot changes after it is taken: `release_host` empties
+    it once the bytes are durable (the buffers go back to the pool or are freed)."""
 
     meta: ArrayMetadata
     plan: LeafWritePlan
-    host: list[np.ndarray]
-    pooled: list[bool] = dataclasses.field(default_factory=list)  # per host copy: a buffer of `Snapshot.buffers`
-    references: list | None = None  # incremental saves: every chunk unchanged by identity (`_incremental`), nothing copied
+    host: list[np.ndarray | _encoding.ShardImage]  # per write: a host array of its box, or its shard file
+    pooled: tuple[bool, ...] = ()  # per host copy: a buffer of `Snapshot.buffers`
+    # Incremental saves: every chunk unchanged by identity (`_incremental`), nothing copied.
+    references: tuple[_format.ChunkRef, ...] | None = None
 
 
 @dataclasses.dataclass
+class SaveResult:
+    """What writing and committing one snapshot produced, filled in by the thread that
+    writes it (`write_snapshot`, `run_background`, the local tier's runner) and read once
+    it is done (the manager's status, the journal).
+
+    Attributes:
+      write_s: seconds from the first write to every chunk durable and the record written.
+      commit_s: seconds of the commit sequence.
+      bytes_written: bytes of this process's chunk files.
+      phases_unix_s: wall-clock spans of this process's phases, name -> (start, end)
+        unix seconds: the snapshot's (`wait_for_arrays`, `snapshot`), then `write`,
+        `durable`, process 0's `wait` and `commit`; the record keeps this process's, the
+        manifest process 0's wait, `_timeline` draws them.
+      pack_index: this process's pack of small leaves, once written (`_pack`).
+      write_mode, write_mode_reason: "direct" or "buffered", and why
+        (`_encoding.write_context`), once writing.
+      lock: process 0's lock on `<partial>.lock` while writing.
+      references: incremental saves: the references this process made, `(leaf path,
+        ChunkRef)` (unchanged by identity, or found unchanged by `_incremental.Base.split`).
+      incremental: what the equality check of an incremental save found and cost.
+    """
+
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    bytes_written: int = 0
+    phases_unix_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    pack_index: PackRecord | None = None
+    write_mode: str | None = None
+    write_mode_reason: str | None = None
+    lock: FileLock | None = None
+    references: list[tuple[str, _format.ChunkRef]] = dataclasses.field(default_factory=list)
+    incremental: _incremental.Stats = dataclasses.field(default_factory=_incremental.Stats)
+
+
+@dataclasses.dataclass(frozen=True)
 class Snapshot:
-    """Everything the background needs to write and commit one save."""
+    """One save as planned and copied to host memory (immutable: `dataclasses.replace`
+    makes a variant, e.g. the local tier's), and `result`, what writing it produced.
+
+    The plan fields say what to write where (and how: `direct_io`, `write_limiter`,
+    `writes_array_metadata`); `snapshot_s`, `copied_bytes` and `copy_route_bytes` say what
+    the blocking snapshot did. Each leaf's `host` holds its host copies until they are
+    durable (`release_host`)."""
 
     storage: Storage
     path: str
@@ -85,29 +135,18 @@ class Snapshot:
     commit_timeout_s: float
     buffers: HostBufferPool | None = None
     per_process_state: object = None  # this process's JSON value, stored in its own record
-    lock: FileLock | None = None  # process 0's lock on `<partial>.lock` while writing
     write_limiter: _storage.TokenBucket | None = None  # max_write_bytes_per_s (None: unlimited)
     # Writes every array's zarr.json and the group nodes: process 0 (None), or every
     # process into its own folder (the local tier of `_tiers`: True).
     writes_array_metadata: bool | None = None
-    snapshot_s: float = 0.0
-    write_s: float = 0.0
-    commit_s: float = 0.0
-    bytes_written: int = 0
-    copied_bytes: int = 0  # bytes the snapshot copied to host memory (`_memory.HostCopies`)
-    copy_route_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # those bytes by route
-    # Wall-clock spans of this process's phases, name -> (start, end) unix seconds: the
-    # record keeps wait_for_arrays/snapshot/write/durable, the manifest process 0's wait, `_timeline` draws them.
-    phases_unix_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
-    pack_index: PackRecord | None = None  # this process's pack of small leaves, once written (`_pack`)
     direct_io: str | bool = "auto"  # `SaveOptions.direct_io`
-    write_mode: str | None = None  # once writing: "direct" or "buffered" (`_encoding.write_context`)
-    write_mode_reason: str | None = None  # why
-    # Incremental saves (`_incremental`): the checkpoint this save may reference, the
-    # references this process made (leaf path, ChunkRef), and the jax.Arrays it saved.
+    snapshot_s: float = 0.0  # the blocking call, the wait for the arrays included
+    copied_bytes: int = 0  # bytes the snapshot copied to host memory, each saved byte once
+    copy_route_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # those bytes by route (`IMAGE` included)
+    # Incremental saves: the checkpoint it may reference, the jax.Arrays it saves (weakly).
     base: _incremental.Base | None = None
-    references: list = dataclasses.field(default_factory=list)
-    saved_arrays: dict = dataclasses.field(default_factory=dict)
+    saved_arrays: Mapping[str, weakref.ref] = dataclasses.field(default_factory=dict)
+    result: SaveResult = dataclasses.field(default_factory=SaveResult)
 
     @property
     def partial_path(self) -> str:
@@ -177,13 +216,7 @@ def check_target(storage: Storage, path: str, pidx: int, overwrite: bool) -> Non
             "(CheckpointManager: force=True) to replace it atomically, or save to a new path"
         )
     if overwrite and _committed(storage, path):
-        users = _incremental.referencing(storage, path)
-        if users:
-            raise CheckpointExistsError(
-                f"cannot replace {path} (process {pidx}): the committed checkpoints {users} of the same directory reference "
-                "its chunks (incremental saves), and replacing it would leave them without their data. Save to a new "
-                "step, or delete the referencing steps first"
-            )
+        _incremental.check_unreferenced(storage, path, pidx)
 
 
 def _check_target_folder(storage: Storage, path: str, pidx: int) -> None:
@@ -209,10 +242,12 @@ def take_snapshot(
     *,
     step: int | None = None,
     buffers: HostBufferPool | None = None,
+    write_limiter: _storage.TokenBucket | None = None,
 ) -> Snapshot:
     """Plans the save, agrees on it with the other processes, and copies this process's
     shards to host memory (blocking). `options` as `ckpt.save`'s keyword arguments
-    (`max_write_bytes_per_s` is the writer's: `Snapshot.write_limiter`).
+    (`max_write_bytes_per_s` is the writer's: pass its bucket as `write_limiter`,
+    `_storage.limiter_for`, or a manager's bucket shared by its saves).
 
     The host buffers are real copies, never views of device buffers: once this returns
     the caller may donate, delete or overwrite the arrays. With `buffers`, the copies
@@ -232,7 +267,7 @@ def take_snapshot(
     agreed: list[str] = []
     try:
         with _memory.paused():  # many small objects: no full collections over the heap meanwhile
-            return _take_snapshot(ticket, agreed, path, tree, options, step=step, buffers=buffers)
+            return _take_snapshot(ticket, agreed, path, tree, options, step=step, buffers=buffers, write_limiter=write_limiter)
     except BaseException as e:
         if isinstance(e, SaveAgreementError):
             raise
@@ -255,7 +290,8 @@ def _check_per_process_state(value: object, path: str, pidx: int) -> object:
 
 
 def _take_snapshot(
-    ticket: int, agreed: list[str], path, tree, options: SaveOptions, *, step: int | None, buffers: HostBufferPool | None
+    ticket: int, agreed: list[str], path, tree, options: SaveOptions, *, step: int | None, buffers: HostBufferPool | None,
+    write_limiter: _storage.TokenBucket | None,
 ) -> Snapshot:
     overwrite, per_process_state = options.overwrite, options.per_process_state
     pack_bytes = _encoding.check_threshold(options.pack_small_leaves_bytes)
@@ -289,7 +325,8 @@ def _take_snapshot(
     # Every process plans every process's writes from the same global shard maps.
     assignments = _plan_tree(described)
     by_path = dict(leaves) if base is not None else {}
-    arrays: list[LeafSnapshot] = []
+    identical: list[tuple[_format.ChunkRef, ...] | None] = []  # per leaf: its references if unchanged by identity
+    planned: list[tuple[ArrayMetadata, LeafWritePlan]] = []
     device_data = []
     for d, assignment in zip(described, assignments):
         plan = assignment.for_process(pidx)
@@ -297,11 +334,9 @@ def _take_snapshot(
             d.shards.leaf_path, d.shards.shape, d.dtype, plan.chunk_shape, plan.inner_chunk_shape, d.saved, d.key_impl,
             d.kind, packed=_encoding.packs_leaf(d.shards.shape, plan.chunk_shape, d.dtype, pack_bytes),
         )
-        arrays.append(LeafSnapshot(meta, plan, []))
-        leaf_object = by_path.get(meta.path)
-        if base is not None and base.unchanged_by_identity(meta, leaf_object):  # unchanged: nothing to copy
-            arrays[-1].references = base.refs_by_identity(meta, [w.chunk_index for w in plan.writes])
-        device_data.append([] if arrays[-1].references is not None else [chunk_data(d, w) for w in plan.writes])
+        planned.append((meta, plan))
+        identical.append(base.identical(meta, by_path.get(meta.path), [w.chunk_index for w in plan.writes]) if base else None)
+        device_data.append([] if identical[-1] is not None else [chunk_data(d, w) for w in plan.writes])  # nothing to copy
         entries[meta.path] = meta.to_json()
     structure = describe(tree, is_array)
     # Wait for the computations that produce the leaves (JAX dispatches asynchronously: a
@@ -318,21 +353,64 @@ def _take_snapshot(
     )
     agreed.append(generation)
 
-    copies = snapshot_to_host([d for datas in device_data for d in datas], buffers)
-    hosts, pooled = iter(copies.arrays), iter(copies.pooled)
-    for leaf, datas in zip(arrays, device_data):
-        leaf.host = [next(hosts) for _ in datas]
-        leaf.pooled = [next(pooled) for _ in datas]
-    snap = Snapshot(
+    arrays, copied_bytes, route_bytes = _copy_to_host(storage, options, planned, device_data, buffers)
+    arrays = [dataclasses.replace(leaf, references=refs) if refs is not None else leaf for leaf, refs in zip(arrays, identical)]
+    return Snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
         overwrite=overwrite, commit_timeout_s=options.commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
-        direct_io=options.direct_io, copied_bytes=copies.copied_bytes, copy_route_bytes=copies.route_bytes,
         base=base, saved_arrays=_incremental.weak_arrays(leaves) if options.incremental else {},
+        write_limiter=write_limiter, direct_io=options.direct_io, copied_bytes=copied_bytes, copy_route_bytes=route_bytes,
+        snapshot_s=time.perf_counter() - t0,  # the whole blocking call, the wait for the arrays included
+        result=SaveResult(phases_unix_s={**snap_phases, "snapshot": (ready, time.time())}),
     )
-    snap.snapshot_s = time.perf_counter() - t0  # the whole blocking call, the wait for the arrays included
-    snap.phases_unix_s.update(snap_phases, snapshot=(ready, time.time()))
-    return snap
+
+
+def _as_images(storage: Storage, options: SaveOptions, meta: ArrayMetadata, datas: list) -> bool:
+    """Whether the snapshot copies this leaf's chunks straight into their shard files
+    (`_encoding.fill_images`): local files the direct writer may write (or, where the
+    file system refuses `O_DIRECT`, written through the page cache), a dtype it lays out,
+    a leaf of its own zarr array, every shard read in place (`_memory.reads_in_place`)."""
+    return (
+        isinstance(storage, LocalStorage) and options.direct_io is not False and not meta.packed
+        and _encoding.direct_supported(meta.dtype) and any(np.prod(d.shape) for d in datas)
+        and all(_memory.reads_in_place(d) for d in datas)
+    )
+
+
+def _copy_to_host(
+    storage: Storage, options: SaveOptions, planned: list[tuple[ArrayMetadata, LeafWritePlan]], device_data: list[list],
+    buffers: HostBufferPool | None,
+) -> tuple[list[LeafSnapshot], int, dict[str, int]]:
+    """The snapshot's one copy of every chunk this process writes: into its shard file
+    (`_as_images`), else into a host array of its box (`_memory.snapshot_to_host`).
+    Returns the leaves with their host copies, and the bytes copied, in all and by route."""
+    hosts: list[list] = [[None] * len(datas) for datas in device_data]
+    pooled: list[list[bool]] = [[False] * len(datas) for datas in device_data]
+    images: list[tuple[int, int]] = []  # (leaf, chunk) copied into shard files
+    boxes: list[tuple[int, int]] = []  # the others
+    for i, ((meta, _), datas) in enumerate(zip(planned, device_data)):
+        as_images = _as_images(storage, options, meta, datas)
+        for j, d in enumerate(datas):
+            (images if as_images and np.prod(d.shape) else boxes).append((i, j))
+    if buffers is not None and images:  # the pool's bound: the whole snapshot, shard files and boxes
+        buffers.note_snapshot(
+            sum(_encoding.image_bytes(planned[i][0].layout, tuple(device_data[i][j].shape)) for i, j in images)
+            + sum(np.dtype(device_data[i][j].dtype).itemsize * int(np.prod(device_data[i][j].shape)) for i, j in boxes)
+        )
+    copies = snapshot_to_host([device_data[i][j] for i, j in boxes], buffers)
+    for (i, j), host, pool_buffer in zip(boxes, copies.arrays, copies.pooled):
+        hosts[i][j], pooled[i][j] = host, pool_buffer
+    route_bytes = dict(copies.route_bytes)
+    if images:
+        take = (lambda n: buffers.take((n,), np.dtype(np.uint8), _memory.PAGE_ALIGN)) if buffers is not None else (
+            lambda n: _memory.page_aligned_empty((n,), np.dtype(np.uint8)))
+        made = _encoding.fill_images([(planned[i][0].layout, np.asarray(device_data[i][j])) for i, j in images], take)
+        for (i, j), image in zip(images, made):
+            hosts[i][j], pooled[i][j] = image, buffers is not None
+        route_bytes[IMAGE] = sum(image.data_bytes for image in made)
+    leaves = [LeafSnapshot(meta, plan, host, tuple(p)) for (meta, plan), host, p in zip(planned, hosts, pooled)]
+    return leaves, sum(route_bytes.values()), route_bytes
 
 
 def open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool) -> Any:
@@ -347,7 +425,7 @@ def begin_write(snap: Snapshot) -> None:
     creates the `processes/` folder of the write path."""
     if snap.process_index == 0 and snap.storage.supports_locks:
         snap.storage.makedirs(snap.partial_path.rsplit("/", 1)[0])
-        snap.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
+        snap.result.lock = snap.storage.lock(snap.partial_path + SAVE_LOCK_SUFFIX)
     snap.storage.makedirs(f"{snap.write_path}/{_format.PROCESSES}")
 
 
@@ -358,22 +436,22 @@ def chunk_record(meta: ArrayMetadata, chunk_index: Sequence[int], box: Box, data
 
 def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord], packed: PackRecord | None = None) -> ProcessRecord:
     """Once this process's chunks are durable: writes its `processes/<i>.json` (with
-    `snap.write_s` as measured, and the index of its pack of small leaves) and returns
+    `snap.result.write_s` as measured, and the index of its pack of small leaves) and returns
     the record."""
-    snap.bytes_written = sum(c.file_bytes for c in chunks if c.file_bytes is not None)
+    snap.result.bytes_written = sum(c.file_bytes for c in chunks if c.file_bytes is not None)
     record = ProcessRecord(
         process_index=snap.process_index,
         generation=snap.generation,
         chunks=tuple(chunks),
-        bytes_written=snap.bytes_written,
+        bytes_written=snap.result.bytes_written,
         snapshot_s=round(snap.snapshot_s, 6),
-        write_s=round(snap.write_s, 6),
-        write_mode=snap.write_mode,  # additive: absent in records of older versions
-        write_mode_reason=snap.write_mode_reason,
+        write_s=round(snap.result.write_s, 6),
+        write_mode=snap.result.write_mode,  # additive: absent in records of older versions
+        write_mode_reason=snap.result.write_mode_reason,
         per_process_state=snap.per_process_state,  # additive: absent when the save gave none
-        phases_unix_s=dict(snap.phases_unix_s) or None,
+        phases_unix_s=dict(snap.result.phases_unix_s) or None,
         packed=packed,  # additive: absent when this process packed nothing
-        references=tuple(_incremental.references_json(snap.references)) or None,  # additive: incremental saves
+        references=tuple(_incremental.references_json(snap.result.references)) or None,  # additive: incremental saves
     )
     snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps_large(record.to_json()))
     return record
@@ -385,7 +463,7 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
     Process 0 also writes every array's `zarr.json` and the group nodes of
     `_zarr_groups`. The chunks are written by each leaf's encoding
     (`_encoding.start_write`), direct or buffered as `snap.direct_io` and the file
-    system decide (`snap.write_mode`). Returns the record.
+    system decide (`snap.result.write_mode`). Returns the record.
 
     Raises:
       SaveError: a write failed (names the leaf, the path and the process).
@@ -400,26 +478,21 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
             snap.storage, root, snap.direct_io, process_index=snap.process_index, writes_array_metadata=meta_writer,
             limiter=snap.write_limiter,
         )
-        snap.write_mode, snap.write_mode_reason = ctx.mode, ctx.mode_reason
-        leaves = []
-        for leaf in snap.arrays:
-            chunks = [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)]
-            if leaf.references is not None:  # unchanged by identity
-                snap.references += [(leaf.meta.path, r) for r in leaf.references]
-            elif snap.base is not None:  # the equality check's one seam (`_incremental`)
-                chunks, refs = snap.base.split(leaf.meta, chunks)
-                snap.references += [(leaf.meta.path, r) for r in refs]
-            leaves.append(_encoding.LeafWrite(leaf.meta, chunks))
+        result = snap.result
+        result.write_mode, result.write_mode_reason = ctx.mode, ctx.mode_reason
+        leaves = [_encoding.LeafWrite(leaf.meta, _incremental.chunks_to_write(  # all, unless incremental
+            snap.base, leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)], leaf.references,
+            result.references, result.incremental)) for leaf in snap.arrays]
         finish = _encoding.start_write(snap.storage, root, leaves, ctx)
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays if not leaf.meta.packed])
         issued = time.time()  # every chunk write issued; "durable" waits for them all
         done, finish = finish(), None
-        snap.pack_index = done.packed
-        snap.write_s = time.perf_counter() - t0
-        snap.phases_unix_s.update(write=(wall0, issued), durable=(issued, time.time()))
+        snap.result.pack_index = done.packed
+        snap.result.write_s = time.perf_counter() - t0
+        snap.result.phases_unix_s.update(write=(wall0, issued), durable=(issued, time.time()))
         with _memory.paused():
-            return write_record(snap, done.chunks, snap.pack_index)
+            return write_record(snap, done.chunks, snap.result.pack_index)
     except BaseException as e:
         # Let the writes already issued finish before anyone removes the partial folder
         # (a creation still running would re-create files in it).
@@ -440,20 +513,20 @@ def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: b
     (`packed_processes`)."""
     with _memory.paused():
         if own_pack_only:
-            packed = [snap.pack_index] if snap.pack_index is not None else []
+            packed = [snap.result.pack_index] if snap.result.pack_index is not None else []
         else:
-            packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.pack_index, snap.process_count) if (
+            packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.result.pack_index, snap.process_count) if (
                 any(leaf.meta.packed for leaf in snap.arrays)) else []
         arrays = [leaf.meta for leaf in snap.arrays]
         if snap.base is not None:  # every process's references, by leaf (format_version 2 when any)
-            refs = _incremental.gather(snap.storage, snap.write_path, snap.process_index, snap.references,
-                                       1 if own_pack_only else snap.process_count, snap.base)
-            arrays = [dataclasses.replace(m, references=refs[m.path]) if m.path in refs else m for m in arrays]
+            arrays = _incremental.with_references(arrays, _incremental.gather(
+                snap.storage, snap.write_path, snap.process_index, snap.result.references,
+                1 if own_pack_only else snap.process_count, snap.base))
         return _format.dumps_large(manifest_json(
             step=snap.step, generation=snap.generation, process_count=snap.process_count,
             process_bytes_written=process_bytes, structure=snap.structure, arrays=arrays,
             values=snap.values, user_metadata=snap.user_metadata,
-            save_phases_unix_s={k: v for k, v in snap.phases_unix_s.items() if k == "wait"} or None,
+            save_phases_unix_s={k: v for k, v in snap.result.phases_unix_s.items() if k == "wait"} or None,
             packed=packed, packed_processes=[snap.process_index] if own_pack_only else None,
         ))
 
@@ -469,8 +542,7 @@ def committer(snap: Snapshot) -> _commit.Commit:
 def save_sync(path: str | os.PathLike, tree: object, options: SaveOptions, *, step: int | None = None) -> Snapshot:
     """take_snapshot, write_snapshot and commit on the caller's thread."""
     limiter = _storage.limiter_for(options.max_write_bytes_per_s)  # raises before the snapshot
-    snap = take_snapshot(path, tree, options, step=step)
-    snap.write_limiter = limiter
+    snap = take_snapshot(path, tree, options, step=step, write_limiter=limiter)
     run_background(snap)
     return snap
 
@@ -478,9 +550,11 @@ def save_sync(path: str | os.PathLike, tree: object, options: SaveOptions, *, st
 def release_host(snap: Snapshot) -> None:
     """Frees (or returns to its pool) the host copies of `snap`: its bytes are durable."""
     for leaf in snap.arrays:
-        host, leaf.host = leaf.host, []
+        host = list(leaf.host)
+        leaf.host.clear()
         if snap.buffers is not None and host:  # host copies adopted from jax are not the pool's
-            mine = [h for h, pooled in zip(host, leaf.pooled or [True] * len(host)) if pooled]
+            mine = [h.buffer if isinstance(h, _encoding.ShardImage) else h
+                    for h, pooled in zip(host, leaf.pooled or [True] * len(host)) if pooled]
             del host  # `give_back` pools only buffers that nothing else references
             snap.buffers.give_back(mine)
 
@@ -509,18 +583,17 @@ def run_background(
         t0 = time.perf_counter()
         commit.run(
             record.bytes_written, lambda process_bytes: manifest_bytes(snap, process_bytes), after_publish=after_publish,
-            phases=snap.phases_unix_s,
+            phases=snap.result.phases_unix_s,
         )
-        snap.commit_s = time.perf_counter() - t0
+        snap.result.commit_s = time.perf_counter() - t0
         if snap.saved_arrays:  # the next incremental save's identity check
             _incremental.remember(snap.storage, snap.path, snap.generation, snap.saved_arrays)
-            snap.saved_arrays = {}
     finally:
         release_host(snap)
-        if snap.lock is not None:
-            snap.lock.release(remove=True)
-            snap.lock = None
+        if snap.result.lock is not None:
+            snap.result.lock.release(remove=True)
+            snap.result.lock = None
     log.info(
         "saved %s: %.1f MiB written by process %d, snapshot %.3f s, write %.3f s, commit %.3f s",
-        snap.path, snap.bytes_written / 2**20, snap.process_index, snap.snapshot_s, snap.write_s, snap.commit_s,
+        snap.path, snap.result.bytes_written / 2**20, snap.process_index, snap.snapshot_s, snap.result.write_s, snap.result.commit_s,
     )

@@ -38,7 +38,7 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from .._errors import UnsupportedValueError
+from .._errors import UnsupportedValueError, leaf_name
 from .._format import Box, ShardFileLayout, grid_cells, inner_chunk_shape
 
 # Smallest chunk a replica-parallel split may produce, bytes: below it a box is written
@@ -237,7 +237,7 @@ def _group(spec: LeafShards, shard_chunk: tuple[int, ...]) -> dict[Box, dict[int
         )
         if s.box != expected:
             raise UnsupportedValueError(
-                f"leaf {spec.leaf_path!r}: shard {s.box} on device {s.device_id} is not the chunk {expected} of the "
+                f"leaf {leaf_name(spec.leaf_path)}: shard {s.box} on device {s.device_id} is not the chunk {expected} of the "
                 f"grid {shard_chunk}; shardings whose shards are not a regular grid are not supported. Reshard "
                 "the array with a NamedSharding before saving."
             )

@@ -176,7 +176,7 @@ def _write(
         chunks: list[ChunkRecord] = []
         for leaf, source in arrays:
             chunks += _write_leaf(snap, leaf.meta, source, progress)
-        snap.write_s = time.perf_counter() - t0
+        snap.result.write_s = time.perf_counter() - t0
         return _pipeline.write_record(snap, chunks)
     except (SaveError, UnsupportedValueError):
         raise
@@ -191,7 +191,7 @@ def _write_leaf(
     try:
         store = _pipeline.open_for_write(snap, meta, create=True).result()
     except Exception as e:
-        raise SaveError(f"{where(leaf=meta.path, path=root)}: cannot create the zarr array: {e}") from e
+        raise SaveError(f"{where(leaf=meta.path, keystr=meta.keystr, path=root)}: cannot create the zarr array: {e}") from e
     out: list[ChunkRecord] = []
     if 0 in meta.shape:
         return out
@@ -201,7 +201,7 @@ def _write_leaf(
         data = np.asarray(source.read(box))
         if data.shape != box.shape or data.dtype != meta.dtype:
             raise SaveError(
-                f"{where(leaf=meta.path, path=root)}: the source returned {data.shape} {data.dtype} for the region "
+                f"{where(leaf=meta.path, keystr=meta.keystr, path=root)}: the source returned {data.shape} {data.dtype} for the region "
                 f"{box}, expected {box.shape} {meta.dtype}"
             )
         try:
@@ -209,7 +209,7 @@ def _write_leaf(
             # without a copy of its own (one chunk less of host memory).
             store[box.slices()].write(data, can_reference_source_data_indefinitely=True).result()
         except Exception as e:
-            raise SaveError(f"{where(leaf=meta.path, path=root)}: writing chunk {cell} failed: {e}") from e
+            raise SaveError(f"{where(leaf=meta.path, keystr=meta.keystr, path=root)}: writing chunk {cell} failed: {e}") from e
         out.append(_pipeline.chunk_record(meta, cell, box, data))
         del data
         if progress is not None:

@@ -3,6 +3,7 @@ declared capabilities, ranged readers and one lock class) and write-rate pacing.
 """
 
 from .._errors import LockHeldError
+from ._coalesce import DEFAULT_MAX_OVER_READ_RATIO, DEFAULT_READ_CHUNK_BYTES, check_read_options, coalesce_ranges
 from ._contract import FileLock, Reader, Storage
 from ._direct import (
     ALIGN as DIRECT_ALIGN,
@@ -16,4 +17,4 @@ from ._kvstore import KvStorage, storage_for, ts_context
 from ._local import LocalStorage
 from ._ratelimit import TokenBucket, acquire, limiter_for
 
-__all__ = ['DIRECT_ALIGN', 'DirectFile', 'FileLock', 'KvStorage', 'LocalStorage', 'LockHeldError', 'Reader', 'Storage', 'TokenBucket', 'acquire', 'check_direct_io', 'limiter_for', 'probe_direct', 'storage_for', 'sync_folders', 'ts_context', 'write_direct_file']
+__all__ = ['DEFAULT_MAX_OVER_READ_RATIO', 'DEFAULT_READ_CHUNK_BYTES', 'DIRECT_ALIGN', 'DirectFile', 'FileLock', 'KvStorage', 'LocalStorage', 'LockHeldError', 'Reader', 'Storage', 'TokenBucket', 'acquire', 'check_direct_io', 'check_read_options', 'coalesce_ranges', 'limiter_for', 'probe_direct', 'storage_for', 'sync_folders', 'ts_context', 'write_direct_file']

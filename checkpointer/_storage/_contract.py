@@ -111,9 +111,14 @@ class Reader(abc.ABC):
         large where each read is a request (object stores), small (about an L2 cache)
         where a read is a system call, so the bytes are checked and copied while they
         are still in the CPU cache.
+      request_cost_bytes: what one more read costs, in bytes of transfer: a gap at most
+        this long between two ranges needed is read (and thrown away) rather than
+        making two reads (`coalesce_ranges`). About latency times bandwidth: 2 MiB
+        for object stores (tens of ms per request), 64 KiB for local files.
     """
 
     run_bytes: int = 16 << 20
+    request_cost_bytes: int = 2 << 20
 
     @abc.abstractmethod
     def size(self) -> int | None:

@@ -20,6 +20,8 @@ class _LocalReader(Reader):
     # 1 GiB fresh restore (2 cores): 16 MiB runs cost ~100 ms more CPU in the kernel's
     # copy and the crc32c check than 1 MiB runs (docs/DESIGN-decisions.md, issue 15).
     run_bytes = 1 << 20
+    # A system call and a page-cache copy: ~64 KiB of copying (a seek on a disk costs more).
+    request_cost_bytes = 64 << 10
 
     def __init__(self, path: str):
         self._fd: int | None = os.open(path, os.O_RDONLY)

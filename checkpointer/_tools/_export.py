@@ -44,8 +44,8 @@ import ml_dtypes
 import numpy as np
 
 from .. import _encoding
-from .._errors import CheckpointExistsError, StructureMismatchError, UnsupportedValueError
-from .._format import ArrayMetadata, Box, CheckpointMetadata, read_metadata, row_slabs
+from .._errors import CheckpointExistsError, StructureMismatchError, UnsupportedValueError, leaf_name
+from .._format import ArrayMetadata, Box, CheckpointMetadata, load_json, read_metadata, row_slabs
 from .._storage import Storage, storage_for
 from ._orbax_export import export_orbax
 
@@ -121,7 +121,7 @@ def tensor_names(meta: CheckpointMetadata, separator: str = ".") -> dict[str, st
         name = separator.join(_key_text(k) for k in keys.get(leaf_path, ())) or "array"
         if name in seen:
             raise UnsupportedValueError(
-                f"leaves {seen[name]!r} and {leaf_path!r} of {meta.path} would both be exported as {name!r}; "
+                f"leaves {meta.keystr(seen[name]) or '<root>'} and {meta.keystr(leaf_path) or '<root>'} of {meta.path} would both be exported as {name!r}; "
                 f"choose a separator that no key contains (separator={'/' if separator != '/' else ':'!r})"
             )
         seen[name] = leaf_path
@@ -134,7 +134,7 @@ def check_reserved(names: dict[str, str], fmt: str, path: str, keystrs: dict[str
     for leaf_path, name in names.items():
         if name in RESERVED_NAMES[fmt]:
             raise UnsupportedValueError(
-                f"leaf {keystrs.get(leaf_path) or leaf_path!r} of {path} would be exported as the tensor {name!r}, a name "
+                f"leaf {leaf_name(leaf_path, keystrs.get(leaf_path))} of {path} would be exported as the tensor {name!r}, a name "
                 f"{fmt} reserves (its header's metadata); nothing was written. Leave it out (leaves=/--leaves selects "
                 "the others), or export with --format npz"
             )
@@ -194,7 +194,7 @@ def safetensors_dtype(dtype: np.dtype) -> str | None:
     except Exception:
         return None
     n = struct.unpack("<Q", raw[:8])[0]
-    return json.loads(raw[8 : 8 + n])["x"]["dtype"]
+    return load_json(raw[8 : 8 + n], what="a safetensors header")["x"]["dtype"]
 
 
 def npz_supports(dtype: np.dtype) -> bool:
@@ -234,7 +234,7 @@ def _out_dtype(meta: ArrayMetadata, name: str, fmt: str, upcast: bool, path: str
     else:
         fix = f"pass --upcast (upcast=True) to export it as {wider}, exactly" if wider and ok(wider) else "export with --format npz"
         why = "safetensors has no such dtype"
-    raise UnsupportedValueError(f"tensor {name!r} (leaf {meta.path!r} of {path}) has dtype {meta.dtype}: {why}; "
+    raise UnsupportedValueError(f"tensor {name!r} (leaf {leaf_name(meta.path, meta.keystr)} of {path}) has dtype {meta.dtype}: {why}; "
                                 f"{fix or 'convert it in your own code'}")
 
 

@@ -59,6 +59,7 @@ from .._format import (
     zarr_supports_dtype,
 )
 from .._storage import Storage, storage_for
+from ._orbax_import import read_json
 
 log = logging.getLogger("checkpointer")
 
@@ -77,21 +78,6 @@ REGION_BYTES = 64 << 20  # the most bytes of one leaf in host memory; also the c
 SEQUENCE, DICT = 1, 2  # orbax's tree metadata KeyType
 _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
 _EMPTY_TYPES = {"dict": "Dict", "list": "List", "tuple": "Tuple"}  # others: "None", as Orbax without rich types
-
-
-# --- Orbax's JSON -----------------------------------------------------------------------------
-
-
-def read_orbax_json(storage: Storage, path: str) -> object:
-    """The JSON value of an Orbax metadata file (the one place this module parses JSON).
-
-    Raises:
-      CorruptCheckpointError: not valid JSON; names the file.
-    """
-    try:
-        return json.loads(storage.read_file(path))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from e
 
 
 def _dumps(obj: object) -> bytes:
@@ -321,7 +307,7 @@ def write_item(storage: Storage, src: str, meta: CheckpointMetadata, item: str) 
     storage.write_file(f"{item}/{METADATA_FILE}", _dumps({
         "tree_metadata": tree_metadata, "use_ocdbt": False, "use_zarr3": True,
         "store_array_data_equal_to_fill_value": True, "custom_metadata": None}))
-    back = read_orbax_json(storage, f"{item}/{METADATA_FILE}")  # what Orbax will read
+    back = read_json(storage, f"{item}/{METADATA_FILE}")  # what Orbax will read
     if not isinstance(back, dict) or len(back.get("tree_metadata", ())) != len(entries):
         raise OSError(f"{item}/{METADATA_FILE} does not read back as written")
     storage.write_file(f"{item}/{COMMIT_SUCCESS}", f"Checkpoint commit was successful to {item}".encode())

@@ -27,7 +27,7 @@ array, restored as a Python number), `string`, or for empty nodes `None`, `Dict`
 per item (`default/`, `state/`, ...).
 
 The import builds the tree as Orbax restores it without a target (dicts and lists,
-Python scalars), keeps each array's saved sharding and shard shape, and writes it with
+Python scalars; numpy scalars of other dtypes than Python's numbers keep their type), keeps each array's saved sharding and shard shape, and writes it with
 `_stream_save.save_leaf_by_leaf`: one chunk at a time, never the whole tree in memory.
 Typed PRNG keys keep their impl (restored as typed keys). An empty node Orbax wrote as
 `None` (optax's `EmptyState()`, any empty NamedTuple) stays a None leaf, listed as a
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
+import errno
 import logging
 import math
 import os
@@ -49,7 +49,7 @@ import numpy as np
 import tensorstore as ts
 
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
-from .._format import SavedSharding
+from .._format import MAX_JSON_BYTES, SavedSharding, load_json
 from .._save import ArraySource, RegionReader
 from .._storage import Storage, storage_for
 
@@ -90,16 +90,29 @@ def find_item(storage: Storage, src: str) -> str:
     )
 
 
+def read_json(storage: Storage, path: str) -> object:
+    """The JSON of the Orbax file at `path`, through the library's bounded parser.
+
+    Raises:
+      CorruptCheckpointError: not JSON, nested too deeply, or larger than `MAX_JSON_BYTES`
+        (refused before reading); names the file.
+    """
+    try:
+        raw = storage.read_file(path, max_bytes=MAX_JSON_BYTES)
+    except OSError as e:
+        if e.errno != errno.EFBIG:
+            raise
+        raise CorruptCheckpointError(f"{path} is larger than {MAX_JSON_BYTES} bytes: not an Orbax metadata file") from e
+    return load_json(raw, what=path)
+
+
 def _read_json_object(storage: Storage, path: str, *, required: bool) -> dict:
     """The JSON object in the file at `path`; {} when it is absent and not `required`."""
     if not storage.exists(path):
         if required:
             raise CheckpointNotFoundError(f"{path} is missing")
         return {}
-    try:
-        obj = json.loads(storage.read_file(path))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from e
+    obj = read_json(storage, path)
     if not isinstance(obj, dict):
         raise CorruptCheckpointError(f"{path} holds a JSON {type(obj).__name__}, expected an object")
     return obj
@@ -117,7 +130,7 @@ def _saved_sharding(raw: str | None, shape: tuple[int, ...]) -> tuple[SavedShard
     if raw is None:
         return None, shape
     try:
-        obj = json.loads(raw)
+        obj = load_json(raw, what="an Orbax sharding description")
         kind = obj.get("sharding_type")
         if kind == "NamedSharding":
             axes = tuple(str(a) for a in obj["axis_names"])
@@ -187,6 +200,20 @@ class OrbaxItem:
     prng_keys: tuple[str, ...]
 
 
+# The dtypes Orbax stores a Python bool, int, float or complex as: such a scalar comes back
+# as the Python number (as Orbax restores it); any other dtype was a numpy scalar.
+_PYTHON_SCALAR_DTYPES = frozenset(np.dtype(t) for t in (np.bool_, np.int64, np.float64, np.complex128))
+
+
+def _scalar(value: np.ndarray) -> object:
+    """An Orbax `scalar` leaf: a Python number for the dtypes of Python's numbers, else the
+    numpy scalar of its dtype (`np.float32(1.5)` keeps its type; `np.int64(-3)` is stored
+    as a Python int is, so it comes back as one unless the target holds a numpy scalar)."""
+    if value.ndim != 0:
+        return value
+    return value.item() if value.dtype in _PYTHON_SCALAR_DTYPES else value[()]
+
+
 def _reader(store: ts.TensorStore) -> RegionReader:
     return lambda box: store[box.slices()].read().result()
 
@@ -226,7 +253,11 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
         value_meta = entry.get("value_metadata") or {}
         if not isinstance(value_meta, dict):
             raise CorruptCheckpointError(f"{item}/{METADATA_FILE}: the value_metadata of {keys} is not an object")
-        entries.append((keys, value_meta.get("value_type"), value_meta))
+        value_type = value_meta.get("value_type")
+        if value_type is not None and not isinstance(value_type, str):
+            raise CorruptCheckpointError(
+                f"{item}/{METADATA_FILE}: the value_type of {keys} is {value_type!r}, not a type name (a string)")
+        entries.append((keys, value_type, value_meta))
     # As Orbax's as_nested_tree: drop empty-node placeholders that prefix other entries.
     entries.sort(key=lambda e: tuple((type(k) is int, str(k)) for k in e[0]))
     all_keys = [e[0] for e in entries]
@@ -252,7 +283,7 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
             dtype = np.dtype(store.dtype.numpy_dtype)
             if value_type == "scalar":
                 value = np.asarray(store.read().result())
-                flat.append((keys, value.item() if value.ndim == 0 else value))
+                flat.append((keys, _scalar(value)))
                 continue
             b64 = base64.b64encode(name.encode()).decode()
             saved, shard = _saved_sharding(shardings.get(b64), shape)

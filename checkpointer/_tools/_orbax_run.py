@@ -27,7 +27,6 @@ a step already imported from the same Orbax step is kept (the import resumes).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -38,7 +37,7 @@ from .._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptChe
 from .._format import metrics_json, read_metadata
 from .._save import ArraySource, save_leaf_by_leaf
 from .._storage import Storage, storage_for
-from ._orbax_import import METADATA_FILE, OrbaxItem, orbax_tree
+from ._orbax_import import METADATA_FILE, OrbaxItem, orbax_tree, read_json
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS = "commit_success.txt"
@@ -90,10 +89,7 @@ class ImportReport:
 
 
 def _json_file(storage: Storage, path: str) -> object:
-    try:
-        return json.loads(storage.read_file(path))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON: {e}") from e
+    return read_json(storage, path)
 
 
 def _handlers(storage: Storage, step_dir: str) -> dict[str, str]:
@@ -289,9 +285,14 @@ def import_orbax(
     Reads through TensorStore only (Orbax need not be installed): OCDBT or plain zarr
     (v2 or v3) layouts, with Orbax's PyTree metadata (`_METADATA`, `_sharding`,
     `_strings.json`, `array_metadatas/`). The tree comes out as Orbax restores it
-    without a target: dicts and lists, scalars as Python numbers, strings; each array
+    without a target: dicts and lists, scalars as Python numbers (a numpy scalar
+    of a dtype no Python number is stored as, `np.float32(1.5)`, keeps its type; a target
+    holding numpy scalars gets its own types back), strings; each array
     keeps its dtype, global shape and saved sharding, and restores onto any mesh like a
-    checkpoint written by `ckpt.save`. Typed PRNG keys come back typed. Empty nodes
+    checkpoint written by `ckpt.save`. Typed PRNG keys come back typed. Integer keys
+    of NNX containers (`nnx.State`, `nnx.List` layers), which Orbax writes as strings
+    (`'0'`), stay strings without a target and match the target's integer keys on
+    restore (`restore`'s matching: for Orbax imports only). Empty nodes
     Orbax wrote as None (optax's `EmptyState()`) are None leaves that restore into the
     target's empty container; the report and `user_metadata["imported_from"]
     ["placeholders"]` list them.

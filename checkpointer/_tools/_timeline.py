@@ -153,11 +153,11 @@ def read_journal(storage: Storage, directory: str) -> dict[str, dict[str, tuple[
             return {}
         raise CheckpointError(f"cannot read the save journal {path}: {e}") from e
     out = {}
-    for line in text.splitlines():
+    for n, line in enumerate(text.splitlines()):
         try:
-            entry = json.loads(line)
+            entry = _format.load_json(line, what=f"{path} line {n + 1}")
             out[str(entry["generation"])] = parse_phases(entry["phases_unix_s"])
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError):  # CorruptCheckpointError is a ValueError
             continue
     return out
 

@@ -4,7 +4,8 @@ Under jax.distributed JAX's preemption sync point picks the step; one process ru
 `distributed=False` uses the manager's SIGTERM handler.
 
 args: {"directory": path, "signalled": [process ids], "signal_at": step, "max_steps": n,
-       "pause_s": seconds per step}
+       "pause_s": seconds per step, "should_save": optional, True: the loop calls `save` only
+       when `mgr.should_save(step)` says so (Orbax's and torch_xla's loops)}
 emits: {"event": "preempted", "step", "saved", "all_steps", "mode", "committed_on_return"}
        or {"event": "not preempted"}
 """
@@ -36,7 +37,10 @@ with ckpt.CheckpointManager(args["directory"], save_interval_steps=10**6) as mgr
     for step in range(1, args["max_steps"]):
         if step == args["signal_at"] and jax.process_index() in args["signalled"]:
             os.kill(os.getpid(), signal.SIGTERM)
-        saved = mgr.save(step, state(step))
+        if args.get("should_save") and not mgr.should_save(step):
+            saved = False
+        else:
+            saved = mgr.save(step, state(step))
         if mgr.reached_preemption(step):
             committed = os.path.exists(os.path.join(args["directory"], str(step), "COMMITTED"))
             _common.emit(event="preempted", step=step, saved=saved, all_steps=mgr.all_steps(),
