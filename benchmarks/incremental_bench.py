@@ -20,7 +20,9 @@ restore the newest step onto the saved shardings (vs the full save's newest step
 Pretraining: `--base-mib` of state that changes every step, saved `--pretrain-saves` times
 (default 10) with incremental off and on; the process CPU seconds per save (save +
 wait_until_finished, all threads) per GiB, and the blocking time. The difference is the
-equality check's cost (a crc32c pass per chunk today; see `_save/_incremental.py`).
+equality check's cost: on this CPU route (shard images) the crc32c comes from the snapshot's
+copy, so only a matching crc32c costs more; on accelerators, object stores or
+direct_io=False it is a crc32c pass of its own, 1/8 of the saves (`_save/_incremental.py`).
 
 Run:  .venv/bin/python benchmarks/incremental_bench.py [--base-mib 1024] [--steps 50] [--quick] [--dir /tmp]
       (--quick: 256 MiB base, 10 steps, RESULTS.md untouched unless --results is given)
