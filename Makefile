@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv demo lint test docs bench clean
+.PHONY: venv demo lint test docs bench scale clean
 
 venv: $(VENV)/.installed
 
@@ -43,6 +43,12 @@ bench: venv
 	$(PY) benchmarks/replicated_save_bench.py
 	$(PY) benchmarks/safetensors_bench.py
 	$(PY) benchmarks/page_cache_bench.py
+
+# How cost grows with state size, leaf count and process count, beside Orbax (issue 28 item 4):
+# long (tens of minutes; run it on a quiet machine), so not part of `make bench`. It writes
+# benchmarks/scale_*.png and the scale_bench section of benchmarks/RESULTS.md.
+scale: venv
+	$(PY) benchmarks/scale_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out .mypy_cache .ruff_cache docs/_build docs/_generated docs/notebooks

@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # THE TABLE: each lazy public name and the package that expor
     from ._memory import release_host_buffers
     from ._restore import per_process_state, plan_restore, restore, restore_safetensors
     from ._save import AsyncSave, LeafAssignment, ProcessWrites, SavePlan, plan_save, save, save_async
+    from ._storage import Storage, register_storage
     from ._tools import (
         CheckpointTree,
         DrillReport,
@@ -126,6 +127,10 @@ def _package(name: str) -> ModuleType:
         from . import _save
 
         return _save
+    if name == "_storage":
+        from . import _storage
+
+        return _storage
     if name == "_tools":
         from . import _tools
 

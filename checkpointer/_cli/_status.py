@@ -41,6 +41,8 @@ def _cmd_status(args, ui: _UI) -> int:
         ("in flight", "-" if status.step_in_flight is None else status.step_in_flight),
         ("commit lag", lag),
         ("last failure", failure),
+        *([("node losses survived", ", ".join(f"step {s}: {n}" for s, n in status.node_losses_survived.items()))]
+          if status.node_losses_survived else []),
         ("status", "OK" if not problems else "ALERT"),
     ])
     for p in problems:

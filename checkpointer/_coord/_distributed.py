@@ -39,6 +39,12 @@ def _client() -> Any:  # Any: jaxlib's DistributedRuntimeClient has no stubs
     return distributed.global_state.client
 
 
+def client() -> Any:
+    """The coordination service's client (its key-value store), for meetings that are
+    not a `Round` (e.g. an address a process advertises); None without `jax.distributed`."""
+    return _client()
+
+
 def process_index() -> int:
     return jax.process_index()
 

@@ -18,9 +18,11 @@ spans into the destination buffer. The file layout itself is `_format.ShardFileL
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import math
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -207,6 +209,7 @@ def _check_crc(blob: memoryview, what: str, path: str) -> memoryview:
 def read_chunk_into(
     storage: Storage, path: str, meta: ArrayMetadata, read: ChunkRead, out: np.ndarray, stats: RestoreStats,
     max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO, read_chunk_bytes: int | None = None,
+    pool: concurrent.futures.Executor | None = None,
 ) -> None:
     """Executes one planned chunk read into `out` (the buffer of the read's box).
 
@@ -214,6 +217,10 @@ def read_chunk_into(
     (`coalesce_ranges`: a gap of inner chunks not needed is read and thrown away when it
     costs less than another request, within `max_over_read_ratio` of the bytes needed;
     a request spans at most `read_chunk_bytes`, default the reader's `run_bytes`).
+    Each request is one pass: read (into a per-thread buffer of at most 1 MiB, still in
+    the CPU's cache, or straight into `out`), every inner chunk's crc32c checked there,
+    then placed. With `pool` (never from one of its own workers: they would wait on
+    each other), the requests are spread over one task per core.
 
     Raises:
       CorruptCheckpointError: the file is missing, of another size than planned, an
@@ -271,19 +278,35 @@ def read_chunk_into(
                 else:
                     runs.append([item])
         dtype = meta.dtype.newbyteorder("<") if meta.dtype.itemsize > 1 and meta.dtype.kind in "iufc" else meta.dtype
-        for run in runs:
-            start = run[0][0]
-            if run[0][3] is not None:
-                _read_run_direct(f, start, run, what, path)
-                continue
-            blob = f.read(start, run[-1][0] + step - start)
-            for offset, inner_id, spans, _ in run:
-                rel = offset - start
-                data = _check_crc(blob[rel : rel + step], f"{what} inner chunk {inner_id}", path)
-                inner = np.frombuffer(data, dtype=dtype).reshape(meta.inner_chunk_shape)
-                src = tuple(slice(s, s + n) for s, _, n in spans)
-                dst = tuple(slice(d, d + n) for _, d, n in spans)
-                out[dst] = inner[src]
+
+        def run_all(some: list[list[tuple[int, int, tuple, memoryview | None]]]) -> None:
+            for run in some:
+                start = run[0][0]
+                if run[0][3] is not None:
+                    _read_run_direct(f, start, run, what, path)
+                    continue
+                blob = f.read(start, run[-1][0] + step - start)
+                for offset, inner_id, spans, _ in run:
+                    rel = offset - start
+                    data = _check_crc(blob[rel : rel + step], f"{what} inner chunk {inner_id}", path)
+                    inner = np.frombuffer(data, dtype=dtype).reshape(meta.inner_chunk_shape)
+                    src = tuple(slice(s, s + n) for s, _, n in spans)
+                    dst = tuple(slice(d, d + n) for _, d, n in spans)
+                    out[dst] = inner[src]
+
+        tasks = min(len(runs), os.cpu_count() or 1) if pool is not None else 1
+        if pool is None or tasks <= 1:
+            run_all(runs)
+        else:
+            # Consecutive runs per task (file order within each); this thread takes the first.
+            cuts = [len(runs) * k // tasks for k in range(tasks + 1)]
+            futures = [pool.submit(run_all, runs[a:b]) for a, b in zip(cuts[1:-1], cuts[2:])]
+            try:
+                run_all(runs[: cuts[1]])
+            finally:
+                concurrent.futures.wait(futures)  # none may still write into `out` or read `f` after this returns
+            for fut in futures:
+                fut.result()
     except (OSError, EOFError) as e:
         raise CorruptCheckpointError(f"{what} cannot be read: {e}. Run `checkpointer verify {path}`.") from e
     finally:
@@ -378,14 +401,17 @@ def read_box(
 ) -> np.ndarray:
     """Assembles one target box (or slab) from its chunk reads (concurrently when `pool` is given),
     into `out` (C-contiguous, of the box's shape and the stored dtype) or a new host buffer;
-    requests as `read_chunk_into` makes them."""
+    requests as `read_chunk_into` makes them. `pool` must not be one whose
+    worker calls this (a worker would wait on tasks queued behind it)."""
     if out is None:
         out = host_buffer(box_read.box.shape, meta.dtype)
     how = (max_over_read_ratio, read_chunk_bytes)
     if pool is None or len(box_read.reads) <= 1:
         for r in box_read.reads:
-            read_chunk_into(storage, path, meta, r, out, stats, *how)
+            read_chunk_into(storage, path, meta, r, out, stats, *how, pool=pool)
     else:
-        for fut in [pool.submit(read_chunk_into, storage, path, meta, r, out, stats, *how) for r in box_read.reads]:
+        futures = [pool.submit(read_chunk_into, storage, path, meta, r, out, stats, *how) for r in box_read.reads]
+        concurrent.futures.wait(futures)  # all done (none still writing into `out`) before any error propagates
+        for fut in futures:
             fut.result()
     return out

@@ -10,6 +10,7 @@ hold each box.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .. import _errors, _format
 from .._errors import CorruptCheckpointError, leaf_name, where
 from .._format import ArrayMetadata, Box, ProcessRecord, cell_box, grid_cells
-from .._memory import device_destination_supported, device_destinations
+from .._memory import device_destination_supported, device_destinations, populate_destination
 from .._storage import Storage
 from . import _read, _write
 from ._base import Item, LeafEncoding, ReadContext, VerifyContext
@@ -96,7 +97,7 @@ def _destinations(items: Sequence[Item]) -> list[dict[int, tuple[jax.Array, np.n
                 wanted.append((k, i))
                 requests.append((b.box.shape, dtype, devices[b.device_ids[0]]))
     out: list[dict[int, tuple[jax.Array, np.ndarray]]] = [{} for _ in items]
-    made = device_destinations(requests) if requests else []
+    made = device_destinations(requests, populate=False) if requests else []  # each box's reader populates its own
     for (k, i), m in zip(wanted, made, strict=True):
         if m is not None:
             out[k][i] = m
@@ -133,9 +134,82 @@ def _read_leaf(
     devices = _leaf_devices(lt)
     dtype = lt.dtype if lt.dtype is not None else meta.dtype
     out: dict[int, object] = {}
+    reading = _start_box_reads(storage, path, meta, lp, ctx, dests) if store is None and lt.dtype is None else {}
+    try:
+        _place_boxes(storage, path, meta, lt, lp, ctx, dests, store, devices, dtype, reading, out)
+    finally:
+        # On an error, no read may still write into a destination after this returns.
+        concurrent.futures.wait(reading.values())
+    return out
+
+
+def _start_box_reads(
+    storage: Storage, path: str, meta: ArrayMetadata, lp: LeafRestorePlan, ctx: ReadContext,
+    dests: dict[int, tuple[jax.Array, np.ndarray]],
+) -> dict[int, concurrent.futures.Future]:
+    """Starts reading every box of the leaf that has a destination (`dests`: read straight
+    into its device buffer), each box a task of `ctx.chunk_pool`, so that one leaf's boxes
+    use every core; box index -> its read's future.
+
+    The budget is taken here, on the leaf's thread, before each task is queued, and given
+    back when the task ends: the pool's workers never wait for it (a worker waiting on the
+    budget while the read holding it waits for a worker would deadlock).
+    """
+    pool = ctx.chunk_pool
+    started: dict[int, concurrent.futures.Future] = {}
+    boxes = [i for i, b in enumerate(lp.boxes) if i in dests and not b.slabs and b.box.size]
+    if pool is None or len(boxes) < 2:
+        return started  # one box: read on this thread, its requests spread over the pool (`read_chunk_into`)
+    try:
+        for i in boxes:
+            b, dest = lp.boxes[i], dests[i]
+            cost = b.bytes_needed * ctx.copies_in_flight
+            ctx.budget.acquire(cost)
+            try:
+                fut = pool.submit(_read_into_destination, storage, path, meta, b, ctx, dest[1])
+            except BaseException:
+                ctx.budget.release(cost)
+                raise
+            fut.add_done_callback(functools.partial(_release, ctx, cost))
+            started[i] = fut
+    except BaseException:
+        concurrent.futures.wait(started.values())
+        raise
+    return started
+
+
+def _read_into_destination(
+    storage: Storage, path: str, meta: ArrayMetadata, b: BoxRead, ctx: ReadContext, view: np.ndarray,
+) -> None:
+    populate_destination(view)
+    _read.read_box(storage, path, meta, b, None, ctx.stats, view, ctx.max_over_read_ratio, ctx.read_chunk_bytes)
+
+
+def _release(ctx: ReadContext, cost: int, _: object) -> None:
+    ctx.budget.release(cost)
+
+
+def _place_boxes(
+    storage: Storage, path: str, meta: ArrayMetadata, lt: Any, lp: LeafRestorePlan, ctx: ReadContext,
+    dests: dict[int, tuple[jax.Array, np.ndarray]], store: ts.TensorStore | None, devices: dict[int, Any], dtype: np.dtype,
+    reading: dict[int, concurrent.futures.Future], out: dict[int, object],
+) -> None:
+    """`_read_leaf`'s loop over boxes: each box read (or its read in `reading` waited
+    for), cast, and put on its devices, in `out`."""
     for i, b in enumerate(lp.boxes):
         bufs = None
         dest = dests.pop(i, None)
+        if i in reading:
+            assert dest is not None
+            reading[i].result()
+            first, *rest = b.device_ids
+            out[first] = dest[0]
+            del dest  # the view must not outlive the array it points into
+            for d in rest:
+                out[d] = jax.device_put(out[first], devices[d])
+            continue
+        if dest is not None:
+            populate_destination(dest[1])
         for slab in b.slabs or (b,):
             # A slab in flight costs up to three copies of its bytes in host memory: the
             # file reads, the assembled host box and (on CPU) the device staging copy.
@@ -174,7 +248,6 @@ def _read_leaf(
                 ctx.budget.release(cost)
         if bufs is not None:
             out.update(bufs)
-    return out
 
 
 def _assemble(meta: ArrayMetadata, lt: Any, placed: dict[int, Any], exchange_spec: PartitionSpec | None = None) -> object:

@@ -18,7 +18,7 @@ from .._format import metadata_json, metrics_json
 from .._memory import HostBufferPool
 from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
 from .._storage import storage_for
-from . import _events, _tier_manager
+from . import _events, _peers, _tier_manager
 from ._alerts import RunJournal
 from ._follow import clear_finished, write_finished
 from ._lock import DirectoryLock, take_lock
@@ -30,11 +30,12 @@ from ._reader import as_step
 from ._restoring import StepRestoring
 from ._status import StatusReporting, write_rate
 from ._time_policies import SaveClock
+from ._two_tier_saving import TwoTierSaving
 
 log = logging.getLogger("checkpointer")
 
 
-class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
+class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSaving):
     """Saves steps of a training run into `directory`, keeps what the policy says.
 
     Args:
@@ -87,6 +88,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
       incremental: as for `save` (docs/incremental.md). Retention keeps a step that a
         kept step references (`checkpointer gc` says for whom); `force=True` refuses to
         replace a referenced step. Not with `local_directory`.
+      peer_copies, peer_node, durable_every_steps, durable_every_s: local steps held by
+        peers on other nodes, and the durable schedule: see `TwoTierSaving`.
 
     Opening a manager, listing, `restore`, `metadata`, `status`, `drill` and following
     new steps (`wait_for_step`, `follow`) take no lock and delete nothing, so any number
@@ -123,6 +126,10 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         save_on_preemption: bool = True,
         direct_io: str | bool = "auto",
         incremental: bool = False,
+        peer_copies: int = 0,
+        peer_node: str | None = None,
+        durable_every_steps: int = 1,
+        durable_every_s: float | None = None,
     ) -> None:
         if not isinstance(keep, KeepPolicy):
             raise TypeError(
@@ -179,7 +186,13 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
                 local_directory, self.storage, self.directory, keep_local=keep_local,
                 commit_timeout_s=commit_timeout_s, limiter=self._write_limiter,
                 retention_after=self._retention_after, on_error=self._on_replication_error,
+                peer_copies=_peers.check_copies(peer_copies), peer_node=peer_node,
+                durable_every_steps=durable_every_steps, durable_clock=None if durable_every_s is None else SaveClock(
+                    durable_every_s, self.directory + "#durable", agreement_timeout_s,
+                    first_unix_s=self._newest_created_unix_s),
             )
+        elif peer_copies:
+            raise ValueError("peer_copies needs local_directory: the copies are held in the peers' local tiers")
 
     # --- the writer's lock --------------------------------------------------------------
 
@@ -391,8 +404,10 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         if self._clock is not None:
             self._clock.saved()
         _events.save_blocked(snap.snapshot_s)
+        durable = True
         if self._tiers is not None:
             snap = self._tiers.local_snapshot(snap)
+            durable = force or preempted or self._tiers.durable_due(step)
         with self._mu:
             self._last["snapshot_s"], self._last["wait_s"] = snap.snapshot_s, wait_s
             self._snapshot_history_s.append(snap.snapshot_s)
@@ -401,7 +416,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
             self._created_cache.pop(step, None)
         self._journal.requested(step)
         if self._tiers is not None:
-            self._save_two_tiers(step, snap)
+            self._save_two_tiers(step, snap, durable)
         elif self.async_save:
             handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), after_publish=self._retention_after(step, snap))
             with self._mu:
@@ -433,32 +448,6 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting):
         requires.
         """
         return self._preemption.reached_committed(as_step(step), self.all_steps())
-
-    def _save_two_tiers(self, step: int, snap: Snapshot) -> None:
-        """Commits `snap` on the local tier (in the background unless `async_save=False`)
-        and queues its replication, in `save` order on every process."""
-        tiers = self._tiers
-        assert tiers is not None
-        if self.async_save:
-            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), runner=tiers.run_local)
-            with self._mu:
-                self._in_flight.append((step, handle))
-            tiers.enqueue(step, snap.generation, snap.overwrite, handle)
-            return
-        t0 = time.perf_counter()
-        try:
-            tiers.run_local(snap)
-        except BaseException as e:
-            with self._mu:
-                self._last_error = f"step {step}: {type(e).__name__}: {e}"
-            self._forget(step)
-            self._journal.failed(step, e)
-            raise
-        tiers.enqueue(step, snap.generation, snap.overwrite).result()
-        with self._mu:
-            self._last["write_s"], self._last["commit_s"] = snap.result.write_s, time.perf_counter() - t0
-            self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
-        self._raise_pending()
 
     def _run_sync(self, step: int, snap: Snapshot) -> None:
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from .._encoding import RestoreStats
 from .._format import PyTree
 from .._restore import RestoreOptions, restore_from
 from .._storage import DEFAULT_MAX_OVER_READ_RATIO, storage_for
-from . import _events
+from . import _events, _tiers
 from ._reader import StepReader, as_step
 
 if TYPE_CHECKING:
@@ -50,10 +50,10 @@ class StepRestoring(StepReader):
 
         Args:
           step: the step, or None for `latest_step()`.
-          target, partial, missing, max_inflight_bytes, stats, cooperative,
-            max_over_read_ratio, read_chunk_bytes: as for
+          target, partial, missing, max_inflight_bytes, stats, cooperative, max_over_read_ratio, read_chunk_bytes: as for
             `ckpt.restore` (`missing="keep_target"` keeps the target's values for
             leaves the checkpoint lacks), whichever tier the step is read from.
+
         Two tiers: `step=None` restores a step newer than the newest durable one only
         when it is committed on the local tier of every process, with the same process
         count and devices, and holds every chunk each process needs (the processes agree
@@ -94,7 +94,11 @@ class StepRestoring(StepReader):
         return restore_from(storage, path, target, options)
 
     def _resume_replication(self, step: int, generation: str, overwrite: bool) -> None:
-        """After resuming from a local-only step: replicate it (the writer's lock first)."""
+        """After resuming from a local-only step: replicate it (the writer's lock first).
+        Every process waits until process 0 has cleaned up the directory (its first
+        writer's recovery removes partial folders of earlier jobs, the same step's
+        among them): a process that started copying first would lose its files."""
         assert self._tiers is not None
         self._ensure_writer()
+        _tiers.agree(self._tiers.directory, lambda: "recovered", self._tiers.commit_timeout_s)
         self._tiers.enqueue(step, generation, overwrite)

@@ -54,6 +54,12 @@ class ManagerStatus:
         first (`direct_io=` of the manager).
       last_write_mode_reason: why that mode (the `direct_io` value and what the probe
         of the file system found).
+      node_losses_survived: `peer_copies`: each local step of this process's local tier
+        → how many node losses it survives in the whole job: the fewest checked peer
+        copies of any process's share (published through the coordination service; a
+        process not yet reported counts 0). Durable steps survive any loss and are
+        not listed. Empty without peer copies.
+      last_peer_error: `peer_copies`: the last failed copy to a peer, as text.
     """
 
     latest_committed_step: int | None
@@ -74,6 +80,8 @@ class ManagerStatus:
     last_restore_durable_bytes: int | None = None
     last_write_mode: str | None = None
     last_write_mode_reason: str | None = None
+    node_losses_survived: dict[int, int] = dataclasses.field(default_factory=dict)
+    last_peer_error: str | None = None
 
 
 class StatusReporting(StepReader):
@@ -131,6 +139,8 @@ class StatusReporting(StepReader):
                 last_restore_durable_bytes=self._last_restore[1],
                 last_write_mode=self._last_write_mode[0],
                 last_write_mode_reason=self._last_write_mode[1],
+                node_losses_survived=tiers.node_losses_survived if tiers else {},
+                last_peer_error=tiers.last_peer_error if tiers else None,
             )
 
     def recommend_interval(self, mtbf_s: float) -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -25,8 +26,10 @@ from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import RestoreOptions, resolve_tree, restore_from
 from .._save import SaveResult, Snapshot, manifest_bytes, release_host, write_snapshot
 from .._storage import Storage
-from . import _tiers
+from . import _alerts, _peers, _tiers
 from ._policies import KeepPolicy
+from ._tier import DurableTier, LocalStepTier
+from ._time_policies import SaveClock
 
 log = logging.getLogger("checkpointer")
 
@@ -40,6 +43,8 @@ class TierStatus:
     replication_lag_s: float
     last_replication_error: str | None
     waiting_for_replication: bool
+    node_losses_survived: dict[int, int] = dataclasses.field(default_factory=dict)
+    last_peer_error: str | None = None
 
 
 def _naming(error: CheckpointError, where: str, text: str | None = None) -> CheckpointError:
@@ -62,6 +67,10 @@ class LocalTier:
       limiter: caps the replication's writes to the durable tier (`max_write_bytes_per_s`).
       retention_after: step → the callback process 0 runs after the durable commit.
       on_error: called with (step, error) when a replication fails.
+      peer_copies: copies of each local step held by processes on other nodes (0: none).
+      peer_node: this process's node name for `peer_copies` (default: its host name).
+      durable_every_steps: replicate every n-th local step to the durable tier (1: all).
+      durable_clock: also replicate only when this clock says a save is due (seconds).
     """
 
     def __init__(
@@ -75,6 +84,10 @@ class LocalTier:
         limiter: _storage.TokenBucket | None,
         retention_after: Callable[[int], Callable[[], object] | None],
         on_error: Callable[[int, BaseException], None],
+        peer_copies: int = 0,
+        peer_node: str | None = None,
+        durable_every_steps: int = 1,
+        durable_clock: SaveClock | None = None,
     ) -> None:
         self.process_index = _coord.process_index()
         self.storage, self.root = _tiers.local_root(local_directory, self.process_index)
@@ -96,6 +109,18 @@ class LocalTier:
         self.last_error: str | None = None
         self.waiting = False
         self._recovered = False
+        if isinstance(durable_every_steps, bool) or not isinstance(durable_every_steps, int) or durable_every_steps < 1:
+            raise ValueError(f"durable_every_steps must be an int >= 1, got {durable_every_steps!r}")
+        self.durable_every_steps = durable_every_steps
+        self._durable_clock = durable_clock
+        self.tier = LocalStepTier(self.storage, self.root, self._retention_mu)
+        self.durable_tier = DurableTier(durable, directory)
+        self.peers: _peers.PeerService | None = None
+        if peer_copies and _coord.process_count() > 1:
+            self.peers = _peers.PeerService(self.root, directory, copies=peer_copies, node=peer_node,
+                                            timeout_s=commit_timeout_s)
+        elif peer_copies:
+            log.info("peer_copies=%d: a job of one process has no peer to hold copies", peer_copies)
 
     # --- local commit -------------------------------------------------------------------
 
@@ -162,6 +187,35 @@ class LocalTier:
             self._jobs[step] = job
         return job
 
+    def durable_due(self, step: int) -> bool:
+        """Whether local `step` is also replicated to the durable tier
+        (`durable_every_steps`, the clock); the same answer on every process."""
+        if step % self.durable_every_steps:
+            return False
+        if self._durable_clock is not None:
+            if not self._durable_clock.due(step):
+                return False
+            self._durable_clock.saved()
+        return True
+
+    def send_to_peers(self, step: int, generation: str, local_save=None) -> None:
+        """Queues the copy of local `step` to its holders on other nodes (after its
+        local save, an `AsyncSave` or None), when `peer_copies` > 0."""
+        if self.peers is None:
+            return
+
+        def local_ok() -> None:
+            if local_save is not None:
+                local_save.join()
+                if local_save.error is not None:
+                    raise local_save.error
+
+        self.peers.enqueue(step, generation, self.local_steps, local_ok, self._peer_copied)
+
+    def _peer_copied(self, step: int, copies: int) -> None:
+        self.apply_retention()
+        _alerts.note_peer_copies(self.durable, self.directory, step, copies, self.local_steps())
+
     def _replicate(self, target: _tiers.ReplicationTarget, local_save) -> None:
         if local_save is not None:
             local_save.join()
@@ -212,16 +266,20 @@ class LocalTier:
         with self._mu:
             jobs = list(self._jobs.values())
         concurrent.futures.wait(jobs)
+        if self.peers is not None:
+            self.peers.wait_all()
 
     def close(self) -> None:
         self.wait_all()
         self._queue.shutdown(wait=True)
+        if self.peers is not None:
+            self.peers.close()
 
     # --- retention ----------------------------------------------------------------------
 
     def local_steps(self) -> list[int]:
         """Steps committed on this process's local tier, ascending."""
-        return list(_tiers.local_steps(self.storage, self.root))
+        return self.tier.steps()
 
     def apply_retention(self) -> list[int]:
         """Removes local steps `keep_local` does not keep and that are durable (or older
@@ -240,6 +298,9 @@ class LocalTier:
         if not steps:
             return []
         kept = self.keep_local.keep(steps, {s: {} for s in steps}) | {steps[-1]} | self.pending_steps()
+        copies = self.peers.verified() if self.peers is not None else {}
+        if self.peers is not None:
+            kept |= self.peers.pending_steps()
         durable_folders = _commit.committed_folders(self.durable, self.directory)
         durable_steps = sorted(durable_folders)
         latest_durable = durable_steps[-1] if durable_steps else None
@@ -251,8 +312,15 @@ class LocalTier:
             durable = s in durable_steps and marker is not None and (
                 _tiers.durable_generation(self.durable, self.directory, s, durable_folders) == marker.generation
             )
-            if not durable and not (latest_durable is not None and s < latest_durable):
-                continue  # only here (its replication failed): kept
+            # A newer local step that survives as many node losses makes this one's
+            # bytes a fallback only: the restore resumes from the newer one.
+            # Only with a durable schedule: by default every local step is replicated, and
+            # one whose replication failed stays until the durable tier has a newer step.
+            scheduled = self.durable_every_steps > 1 or self._durable_clock is not None
+            superseded = scheduled and s not in self._jobs and any(
+                n > s and copies.get(n, 0) >= copies.get(s, 0) for n in steps)
+            if not durable and not (latest_durable is not None and s < latest_durable) and not superseded:
+                continue  # the only copy of a step newer than the newest durable one: kept
             try:
                 _commit.delete_step(self.storage, self.root, s)
             except OSError as e:
@@ -274,8 +342,11 @@ class LocalTier:
             marker = _tiers.read_marker(self.storage, f"{self.root}/{newer[0]}")
             if marker is not None:
                 lag_s = max(0.0, time.time() - marker.committed_unix_s)
+        survives = self.peers.job_survives() if self.peers is not None else {}
+        survives = {s: n for s, n in survives.items() if s in steps}
         with self._mu:
-            return TierStatus(latest_local, lag_steps, lag_s, self.last_error, self.waiting)
+            return TierStatus(latest_local, lag_steps, lag_s, self.last_error, self.waiting, survives,
+                              self.peers.last_error if self.peers is not None else None)
 
     # --- restore ------------------------------------------------------------------------
 
@@ -330,7 +401,7 @@ class LocalTier:
 
     def _restore_local_only(
         self, target: object, options: RestoreOptions, latest_durable: int | None,
-        resume: Callable[[int, str, bool], None] | None, damaged_copies: list[str],
+        resume: Callable[[int, str, bool], None] | None, damaged_copies: list[str], below: int | None = None,
     ) -> tuple[PyTree, str, int] | None:
         """`restore(None)`'s local-only steps: the newest one whole on every process, read,
         and (a second vote) intact on every process; a damaged one is skipped for the
@@ -338,7 +409,6 @@ class LocalTier:
         copies (also added to `damaged_copies`). None: no local-only step to restore (the
         newest durable step is next)."""
         needed = self._needed_keys(target, options.partial, options.missing)
-        below: int | None = None
         while True:
             chosen = self._vote_local_step(latest_durable, needed, below)
             if chosen is None:
@@ -382,6 +452,53 @@ class LocalTier:
             )
         return None
 
+    def _fetch_from_peers(self, latest_durable: int | None) -> int | None:
+        """Before the restore vote, with `peer_copies`: every process tells what it holds
+        newer than the newest durable step (its own local steps, the copies it holds of
+        others'), in one round; every process picks from the same answers the newest step
+        whose every process's share is held whole somewhere (its own copy, or a checked
+        copy of the same generation on a peer); a process without its own copy of it
+        fetches it from a holder (the next holder when a copy fails its crc32c check).
+        The restore vote then reads the step from every process's own local tier.
+
+        Returns:
+          The step after the chosen one (the restore vote looks below it: a newer
+          local step that not every share survived is never chosen), or None.
+
+        Raises:
+          RestoreAgreementError: the processes' own copies of one step are of different
+            save attempts (generations): the same error on every process.
+        """
+        assert self.peers is not None
+        count = _coord.process_count()
+        own: dict[int, str] = {}
+        stale: list[str] = []
+        for s in self.local_steps():
+            marker = _tiers.read_marker(self.storage, f"{self.root}/{s}")
+            if marker is None:
+                continue
+            if marker.process_count != count:
+                stale.append(f"step {s} was saved by {marker.process_count} processes, the job has {count}")
+                continue
+            own[s] = marker.generation
+        if stale:
+            log.warning("local copies in %s are not used (%s): steps are read from %s", self.root, "; ".join(stale),
+                        self.directory)
+        votes = _tiers.agree(self.directory, lambda: _coord.canonical(self.peers.inventory(own, latest_durable)),  # type: ignore[union-attr]
+                             self.commit_timeout_s)
+        chosen = _peers.choose_peer_step([json.loads(v) for v in votes], self.directory)
+        if chosen is None:
+            return None
+        step, generation, sources = chosen
+        mine = sources[self.process_index]
+        if own.get(step) == generation or not mine:
+            return step + 1
+        failed = self.peers.fetch(step, generation, mine)
+        if failed is not None:
+            log.warning("process %d could not fetch its copy of step %d from a peer (%s); the restore falls back to an "
+                        "older step or %s", self.process_index, step, failed, self.directory)
+        return step + 1
+
     def _read_agreed(self, step: int, target: object, options: RestoreOptions) -> tuple[list[str], PyTree | None, int]:
         """Reads local-only `step` and votes on the outcome: (the damaged copies of every
         process, [] when none; the tree; durable bytes read). A read error other than
@@ -413,8 +530,9 @@ class LocalTier:
           process's local tier), "local+durable" or "durable".
         """
         if step is None:
+            below = self._fetch_from_peers(latest_durable) if self.peers is not None else None
             damaged: list[str] = []
-            local = self._restore_local_only(target, options, latest_durable, resume, damaged)
+            local = self._restore_local_only(target, options, latest_durable, resume, damaged, below)
             if local is not None:
                 return local
             if latest_durable is None and damaged:

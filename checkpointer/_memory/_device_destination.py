@@ -117,7 +117,7 @@ def supported(sharding: jax.sharding.SingleDeviceSharding) -> bool:
 
 
 def device_destinations(
-    requests: Sequence[tuple[tuple[int, ...], np.dtype, jax.sharding.SingleDeviceSharding]],
+    requests: Sequence[tuple[tuple[int, ...], np.dtype, jax.sharding.SingleDeviceSharding]], *, populate: bool = True,
 ) -> list[tuple[jax.Array, np.ndarray] | None]:
     """Single-device arrays whose buffers XLA owns, and a writable host view of each buffer.
 
@@ -134,6 +134,10 @@ def device_destinations(
     Args:
       requests: per array its shape (elements per dimension), dtype and device (a CPU
         device in its default memory: `supported`).
+      populate: populate the heads and tails now; False leaves that to
+        `populate_destination`, called by whoever fills the view (so that the readers
+        populate in parallel what one thread would populate here, a quarter of the
+        bytes of 8 MiB boxes).
 
     Returns:
       Per request (in order) the array and its writable view: C-contiguous, of the
@@ -153,22 +157,40 @@ def device_destinations(
             out.append((a, np.empty(a.shape, a.dtype)))
             continue
         pointer = a.unsafe_buffer_pointer()
-        _prepare(pointer, a.nbytes)
+        _prepare(pointer, a.nbytes, populate)
         view = np.ctypeslib.as_array((ctypes.c_uint8 * a.nbytes).from_address(pointer))
         out.append((a, view.view(a.dtype).reshape(a.shape)))
     return out
 
 
-def _prepare(lo: int, nbytes: int) -> None:
-    """Huge pages for [lo, lo + nbytes) where they fit, the rest populated. Errors (no
-    transparent huge pages, a kernel before 5.14) only leave 4 KiB page faults: still
-    correct."""
+def _huge_range(lo: int, nbytes: int) -> tuple[int, int]:
+    """The whole 2 MiB pages inside [lo, lo + nbytes), as [start, end) (empty: start = end)."""
     hi = lo + nbytes
     start, end = -(-lo // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES, hi // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if end <= start:
-        start = end = hi
-    elif nbytes >= HUGE_PAGE_BYTES:
+    return (start, end) if end > start else (hi, hi)
+
+
+def _prepare(lo: int, nbytes: int, populate: bool = True) -> None:
+    """Huge pages for [lo, lo + nbytes) where they fit, the rest populated (`populate`).
+    Errors (no transparent huge pages, a kernel before 5.14) only leave 4 KiB page
+    faults: still correct."""
+    start, end = _huge_range(lo, nbytes)
+    if end > start and nbytes >= HUGE_PAGE_BYTES:
         _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-    for a, b in ((lo // _PAGE_BYTES * _PAGE_BYTES, start), (end, -(-hi // _PAGE_BYTES) * _PAGE_BYTES)):
+    if populate:
+        _populate(lo, nbytes)
+
+
+def _populate(lo: int, nbytes: int) -> None:
+    start, end = _huge_range(lo, nbytes)
+    for a, b in ((lo // _PAGE_BYTES * _PAGE_BYTES, start), (end, -(-(lo + nbytes) // _PAGE_BYTES) * _PAGE_BYTES)):
         if b - a >= _POPULATE_MIN_BYTES:
             _libc().madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_POPULATE_WRITE)
+
+
+def populate_destination(view: np.ndarray) -> None:
+    """Populates the head and tail of a `device_destinations(..., populate=False)` view
+    (the parts outside whole 2 MiB pages) in one call each, before the view is filled:
+    cheaper than one page fault per 4 KiB. Call it on the thread that fills the view."""
+    if view.nbytes:
+        _populate(view.ctypes.data, view.nbytes)

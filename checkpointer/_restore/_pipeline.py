@@ -391,7 +391,11 @@ def _read_all(
         assert lt is not None, "resolve_tree gives every array leaf a target"
         items.append((m, lt, leaf_plans[leaf.path]))
     workers = max(4, 2 * (os.cpu_count() or 2))
-    with concurrent.futures.ThreadPoolExecutor(workers) as leaf_pool, concurrent.futures.ThreadPoolExecutor(workers) as chunk_pool:
+    # No cyclic collection while reading: the reads make only short-lived objects (freed
+    # by reference counting), and one full collection over a large program's heap (JAX's
+    # own objects) costs as much as checking the crc32c of a GiB.
+    with _memory.paused(), concurrent.futures.ThreadPoolExecutor(workers) as leaf_pool, \
+            concurrent.futures.ThreadPoolExecutor(workers) as chunk_pool:
         # The worker threads place arrays on devices: they must see the caller's
         # jax_enable_x64 (a `with jax.enable_x64(...)` block is thread-local).
         # (Config declares its flags at runtime, hence the ignore.)

@@ -13,8 +13,8 @@ from ._direct import (
     sync_folders,
     write_file as write_direct_file,
 )
-from ._kvstore import KvStorage, storage_for, ts_context
+from ._kvstore import KvStorage, Location, StorageFactory, register_storage, registered_schemes, storage_for, ts_context
 from ._local import LocalStorage
 from ._ratelimit import TokenBucket, acquire, limiter_for
 
-__all__ = ['DEFAULT_MAX_OVER_READ_RATIO', 'DEFAULT_READ_CHUNK_BYTES', 'DIRECT_ALIGN', 'DirectFile', 'FileLock', 'KvStorage', 'LocalStorage', 'LockHeldError', 'Reader', 'Storage', 'TokenBucket', 'acquire', 'check_direct_io', 'check_read_options', 'coalesce_ranges', 'limiter_for', 'probe_direct', 'storage_for', 'sync_folders', 'ts_context', 'write_direct_file']
+__all__ = ['DEFAULT_MAX_OVER_READ_RATIO', 'DEFAULT_READ_CHUNK_BYTES', 'DIRECT_ALIGN', 'DirectFile', 'FileLock', 'KvStorage', 'LocalStorage', 'Location', 'LockHeldError', 'Reader', 'Storage', 'StorageFactory', 'TokenBucket', 'acquire', 'check_direct_io', 'check_read_options', 'coalesce_ranges', 'limiter_for', 'probe_direct', 'register_storage', 'registered_schemes', 'storage_for', 'sync_folders', 'ts_context', 'write_direct_file']

@@ -166,12 +166,13 @@ class Storage(abc.ABC):
     """A storage backend. Every method acts on one location string (path or URL).
 
     Capabilities (class attributes):
-      supports_rename: `rename` moves a folder atomically.
-      supports_locks: `lock` gives advisory locks that die with their process.
-      has_folders: folders exist apart from their files (an empty one too), and
-        `is_folder` tells a missing folder; on object stores a folder is only a
-        key prefix.
-      cheap_size: `size` costs a metadata lookup, not a download.
+
+    - `supports_rename`: `rename` moves a folder atomically.
+    - `supports_locks`: `lock` gives advisory locks that die with their process.
+    - `has_folders`: folders exist apart from their files (an empty one too), and
+      `is_folder` tells a missing folder; on object stores a folder is only a
+      key prefix.
+    - `cheap_size`: `size` costs a metadata lookup, not a download.
     """
 
     supports_rename: bool = False

@@ -1,13 +1,15 @@
 """The TensorStore kvstore backend (`memory://`, `gs://`, `s3://`; no rename: the commit
 marker alone publishes a save), the S3 spec from the standard environment variables,
-and `storage_for`, which picks the backend of a location."""
+and `storage_for`, which picks the backend of a location from the registry of URL
+schemes (`register_storage`)."""
 
 from __future__ import annotations
 
 import errno
 import os
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Union
 
 from .._errors import CheckpointError
 from ._contract import Reader, Storage, _too_large
@@ -59,6 +61,11 @@ class KvStorage(Storage):
         self._root = scheme_root  # e.g. "memory://", "s3://bucket/"
         self._spec = spec  # a JSON spec replaces the URL (it may carry context resources)
         self._kv = ts.KvStore.open(scheme_root if spec is None else spec, context=ts_context()).result()
+
+    @property
+    def root(self) -> str:
+        """The location this backend opens (`memory://`, `s3://bucket`): `storage_for(self)`."""
+        return self._root if self._root.endswith("://") else self._root.rstrip("/")
 
     def _key(self, path: str) -> str:
         if not path.startswith(self._root):
@@ -164,28 +171,102 @@ def s3_spec(bucket: str) -> dict:
     return spec
 
 
-def storage_for(location: str | os.PathLike) -> tuple[Storage, str]:
+# A location: a local path, a `scheme://...` URL, a `Storage` object with a `root` (e.g.
+# a `KvStorage`), or a `(Storage, path)` pair naming a folder inside that storage.
+Location = Union[str, "os.PathLike[str]", Storage, tuple[Storage, str]]
+StorageFactory = Callable[[str], tuple[Storage, str]]
+
+_BACKENDS: dict[str, StorageFactory] = {}
+_BACKENDS_MU = threading.Lock()
+
+
+def register_storage(scheme: str, factory: StorageFactory, *, replace: bool = False) -> None:
+    """Registers the backend of the URLs `<scheme>://...`.
+
+    Args:
+      scheme: the URL scheme, lower case letters, digits, `+`, `-` or `.` (e.g. "gs").
+      factory: `factory(url)` → (the backend's `Storage`, the URL normalised for it:
+        the paths inside the location are `<that>/<name>`); called by `storage_for` for
+        every location of the scheme.
+      replace: replace a registered factory (a test's fault-injecting backend).
+    Raises:
+      ValueError: a malformed scheme, or one registered already without `replace`.
+
+    Multi-process: per process; register the same schemes on every process.
+    """
+    if not scheme or not all(c.isalnum() or c in "+-." for c in scheme) or scheme != scheme.lower():
+        raise ValueError(f"a storage scheme is lower case letters, digits, '+', '-' or '.', got {scheme!r}")
+    with _BACKENDS_MU:
+        if scheme in _BACKENDS and not replace:
+            raise ValueError(f"a backend of {scheme}:// is registered already; pass replace=True to replace it")
+        _BACKENDS[scheme] = factory
+
+
+def registered_schemes() -> list[str]:
+    """The URL schemes `storage_for` opens, sorted."""
+    with _BACKENDS_MU:
+        return sorted(_BACKENDS)
+
+
+def _local_backend(location: str) -> tuple[Storage, str]:
+    return LocalStorage(), os.path.abspath(location.removeprefix("file://"))
+
+
+def _memory_backend(location: str) -> tuple[Storage, str]:
+    return KvStorage("memory://"), location.rstrip("/")
+
+
+def _bucket_backend(location: str) -> tuple[Storage, str]:
+    scheme, rest = location.split("://", 1)
+    bucket = rest.split("/", 1)[0]
+    root = f"{scheme}://{bucket}/"
+    try:
+        return KvStorage(root, s3_spec(bucket) if scheme == "s3" else None), location.rstrip("/")
+    except ValueError as e:
+        raise CheckpointError(f"cannot open {root}: {e}") from e
+
+
+register_storage("file", _local_backend)
+register_storage("memory", _memory_backend)
+register_storage("gs", _bucket_backend)
+register_storage("s3", _bucket_backend)
+
+
+def storage_for(location: Location) -> tuple[Storage, str]:
     """Returns the backend for `location` and the location normalised for it.
 
     Args:
-      location: a local path, `file://` URL or a TensorStore kvstore URL.
+      location: a local path; a URL of a registered scheme (`file://`, `memory://`,
+        `gs://`, `s3://`, and any `register_storage` added); a `Storage` object with a
+        `root` attribute (its root is the location); or a `(Storage, path)` pair (a
+        backend the caller built, e.g. one wrapping another).
     Raises:
-      CheckpointError: the URL scheme is one TensorStore cannot open.
+      CheckpointError: the URL scheme has no registered backend.
+      TypeError: a `Storage` object without a `root`, or another type.
     """
+    if isinstance(location, tuple):
+        if len(location) != 2 or not isinstance(location[0], Storage) or not isinstance(location[1], str):
+            raise TypeError(f"a location pair is (Storage, path), got {location!r}")
+        return location[0], location[1].rstrip("/") or location[1]
+    if isinstance(location, Storage):
+        root = getattr(location, "root", None)
+        if not isinstance(root, str):
+            raise TypeError(
+                f"{type(location).__name__} has no root to use as the location: pass (storage, path) instead"
+            )
+        return location, root
     loc = os.fspath(location)
-    loc = loc.removeprefix("file://")
+    if not isinstance(loc, str):
+        raise TypeError(f"a location is a str path or URL, got {loc!r}")
     if "://" not in loc:
-        return LocalStorage(), os.path.abspath(loc)
-    scheme, rest = loc.split("://", 1)
-    if scheme == "memory":
-        return KvStorage("memory://"), loc.rstrip("/")
-    if scheme in ("gs", "s3"):
-        bucket = rest.split("/", 1)[0]
-        root = f"{scheme}://{bucket}/"
-        try:
-            return KvStorage(root, s3_spec(bucket) if scheme == "s3" else None), loc.rstrip("/")
-        except ValueError as e:
-            raise CheckpointError(f"cannot open {root}: {e}") from e
-    raise CheckpointError(
-        f"unsupported location {loc!r}: use a local path or a file://, memory://, gs:// or s3:// URL"
-    )
+        return _local_backend(loc)
+    scheme = loc.split("://", 1)[0]
+    with _BACKENDS_MU:
+        factory = _BACKENDS.get(scheme)
+    if factory is None:
+        urls = ", ".join(f"{s}://" for s in registered_schemes())
+        raise CheckpointError(
+            f"unsupported location {loc!r}: use a local path or a URL of a registered scheme ({urls}), or register "
+            f"a backend of {scheme}:// with checkpointer.register_storage"
+        )
+    return factory(loc)

@@ -199,7 +199,7 @@ def inspect_tree(checkpoint: str | os.PathLike | CheckpointMetadata) -> Checkpoi
     Returns:
       A `CheckpointTree`: displayed in a notebook it is an interactive treescope tree
       (needs treescope: `pip install 'checkpointer[notebook]'`); `print` it for text;
-      `.leaves` holds the `LeafSummary`s.
+      `.leaves` holds the `LeafSummary` entries.
     Raises:
       CheckpointNotFoundError: no committed checkpoint at `checkpoint`.
       CorruptCheckpointError: its manifest is malformed.
@@ -294,7 +294,7 @@ def shard_chunks(checkpoint: str | os.PathLike | CheckpointMetadata, leaf: str) 
       leaf: the leaf's key path as `jax.tree_util.keystr` prints it (`meta.keystr`), or
         its storage path (a key of `meta.leaves`).
     Returns:
-      `WrittenChunk`s in process, then record order: packed and unpacked chunks alike.
+      `WrittenChunk` records in process, then record order: packed and unpacked chunks alike.
     Raises:
       StructureMismatchError: no array leaf of that name (the message lists some).
       CorruptCheckpointError: a process record is missing or malformed.

@@ -1,0 +1,584 @@
+"""Local steps held by peers: each process's committed local step is copied into the
+local tiers of `peer_copies` processes on other nodes, over TCP, in the background.
+
+Who serves: every process of a manager with `peer_copies > 0` serves its own local tier
+on a TCP socket it opens itself (the user starts nothing): bound to the address this
+process uses to reach the `jax.distributed` coordinator, on an ephemeral port, and
+advertised in the coordination service's key-value store under
+`checkpointer/peers/<tag>/addr/<i>` (`{"host", "port", "node"}`; `tag` hashes the
+manager's directory). A peer looks the address up when it first needs it.
+
+Protocol (one request per connection; every message is a 4-byte big-endian length and
+a JSON object; file bytes travel raw, in `CHUNK_BYTES` pieces, so memory stays bounded):
+
+```
+put   owner → holder   {"op": "put", "owner", "step", "generation", "keep": [steps],
+                        "files": [{"key", "size", "crc32c"}, ...]}  then each file's bytes
+                       (the marker `COMMITTED` last).  The holder writes them into
+                       process-<h>/peer-copies/process-<owner>/<step>.partial-<g>/,
+                       fsyncs each and checks its length and the crc32c of the bytes
+                       it wrote against the header (computed by the owner from its
+                       committed files), writes `peer-copy.json` (the header), renames the folder to
+                       <step>/, drops the owner's copies not in `keep`, and answers
+                       {"ok": true} or {"error": text}.
+get   any → holder     {"op": "get", "owner", "step", "generation"}: answers the copy's
+                       `peer-copy.json` (or {"error"}) then each file's bytes; the
+                       receiver checks length and crc32c of each file against it.
+```
+A copy counts (`node_losses_survived`) only once the holder answered ok to its put,
+i.e. after its checks. Nothing here issues a device collective: only sockets
+and the coordination service's key-value store, so it runs on background threads. The
+sender's and the server's threads run at the direct writer's lower CPU priority
+(`BACKGROUND_NICE`), so the training step keeps its cores.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import socketserver
+import struct
+import sys
+import threading
+from collections.abc import Callable, Sequence
+
+import crc32c
+
+from .. import _coord, _format
+from .._errors import CheckpointError, CorruptCheckpointError, RestoreAgreementError
+from .._save import BACKGROUND_NICE
+from ._tier import PEER_COPIES_DIR, PeerCopyTier
+
+log = logging.getLogger("checkpointer")
+
+CHUNK_BYTES = 4 << 20  # bytes of a file in memory at once, per transfer
+MAX_HEADER_BYTES = 64 << 20  # a header lists the files of one step
+COPY_RECORD = "peer-copy.json"
+_LEN = struct.Struct(">I")
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
+    """Adds `nice` to the calling thread's nice value (Linux; elsewhere nothing): the
+    priority rule of the direct writer's threads."""
+    if sys.platform != "linux" or nice <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
+
+
+def _send_json(sock: socket.socket, obj: object) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(min(n - len(buf), CHUNK_BYTES))
+        if not part:
+            raise ConnectionError(f"the peer closed the connection after {len(buf)} of {n} bytes")
+        buf += part
+    return bytes(buf)
+
+
+def _recv_json(sock: socket.socket) -> dict:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    if n > MAX_HEADER_BYTES:
+        raise ConnectionError(f"a peer message of {n} bytes (at most {MAX_HEADER_BYTES})")
+    obj = json.loads(_recv_exact(sock, n))
+    if not isinstance(obj, dict):
+        raise ConnectionError("a peer message is not a JSON object")
+    return obj
+
+
+def _file_crc(path: str) -> tuple[int, int]:
+    """(length, crc32c) of a file, read in `CHUNK_BYTES` pieces."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            crc = crc32c.crc32c(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def _receive_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> None:
+    """Writes the streamed files into `folder`, each file's crc32c computed over the bytes
+    as they are written and fsynced: its length and crc32c must be the header's (the
+    owner's, computed from its committed files). Raises CorruptCheckpointError naming
+    the file; memory: one `CHUNK_BYTES` buffer."""
+    view = memoryview(bytearray(CHUNK_BYTES))  # the one buffer of this transfer
+    for f in files:
+        key, size = str(f["key"]), int(f["size"])
+        if key.startswith("/") or ".." in key.split("/"):
+            raise ConnectionError(f"a peer sent the file name {key!r}")
+        path = _received_path(folder, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        left, crc = size, 0
+        with open(path, "wb", buffering=0) as out:
+            while left:
+                n = sock.recv_into(view, min(left, CHUNK_BYTES), socket.MSG_WAITALL)
+                if not n:
+                    raise ConnectionError(f"the peer closed the connection in {key} ({size - left} of {size} bytes)")
+                out.write(view[:n])
+                crc = crc32c.crc32c(view[:n], crc)
+                left -= n
+            os.fsync(out.fileno())
+        if crc != int(f["crc32c"]):
+            raise CorruptCheckpointError(
+                f"the copy {path} has crc32c {crc:#010x}, expected {int(f['crc32c']):#010x} ({size} bytes): the bytes "
+                "were damaged on the sender's disk or on the way"
+            )
+
+
+def _received_path(folder: str, key: str) -> str:
+    """Where a received file is written: the marker under another name until every file
+    is checked (`_commit_folder`), so a holder that dies mid-copy never leaves a partial
+    folder that a listing would take for a committed one."""
+    return f"{folder}/{_format.COMMITTED}.received" if key == _format.COMMITTED else f"{folder}/{key}"
+
+
+def _stream_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> None:
+    """Sends each file's first `size` bytes (the kernel copies them: `sendfile`)."""
+    for f in files:
+        size = int(f["size"])
+        with open(f"{folder}/{f['key']}", "rb") as src:
+            sent = sock.sendfile(src, 0, size) if size else 0
+            if sent != size:
+                raise ConnectionError(f"{folder}/{f['key']} is shorter than {size} bytes")
+
+
+def step_files(folder: str) -> list[dict]:
+    """Every file of a committed step folder with its length and crc32c, the marker last."""
+    out: list[dict] = []
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            key = os.path.relpath(path, folder).replace(os.sep, "/")
+            if key in (_format.COMMITTED, COPY_RECORD):
+                continue
+            size, crc = _file_crc(path)
+            out.append({"key": key, "size": size, "crc32c": crc})
+    out.sort(key=lambda f: str(f["key"]))
+    size, crc = _file_crc(f"{folder}/{_format.COMMITTED}")
+    return [*out, {"key": _format.COMMITTED, "size": size, "crc32c": crc}]
+
+
+def _commit_folder(partial: str, final: str, record: dict) -> None:
+    """Writes the copy's record and renames `partial` to `final` (replacing an old one)."""
+    with open(f"{partial}/{COPY_RECORD}", "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(f"{partial}/{_format.COMMITTED}.received", f"{partial}/{_format.COMMITTED}")
+    if os.path.isdir(final):
+        shutil.rmtree(final)
+    os.rename(partial, final)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerAddress:
+    host: str
+    port: int
+    node: str
+
+
+def _own_host() -> str:
+    """The address of this host that reaches the `jax.distributed` coordinator."""
+    from jax._src import distributed  # the address jax.distributed.initialize() was given
+
+    coordinator = getattr(distributed.global_state, "coordinator_address", None) or "127.0.0.1:1"
+    host = coordinator.rsplit(":", 1)[0].strip("[]")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # no packet is sent: the kernel picks the route's source address
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+class PeerService:
+    """This process's part of the peer copies of one manager.
+
+    Args:
+      local_root: this process's local folder (`LOCAL/process-<i>`); the copies it
+        holds go to `<local_root>/peer-copies/process-<owner>/`.
+      directory: the manager's directory (names the coordination keys).
+      copies: how many other nodes hold each local step (`peer_copies`).
+      node: this process's node name (default: the host name); processes with the same
+        name are on one node and never hold each other's copies.
+      timeout_s: how long a peer may take to answer, and to advertise its address.
+    """
+
+    def __init__(self, local_root: str, directory: str, *, copies: int, node: str | None, timeout_s: float) -> None:
+        self.process_index, self.process_count = _coord.process_index(), _coord.process_count()
+        self.local_root = local_root
+        self.copies = copies
+        self.node = node if node is not None else socket.gethostname()
+        self.timeout_s = timeout_s
+        self._tag = hashlib.sha256(directory.encode()).hexdigest()[:12]
+        self._client = _coord.client() if self.process_count > 1 else None
+        self._addresses: dict[int, PeerAddress] = {}
+        self._verified: dict[int, int] = {}  # own step → copies checked by their holders
+        self._held: dict[int, PeerCopyTier] = {}
+        self._mu = threading.Lock()
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-peers",
+                                                             initializer=lower_thread_priority)
+        self._jobs: dict[int, concurrent.futures.Future] = {}
+        self.last_error: str | None = None
+        self.before_send: Callable[[int, int], None] | None = None  # tests: (step, holder) before each put
+        self._server = self._serve()
+        host, port = self._server.server_address[:2]
+        self._address = PeerAddress(str(host), int(port), self.node)
+        if self._client is not None:
+            self._client.key_value_set(self._key("addr", self.process_index),
+                                       json.dumps(dataclasses.asdict(self._address)), allow_overwrite=True)
+
+    # --- serving ------------------------------------------------------------------------
+
+    def _key(self, *parts: object) -> str:
+        return "/".join(["checkpointer", "peers", self._tag, *map(str, parts)])
+
+    def held(self, owner: int) -> PeerCopyTier:
+        """The copies this process holds of process `owner`'s local steps (one tier, so
+        one retention lock, per owner)."""
+        root = f"{self.local_root}/{PEER_COPIES_DIR}/process-{owner}"
+        with self._mu:
+            tier = self._held.get(owner)
+            if tier is None or tier.root != root:
+                tier = self._held[owner] = PeerCopyTier(_local_storage(), root, owner)
+            return tier
+
+    def _serve(self) -> socketserver.ThreadingTCPServer:
+        service = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                lower_thread_priority()
+                self.request.settimeout(service.timeout_s)
+                try:
+                    request = _recv_json(self.request)
+                    if request.get("op") == "put":
+                        service._handle_put(self.request, request)
+                    elif request.get("op") == "get":
+                        service._handle_get(self.request, request)
+                    else:
+                        _send_json(self.request, {"error": f"unknown request {request.get('op')!r}"})
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    log.warning("a peer request to process %d failed: %s", service.process_index, e)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        server = Server((_own_host(), 0), Handler)
+        threading.Thread(target=server.serve_forever, name="checkpointer-peer-server", daemon=True).start()
+        return server
+
+    def _handle_put(self, sock: socket.socket, request: dict) -> None:
+        owner, step, generation = int(request["owner"]), int(request["step"]), str(request["generation"])
+        tier = self.held(owner)
+        os.makedirs(tier.root, exist_ok=True)
+        partial = f"{tier.root}/{_format.partial_name(str(step), generation)}"
+        try:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+            _receive_files(sock, partial, request["files"])
+            _commit_folder(partial, f"{tier.root}/{step}", {k: request[k] for k in ("owner", "step", "generation", "files")})
+        except (OSError, CheckpointError) as e:
+            shutil.rmtree(partial, ignore_errors=True)
+            text = f"process {self.process_index} could not hold step {step} of process {owner} in {tier.root}: " + (
+                f"{os.strerror(e.errno)} ({e})" if isinstance(e, OSError) and e.errno is not None else str(e))
+            try:
+                _send_json(sock, {"error": text})
+                while sock.recv(CHUNK_BYTES):  # the rest of the stream, so the sender reads the answer
+                    pass
+            except OSError:
+                pass
+            return
+        keep = {int(s) for s in request.get("keep", [])} | {step}
+        with tier.retention_mu:
+            for s in tier.steps():
+                if s not in keep:
+                    try:
+                        tier.remove(s)
+                    except OSError as e:
+                        log.warning("could not remove the copy of step %d of process %d: %s", s, owner, e)
+        _send_json(sock, {"ok": True})
+
+    def _handle_get(self, sock: socket.socket, request: dict) -> None:
+        owner, step = int(request["owner"]), int(request["step"])
+        folder = f"{self.held(owner).root}/{step}"
+        try:
+            with open(f"{folder}/{COPY_RECORD}") as f:
+                record = json.load(f)
+            if str(record.get("generation")) != str(request.get("generation")):
+                raise FileNotFoundError(f"{folder} holds generation {record.get('generation')}")
+        except (OSError, ValueError) as e:
+            _send_json(sock, {"error": f"process {self.process_index} holds no copy of step {step} of process {owner}: {e}"})
+            return
+        _send_json(sock, record)
+        _stream_files(sock, folder, record["files"])
+
+    # --- addresses and holders ----------------------------------------------------------
+
+    def address(self, process: int) -> PeerAddress:
+        """Process `process`'s advertised address (waits up to `timeout_s` for it)."""
+        with self._mu:
+            if process in self._addresses:
+                return self._addresses[process]
+        if process == self.process_index:
+            return self._address
+        assert self._client is not None
+        raw = self._client.blocking_key_value_get(self._key("addr", process), int(self.timeout_s * 1000))
+        obj = json.loads(raw)
+        address = PeerAddress(str(obj["host"]), int(obj["port"]), str(obj["node"]))
+        with self._mu:
+            self._addresses[process] = address
+        return address
+
+    def holders(self, owner: int) -> list[int]:
+        """The processes that hold `owner`'s copies: one on each of the next `copies`
+        nodes after the owner's (nodes sorted by name), the one at the owner's position
+        within its node (modulo the node's size). Fewer when there are fewer other nodes."""
+        nodes: dict[str, list[int]] = {}
+        for p in range(self.process_count):
+            nodes.setdefault(self.address(p).node, []).append(p)
+        names = sorted(nodes)
+        own = self.address(owner).node
+        at = names.index(own)
+        position = nodes[own].index(owner)
+        out = []
+        for d in range(1, min(self.copies, len(names) - 1) + 1):
+            procs = nodes[names[(at + d) % len(names)]]
+            out.append(procs[position % len(procs)])
+        return out
+
+    # --- sending ------------------------------------------------------------------------
+
+    def enqueue(self, step: int, generation: str, keep: Callable[[], list[int]], after: Callable[[], None] | None,
+                on_done: Callable[[int, int], None]) -> concurrent.futures.Future:
+        """Sends committed local `step` to its holders in the background (after `after`,
+        the local save, succeeded)."""
+        job = self._sender.submit(self._send, step, generation, keep, after, on_done)
+        with self._mu:
+            self._jobs[step] = job
+        return job
+
+    def _send(self, step: int, generation: str, keep: Callable[[], list[int]],
+              after: Callable[[], None] | None, on_done: Callable[[int, int], None]) -> int:
+        if after is not None:
+            try:
+                after()
+            except BaseException:
+                return 0  # the local save failed: the manager reports it
+        folder = f"{self.local_root}/{step}"
+        verified = 0
+        try:
+            files = step_files(folder)
+            holders = self.holders(self.process_index)
+        except Exception as e:  # a file gone, or the coordination service has no address (jaxlib's error)
+            self._failed(step, f"step {step}: {type(e).__name__}: {e}")
+            holders, files = [], []
+        for holder in holders:
+            try:
+                if self.before_send is not None:
+                    self.before_send(step, holder)
+                self._put(holder, step, generation, files, keep())
+                verified += 1
+            except Exception as e:  # the holder's answer, a broken connection, no address
+                self._failed(step, f"step {step} to process {holder}: {type(e).__name__}: {e}")
+        with self._mu:
+            self._verified[step] = verified
+            for s in [s for s in self._verified if s not in set(keep()) | {step}]:
+                del self._verified[s]
+        on_done(step, verified)
+        self._publish()
+        return verified
+
+    def _failed(self, step: int, text: str) -> None:
+        with self._mu:
+            self.last_error = text
+        log.error("the peer copy of %s failed; the step survives fewer node losses", text)
+
+    def _put(self, holder: int, step: int, generation: str, files: list[dict], keep: list[int]) -> None:
+        address = self.address(holder)
+        with socket.create_connection((address.host, address.port), timeout=self.timeout_s) as sock:
+            _send_json(sock, {"op": "put", "owner": self.process_index, "step": step, "generation": generation,
+                              "keep": keep, "files": files})
+            try:
+                _stream_files(sock, f"{self.local_root}/{step}", files)
+            except OSError as e:  # the holder may have answered why it stopped reading
+                try:
+                    answer = _recv_json(sock)
+                except (OSError, ValueError):
+                    raise e from None
+            else:
+                answer = _recv_json(sock)
+        if not answer.get("ok"):
+            raise CheckpointError(str(answer.get("error", "no answer")))
+
+    def wait_all(self) -> None:
+        with self._mu:
+            jobs = list(self._jobs.values())
+        concurrent.futures.wait(jobs)
+
+    def pending_steps(self) -> set[int]:
+        with self._mu:
+            return {s for s, j in self._jobs.items() if not j.done()}
+
+    # --- what survives ------------------------------------------------------------------
+
+    def verified(self) -> dict[int, int]:
+        """Own local step → copies checked by holders on other nodes (this run)."""
+        with self._mu:
+            return dict(self._verified)
+
+    def _publish(self) -> None:
+        if self._client is None:
+            return
+        try:
+            self._client.key_value_set(self._key("copies", self.process_index), json.dumps(self.verified()),
+                                       allow_overwrite=True)
+        except Exception as e:  # diagnostics only
+            log.warning("could not publish the peer copies of process %d: %s", self.process_index, e)
+
+    def job_survives(self) -> dict[int, int]:
+        """Step → node losses the step survives in the whole job: the fewest checked
+        copies of any process's share (a process that has not reported counts 0)."""
+        mine = self.verified()
+        if self._client is None:
+            return mine
+        try:
+            entries = dict(self._client.key_value_dir_get(self._key("copies") + "/"))
+        except Exception:
+            return mine
+        per: dict[int, dict[int, int]] = {}
+        for key, value in entries.items():
+            try:
+                per[int(key.rsplit("/", 1)[1])] = {int(s): int(n) for s, n in json.loads(value).items()}
+            except (ValueError, AttributeError):
+                continue
+        per[self.process_index] = mine
+        return {s: min(per.get(p, {}).get(s, 0) for p in range(self.process_count)) for s in sorted(mine)}
+
+    # --- restore ------------------------------------------------------------------------
+
+    def inventory(self, own_steps: dict[int, str], newer_than: int | None) -> dict:
+        """What this process holds newer than `newer_than`: its own steps and the copies
+        it holds, each step with its generation."""
+        held: dict[str, dict[str, str]] = {}
+        try:
+            owners = os.listdir(f"{self.local_root}/{PEER_COPIES_DIR}")
+        except OSError:
+            owners = []
+        for name in owners:
+            if not name.startswith("process-") or not name[len("process-"):].isdigit():
+                continue
+            tier = self.held(int(name[len("process-"):]))
+            steps = {str(s): g for s in tier.steps() if (g := tier.generation(s)) and (newer_than is None or s > newer_than)}
+            if steps:
+                held[str(tier.owner)] = steps
+        own = {str(s): g for s, g in own_steps.items() if newer_than is None or s > newer_than}
+        return {"own": own, "held": held, "node": self.node}
+
+    def fetch(self, step: int, generation: str, sources: Sequence[int]) -> str | None:
+        """Fetches this process's own copy of `step` from the first of `sources` that
+        serves it whole (lengths and crc32c checked) into its local tier. Returns None,
+        or what failed at every source."""
+        tier_root = self.local_root
+        os.makedirs(tier_root, exist_ok=True)
+        failures = []
+        for source in sources:
+            partial = f"{tier_root}/{_format.partial_name(str(step), generation)}"
+            try:
+                address = self.address(source)
+                with socket.create_connection((address.host, address.port), timeout=self.timeout_s) as sock:
+                    _send_json(sock, {"op": "get", "owner": self.process_index, "step": step, "generation": generation})
+                    record = _recv_json(sock)
+                    if "error" in record:
+                        raise CheckpointError(str(record["error"]))
+                    shutil.rmtree(partial, ignore_errors=True)
+                    os.makedirs(partial)
+                    _receive_files(sock, partial, record["files"])
+                _commit_folder(partial, f"{tier_root}/{step}", record)
+                log.warning("process %d fetched its copy of step %d from process %d", self.process_index, step, source)
+                return None
+            except Exception as e:  # the holder's answer, a broken connection, a damaged copy, no address
+                shutil.rmtree(partial, ignore_errors=True)
+                failures.append(f"process {source}: {type(e).__name__}: {e}")
+                log.warning("fetching step %d of process %d from process %d failed: %s", step,
+                            self.process_index, source, e)
+        return "; ".join(failures) or "no process holds a copy"
+
+    def close(self) -> None:
+        self.wait_all()
+        self._sender.shutdown(wait=True)
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _local_storage():
+    from .._storage import LocalStorage
+
+    return LocalStorage()
+
+
+def check_copies(copies: object) -> int:
+    """`peer_copies` as an int >= 0, or ValueError."""
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 0:
+        raise ValueError(f"peer_copies must be an int >= 0 (copies of each local step on other nodes), got {copies!r}")
+    return copies
+
+
+def choose_peer_step(inventories: list[dict], directory: str) -> tuple[int, str, list[list[int]]] | None:
+    """From every process's inventory (`PeerService.inventory`, in process order): the
+    newest step whose share of every process is held whole (own copy or a peer's copy
+    of the same generation), its generation, and per process the processes to fetch
+    its share from ([] for a process with its own copy); None when no step is.
+
+    Raises:
+      RestoreAgreementError: two processes' own copies of that step are of different
+        generations (a step is never assembled from two saves).
+    """
+    n = len(inventories)
+    steps: set[int] = set()
+    for inv in inventories:
+        steps |= {int(s) for s in inv.get("own", {})}
+        steps |= {int(s) for held in inv.get("held", {}).values() for s in held}
+    for step in sorted(steps, reverse=True):
+        key = str(step)
+        owned = {p: str(inventories[p]["own"][key]) for p in range(n) if key in inventories[p].get("own", {})}
+        if len(set(owned.values())) > 1:
+            groups = "; ".join(f"{_coord.procs(ps)}: generation {g}" for ps, g in _coord.groups(owned))
+            raise RestoreAgreementError(
+                f"the processes disagree about step {step} of {directory}: their local copies are of different saves "
+                f"({groups}); a step is never assembled from two saves. Remove the local directories' copies of step "
+                f"{step} (or restore an explicit durable step) and restart"
+            )
+        generations = set(owned.values()) | {
+            str(held[str(p)][key]) for held in (inv.get("held", {}) for inv in inventories) for p in range(n)
+            if key in held.get(str(p), {})}
+        generation = next(iter(owned.values())) if owned else (min(generations) if len(generations) == 1 else None)
+        if generation is None:
+            continue
+        sources: list[list[int]] = []
+        for p in range(n):
+            if owned.get(p) == generation:
+                sources.append([])
+                continue
+            holders = [h for h in range(n) if h != p and str(inventories[h].get("held", {}).get(str(p), {}).get(key)) == generation]
+            if not holders:
+                break
+            sources.append(holders)
+        else:
+            return step, generation, sources
+    return None

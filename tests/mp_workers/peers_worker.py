@@ -1,0 +1,87 @@
+"""Local steps held by peers: 4 processes x 2 devices as 4 simulated nodes
+(`peer_node="node-<i>"`), CheckpointManager(local_directory=..., peer_copies=k).
+
+args: {"directory", "local", "phase": "save" | "restore", "steps": [..], "peer_copies": k,
+       "durable_every_steps": n, "late_s": {"<process>": seconds before joining the manager},
+       "kill_sending": [process, step]: that process dies (SIGKILL) in the middle of
+       streaming its copy of that step to its first holder}
+phase "save": saves `steps` (w + step), waits, syncs, emits {"event": "saved", "all_steps",
+  "local_steps", "survives", "peer_error"}.
+phase "restore": restore(None), checks every shard bit-exactly; emits {"event": "restored",
+  "step", "source", "durable_bytes", "mismatches"}, or {"event": "refused", "error"}.
+"""
+
+import json
+import os
+import signal
+import socket
+import time
+
+import _common
+
+args = _common.init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+import checkpointer as ckpt  # noqa: E402
+from checkpointer._manage import _peers  # noqa: E402
+
+pidx = jax.process_index()
+SPECS = {"w": ["data", "model"], "ids": ["data"], "bf": ["data", None]}
+mesh = _common.mesh((4, 2), ("data", "model"))
+full = _common.global_arrays()
+expected = {k: full[k] for k in SPECS}
+tree = {k: v for k, v in _common.build_tree(mesh, {**_common.SAVE_SPECS, **SPECS}).items() if k in SPECS}
+time.sleep(float(args.get("late_s", {}).get(str(pidx), 0)))
+
+kill = args.get("kill_sending")
+if kill and kill[0] == pidx:
+    real_put = _peers.PeerService._put
+
+    def dying_put(self, holder, step, generation, files, keep):
+        if step != kill[1]:
+            return real_put(self, holder, step, generation, files, keep)
+        address = self.address(holder)
+        sock = socket.create_connection((address.host, address.port), timeout=30)
+        _peers._send_json(sock, {"op": "put", "owner": pidx, "step": step, "generation": generation,
+                                 "keep": keep, "files": files})
+        with open(f"{self.local_root}/{step}/{files[0]['key']}", "rb") as f:
+            sock.sendall(f.read(max(1, files[0]["size"] // 2)))  # half of the first file, then death
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _peers.PeerService._put = dying_put
+
+with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], keep_local=ckpt.KeepLatest(1),
+                            commit_timeout_s=60, peer_copies=args.get("peer_copies", 1), peer_node=f"node-{pidx}",
+                            durable_every_steps=args.get("durable_every_steps", 1)) as mngr:
+    if args["phase"] == "save":
+        for step in args["steps"]:
+            mngr.save(step, dict(tree, w=tree["w"] + float(step), step=step))
+        mngr.wait_until_finished()
+        multihost_utils.sync_global_devices("peers-saved")  # every process's copies are published
+        status = mngr.status()
+        _common.emit(event="saved", all_steps=mngr.all_steps(), local_steps=mngr._tiers.local_steps(),
+                     survives={str(k): v for k, v in status.node_losses_survived.items()},
+                     peer_error=status.last_peer_error)
+    else:
+        target = {k: (v.sharding if isinstance(v, jax.Array) else None) for k, v in tree.items()}
+        target["step"] = None
+        try:
+            out = mngr.restore(None, target)
+        except ckpt.CheckpointError as e:
+            _common.emit(event="refused", error=f"{type(e).__name__}: {e}")
+        else:
+            status = mngr.status()
+            mismatches = []
+            for name, g in expected.items():
+                if name == "w":
+                    g = (g + np.float32(out["step"])).astype(g.dtype)
+                for s in out[name].addressable_shards:
+                    if not _common.same_bits(np.asarray(s.data), g[s.index]):
+                        mismatches.append(f"{name}: shard on device {s.device.id} differs")
+            _common.emit(event="restored", step=int(out["step"]), source=status.last_restore_source,
+                         durable_bytes=status.last_restore_durable_bytes, mismatches=mismatches)
+        mngr.wait_until_finished()
+print(json.dumps({"done": pidx}))

@@ -1,0 +1,169 @@
+"""Local steps held by peers, with real processes: 4 processes x 2 devices as 4 simulated
+nodes (`peer_node="node-<i>"`), local saves every 10 steps and durable ones every 100.
+
+A node loss is its local folder wiped (`LOCAL/process-<i>/`: its own steps and the copies
+it held of others'). Holders of process p's copies (k = 1): process p+1 (mod 4); k = 2:
+p+1 and p+2."""
+
+import glob
+import json
+import os
+import shutil
+
+import pytest
+from multiprocess import WORKERS, run_processes
+
+import checkpointer as ckpt
+
+WORKER = WORKERS / "peers_worker.py"
+STEPS = [100, 110, 120]  # 100 durable (durable_every_steps=100), 110 and 120 local + peers
+
+
+def _save(tmp_path, k, **extra):
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    args = {"directory": durable, "local": local, "phase": "save", "steps": STEPS, "peer_copies": k,
+            "durable_every_steps": 100, **extra}
+    results = run_processes(WORKER, 4, 2, args, timeout_s=240)
+    return args, results
+
+
+def _restore(args, **extra):
+    return run_processes(WORKER, 4, 2, dict(args, phase="restore", **extra), timeout_s=240)
+
+
+def _copy(args, tmp_path, name):
+    """A copy of the saved run (durable and local folders) for one scenario."""
+    out = dict(args)
+    for key in ("directory", "local"):
+        out[key] = str(tmp_path / name / key)
+        shutil.copytree(args[key], out[key])
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved_k1(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("k1")
+    args, results = _save(tmp, 1)
+    return tmp, args, results
+
+
+@pytest.mark.slow
+def test_with_one_peer_copy_a_lost_node_resumes_from_the_newest_local_step_reading_nothing_durable(saved_k1, capsys):
+    tmp, args, results = saved_k1
+    for r in results:
+        saved = r.record("saved")
+        # Only step 100 is durable; the newest local step survives one node loss in the whole job.
+        assert saved["all_steps"] == [100] and saved["local_steps"] == [120], r.describe()
+        assert saved["survives"].get("120") == 1 and saved["peer_error"] is None, r.describe()
+    # The holder of process 1's copies is process 2 (the next node).
+    assert glob.glob(f"{args['local']}/process-2/peer-copies/process-1/120/COMMITTED")
+    # The probe reports the same from the journal.
+    assert ckpt.read_status(args["directory"]).node_losses_survived == {120: 1}
+    from checkpointer._cli import _main as cli
+
+    assert cli.main(["status", args["directory"]]) == 0
+    out = capsys.readouterr().out
+    assert "node losses survived" in out and "step 120: 1" in out, out
+    run = _copy(args, tmp, "one-lost")
+    shutil.rmtree(f"{run['local']}/process-1")  # node 1 replaced: its own steps and the copies it held
+    for r in _restore(run):
+        rec = r.record("restored")
+        assert rec["step"] == 120 and rec["mismatches"] == [], r.describe()
+        assert rec["durable_bytes"] == 0 and rec["source"] == "local", r.describe()
+
+
+@pytest.mark.slow
+def test_with_one_peer_copy_two_adjacent_lost_nodes_fall_back_to_the_newest_durable_step(saved_k1):
+    tmp, args, _ = saved_k1
+    run = _copy(args, tmp, "two-lost")
+    shutil.rmtree(f"{run['local']}/process-1")  # process 1's share of step 120 was on nodes 1 and 2 only
+    shutil.rmtree(f"{run['local']}/process-2")
+    for r in _restore(run):
+        rec = r.record("restored")
+        assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
+
+
+@pytest.mark.slow
+def test_processes_whose_copies_are_of_different_saves_fail_fast_the_same_way(saved_k1):
+    tmp, args, _ = saved_k1
+    run = _copy(args, tmp, "disagree")
+    marker = f"{run['local']}/process-2/120/COMMITTED"
+    with open(marker) as f:
+        obj = json.load(f)
+    obj["generation"] = "20260101T000000Z-otherattempt"
+    with open(marker, "w") as f:
+        json.dump(obj, f)
+    results = _restore(run)
+    errors = {r.record("refused")["error"] for r in results}
+    assert len(errors) == 1, errors  # the same error on every process
+    (error,) = errors
+    assert error.startswith("RestoreAgreementError") and "step 120" in error and "process 2" in error, error
+
+
+def _flip_a_chunk_byte(folder):
+    patterns = [f"{folder}/arrays/**/c/**", f"{folder}/packed/*/c/0"]  # chunk files, the pack
+    chunks = sorted(p for pattern in patterns for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    assert chunks, f"no chunk file in {folder}"
+    with open(chunks[0], "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0x01]))
+
+
+@pytest.mark.slow
+def test_with_one_peer_copy_a_damaged_copy_of_a_lost_node_falls_back_to_the_durable_step(saved_k1):
+    tmp, args, _ = saved_k1
+    run = _copy(args, tmp, "damaged-only-copy")
+    shutil.rmtree(f"{run['local']}/process-1")
+    _flip_a_chunk_byte(f"{run['local']}/process-2/peer-copies/process-1/120")  # fails its crc32c when fetched
+    for r in _restore(run):
+        rec = r.record("restored")
+        assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
+
+
+@pytest.fixture(scope="module")
+def saved_k2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("k2")
+    args, results = _save(tmp, 2)
+    for r in results:
+        assert r.record("saved")["survives"].get("120") == 2, r.describe()
+    return tmp, args
+
+
+@pytest.mark.slow
+def test_with_two_peer_copies_a_damaged_copy_is_skipped_for_the_next_one_and_a_late_replacement_is_waited_for(saved_k2):
+    tmp, args = saved_k2
+    run = _copy(args, tmp, "damaged-next")
+    shutil.rmtree(f"{run['local']}/process-1")
+    _flip_a_chunk_byte(f"{run['local']}/process-2/peer-copies/process-1/120")  # the first holder's copy
+    # The replacement process joins its manager 5 s after the others.
+    for r in _restore(run, late_s={"1": 5}):
+        rec = r.record("restored")
+        assert rec["step"] == 120 and rec["mismatches"] == [], r.describe()
+        assert rec["durable_bytes"] == 0 and rec["source"] == "local", r.describe()
+
+
+@pytest.mark.slow
+def test_a_process_killed_while_sending_its_copy_leaves_no_copy_that_counts(tmp_path):
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    args = {"directory": durable, "local": local, "phase": "save", "steps": STEPS, "peer_copies": 1,
+            "durable_every_steps": 100, "kill_sending": [1, 120]}
+    results = run_processes(WORKER, 4, 2, args, timeout_s=240, check=False, fail_fast_grace_s=3)
+    assert results[1].returncode == -9, results[1].describe()
+    # Half of process 1's copy reached process 2, which dropped it when the connection broke
+    # and kept the checked copy of step 110 (the older copy is never lost to a newer one).
+    assert sorted(os.listdir(f"{local}/process-2/peer-copies/process-1")) == ["110"]
+    for r in _restore(dict(args, phase="restore", kill_sending=None)):
+        rec = r.record("restored")
+        assert rec["step"] == 120 and rec["mismatches"] == [] and rec["durable_bytes"] == 0, r.describe()
+
+
+@pytest.mark.slow
+def test_a_restart_onto_another_process_count_reads_the_durable_step_and_says_why(saved_k1):
+    tmp, args, _ = saved_k1
+    run = _copy(args, tmp, "two-processes")
+    results = run_processes(WORKER, 2, 4, dict(run, phase="restore"), timeout_s=240)
+    for r in results:
+        rec = r.record("restored")
+        assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
+        assert "saved by 4 processes, the job has 2" in r.stderr, r.describe()

@@ -1,0 +1,116 @@
+"""One tier interface (`_manage._tier.Tier`): the same conformance test runs against the
+local, peer and durable tiers; and one storage registry (`register_storage`, a Storage
+object or a (Storage, path) pair wherever a location is accepted)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import checkpointer as ckpt
+from checkpointer._manage._peers import PeerService, step_files
+from checkpointer._manage._tier import DurableTier, LocalStepTier, PeerCopyTier, Tier
+from checkpointer._restore import RestoreOptions, restore_from
+from checkpointer._storage import KvStorage, LocalStorage, storage_for
+
+
+def _tree(step):
+    return {"w": np.arange(12.0, dtype=np.float32).reshape(3, 4) + step, "step": step}
+
+
+@pytest.fixture(scope="module")
+def tiers(tmp_path_factory):
+    """Every tier holding steps 1 and 2 of one manager (one process): the local tier, the
+    durable tier, and a peer tier (this process's own server holding a copy it sent)."""
+    root = tmp_path_factory.mktemp("tiers")
+    mngr = ckpt.CheckpointManager(str(root / "durable"), local_directory=str(root / "local"),
+                                  keep_local=ckpt.KeepLatest(2), async_save=False)
+    for step in (1, 2):
+        mngr.save(step, _tree(step))
+    local = mngr._tiers
+    peers = PeerService(local.root, mngr.directory, copies=1, node="a", timeout_s=30)
+    try:
+        for step in (1, 2):  # to itself: the same server and checks a peer on another node runs
+            peers._put(0, step, local.tier.generation(step), step_files(f"{local.root}/{step}"), [1, 2])
+    finally:
+        peers.close()
+    out = {"local": local.tier, "durable": local.durable_tier, "peer": peers.held(0)}
+    yield out
+    mngr.close()
+
+
+@pytest.mark.parametrize("name", ["local", "peer", "durable"])
+def test_every_tier_lists_reads_names_and_removes_its_steps_alike(tiers, name):
+    tier: Tier = tiers[name]
+    assert isinstance(tier, Tier) and tier.name == name and tier.survives
+    assert {"local": LocalStepTier, "peer": PeerCopyTier, "durable": DurableTier}[name] is type(tier)
+    assert isinstance(tier.retention_mu, type(threading.Lock()))
+    assert tier.root in tier.describe()
+    assert tier.steps() == [1, 2]
+    # The same save attempt on every tier: a step is never assembled from two saves.
+    assert tier.generation(2) == tiers["local"].generation(2) and tier.generation(2) is not None
+    assert tier.generation(7) is None
+    out = restore_from(tier.storage, tier.step_path(2), None, RestoreOptions())
+    np.testing.assert_array_equal(out["w"], _tree(2)["w"])
+    assert out["step"] == 2
+    with pytest.raises(ckpt.CheckpointError, match="holds no committed step 7"):
+        tier.step_path(7)
+    with tier.retention_mu:
+        tier.remove(1)
+    assert tier.steps() == [2]
+
+
+def test_a_peer_copy_that_fails_its_crc32c_check_is_refused_and_nothing_is_committed(tmp_path):
+    root = str(tmp_path / "process-0")
+    ckpt.save(f"{root}/5", _tree(5))
+    files = step_files(f"{root}/5")
+    lied = [dict(f, crc32c=f["crc32c"] ^ 1) if f["key"].endswith("manifest.json") else f for f in files]
+    peers = PeerService(root, str(tmp_path / "dir"), copies=1, node="a", timeout_s=30)
+    try:
+        with pytest.raises(ckpt.CheckpointError, match=r"has crc32c 0x[0-9a-f]+, expected 0x[0-9a-f]+"):
+            peers._put(0, 5, "g", lied, [5])
+        assert peers.held(0).steps() == []
+        peers._put(0, 5, "g", files, [5])  # the true records: held, checked
+        assert peers.held(0).steps() == [5] and peers.held(0).generation(5) is not None
+    finally:
+        peers.close()
+    import os
+
+    assert os.listdir(peers.held(0).root) == ["5"]  # no partial folder left behind
+
+
+def test_storage_backends_come_from_one_registry_and_a_storage_object_is_a_location(tmp_path):
+    opened = []
+
+    class Recording(LocalStorage):
+        pass
+
+    def factory(url):
+        opened.append(url)
+        return Recording(), str(tmp_path / url.split("://", 1)[1])
+
+    ckpt.register_storage("rec", factory)
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            ckpt.register_storage("rec", factory)
+        storage, path = storage_for("rec://run")
+        assert isinstance(storage, Recording) and path == str(tmp_path / "run") and opened == ["rec://run"]
+        ckpt.save("rec://run/3", _tree(3))
+        assert ckpt.restore(str(tmp_path / "run" / "3"))["step"] == 3
+    finally:
+        from checkpointer._storage import _kvstore
+
+        _kvstore._BACKENDS.pop("rec")
+    with pytest.raises(ckpt.CheckpointError, match=r"register a backend of rec://"):
+        storage_for("rec://run")
+    with pytest.raises(ValueError, match="scheme"):
+        ckpt.register_storage("Bad Scheme", factory)
+    # A (Storage, path) pair, or a Storage object with a root, instead of a URL.
+    pair = (LocalStorage(), str(tmp_path / "pairs"))
+    with ckpt.CheckpointManager(pair, async_save=False) as mngr:
+        mngr.save(4, _tree(4))
+        assert mngr.all_steps() == [4] and mngr.directory == str(tmp_path / "pairs")
+    mem = KvStorage("memory://")
+    assert storage_for(mem) == (mem, "memory://")
+    with pytest.raises(TypeError, match=r"pass \(storage, path\)"):
+        storage_for(LocalStorage())

@@ -1,0 +1,92 @@
+"""Local and durable on their own schedules (`durable_every_steps`, `durable_every_s`), each
+tier with its own retention; and a full memory tier (a size-limited tmpfs)."""
+
+import errno
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import checkpointer as ckpt
+from checkpointer._manage._peers import PeerService, step_files
+
+
+def _tree(step, n=12):
+    return {"w": np.arange(n, dtype=np.float32) + step, "step": step}
+
+
+def test_by_default_every_local_step_is_replicated_as_before(tmp_path):
+    with ckpt.CheckpointManager(str(tmp_path / "d"), local_directory=str(tmp_path / "l"), async_save=False) as m:
+        for step in (1, 2, 3):
+            m.save(step, _tree(step))
+        assert m.all_steps() == [1, 2, 3] and m._tiers.local_steps() == [3]
+
+
+def test_local_saves_every_step_durable_every_third_and_the_newest_local_only_step_is_never_dropped(tmp_path):
+    with ckpt.CheckpointManager(str(tmp_path / "d"), local_directory=str(tmp_path / "l"), async_save=False,
+                                keep=ckpt.KeepLatest(5), keep_local=ckpt.KeepLatest(1), durable_every_steps=3) as m:
+        for step in range(1, 8):
+            m.save(step, _tree(step))
+            # The local window of one step holds the newest step, durable or not.
+            assert m._tiers.local_steps() == [step]
+        assert m.all_steps() == [3, 6]
+        assert m.restore(None)["step"] == 7 and m.status().last_restore_source == "local"
+    with pytest.raises(ValueError, match="durable_every_steps"):
+        ckpt.CheckpointManager(str(tmp_path / "e"), local_directory=str(tmp_path / "l2"), durable_every_steps=0)
+    with pytest.raises(ValueError, match="peer_copies needs local_directory"):
+        ckpt.CheckpointManager(str(tmp_path / "e"), peer_copies=1)
+
+
+def test_a_durable_schedule_in_seconds_replicates_the_first_step_and_then_waits(tmp_path):
+    with ckpt.CheckpointManager(str(tmp_path / "d"), local_directory=str(tmp_path / "l"), async_save=False,
+                                durable_every_s=3600) as m:
+        for step in (1, 2, 3):
+            m.save(step, _tree(step))
+        assert m.all_steps() == [1] and m._tiers.local_steps() == [3]
+        m.save(4, _tree(4), force=True)  # force (and preemption) always go durable
+        assert m.all_steps() == [1, 4]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (never the machine's /dev/shm); skipped where mounting is not allowed."""
+    where = tmp_path / "shm"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield str(where)
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_memory_tier_fails_the_save_clearly_and_loses_nothing_older(tmp_path, small_tmpfs):
+    with ckpt.CheckpointManager(str(tmp_path / "d"), local_directory=small_tmpfs, async_save=False,
+                                durable_every_steps=100) as m:
+        m.save(1, _tree(1))  # small: fits
+        with pytest.raises(ckpt.CheckpointError, match="No space left on device"):
+            m.save(2, _tree(2, n=1 << 19))  # 2 MiB: does not
+        assert m._tiers.local_steps() == [1]
+        assert not [n for n in os.listdir(m._tiers.root) if n.startswith("2")]  # no partial left
+        assert m.restore(None)["step"] == 1 and m.status().last_restore_source == "local"
+
+
+def test_a_holder_whose_memory_tier_is_full_refuses_the_copy_and_keeps_the_older_one(tmp_path, small_tmpfs):
+    holder = PeerService(f"{small_tmpfs}/process-1", str(tmp_path / "dir"), copies=1, node="b", timeout_s=30)
+    owner = PeerService(str(tmp_path / "process-0"), str(tmp_path / "dir"), copies=1, node="a", timeout_s=30)
+    owner._addresses[1] = holder._address  # owner (process 0 here) sends to the holder's server
+    try:
+        ckpt.save(str(tmp_path / "process-0" / "1"), _tree(1))
+        owner._put(1, 1, "g1", step_files(f"{tmp_path}/process-0/1"), [1])
+        noise = np.random.default_rng(0).standard_normal((1200 << 10) // 4).astype(np.float32)  # 1.2 MiB > the tmpfs
+        ckpt.save(str(tmp_path / "process-0" / "2"), {"w": noise, "step": 2})
+        with pytest.raises(ckpt.CheckpointError, match=os.strerror(errno.ENOSPC)):
+            owner._put(1, 2, "g2", step_files(f"{tmp_path}/process-0/2"), [1, 2])
+        held = holder.held(0)
+        assert held.steps() == [1] and held.generation(1) is not None
+        assert sorted(os.listdir(held.root)) == ["1"]  # the partial copy is gone, the older one kept
+    finally:
+        owner.close()
+        holder.close()
