@@ -351,8 +351,10 @@ def test_gc_dry_run_then_removes_the_partial_folder_and_old_steps(run_dir, capsy
     assert [s["folder"] for s in doc["steps"]] == ["2", "3"]
     # Nothing left: a second gc removes nothing; --keep-latest 1 never removes the newest.
     doc = run_json(capsys, "gc", run_dir, "--keep-latest", "1")
+    freed = doc.pop("freed_bytes")  # what step 2's own files held
     assert doc == {"directory": run_dir, "dry_run": False, "removed_partial": [], "rolled_forward": [],
-                   "removed_steps": [2], "kept_steps": [3]}
+                   "removed_steps": [2], "kept_steps": [3], "kept_for_references": {}}
+    assert freed > 0
 
 
 def test_gc_without_keep_latest_removes_only_crashed_saves(run_dir, capsys):

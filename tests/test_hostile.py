@@ -261,7 +261,7 @@ def test_absurd_or_mistyped_array_entries_are_refused(victim, fields, match):
 @pytest.mark.parametrize(
     "field, value, match",
     [
-        ("format_version", 2, "format_version 2.*Upgrade"),
+        ("format_version", 3, "format_version 3.*Upgrade"),  # 2 has references (issue 30)
         ("format_version", "1", "format_version"),
         ("format_version", True, "format_version"),
         ("format_version", 1.0, "format_version"),

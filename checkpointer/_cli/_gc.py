@@ -4,8 +4,9 @@ lock; `--dry-run` only shows what it would do."""
 
 from __future__ import annotations
 
-from .. import _commit, _manage
+from .. import _commit, _format, _manage
 from .._errors import CheckpointError
+from .._format import format_bytes
 from ._inputs import _lock_holder, _open_dir
 from ._ui import _UI
 
@@ -21,6 +22,9 @@ def _cmd_gc(args, ui: _UI) -> int:
     actions = _commit.plan_recovery(storage, directory)
     rolled = [n for n, a in actions if a == "roll forward"]
     steps = sorted(set(_commit.committed_steps(storage, directory)) | {int(n.split(".", 1)[0]) for n in rolled})
+    folders = _commit.committed_folders(storage, directory)
+    own_bytes = {st: _step_bytes(storage, directory, f) for st, f in folders.items()}
+    held: dict[int, list[int]] = {}
     lock = None
     if not args.dry_run:
         if storage.supports_locks:
@@ -32,7 +36,7 @@ def _cmd_gc(args, ui: _UI) -> int:
                 raise CheckpointError(f"{e} (gc needs the directory to itself)") from e
         try:
             keep = _manage.KeepLatest(args.keep_latest) if args.keep_latest else None
-            recovered, doomed = _manage.maintain(storage, directory, keep=keep)  # as a manager's writer does
+            recovered, doomed = _manage.maintain(storage, directory, keep=keep, kept_for_references=held)  # as a manager's writer does
             actions = [(n, a) for n, a in actions if n in set(recovered)]
             steps = sorted(set(_commit.committed_steps(storage, directory)) | set(doomed))
         finally:
@@ -40,6 +44,10 @@ def _cmd_gc(args, ui: _UI) -> int:
                 lock.release()
     else:
         doomed = steps[: -args.keep_latest] if args.keep_latest else []
+        if doomed:
+            refs = {st: _manage.referenced_steps(storage, directory, f) for st, f in folders.items()}
+            gone, held = _manage.hold_referenced(steps, doomed, refs)
+            doomed = sorted(gone)
     kept = [s for s in steps if s not in doomed]
     verb = {"remove": "would remove" if args.dry_run else "removed",
             "roll forward": "would roll forward" if args.dry_run else "rolled forward"}
@@ -47,10 +55,15 @@ def _cmd_gc(args, ui: _UI) -> int:
         ui.json({"directory": directory, "dry_run": args.dry_run,
                  "removed_partial": [n for n, a in actions if a == "remove"],
                  "rolled_forward": [n for n, a in actions if a == "roll forward"],
-                 "removed_steps": doomed, "kept_steps": kept})
+                 "removed_steps": doomed, "kept_steps": kept,
+                 "freed_bytes": sum(own_bytes.get(st, 0) for st in doomed),
+                 "kept_for_references": {str(st): users for st, users in held.items()}})
         return 0
     rows = [(verb[a], n, "crashed or replaced save" if a == "remove" else "committed, not yet renamed") for n, a in actions]
-    rows += [("would remove" if args.dry_run else "removed", str(s), f"beyond the newest {args.keep_latest}") for s in doomed]
+    rows += [("would remove" if args.dry_run else "removed", str(s),
+              f"beyond the newest {args.keep_latest}; frees {format_bytes(own_bytes.get(s, 0))}") for s in doomed]
+    rows += [("kept", str(st), f"referenced by steps {', '.join(map(str, users))} (incremental saves); holds "
+              f"{format_bytes(own_bytes.get(st, 0))}") for st, users in sorted(held.items())]
     if rows:
         ui.table(["action", "folder", "why"], rows, title=f"{directory}{' (dry run)' if args.dry_run else ''}")
     else:
@@ -59,3 +72,12 @@ def _cmd_gc(args, ui: _UI) -> int:
     if holder:
         ui.line(f"A CheckpointManager holds this directory ({holder}): gc without --dry-run would refuse to run.")
     return 0
+
+
+def _step_bytes(storage, directory: str, folder: str) -> int:
+    """Bytes of chunk files the step holds itself (its manifest's `process_bytes_written`;
+    referenced chunks are the other steps'); 0 when unreadable."""
+    try:
+        return sum(_format.read_metadata(storage, f"{directory}/{folder}", check_references=False).process_bytes_written)
+    except (CheckpointError, OSError):
+        return 0

@@ -49,7 +49,8 @@ def _cmd_ls(args, ui: _UI) -> int:
     for e in found:
         state = _state(e, committed)
         row: dict[str, Any] = {"step": e.step, "folder": e.name, "state": state, "committed": state == "committed",
-               "size_bytes": None, "created_unix_s": None, "age_s": None, "metrics": {}, "note": None}
+               "size_bytes": None, "shared_bytes": 0, "shared_from": [], "created_unix_s": None, "age_s": None,
+               "metrics": {}, "note": None}
         if e.committed:
             try:
                 meta = read_metadata(storage, f"{directory}/{e.name}")
@@ -57,6 +58,9 @@ def _cmd_ls(args, ui: _UI) -> int:
                 metrics = meta.user_metadata.get("metrics", {})
                 row["metrics"] = {k: _json_value(v) for k, v in metrics.items()} if isinstance(metrics, dict) else {}
                 row["size_bytes"] = sum(meta.process_bytes_written)  # replaced by the files' sizes where cheap
+                # Incremental saves: data bytes this step references in earlier steps (it owns `size_bytes`).
+                row["shared_bytes"] = meta.referenced_bytes
+                row["shared_from"] = sorted({r.folder for m in meta.arrays.values() for r in m.references.values()})
             except CheckpointError as err:
                 row["note"] = "manifest unreadable: " + " ".join(str(err).split())
         if row["created_unix_s"] is None:
@@ -91,13 +95,25 @@ def _cmd_ls(args, ui: _UI) -> int:
     if not rows and not foreign:
         ui.line(f"no step folders in {directory}")
         return 0
-    ui.table(
-        ["step", "state", "size", "age", "metrics", "folder"],
-        [(r["step"], r["state"] + (f" ({r['note']})" if r["note"] else ""), _format.format_bytes(r["size_bytes"]), _age(r["age_s"]),
-          _metrics_str(r["metrics"]) or "-", r["folder"]) for r in rows]
-        + [("-", "foreign", "-", "-", "-", name) for name in foreign],
-        right=["step", "size", "age"], title=f"{directory}",
-    )
+    if any(r["shared_bytes"] for r in rows):  # incremental saves: what each step owns, what it shares
+        ui.table(
+            ["step", "state", "owns", "shares", "from", "age", "metrics", "folder"],
+            [(r["step"], r["state"] + (f" ({r['note']})" if r["note"] else ""), _format.format_bytes(r["size_bytes"]),
+              _format.format_bytes(r["shared_bytes"]), ",".join(r["shared_from"]) or "-", _age(r["age_s"]),
+              _metrics_str(r["metrics"]) or "-", r["folder"]) for r in rows]
+            + [("-", "foreign", "-", "-", "-", "-", "-", name) for name in foreign],
+            right=["step", "owns", "shares", "age"], title=f"{directory}",
+        )
+        ui.line("owns: bytes of the step's own files; shares: data bytes it references in the steps under 'from' "
+                "(incremental saves), which retention keeps while it does.")
+    else:
+        ui.table(
+            ["step", "state", "size", "age", "metrics", "folder"],
+            [(r["step"], r["state"] + (f" ({r['note']})" if r["note"] else ""), _format.format_bytes(r["size_bytes"]), _age(r["age_s"]),
+              _metrics_str(r["metrics"]) or "-", r["folder"]) for r in rows]
+            + [("-", "foreign", "-", "-", "-", name) for name in foreign],
+            right=["step", "size", "age"], title=f"{directory}",
+        )
     if foreign:
         ui.line(f"Foreign entries ({len(foreign)}) are not step folders (a step folder's name is the step in plain "
                 "decimal, e.g. 900000, not 0900000): readers ignore them and nothing deletes them.")

@@ -32,7 +32,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .._format import ArrayMetadata, Box, ChunkRecord, ProcessRecord
+from .._errors import CheckpointError
+from .._format import PROCESSES, ArrayMetadata, Box, ChunkRecord, ProcessRecord, read_process_record
 from .._storage import DEFAULT_MAX_OVER_READ_RATIO, Storage
 from ._leaf_plan import LeafRestorePlan
 from ._read import RestoreStats
@@ -101,6 +102,26 @@ class VerifyContext:
     progress: Callable[[int, int], object] | None = None
     checked: int = 0
     bytes_checked: int = 0
+
+    _targets: dict[str, dict[str, ChunkRecord]] = dataclasses.field(default_factory=dict)
+
+    def target_chunks(self, storage: Storage, target: str) -> Mapping[str, ChunkRecord]:
+        """Chunk key → record entry of every process record of the referenced checkpoint
+        `target` (read once; a record that does not parse adds a problem)."""
+        if target not in self._targets:
+            found: dict[str, ChunkRecord] = {}
+            try:
+                names = storage.list_dir(f"{target}/{PROCESSES}")
+            except OSError as e:
+                names = []
+                self.problems.append(f"referenced checkpoint {target}: cannot list its process records: {e}")
+            for name in names:
+                try:
+                    found.update((c.key, c) for c in read_process_record(storage, f"{target}/{PROCESSES}/{name}").chunks)
+                except (CheckpointError, OSError) as e:
+                    self.problems.append(f"referenced checkpoint {target}: process record {name}: {e}")
+            self._targets[target] = found
+        return self._targets[target]
 
     def done(self, chunks: int, nbytes: int = 0) -> None:
         """Counts `chunks` more chunks (and `nbytes` bytes) checked; reports progress."""

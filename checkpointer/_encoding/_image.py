@@ -222,3 +222,22 @@ def _finish(job: _Job) -> ShardImage:
     else:
         data_crc = _crc.combine_all((c, n) for c, n in job.parts)
     return ShardImage(buf, size, job.crcs, data_crc, src.nbytes)
+
+
+def image_data(image: ShardImage, layout: ShardFileLayout, box_shape: tuple[int, ...], dtype: np.dtype) -> list[np.ndarray]:
+    """The chunk's C-order data bytes read back from its image, as uint8 pieces in order
+    (what `data_crc32c` covers): views of the inner chunks' leading bytes where they are
+    bands of whole rows (no copy), else the box reassembled (one copy). For a check that
+    needs the data itself (incremental saves' XXH3-128), only where the crc32c matched."""
+    shape = tuple(box_shape)
+    stored = stored_inner_chunks(layout, shape)
+    n, nc, buf = layout.inner_bytes, layout.inner_bytes_with_crc, image.buffer
+    itemsize = np.dtype(dtype).itemsize
+    if row_bands(layout, shape):
+        return [buf[k * nc : k * nc + itemsize * int(np.prod([p.stop - p.start for p in part]))] for k, (_, _, part, _) in enumerate(stored)]
+    out = np.empty(shape, dtype)
+    inner = tuple(layout.inner_chunk_shape)
+    for k, (_, _, part, cut) in enumerate(stored):
+        raw = buf[k * nc : k * nc + n].view(dtype).reshape(inner)
+        out[part] = raw[cut] if cut is not None else raw
+    return [out.reshape(-1).view(np.uint8)]

@@ -50,6 +50,8 @@ class ChunkRead:
         `(source start in the inner chunk, destination start in the box buffer,
         length)` in elements; the copy of one inner chunk is the product of one span
         per dimension.
+      source: the sibling checkpoint folder the chunk file is read from (a reference
+        of an incremental save: `ArrayMetadata.references`), or None: this checkpoint.
     """
 
     chunk_index: tuple[int, ...]
@@ -64,6 +66,7 @@ class ChunkRead:
     inner_bytes_with_crc: int
     inner_ids: tuple[int, ...]
     spans: tuple[tuple[tuple[int, int, int], ...], ...]
+    source: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +336,19 @@ class RestorePlan:
         supply part of it (`bytes_received`)."""
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
+    @property
+    def bytes_read_by_source(self) -> dict[str | None, int]:
+        """Bytes read per checkpoint: None for this one, a sibling folder name for the
+        chunks an incremental save references (`ChunkRead.source`); packs count as this
+        checkpoint's."""
+        out: dict[str | None, int] = {}
+        for r in self.reads:
+            out[r.source] = out.get(r.source, 0) + r.bytes_read
+        packed = self.bytes_read - sum(out.values())
+        if packed > 0:
+            out[None] = out.get(None, 0) + packed
+        return out
+
     def __repr__(self) -> str:
         """A summary naming the leaves by key string (the whole plan lists every chunk read)."""
         names = [leaf.name for leaf in self.leaves]
@@ -360,6 +376,11 @@ class RestorePlan:
             lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
             if k == 0 or k == len(rows) - 2:
                 lines.append("  ".join("-" * w for w in widths))
+        by_source = self.bytes_read_by_source
+        if any(s is not None for s in by_source):  # an incremental save: where the reads go
+            parts = [f"{'this checkpoint' if s is None else _format.source_path(self.path, s)}: {_format.format_bytes(n)}"
+                     for s, n in sorted(by_source.items(), key=lambda kv: (kv[0] is not None, kv[0] or ""))]
+            lines.append("read from: " + "; ".join(parts))
         return "\n".join(lines)
 
 
@@ -400,7 +421,7 @@ def plan_chunk_read(meta: ArrayMetadata, chunk: tuple[int, ...], region: Box, de
         inner * layout.inner_bytes_with_crc + layout.index_bytes,
         local_box=local, file_bytes=layout.file_bytes, index_offset=layout.index_offset, index_bytes=layout.index_bytes,
         inner_bytes_with_crc=layout.inner_bytes_with_crc, inner_ids=tuple(ids),
-        spans=tuple(tuple(s[1:] for s in spans) for spans in per_dim),
+        spans=tuple(tuple(s[1:] for s in spans) for spans in per_dim), source=meta.source_of(chunk),
     )
 
 

@@ -152,7 +152,8 @@ class _ChunkFile:
 
 
 def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) -> None:
-    """Checks that the zarr shard files `keys` exist with the size the manifest implies.
+    """Checks that the zarr shard files `keys` exist with the size the manifest implies
+    (each a key, or `(key, source folder)` for a referenced chunk: `ChunkRead.source`).
 
     Local files only (a `stat` each, in the order given, stopping at the first bad
     one); on object stores the reads themselves check.
@@ -166,11 +167,13 @@ def check_chunk_files(storage: Storage, path: str, meta: ArrayMetadata, keys) ->
     expected = meta.layout.file_bytes
     here = where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())
     seen: set[str] = set()
-    for key in keys:  # may be a generator: stops at the first bad file, holding only what it checked
+    for item in keys:  # may be a generator: stops at the first bad file, holding only what it checked
+        key, source = (item, None) if isinstance(item, str) else item
         if key in seen:
             continue
         seen.add(key)
-        check_file_size(storage, path, key, expected, f"{here}: chunk {key}")
+        root = _format.source_path(path, source)
+        check_file_size(storage, root, key, expected, f"{here}: chunk {key}" + (f" (referenced in {root})" if source else ""))
 
 
 def check_file_size(storage: Storage, path: str, key: str, expected_bytes: int, what: str) -> None:
@@ -225,8 +228,10 @@ def read_chunk_into(
         the leaf and the chunk key.
     """
     what = f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())}: chunk {read.chunk_key}"
+    if read.source is not None:
+        what += f" (referenced in {_format.source_path(path, read.source)})"
     try:
-        f = _ChunkFile(storage, path, read.chunk_key, stats)
+        f = _ChunkFile(storage, _format.source_path(path, read.source), read.chunk_key, stats)
     except OSError as e:
         state = "is missing" if isinstance(e, FileNotFoundError) else "cannot be opened"
         raise CorruptCheckpointError(f"{what} {state} ({e.strerror}). Run `checkpointer verify {path}`.") from e

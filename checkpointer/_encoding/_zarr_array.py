@@ -277,6 +277,28 @@ def _with_x64(x64: bool, fn: Callable[..., _T], *args: object) -> _T:
         return fn(*args)
 
 
+def _verify_reference(storage: Storage, path: str, m: ArrayMetadata, cell: tuple[int, ...], key: str, data: np.ndarray,
+                      ctx: VerifyContext) -> None:
+    """Checks a referenced chunk's decoded bytes against the reference (crc32c, XXH3-128)
+    and against the record of the checkpoint that holds them (its crc32c)."""
+    import xxhash
+
+    ref = m.references[cell]
+    target = _format.source_path(path, ref.folder)
+    crc = _format.data_crc32c(data)
+    here = f"leaf {leaf_name(m.path, m.keystr)}: chunk {key} referenced in {target}"
+    if crc != ref.data_crc32c:
+        ctx.problems.append(f"{here}: its bytes' crc32c {crc:#010x} differs from the reference's {ref.data_crc32c:#010x}")
+    elif ref.xxh3_128 is not None and xxhash.xxh3_128_hexdigest(np.ascontiguousarray(data).view(np.uint8).reshape(-1).data) != ref.xxh3_128:
+        ctx.problems.append(f"{here}: its bytes' XXH3-128 differs from the reference's")
+    records = ctx.target_chunks(storage, target)
+    rec = records.get(key)
+    if rec is None:
+        ctx.problems.append(f"{here}: that checkpoint has no process record of the chunk")
+    elif rec.data_crc32c != ref.data_crc32c:
+        ctx.problems.append(f"{here}: its record's crc32c differs from the reference's")
+
+
 class ZarrArrayEncoding(LeafEncoding):
     """A leaf in its own zarr v3 array (`sharding_indexed` + `crc32c`), one zarr shard
     file per chunk."""
@@ -312,7 +334,8 @@ class ZarrArrayEncoding(LeafEncoding):
 
     def check_files(self, storage: Storage, path: str, leaves: Sequence[tuple[ArrayMetadata, Sequence[Box]]]) -> None:
         for meta, boxes in leaves:
-            _read.check_chunk_files(storage, path, meta, (key for key, _ in self.files(meta, boxes)))
+            cells = (cell for box in sorted(set(boxes)) for cell in grid_cells(box, meta.chunk_shape))
+            _read.check_chunk_files(storage, path, meta, ((_format.chunk_key(meta.path, c), meta.source_of(c)) for c in cells))
 
     def start_restore(self, storage: Storage, path: str, items: Sequence[Item], ctx: ReadContext) -> Callable[[], dict[str, object]]:
         read_leaf = functools.partial(_with_x64, ctx.x64, _read_leaf)
@@ -338,16 +361,19 @@ class ZarrArrayEncoding(LeafEncoding):
         """Decodes every chunk through TensorStore (which checks the crc32c of each inner
         chunk and of each shard index) and compares it with its writer's record."""
         for m in metas:
-            store = None
+            stores: dict[str | None, Any] = {}  # by source: this checkpoint (None) or a referenced one
             for cell in grid_cells(Box.whole(m.shape), m.chunk_shape):
                 key, n = _format.chunk_key(m.path, cell), 0
+                source = m.source_of(cell)
                 try:
-                    if store is None:
-                        store = _read.open_zarr_array(storage, path, m).result()
-                    data = store[cell_box(cell, m.chunk_shape, m.shape).slices()].read().result()
+                    if source not in stores:
+                        stores[source] = _read.open_zarr_array(storage, _format.source_path(path, source), m).result()
+                    data = stores[source][cell_box(cell, m.chunk_shape, m.shape).slices()].read().result()
                     n = data.nbytes
                     rec = ctx.chunks.get(key)
-                    if rec is None:
+                    if source is not None:  # a reference: the bytes it names, and the target's own record
+                        _verify_reference(storage, path, m, cell, key, data, ctx)
+                    elif rec is None:
                         ctx.problems.append(f"leaf {leaf_name(m.path, m.keystr)}: chunk {key} is not in any process record")
                     elif rec.data_crc32c != _format.data_crc32c(data):
                         ctx.problems.append(f"leaf {leaf_name(m.path, m.keystr)}: chunk {key} decodes to bytes whose crc32c differs from the writer's record")

@@ -14,6 +14,7 @@ import numpy as np
 from .._errors import CorruptCheckpointError
 from ._box import Box
 from ._dtypes import dtype_from_name, dtype_name
+from ._references import ChunkRef
 from ._shard_file import ShardFileLayout
 
 # Bound on what a manifest may declare, checked before anything is allocated.
@@ -101,6 +102,9 @@ class ArrayMetadata:
       pack_boxes: where each chunk of a packed leaf lies in the packs, from the
         manifest's `packed` section (empty before a manifest exists, and for leaves
         that are not packed). Not stored in the leaf's entry and not compared.
+      references: chunk cell -> `ChunkRef` of the chunks that live in an earlier
+        checkpoint of the same directory (incremental saves; the entry's
+        `"references"`, written by `manifest_json`). Not compared.
     """
 
     path: str
@@ -114,6 +118,13 @@ class ArrayMetadata:
     keystr: str | None = dataclasses.field(default=None, compare=False)
     packed: bool = False
     pack_boxes: tuple[PackedBox, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    references: Mapping[tuple[int, ...], ChunkRef] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def source_of(self, chunk: tuple[int, ...]) -> str | None:
+        """The sibling checkpoint folder that holds chunk `chunk` (a reference of an
+        incremental save, `_references`), or None: this checkpoint holds it."""
+        ref = self.references.get(tuple(chunk)) if self.references else None
+        return None if ref is None else ref.folder
 
     @property
     def nbytes(self) -> int:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._storage import Storage, storage_for
-from . import _json, _layout, _leaves, _values
+from . import _json, _layout, _leaves, _references, _values
 from ._box import Box
 from ._leaves import ArrayMetadata, ValueMetadata
 from ._metadata import CheckpointMetadata
@@ -80,10 +80,13 @@ def manifest_json(
     """
     import jax
 
-    leaves = {m.path: m.to_json() for m in arrays}
+    leaves = {m.path: m.to_json() | ({"references": [r.to_json() for r in m.references.values()]} if m.references else {})
+              for m in arrays}
     leaves.update({p: {"type": "value", "value": v} for p, v in values.items()})
     out: dict[str, object] = {
-        "format_version": _layout.FORMAT_VERSION,
+        # Additive: a checkpoint with references (incremental saves) has the version older
+        # readers refuse; one without keeps version 1.
+        "format_version": _references.FORMAT_VERSION_REFERENCES if any(m.references for m in arrays) else _layout.FORMAT_VERSION,
         "step": step,
         "generation": generation,
         "created_unix_s": time.time() if created_unix_s is None else created_unix_s,
@@ -118,10 +121,10 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(f"manifest of {where}: not a JSON object")
     version = raw.get("format_version")
-    if not _is_int(version) or version != _layout.FORMAT_VERSION:
+    if not _is_int(version) or version not in (_layout.FORMAT_VERSION, _references.FORMAT_VERSION_REFERENCES):
         raise CorruptCheckpointError(
             f"{where} has format_version {version!r}; this library reads format_version "
-            f"{_layout.FORMAT_VERSION}. Upgrade checkpointer to read newer checkpoints."
+            f"{_layout.FORMAT_VERSION} and {_references.FORMAT_VERSION_REFERENCES}. Upgrade checkpointer to read newer checkpoints."
         )
     step = raw.get("step")
     _require(step is None or _is_int(step), f"step {step!r:.100} is not an int", where)
@@ -153,7 +156,10 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
         check_leaf_path(path, where=where)
         _require(isinstance(entry, dict), f"leaf {path!r} is not an object", where)
         if entry.get("type") == "array":
-            leaves[path] = _leaves.array_metadata_from_json(path, entry, where)
+            am = _leaves.array_metadata_from_json(path, entry, where)
+            if entry.get("references") is not None:
+                am = _attach_references(am, entry["references"], version, where)
+            leaves[path] = am
         elif entry.get("type") == "value":
             leaves[path] = ValueMetadata(path, _values.value_from_json(entry.get("value"), f"leaf {path!r} in {where}"))
         else:
@@ -168,8 +174,23 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
         path=where, step=step, format_version=version, tree=tree, leaves=leaves, user_metadata=user_metadata,
         process_count=pcount, process_bytes_written=tuple(pbytes), created_unix_s=float(created),
         library_version=str(raw.get("library_version", "")), jax_version=str(raw.get("jax_version", "")),
-        structure=structure,
+        structure=structure, generation=raw.get("generation") if isinstance(raw.get("generation"), str) else None,
     )
+
+
+def _attach_references(m: ArrayMetadata, raw: object, version: int, where: str) -> ArrayMetadata:
+    """`m` with the chunk references of its entry (`_references`); only in a manifest of
+    the version that has them, each chunk inside the leaf's grid, never of a packed leaf."""
+    loc = f"leaf {m.path!r} in {where}"
+    _require(version == _references.FORMAT_VERSION_REFERENCES,
+             f"{loc} has references, which format_version {version} does not have", where)
+    _require(not m.packed, f"{loc}: a packed leaf cannot have references", where)
+    own = where.rstrip("/").rsplit("/", 1)[-1]
+    refs = _references.refs_from_json(raw, own, len(m.shape), loc)
+    grid = [-(-s // c) for s, c in zip(m.shape, m.chunk_shape)]
+    for r in refs:
+        _require(all(c < g for c, g in zip(r.chunk, grid)), f"{loc}: referenced chunk {list(r.chunk)} is outside the chunk grid", where)
+    return dataclasses.replace(m, references=_references.by_chunk(refs))
 
 
 def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetadata], where: str, complete: bool = True) -> None:
@@ -215,13 +236,16 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
             leaves[path] = dataclasses.replace(m, pack_boxes=tuple(sorted(boxes, key=lambda b: b.box.origin)))
 
 
-def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
-    """Reads the manifest of the committed checkpoint at `path`.
+def read_metadata(storage: Storage, path: str, *, check_references: bool = True) -> CheckpointMetadata:
+    """Reads the manifest of the committed checkpoint at `path`; with references
+    (incremental saves), checks their targets (`check_reference_targets`) unless
+    `check_references` is False.
 
     Raises:
       CheckpointNotFoundError: no commit marker at `path`.
       CorruptCheckpointError: the manifest is missing, malformed or cannot be read (an
-        I/O error: its cause).
+        I/O error: its cause), or a reference's target is missing, replaced, of another
+        layout or itself a reference.
     """
     if not storage.exists(f"{path}/{_layout.COMMITTED}"):
         parent, name = path.rstrip("/").rsplit("/", 1)
@@ -245,7 +269,10 @@ def read_metadata(storage: Storage, path: str) -> CheckpointMetadata:
         raise CorruptCheckpointError(f"{path}/{_layout.MANIFEST} is larger than {_json.MAX_MANIFEST_BYTES} bytes") from e
     raw = _json.loads(data, f"{path}/{_layout.MANIFEST}")
     _check_one_save(storage, path, raw)
-    return parse_manifest(raw, path)
+    meta = parse_manifest(raw, path)
+    if check_references and meta.format_version == _references.FORMAT_VERSION_REFERENCES:
+        check_reference_targets(storage, path, meta)
+    return meta
 
 
 def _check_one_save(storage: Storage, path: str, raw: object) -> None:
@@ -267,6 +294,54 @@ def _check_one_save(storage: Storage, path: str, raw: object) -> None:
             f"{committed!r}: one of them is another checkpoint's file (a link out of this one, or a copy). Restore "
             "another step, or copy the checkpoint's own files back"
         )
+
+
+def _target_of(storage: Storage, path: str, folder: str, leaf: str, targets: dict) -> CheckpointMetadata:
+    """The manifest of the referenced sibling `folder` (read once per folder, its own
+    references not followed), or CorruptCheckpointError naming both checkpoints."""
+    if folder not in targets:
+        target = _references.sibling(path, folder)
+        try:
+            targets[folder] = read_metadata(storage, target, check_references=False)
+        except CheckpointNotFoundError as e:
+            raise CorruptCheckpointError(
+                f"{path}: leaf {leaf!r} references chunks of {target}, which is not a committed checkpoint (deleted, "
+                f"or never committed): the referenced data is gone. Restore another step. ({e})"
+            ) from e
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"{path}: leaf {leaf!r} references {target}, whose manifest is unreadable: {e}") from e
+    return targets[folder]
+
+
+def check_reference_targets(storage: Storage, path: str, meta: CheckpointMetadata) -> None:
+    """Checks every reference of `meta` (the checkpoint at `path`) against its target: a
+    committed sibling checkpoint whose manifest names the referenced generation, with
+    the same leaf in the same layout, holding the chunk's bytes itself (a reference to
+    a reference is refused: no chains, no cycles). Reads each target's manifest once.
+
+    Raises:
+      CorruptCheckpointError: naming this checkpoint, the target, the leaf and the chunk.
+    """
+    targets: dict[str, CheckpointMetadata] = {}
+    for m in meta.arrays.values():
+        for cell, ref in m.references.items():
+            t = _target_of(storage, path, ref.folder, m.path, targets)
+            target = _references.sibling(path, ref.folder)
+            here = f"{path}: leaf {m.path!r} chunk {list(cell)} references {target}"
+            tm = t.arrays.get(m.path)
+            if t.generation != ref.generation:
+                raise CorruptCheckpointError(
+                    f"{here}, saved by generation {ref.generation}, but {target} now holds generation {t.generation} "
+                    "(replaced since): the referenced bytes are gone. Restore another step"
+                )
+            if tm is None or tm.packed or (tm.shape, tm.dtype, tm.chunk_shape, tm.inner_chunk_shape) != (
+                    m.shape, m.dtype, m.chunk_shape, m.inner_chunk_shape):
+                raise CorruptCheckpointError(f"{here}, which has no leaf {m.path!r} of the same shape, dtype and chunk layout")
+            if cell in tm.references:
+                raise CorruptCheckpointError(
+                    f"{here}, where that chunk is itself a reference (to {tm.references[cell].folder}): references must "
+                    "point to the checkpoint holding the bytes (a chain or a cycle)"
+                )
 
 
 def metadata(path: str | os.PathLike) -> CheckpointMetadata:

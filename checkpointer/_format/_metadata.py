@@ -4,6 +4,7 @@ by `_manifest.parse_manifest`, read by `ckpt.metadata`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .._errors import path_keystr
 from ._leaves import ArrayMetadata, ValueMetadata
@@ -16,7 +17,7 @@ class CheckpointMetadata:
     Attributes:
       path: the checkpoint path.
       step: the training step, or None if the save gave none.
-      format_version: the on-disk format version (1).
+      format_version: the on-disk format version (1; 2 when it has references, see `_references`).
       tree: the saved tree with each leaf replaced by its `ArrayMetadata` or
         `ValueMetadata` (containers rebuilt as in a target-less restore).
       leaves: leaf path → `ArrayMetadata` | `ValueMetadata`, in tree order. The leaf
@@ -29,6 +30,7 @@ class CheckpointMetadata:
       library_version: checkpointer version that wrote it.
       jax_version: JAX version that wrote it.
       structure: the raw JSON tree structure.
+      generation: the save attempt that wrote it (None in a manifest without one).
     """
 
     path: str
@@ -43,6 +45,17 @@ class CheckpointMetadata:
     library_version: str
     jax_version: str
     structure: dict
+    generation: str | None = None
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes of array data in chunks that live in earlier checkpoints (references of
+        an incremental save); the rest of `total_bytes` this checkpoint holds itself."""
+        total = 0
+        for m in self.arrays.values():
+            for cell in m.references:
+                total += math.prod(min(c, s - i * c) for i, c, s in zip(cell, m.chunk_shape, m.shape)) * m.dtype.itemsize
+        return total
 
     @property
     def total_bytes(self) -> int:

@@ -236,6 +236,12 @@ def _pack(v: object) -> PackRecord:
     return PackRecord.from_json(v, "packed")
 
 
+def _ref_list(v: object) -> tuple[dict, ...]:
+    if not isinstance(v, list) or not all(isinstance(r, dict) and isinstance(r.get("leaf"), str) for r in v):
+        raise ValueError(f"{v!r:.100} is not a list of references with a leaf")
+    return tuple(v)
+
+
 def _chunks(v: object) -> tuple[ChunkRecord, ...]:
     if not isinstance(v, list):
         raise ValueError(f"{v!r:.100} is not a list")
@@ -275,6 +281,10 @@ class ProcessRecord:
       write_mode: how it wrote its chunk files: "direct" (the library, `O_DIRECT`) or
         "buffered" (TensorStore); None (absent) in records of older versions.
       write_mode_reason: why that mode (`direct_io` and what the probe found).
+      references: the chunks this process did not write because they are unchanged
+        since an earlier checkpoint of the directory (incremental saves): each
+        `{"leaf": path, **_references.ChunkRef.to_json()}`, parsed by the manifest's
+        reader; None (absent) when there are none. Not in `chunks`.
       extra: JSON fields this version does not know, kept as read.
     """
 
@@ -291,6 +301,7 @@ class ProcessRecord:
     packed: PackRecord | None = _json_field("packed", _pack, PackRecord.to_json, default=None)
     write_mode: str | None = _json_field("write_mode", _text, default=None)
     write_mode_reason: str | None = _json_field("write_mode_reason", _text, default=None)
+    references: tuple[dict, ...] | None = _json_field("references", _ref_list, list, default=None)
     extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:

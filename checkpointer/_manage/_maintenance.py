@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import TYPE_CHECKING
 
-from .. import _commit
+from .. import _commit, _format
+from .._errors import CheckpointError
 from .._storage import Storage
 from ._policies import KeepPolicy
+
+if TYPE_CHECKING:
+    from .._save import Snapshot
 
 log = logging.getLogger("checkpointer")
 
@@ -27,6 +32,7 @@ def maintain(
     protect: Callable[[], Collection[int]] = frozenset,
     remove: Callable[[str], object] | None = None,
     created: Callable[[int, Mapping[int, str]], float | None] | None = None,
+    kept_for_references: dict[int, list[int]] | None = None,
 ) -> tuple[list[str], list[int]]:
     """Cleans up the directory of steps `directory`, then applies retention. The caller
     is the directory's only writer (it holds the writer's lock where `storage` has locks).
@@ -44,6 +50,9 @@ def maintain(
         a commit is announced without waiting for the bytes to go); None: at once.
       created: `created(step, folders)`, the manifest's creation time of `step` (None:
         unknown), read only for a policy by time (`keep.uses_times`).
+      kept_for_references: filled (when given) with each step the policy would remove
+        but that stays because kept steps reference its chunks (incremental saves):
+        step -> the steps that reference it.
     Returns:
       The folder names the recovery removed or rolled forward, and the steps retention removed.
 
@@ -62,10 +71,65 @@ def maintain(
     saved = {s: metrics(s, folders) if metrics is not None else {} for s in steps}
     times = {s: created(s, folders) if created is not None else None for s in steps} if keep.uses_times else {}
     kept = set(keep.keep_at(steps, saved, times, time.time())) | {steps[-1]} | set(protect())
-    removed = [s for s in steps if s not in kept]
-    for s in removed:
+    doomed = [s for s in steps if s not in kept]
+    if not doomed:
+        return done, []
+    refs = {s: referenced_steps(storage, directory, folders[s]) for s in steps}
+    doomed_set, held = hold_referenced(steps, doomed, refs)
+    if kept_for_references is not None:
+        kept_for_references.update(held)
+    for c, users in sorted(held.items()):
+        log.info("retention keeps step %d of %s: steps %s reference its chunks", c, directory, users)
+    # Remove one step at a time, only one that no committed step still references: a
+    # crash between any two operations leaves no committed step with a dangling reference.
+    remaining, removed = set(steps), []
+    while doomed_set:
+        ready = [c for c in doomed_set if not any(c in refs[s] for s in remaining if s != c)]
+        if not ready:  # references among the doomed steps only in a cycle: a hostile manifest; keep them
+            log.warning("retention keeps steps %s of %s: they reference each other", sorted(doomed_set), directory)
+            break
+        c = max(ready)
         # Unpublishing is instant: the step leaves every listing before its bytes go.
-        leftover = _commit.unpublish_step(storage, directory, s)
+        leftover = _commit.unpublish_step(storage, directory, c)
         (storage.delete_tree if remove is None else remove)(leftover)
-        log.info("retention removed step %d from %s", s, directory)
-    return done, removed
+        log.info("retention removed step %d from %s", c, directory)
+        remaining.discard(c)
+        doomed_set.discard(c)
+        removed.append(c)
+    return done, sorted(removed)
+
+
+def hold_referenced(steps: Collection[int], doomed: Collection[int], refs: Mapping[int, set[int]]) -> tuple[set[int], dict[int, list[int]]]:
+    """Of the `doomed` steps, those that may go, and those that stay because a step that
+    stays references them (step -> the steps referencing it); `refs`: step -> the steps
+    it references (`referenced_steps`)."""
+    doomed_set, held = set(doomed), {}
+    changed = True
+    while changed:  # a step referenced by one that stays, stays (and so do the steps it references)
+        changed = False
+        for c in sorted(doomed_set):
+            users = sorted(s for s in steps if s not in doomed_set and c in refs.get(s, ()))
+            if users:
+                doomed_set.discard(c)
+                held[c] = users
+                changed = True
+    return doomed_set, held
+
+
+def referenced_steps(storage: Storage, directory: str, folder: str) -> set[int]:
+    """The steps whose chunks the committed step in `folder` references (incremental
+    saves); empty for a checkpoint without references or whose manifest cannot be read
+    (logged)."""
+    try:
+        meta = _format.read_metadata(storage, f"{directory}/{folder}", check_references=False)
+    except (CheckpointError, OSError) as e:
+        log.warning("cannot read the references of %s/%s: %s", directory, folder, e)
+        return set()
+    return {int(r.folder) for m in meta.arrays.values() for r in m.references.values() if _format.is_step_name(r.folder)}
+
+
+def bases_in_flight(snapshots: Iterable[Snapshot]) -> set[int]:
+    """The steps that incremental saves in flight reference (their base): retention keeps
+    them until those saves commit."""
+    folders = {snap.base.folder for snap in snapshots if snap.base is not None}
+    return {int(f) for f in folders if _format.is_step_name(f)}

@@ -22,22 +22,17 @@ from . import _events, _peers, _tier_manager
 from ._alerts import RunJournal
 from ._follow import clear_finished, write_finished
 from ._lock import DirectoryLock, take_lock
-from ._maintenance import maintain
+from ._maintenance import bases_in_flight, maintain
 from ._policies import KeepLatest, KeepPolicy
 from ._preemption import PreemptionWatch
 from ._questions import StepQuestions
 from ._reader import as_step
 from ._restoring import StepRestoring
-from ._status import StatusReporting
+from ._status import StatusReporting, write_rate
 from ._time_policies import SaveClock
 from ._two_tier_saving import TwoTierSaving
 
 log = logging.getLogger("checkpointer")
-
-
-def _write_rate(snap: Snapshot) -> float | None:
-    """Bytes per second this process wrote in `snap` (None before it wrote anything)."""
-    return snap.result.bytes_written / snap.result.write_s if snap.result.write_s > 0 and snap.result.bytes_written else None
 
 
 class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSaving):
@@ -90,6 +85,9 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
       direct_io: as for `save` ("auto", True, False); with two tiers it applies to the
         local tier's writes. `status().last_write_mode` says which mode the last
         finished save used, and why.
+      incremental: as for `save` (docs/incremental.md). Retention keeps a step that a
+        kept step references (`checkpointer gc` says for whom); `force=True` refuses to
+        replace a referenced step. Not with `local_directory`.
       peer_copies, peer_node, durable_every_steps, durable_every_s: local steps held by
         peers on other nodes, and the durable schedule: see `TwoTierSaving`.
 
@@ -127,6 +125,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         save_interval_s: float | None = None,
         save_on_preemption: bool = True,
         direct_io: str | bool = "auto",
+        incremental: bool = False,
         peer_copies: int = 0,
         peer_node: str | None = None,
         durable_every_steps: int = 1,
@@ -145,6 +144,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         # Two tiers pack as a direct save does: each process replicates its own pack.
         self._pack_bytes = _encoding.check_threshold(pack_small_leaves_bytes)
         self._direct_io = _storage.check_direct_io(direct_io)
+        self._incremental = _tier_manager.check_incremental(incremental, local_directory)
         self._last_write_mode: tuple[str | None, str | None] = (None, None)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
@@ -274,7 +274,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         with self._mu:
             self._last["write_s"] = snap.result.write_s
             self._last["commit_s"] = handle.commit_s
-            self._last["write_bytes_per_s"] = _write_rate(snap)
+            self._last["write_bytes_per_s"] = write_rate(snap)
             self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
             if handle.error is not None:
                 self._pending_error = handle.error
@@ -388,7 +388,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
             options = SaveOptions(
                 metadata=user_metadata, overwrite=force, commit_timeout_s=self.commit_timeout_s,
                 agreement_timeout_s=self.agreement_timeout_s, per_process_state=per_process_state,
-                pack_small_leaves_bytes=self._pack_bytes, direct_io=self._direct_io,
+                pack_small_leaves_bytes=self._pack_bytes, direct_io=self._direct_io, incremental=self._incremental,
             )
         except BaseException as e:
             # Before the snapshot (which takes the save's number itself): a process that
@@ -461,7 +461,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
             raise
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.result.write_s, time.perf_counter() - t0
-            self._last["write_bytes_per_s"] = _write_rate(snap)
+            self._last["write_bytes_per_s"] = write_rate(snap)
             self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
         self._finished(step, snap, self._last["commit_s"], None)
 
@@ -568,7 +568,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
     def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
         def in_flight() -> set[int]:
             with self._mu:
-                return {s for s, h in self._in_flight if not h.done()} | set(protect)
+                running = [(s, h.snapshot) for s, h in self._in_flight if not h.done()]
+                return {s for s, _ in running} | set(protect) | bases_in_flight([snap for _, snap in running])
 
         # Removing the bytes of an unpublished step (a GiB takes a while) runs on the
         # deleter thread, so it does not delay the commit being announced.

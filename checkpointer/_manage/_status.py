@@ -12,8 +12,13 @@ from typing import TYPE_CHECKING
 from ._reader import StepReader
 
 if TYPE_CHECKING:
-    from .._save import AsyncSave
+    from .._save import AsyncSave, Snapshot
     from ._tier_manager import LocalTier
+
+
+def write_rate(snap: Snapshot) -> float | None:
+    """Bytes per second this process wrote in `snap` (None before it wrote anything)."""
+    return snap.result.bytes_written / snap.result.write_s if snap.result.write_s > 0 and snap.result.bytes_written else None
 
 
 @dataclasses.dataclass(frozen=True)

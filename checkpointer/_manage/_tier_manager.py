@@ -562,3 +562,20 @@ class LocalTier:
         before = options.stats.bytes_read
         tree = restore_from(self.durable, path, target, options)
         return tree, "durable", options.stats.bytes_read - before
+
+
+def check_incremental(incremental: object, local_directory: object) -> bool:
+    """The manager's `incremental` option, checked: not with a local tier.
+
+    Raises:
+      TypeError: not a bool.
+      ValueError: True with `local_directory`.
+    """
+    if not isinstance(incremental, bool):
+        raise TypeError(f"incremental must be True or False, got {incremental!r}")
+    if incremental and local_directory is not None:
+        raise ValueError(
+            "incremental=True with local_directory= is not supported yet: a local tier's step cannot reference "
+            "the durable directory's steps. Pass one or the other"
+        )
+    return incremental

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from .. import _commit, _coord, _storage
 from .._memory import shared_pool
+from . import _incremental
 from ._async import AsyncSave
 from ._options import SaveOptions
 from ._pipeline import save_sync, take_snapshot
@@ -29,6 +30,7 @@ def save(
     max_write_bytes_per_s: float | None = None,
     pack_small_leaves_bytes: int | None = None,
     direct_io: str | bool = "auto",
+    incremental: bool = False,
 ) -> None:
     """Saves `tree` to `path` and returns once it is committed.
 
@@ -59,6 +61,14 @@ def save(
         TensorStore; True requires direct writes (SaveError where impossible); False
         always TensorStore. Object stores are always written through TensorStore.
         `processes/<i>.json` records the mode used and why (`write_mode`).
+      incremental: chunks equal to the same chunk of the newest committed checkpoint
+        of the folder holding `path` (canonical step names only, e.g. `DIR/100` beside
+        `DIR/200`) are not written: the new checkpoint references them
+        (docs/incremental.md). Equal by identity (the same live `jax.Array` that save
+        saved, not donated since: no copy, no read) or by content (crc32c, then
+        XXH3-128). Off by default: such a checkpoint has format_version 2 (older
+        releases refuse it; TensorStore or zarr-python alone would read the missing
+        chunks as zeros) and depends on the checkpoints it references.
     Raises:
       CheckpointExistsError: `path` is committed and `overwrite` is False.
       UnsupportedValueError: a leaf or `per_process_state` cannot be stored (names it).
@@ -68,6 +78,7 @@ def save(
       ValueError: `max_write_bytes_per_s` is not None or a positive number,
         `pack_small_leaves_bytes` is not a non-negative int, `direct_io` is not
         "auto", True or False, or a timeout is not a number of seconds in (0, a week].
+      TypeError: `incremental` is not a bool.
       SaveError, CommitTimeoutError: writing or committing failed; nothing was committed.
 
     Multi-process: every process must call it with the same path and tree (the same
@@ -76,7 +87,7 @@ def save(
     """
     options = SaveOptions(
         metadata, overwrite, commit_timeout_s, agreement_timeout_s, per_process_state, max_write_bytes_per_s, pack_small_leaves_bytes,
-        direct_io,
+        direct_io, _incremental.check_option(incremental),
     )
     save_sync(path, tree, options, step=_step_from_path(path))
 
@@ -93,6 +104,7 @@ def save_async(
     max_write_bytes_per_s: float | None = None,
     pack_small_leaves_bytes: int | None = None,
     direct_io: str | bool = "auto",
+    incremental: bool = False,
 ) -> AsyncSave:
     """Like `save`, but returns once the host snapshot is taken.
 
@@ -116,7 +128,7 @@ def save_async(
     """
     options = SaveOptions(
         metadata, overwrite, commit_timeout_s, agreement_timeout_s, per_process_state, max_write_bytes_per_s, pack_small_leaves_bytes,
-        direct_io,
+        direct_io, _incremental.check_option(incremental),
     )
     limiter = _storage.limiter_for(max_write_bytes_per_s)  # raises before the snapshot
     snap = take_snapshot(path, tree, options, step=_step_from_path(path), buffers=shared_pool(), write_limiter=limiter)

@@ -27,6 +27,7 @@ class SaveOptions:
     max_write_bytes_per_s: float | None = None
     pack_small_leaves_bytes: int | None = None
     direct_io: str | bool = "auto"
+    incremental: bool = False
 
     def __post_init__(self) -> None:
         _storage.check_direct_io(self.direct_io)

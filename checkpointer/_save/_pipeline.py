@@ -25,7 +25,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -50,6 +51,7 @@ from .._format import (
 )
 from .._memory import HostBufferPool, snapshot_to_host
 from .._storage import FileLock, LocalStorage, Storage, storage_for, ts_context
+from . import _incremental
 from ._leaves import ArrayLeaf, chunk_data, describe_array, is_array
 from ._options import SaveOptions
 from ._plan import LeafAssignment, LeafWritePlan, plan_writes
@@ -70,6 +72,8 @@ class LeafSnapshot:
     plan: LeafWritePlan
     host: list[np.ndarray | _encoding.ShardImage]  # per write: a host array of its box, or its shard file
     pooled: tuple[bool, ...] = ()  # per host copy: a buffer of `Snapshot.buffers`
+    # Incremental saves: every chunk unchanged by identity (`_incremental`), nothing copied.
+    references: tuple[_format.ChunkRef, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -90,6 +94,9 @@ class SaveResult:
       write_mode, write_mode_reason: "direct" or "buffered", and why
         (`_encoding.write_context`), once writing.
       lock: process 0's lock on `<partial>.lock` while writing.
+      references: incremental saves: the references this process made, `(leaf path,
+        ChunkRef)` (unchanged by identity, or found unchanged by `_incremental.Base.split`).
+      incremental: what the equality check of an incremental save found and cost.
     """
 
     write_s: float = 0.0
@@ -100,6 +107,8 @@ class SaveResult:
     write_mode: str | None = None
     write_mode_reason: str | None = None
     lock: FileLock | None = None
+    references: list[tuple[str, _format.ChunkRef]] = dataclasses.field(default_factory=list)
+    incremental: _incremental.Stats = dataclasses.field(default_factory=_incremental.Stats)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +143,9 @@ class Snapshot:
     snapshot_s: float = 0.0  # the blocking call, the wait for the arrays included
     copied_bytes: int = 0  # bytes the snapshot copied to host memory, each saved byte once
     copy_route_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # those bytes by route (`IMAGE` included)
+    # Incremental saves: the checkpoint it may reference, the jax.Arrays it saves (weakly).
+    base: _incremental.Base | None = None
+    saved_arrays: Mapping[str, weakref.ref] = dataclasses.field(default_factory=dict)
     result: SaveResult = dataclasses.field(default_factory=SaveResult)
 
     @property
@@ -203,6 +215,8 @@ def check_target(storage: Storage, path: str, pidx: int, overwrite: bool) -> Non
             f"{path} is already a committed checkpoint (process {pidx}); pass overwrite=True "
             "(CheckpointManager: force=True) to replace it atomically, or save to a new path"
         )
+    if overwrite and _committed(storage, path):
+        _incremental.check_unreferenced(storage, path, pidx)
 
 
 def _check_target_folder(storage: Storage, path: str, pidx: int) -> None:
@@ -289,6 +303,7 @@ def _take_snapshot(
     if per_process_state is not None:
         per_process_state = _check_per_process_state(per_process_state, path, pidx)
     leaves = flatten(tree)
+    base = _incremental.find_base(storage, path) if options.incremental else None
     entries: dict[str, dict] = {}  # leaf path -> manifest entry, in tree order (the agreement's digest)
     described: list[ArrayLeaf] = []
     values: dict[str, dict] = {}
@@ -309,6 +324,8 @@ def _take_snapshot(
         entries[leaf_path] = {"type": "value", "value": value}
     # Every process plans every process's writes from the same global shard maps.
     assignments = _plan_tree(described)
+    by_path = dict(leaves) if base is not None else {}
+    identical: list[tuple[_format.ChunkRef, ...] | None] = []  # per leaf: its references if unchanged by identity
     planned: list[tuple[ArrayMetadata, LeafWritePlan]] = []
     device_data = []
     for d, assignment in zip(described, assignments):
@@ -318,7 +335,8 @@ def _take_snapshot(
             d.kind, packed=_encoding.packs_leaf(d.shards.shape, plan.chunk_shape, d.dtype, pack_bytes),
         )
         planned.append((meta, plan))
-        device_data.append([chunk_data(d, w) for w in plan.writes])
+        identical.append(base.identical(meta, by_path.get(meta.path), [w.chunk_index for w in plan.writes]) if base else None)
+        device_data.append([] if identical[-1] is not None else [chunk_data(d, w) for w in plan.writes])  # nothing to copy
         entries[meta.path] = meta.to_json()
     structure = describe(tree, is_array)
     # Wait for the computations that produce the leaves (JAX dispatches asynchronously: a
@@ -336,10 +354,12 @@ def _take_snapshot(
     agreed.append(generation)
 
     arrays, copied_bytes, route_bytes = _copy_to_host(storage, options, planned, device_data, buffers)
+    arrays = [dataclasses.replace(leaf, references=refs) if refs is not None else leaf for leaf, refs in zip(arrays, identical)]
     return Snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
         overwrite=overwrite, commit_timeout_s=options.commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
+        base=base, saved_arrays=_incremental.weak_arrays(leaves) if options.incremental else {},
         write_limiter=write_limiter, direct_io=options.direct_io, copied_bytes=copied_bytes, copy_route_bytes=route_bytes,
         snapshot_s=time.perf_counter() - t0,  # the whole blocking call, the wait for the arrays included
         result=SaveResult(phases_unix_s={**snap_phases, "snapshot": (ready, time.time())}),
@@ -431,6 +451,7 @@ def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord], packed: PackReco
         per_process_state=snap.per_process_state,  # additive: absent when the save gave none
         phases_unix_s=dict(snap.result.phases_unix_s) or None,
         packed=packed,  # additive: absent when this process packed nothing
+        references=tuple(_incremental.references_json(snap.result.references)) or None,  # additive: incremental saves
     )
     snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps_large(record.to_json()))
     return record
@@ -459,8 +480,9 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         )
         result = snap.result
         result.write_mode, result.write_mode_reason = ctx.mode, ctx.mode_reason
-        leaves = [_encoding.LeafWrite(leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)])
-                  for leaf in snap.arrays]
+        leaves = [_encoding.LeafWrite(leaf.meta, _incremental.chunks_to_write(  # all, unless incremental
+            snap.base, leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)], leaf.references,
+            result.references, result.incremental)) for leaf in snap.arrays]
         finish = _encoding.start_write(snap.storage, root, leaves, ctx)
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays if not leaf.meta.packed])
@@ -495,9 +517,14 @@ def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: b
         else:
             packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.result.pack_index, snap.process_count) if (
                 any(leaf.meta.packed for leaf in snap.arrays)) else []
+        arrays = [leaf.meta for leaf in snap.arrays]
+        if snap.base is not None:  # every process's references, by leaf (format_version 2 when any)
+            arrays = _incremental.with_references(arrays, _incremental.gather(
+                snap.storage, snap.write_path, snap.process_index, snap.result.references,
+                1 if own_pack_only else snap.process_count, snap.base))
         return _format.dumps_large(manifest_json(
             step=snap.step, generation=snap.generation, process_count=snap.process_count,
-            process_bytes_written=process_bytes, structure=snap.structure, arrays=[leaf.meta for leaf in snap.arrays],
+            process_bytes_written=process_bytes, structure=snap.structure, arrays=arrays,
             values=snap.values, user_metadata=snap.user_metadata,
             save_phases_unix_s={k: v for k, v in snap.result.phases_unix_s.items() if k == "wait"} or None,
             packed=packed, packed_processes=[snap.process_index] if own_pack_only else None,
@@ -559,6 +586,8 @@ def run_background(
             phases=snap.result.phases_unix_s,
         )
         snap.result.commit_s = time.perf_counter() - t0
+        if snap.saved_arrays:  # the next incremental save's identity check
+            _incremental.remember(snap.storage, snap.path, snap.generation, snap.saved_arrays)
     finally:
         release_host(snap)
         if snap.result.lock is not None:

@@ -42,6 +42,8 @@ from .._format import (
     CheckpointMetadata,
     ProcessRecord,
     ValueMetadata,
+    cell_box,
+    chunk_key,
     format_bytes,
     named_shard_boxes,
     process_record_name,
@@ -232,6 +234,9 @@ class WrittenChunk:
       writer: the holder that wrote it (see the module docstring), or None if unknown
         (the device order does not fit, or the checkpoint was imported: `import_orbax`
         writes from the host).
+      referenced_in: an incremental save's reference: the earlier checkpoint (a sibling
+        folder) whose file holds the chunk, which this process did not write again; None
+        for a chunk written here.
     """
 
     box: Box
@@ -241,6 +246,7 @@ class WrittenChunk:
     data_bytes: int | None
     holders: tuple[int, ...]
     writer: int | None
+    referenced_in: str | None = None
 
     @property
     def skipped(self) -> tuple[int, ...]:
@@ -309,9 +315,18 @@ def _chunks_of(meta: CheckpointMetadata, records: Mapping[int, ProcessRecord], l
         if rec.packed is not None:
             found += [(b.box, True, rec.packed.key, b.data_bytes) for b in rec.packed.boxes if b.leaf == leaf_path]
         found += [(c.box, False, c.key, c.data_bytes) for c in rec.chunks if c.leaf == leaf_path and c.box is not None]
+        refs = [r for r in rec.references or () if r.get("leaf") == leaf_path]
         for box, packed, key, nbytes in found:
             holders, writer = _holders(m, box, meta.process_count, pidx)
             out.append(WrittenChunk(box, pidx, packed, key, nbytes, holders, None if imported else writer))
+        for r in refs:  # unchanged since an earlier step: referenced, not written (the manifest's entry is the truth)
+            ref = m.references.get(tuple(r.get("chunk") or ()))
+            if ref is None:
+                continue
+            box = cell_box(ref.chunk, m.chunk_shape, m.shape)
+            holders, writer = _holders(m, box, meta.process_count, pidx)
+            out.append(WrittenChunk(box, pidx, False, chunk_key(leaf_path, ref.chunk), box.size * m.dtype.itemsize, holders,
+                                    None if imported else writer, ref.folder))
     return out
 
 
@@ -349,6 +364,8 @@ def _select(meta: CheckpointMetadata, leaves: str | Sequence[str] | None) -> lis
 def _chunk_label(c: WrittenChunk) -> str:
     """`p<process>`, `dev@<mesh position>` of the writer, and the replicas skipped (short lines)."""
     lines = [f"p{c.process_index}"] + ([f"dev@{c.writer}"] if c.writer is not None else [])
+    if c.referenced_in is not None:
+        lines.append(f"in {c.referenced_in}")
     if c.skipped:
         lines.append(f"skip @{','.join(map(str, c.skipped))}" if len(c.skipped) <= 2 else f"skip {len(c.skipped)}")
     return "\n".join(lines)
@@ -436,7 +453,7 @@ def plot_shards(
         for c in chunks:
             (r0, h), (c0, w) = _span(c.box, rdim), _span(c.box, cdim)
             ax.add_patch(Rectangle((c0, r0), w, h, facecolor=colors[c.process_index], edgecolor="black", linewidth=1.0,
-                                   alpha=0.8, hatch="/" if c.packed else None))
+                                   alpha=0.35 if c.referenced_in is not None else 0.8, hatch="/" if c.packed else None))
             if fontsize and len(chunks) <= MAX_LABELLED_CHUNKS:
                 ax.text(c0 + w / 2, r0 + h / 2, _chunk_label(c), ha="center", va="center", fontsize=fontsize)
         if rdim is None:
@@ -458,6 +475,8 @@ def plot_shards(
     handles = [Patch(facecolor=colors[i], label=f"process {i}") for i in used]
     if any(meta.arrays[p].packed for p in chosen):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="/", label="packed"))
+    if any(meta.arrays[p].references for p in chosen):
+        handles.append(Patch(facecolor="lightgrey", edgecolor="black", alpha=0.35, label="referenced: in an earlier step"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=_FONT - 1, frameon=False)
     fig.suptitle(f"Who wrote which chunk: {meta.path}" + (f" (step {meta.step})" if meta.step is not None else "")
                  + "\npN: process N wrote the chunk, dev@k: the device at position k of the saved mesh; "

@@ -1,0 +1,84 @@
+"""Incremental saves with retention, for the kill tests of retention (issue 30).
+
+Usage: python incremental_crash_worker.py DIR KILL_POINT
+  KILL_POINT is `<hook>:<n>`: SIGKILL this process the n-th time <hook> runs, or `none`.
+  Hooks: `refs_read` (retention read a step's references), `retention_renamed` (a step
+  moved aside: unpublished), `retention_deleted` (its bytes removed).
+The base changes at step 4 (steps before it reference step 0's base, later ones step 4's);
+the adapter changes every other step (odd steps reference the even step before).
+The adapter of step s is filled with s - s % 2; the tree's "step" is s.
+"""
+
+import os
+import signal
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import (  # noqa: E402
+    Mesh,
+    NamedSharding,
+    PartitionSpec as P,  # noqa: E402
+)
+
+import checkpointer as ckpt  # noqa: E402
+from checkpointer._manage import _maintenance  # noqa: E402
+from checkpointer._storage import _local as _storage  # noqa: E402
+
+directory, kill_point = sys.argv[1], sys.argv[2]
+hook, _, nth = kill_point.partition(":")
+counts: dict[str, int] = {}
+
+
+def reached(name: str) -> None:
+    counts[name] = counts.get(name, 0) + 1
+    if name == hook and counts[name] == int(nth):
+        print(f"killing at {name} #{nth}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+_real_refs = _maintenance.referenced_steps
+
+
+def referenced_steps(*args):
+    out = _real_refs(*args)
+    reached("refs_read")
+    return out
+
+
+_maintenance.referenced_steps = referenced_steps
+_real_rename = _storage.LocalStorage.rename
+
+
+def rename(self, src, dst):
+    _real_rename(self, src, dst)
+    if ".deleting-gc" in dst:
+        reached("retention_renamed")
+
+
+_storage.LocalStorage.rename = rename
+_real_delete = _storage.LocalStorage.delete_tree
+
+
+def delete_tree(self, path):
+    _real_delete(self, path)
+    if ".deleting-gc" in path:
+        reached("retention_deleted")
+
+
+_storage.LocalStorage.delete_tree = delete_tree
+
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+sharding = NamedSharding(mesh, P("a", "b"))
+base = jax.device_put(np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32), sharding)
+with ckpt.CheckpointManager(directory, keep=ckpt.KeepLatest(2), incremental=True, async_save=False,
+                            pack_small_leaves_bytes=0) as mgr:
+    start = (mgr.latest_step() or -1) + 1
+    for step in range(start, start + 8):
+        if step == 4:
+            base = jax.device_put(np.random.default_rng(4).standard_normal((256, 256)).astype(np.float32), sharding)
+        adapter = jax.device_put(np.full((256, 256), step - step % 2, np.float32), sharding)  # unchanged at odd steps
+        mgr.save(step, {"base": base, "adapter": adapter, "step": step})
+print("finished", flush=True)

@@ -1,0 +1,44 @@
+"""Incremental saves by 2 processes: a frozen base (the same jax.Array) and an adapter that
+changes, three steps with a manager (KeepLatest(2)), then restores: sharded, and replicated
+(a cooperative restore: the processes read parts and exchange them).
+
+args: {"directory": manager directory}
+emits: {"event": "saved", "steps": all_steps, "refs": {step: references per leaf},
+        "base_ok": bool, "adapter": float}
+"""
+
+import _common
+
+args = _common.init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import checkpointer as ckpt  # noqa: E402
+
+mesh = _common.mesh((2, 4), ("data", "model"))
+sharding = NamedSharding(mesh, P("data", "model"))
+host_base = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)
+base = jax.make_array_from_callback(host_base.shape, sharding, lambda idx: host_base[idx])
+
+
+def adapter(step):
+    return jax.make_array_from_callback((1024, 1024), sharding, lambda idx: np.full((1024, 1024), step, np.float32)[idx])
+
+
+d = args["directory"]
+with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(2), incremental=True, async_save=False, pack_small_leaves_bytes=0) as mgr:
+    for step in range(3):
+        mgr.save(step, {"base": base, "adapter": adapter(step)})
+    steps = mgr.all_steps()
+    out = mgr.restore(2, {"base": sharding, "adapter": sharding})
+    local = [np.array_equal(np.asarray(s.data), host_base[s.index]) for s in out["base"].addressable_shards]
+    # Replicated on every process: a cooperative restore (each process reads a part, they exchange).
+    rep = mgr.restore(2, {"base": NamedSharding(mesh, P()), "adapter": sharding})
+    local.append(np.array_equal(np.asarray(rep["base"].addressable_shards[0].data), host_base))
+    plan = ckpt.plan_restore(f"{d}/2", {"base": NamedSharding(mesh, P()), "adapter": sharding})
+    refs = {s: {k: len(v.references) for k, v in ckpt.metadata(f"{d}/{s}").arrays.items()} for s in steps}
+_common.emit(event="saved", steps=steps, refs=refs, base_ok=all(local), cooperative=plan.cooperative,
+             sources=sorted(str(k) for k in plan.bytes_read_by_source),
+             adapter=float(np.asarray(out["adapter"].addressable_shards[0].data).reshape(-1)[0]))

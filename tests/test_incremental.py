@@ -1,0 +1,360 @@
+"""Incremental saves (issue 30): unchanged chunks stored as references to an earlier
+committed step, the format that says so, every reader following them, hostile
+references refused, and retention that keeps what is referenced."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import checkpointer as ckpt
+from checkpointer import _cli, _format
+
+N = 1024  # 1024x1024 float32 = 4 MiB per leaf, 8 chunks of 512 KiB: not packed
+
+
+@pytest.fixture(scope="module")
+def sharding():
+    return NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b"))
+
+
+def _arr(sharding, value=0.0, seed=None):
+    if seed is not None:
+        host = np.random.default_rng(seed).standard_normal((N, N)).astype(np.float32)
+    else:
+        host = np.full((N, N), value, np.float32)
+    return jax.device_put(host, sharding)
+
+
+def _manifest(path):
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
+
+
+def _write_manifest(path, m):
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        json.dump(m, f)
+
+
+def _refs(path, leaf):
+    return _manifest(path)["leaves"][leaf].get("references", [])
+
+
+def _chunk_files(path, leaf):
+    root = os.path.join(path, "arrays", leaf, "c")
+    return sum(len(files) for _, _, files in os.walk(root)) if os.path.isdir(root) else 0
+
+
+def test_unchanged_chunks_are_references_and_every_reader_follows_them(tmp_path, sharding):
+    base, adapter = _arr(sharding, seed=1), _arr(sharding, 1.0)
+    d = str(tmp_path)
+    ckpt.save(f"{d}/0", {"base": base, "adapter": adapter, "n": 3}, incremental=True)
+    assert _manifest(f"{d}/0")["format_version"] == 1  # nothing to reference: readable by older releases
+    adapter1 = adapter + 1
+    ckpt.save(f"{d}/1", {"base": base, "adapter": adapter1, "n": 3}, incremental=True)  # base: by identity
+    m = _manifest(f"{d}/1")
+    assert m["format_version"] == _format.FORMAT_VERSION_REFERENCES
+    assert {r["in"] for r in _refs(f"{d}/1", "base")} == {"0"} and len(_refs(f"{d}/1", "base")) == 8
+    assert _refs(f"{d}/1", "adapter") == [] and _chunk_files(f"{d}/1", "base") == 0
+    assert sum(m["process_bytes_written"]) < (N * N * 4) * 1.05  # the adapter's bytes only
+    # By content: a fresh copy of the base (first proven by comparison, then by the kept XXH3-128).
+    ckpt.save(f"{d}/2", {"base": jax.device_put(np.asarray(base), sharding), "adapter": adapter1, "n": 3}, incremental=True)
+    assert {r["in"] for r in _refs(f"{d}/2", "base")} == {"0"}  # flat: to where the bytes lie
+    assert {r["in"] for r in _refs(f"{d}/2", "adapter")} == {"1"}
+    assert all(r.get("xxh3_128") for r in _refs(f"{d}/2", "base"))
+    changed = np.asarray(base).copy()
+    changed[0, 0] += 1  # one chunk changes
+    ckpt.save(f"{d}/3", {"base": jax.device_put(changed, sharding), "adapter": adapter1, "n": 3}, incremental=True)
+    assert len(_refs(f"{d}/3", "base")) == 7 and _chunk_files(f"{d}/3", "base") == 1
+    # restore (host and sharded), plan, verify, export
+    for step, want in [(1, np.asarray(base)), (2, np.asarray(base)), (3, changed)]:
+        r = ckpt.restore(f"{d}/{step}")
+        np.testing.assert_array_equal(r["base"], want)
+        np.testing.assert_array_equal(r["adapter"], np.asarray(adapter1))
+        assert r["n"] == 3
+    r = ckpt.restore(f"{d}/3", {"base": sharding, "adapter": sharding, "n": None})
+    np.testing.assert_array_equal(np.asarray(r["base"]), changed)
+    plan = ckpt.plan_restore(f"{d}/3", {"base": sharding, "adapter": sharding, "n": None})
+    sources = plan.bytes_read_by_source
+    assert set(sources) == {None, "0", "1"} and f"{d}/0" in str(plan)
+    report = ckpt.verify(f"{d}/3")
+    assert report.ok, report
+    ckpt.export(f"{d}/3", f"{tmp_path}/out.npz", format="npz")
+    with np.load(f"{tmp_path}/out.npz") as z:
+        np.testing.assert_array_equal(next(z[k] for k in z.files if "base" in k), changed)
+    ckpt.export(f"{d}/2", f"{tmp_path}/st", format="safetensors")
+    tensors = {}
+    for name in os.listdir(f"{tmp_path}/st"):
+        if name.endswith(".safetensors"):
+            tensors.update(safetensors.numpy.load_file(f"{tmp_path}/st/{name}"))
+    np.testing.assert_array_equal(tensors["base"], np.asarray(base))
+    assert ckpt.metadata(f"{d}/3").referenced_bytes == 15 * (N * N * 4) // 8
+
+
+def test_a_save_without_references_keeps_format_version_1(tmp_path, sharding):
+    d = str(tmp_path)
+    ckpt.save(f"{d}/0", {"w": _arr(sharding, 1.0)}, incremental=True)
+    ckpt.save(f"{d}/1", {"w": _arr(sharding, 2.0)}, incremental=True)  # everything changed
+    assert _manifest(f"{d}/1")["format_version"] == 1
+    ckpt.save(f"{d}/2", {"w": _arr(sharding, 2.0)})  # incremental off: a full save
+    assert _manifest(f"{d}/2")["format_version"] == 1 and _chunk_files(f"{d}/2", "w") == 8
+
+
+def _two_steps(d, sharding):
+    base = _arr(sharding, seed=2)
+    ckpt.save(f"{d}/0", {"base": base}, incremental=True)
+    ckpt.save(f"{d}/1", {"base": base}, incremental=True)
+    return np.asarray(base)
+
+
+@pytest.mark.parametrize("case", ["leaves", "self", "missing", "generation", "chain", "version1", "outside"])
+def test_hostile_references_are_corrupt_checkpoint_errors_naming_both_steps(tmp_path, sharding, case):
+    d = str(tmp_path)
+    _two_steps(d, sharding)
+    m = _manifest(f"{d}/1")
+    refs = m["leaves"]["base"]["references"]
+    if case == "leaves":
+        refs[0]["in"] = "../elsewhere"
+    elif case == "self":
+        refs[0]["in"] = "1"
+    elif case == "missing":
+        refs[0]["in"] = "7"
+    elif case == "generation":
+        refs[0]["generation"] = "20000101000000-00000000"
+    elif case == "chain":  # step 0 references step 1 for the same chunk: a cycle
+        m0 = _manifest(f"{d}/0")
+        m0["format_version"] = 2
+        m0["leaves"]["base"]["references"] = [dict(refs[0], **{"in": "1", "generation": m["generation"]})]
+        _write_manifest(f"{d}/0", m0)
+    elif case == "version1":
+        m["format_version"] = 1
+    elif case == "outside":
+        refs[0]["chunk"] = [9, 0]
+    _write_manifest(f"{d}/1", m)
+    with pytest.raises(ckpt.CorruptCheckpointError) as e:
+        ckpt.restore(f"{d}/1")
+    text = str(e.value)
+    assert f"{d}/1" in text
+    if case in ("missing", "generation", "chain"):
+        assert (f"{d}/7" if case == "missing" else f"{d}/0") in text
+    with pytest.raises(ckpt.CorruptCheckpointError):
+        ckpt.verify(f"{d}/1")
+
+
+def test_verify_checks_the_referenced_bytes(tmp_path, sharding):
+    d = str(tmp_path)
+    _two_steps(d, sharding)
+    m = _manifest(f"{d}/1")
+    m["leaves"]["base"]["references"][3]["data_crc32c"] ^= 1  # the reference names other bytes than step 0 holds
+    _write_manifest(f"{d}/1", m)
+    report = ckpt.verify(f"{d}/1")
+    assert not report.ok and any("referenced in" in p and "crc32c" in p for p in report.problems), report
+    assert ckpt.verify(f"{d}/0").ok
+
+
+def test_a_deleted_referenced_step_is_reported_not_misread(tmp_path, sharding):
+    d = str(tmp_path)
+    _two_steps(d, sharding)
+    os.remove(f"{d}/0/COMMITTED")
+    with pytest.raises(ckpt.CorruptCheckpointError, match="not a committed checkpoint"):
+        ckpt.restore(f"{d}/1")
+
+
+def test_overwriting_a_referenced_step_refuses_naming_the_steps(tmp_path, sharding):
+    d = str(tmp_path)
+    _two_steps(d, sharding)
+    with pytest.raises(ckpt.CheckpointExistsError, match=r"\['1'\]"):
+        ckpt.save(f"{d}/0", {"base": _arr(sharding, 5.0)}, overwrite=True)
+    ckpt.restore(f"{d}/1")  # still whole
+
+
+def test_manager_retention_keeps_referenced_steps_until_nobody_references_them(tmp_path, sharding):
+    d = str(tmp_path / "run")
+    base = _arr(sharding, seed=3)
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(2), incremental=True, async_save=True) as mgr:
+        for step in range(5):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0, 3, 4]  # 0 holds the frozen base that 3 and 4 reference
+        with pytest.raises(ckpt.CheckpointExistsError, match="reference"):
+            mgr.save(0, {"base": base, "adapter": _arr(sharding, 9.0)}, force=True)
+        new_base = _arr(sharding, seed=4)
+        for step in (5, 6):
+            mgr.save(step, {"base": new_base, "adapter": _arr(sharding, float(step))})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [5, 6]  # nobody references 0 any more
+        np.testing.assert_array_equal(np.asarray(mgr.restore(6)["base"]), np.asarray(new_base))
+    assert not [n for n in os.listdir(d) if n == "0"]
+
+
+def test_gc_reports_what_it_freed_and_what_it_kept_for_whom(tmp_path, sharding, capsys):
+    d = str(tmp_path / "run")
+    base = _arr(sharding, seed=5)
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(10), incremental=True, async_save=False) as mgr:
+        for step in range(4):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+    capsys.readouterr()
+    assert _cli.main(["gc", d, "--keep-latest", "1", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kept_for_references"] == {"0": [3]}
+    assert _cli.main(["gc", d, "--keep-latest", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["removed_steps"] == [1, 2] and report["kept_for_references"] == {"0": [3]}
+    assert report["freed_bytes"] >= 2 * N * N * 4
+    assert ckpt.verify(f"{d}/3").ok
+
+
+WORKER = os.path.join(os.path.dirname(__file__), "incremental_crash_worker.py")
+# Every storage operation of retention: the references read, the step moved aside
+# (unpublished), its bytes removed; at the first and a later retention.
+KILL_POINTS = ["refs_read:3", "retention_renamed:1", "retention_deleted:1", "retention_renamed:3", "retention_deleted:4"]
+
+
+@pytest.mark.parametrize("kill_point", KILL_POINTS)
+def test_a_crash_at_any_point_of_retention_leaves_no_dangling_reference(tmp_path, kill_point):
+    d = str(tmp_path / "run")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    res = subprocess.run([sys.executable, WORKER, d, kill_point], env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == -9, (res.returncode, res.stdout, res.stderr[-2000:])
+    reader = ckpt.CheckpointManager(d, read_only=True)
+    steps = reader.all_steps()
+    assert steps
+    # Every committed step restores whole: no reference dangles. Through the manager: the
+    # kill (on the deleter thread) may land between the next step's marker and its rename,
+    # leaving a committed `<step>.partial-*` that the manager reads until recovery renames it.
+    for step in steps:
+        r = reader.restore(step)
+        assert r["step"] == step and float(r["adapter"].reshape(-1)[0]) == step - step % 2
+        assert r["base"].shape == (256, 256)
+    # The next writer's retention finishes the job.
+    res = subprocess.run([sys.executable, WORKER, d, "none"], env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for step in ckpt.CheckpointManager(d, read_only=True).all_steps():
+        assert ckpt.verify(f"{d}/{step}").ok
+
+
+def test_ls_shows_owned_and_shared_bytes_and_pictures_show_references(tmp_path, sharding, capsys):
+    d = str(tmp_path / "run")
+    base = _arr(sharding, seed=6)
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(10), incremental=True, async_save=False) as mgr:
+        for step in range(2):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+    capsys.readouterr()
+    assert _cli.main(["ls", d, "--json"]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
+    assert rows[0]["shared_bytes"] == 0 and rows[1]["shared_bytes"] == N * N * 4 and rows[1]["shared_from"] == ["0"]
+    assert _cli.main(["ls", d]) == 0
+    assert "shares" in capsys.readouterr().out
+    chunks = ckpt.shard_chunks(f"{d}/1", "['base']")
+    assert len(chunks) == 8 and {c.referenced_in for c in chunks} == {"0"}
+
+
+def test_a_leaf_that_stops_changing_is_referenced_again_within_the_recheck_interval(tmp_path, sharding, monkeypatch):
+    from checkpointer._save import _incremental
+
+    monkeypatch.setattr(_incremental, "RECHECK_EVERY", 3)
+    for direct_io, want in [(False, [0, 0, 8, 8]), ("auto", [8, 8, 8, 8])]:
+        d = str(tmp_path / str(direct_io))
+        for step in range(2):  # changes: the second save checks it and finds every chunk changed
+            ckpt.save(f"{d}/{step}", {"w": _arr(sharding, float(step))}, incremental=True, direct_io=direct_io)
+        found = []
+        for step in range(2, 6):  # stops changing (a fresh copy each time: by content)
+            ckpt.save(f"{d}/{step}", {"w": _arr(sharding, 1.0)}, incremental=True, direct_io=direct_io)
+            found.append(len(_refs(f"{d}/{step}", "w")))
+        # Host arrays (direct_io=False): skipped twice without the crc32c pass, then rechecked.
+        # Shard images: their crc32c came with the snapshot, so checked (and referenced) at once.
+        assert found == want, (direct_io, found)
+        np.testing.assert_array_equal(ckpt.restore(f"{d}/5")["w"], np.full((N, N), 1.0, np.float32))
+
+
+def _check_stats(d, step, tree, direct_io):
+    handle = ckpt.save_async(f"{d}/{step}", tree, incremental=True, direct_io=direct_io)
+    handle.wait()
+    return handle.snapshot.result.incremental
+
+
+def test_the_check_takes_the_crc32c_of_shard_images_from_the_snapshot(tmp_path, sharding, monkeypatch):
+    from checkpointer._save import _incremental
+
+    monkeypatch.setattr(_incremental, "RECHECK_EVERY", 1)  # host arrays checked on every save too
+    nbytes = N * N * 4
+    for direct_io, crc_pass in [("auto", 0), (False, nbytes)]:
+        d = str(tmp_path / str(direct_io))
+        ckpt.save(f"{d}/0", {"w": _arr(sharding, 0.0)}, incremental=True, direct_io=direct_io)
+        changed = _check_stats(d, 1, {"w": _arr(sharding, 1.0)}, direct_io)
+        assert changed.chunks_changed == 8 and changed.bytes_hashed == crc_pass, (direct_io, changed)
+        # Unchanged (a fresh copy): the crc32c matches, then XXH3-128 of the bytes, compared
+        # with the base's bytes read back once; the next save by the kept hash alone.
+        same = _check_stats(d, 2, {"w": _arr(sharding, 1.0)}, direct_io)
+        assert same.chunks_by_comparison == 8 and same.bytes_hashed == crc_pass + nbytes, (direct_io, same)
+        again = _check_stats(d, 3, {"w": _arr(sharding, 1.0)}, direct_io)
+        assert again.chunks_by_hash == 8 and again.bytes_compared == 0 and again.bytes_referenced == nbytes
+        np.testing.assert_array_equal(ckpt.restore(f"{d}/3")["w"], np.full((N, N), 1.0, np.float32))
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_a_shard_images_data_reads_back_as_the_chunks_c_order_bytes(strided):
+    from test_direct_io import LAYOUTS, _values
+
+    from checkpointer import _encoding, _memory
+    from checkpointer._format import ArrayMetadata
+
+    for name, (shape, chunk, inner, cells) in sorted(LAYOUTS.items()):
+        meta = ArrayMetadata("w", shape, np.dtype(np.float32), chunk, inner, None)
+        values = _values(shape, np.float32, seed=len(name))
+        for cell in cells:
+            box = _format.cell_box(cell, meta.chunk_shape, meta.shape)
+            host = np.array(values[box.slices()], order="C")
+            src = host
+            if strided and host.ndim:
+                wide = np.zeros((*host.shape[:-1], host.shape[-1] * 2), host.dtype)
+                wide[..., ::2] = host
+                src = wide[..., ::2]
+            (image,) = _encoding.fill_images([(meta.layout, src)], lambda n: _memory.page_aligned_empty((n,), np.dtype(np.uint8)))
+            pieces = _encoding.image_data(image, meta.layout, tuple(box.shape), meta.dtype)
+            assert b"".join(p.tobytes() for p in pieces) == host.tobytes(), (name, cell)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_reference_their_own_chunks_and_process_0_gathers_them(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from multiprocess import WORKERS, run_processes
+
+    d = str(tmp_path / "run")
+    results = run_processes(WORKERS / "incremental_worker.py", 2, 4, {"directory": d}, timeout_s=120)
+    for r in results:
+        rec = r.record("saved")
+        assert rec["steps"] == [0, 1, 2] and rec["base_ok"] and rec["adapter"] == 2.0
+        # Both processes' chunks of the base (4 each) are references in the manifest.
+        assert rec["refs"]["2"] == {"base": 8, "adapter": 0} and rec["refs"]["0"] == {"base": 0, "adapter": 0}
+        assert rec["cooperative"] and "0" in rec["sources"]  # the cooperative plan reads the base from step 0
+    assert ckpt.verify(f"{d}/2").ok
+
+
+def test_object_stores_reference_and_retain_alike(sharding):
+    d = "memory://incremental-test/run"  # written in place, the commit marker decides
+    base = _arr(sharding, seed=7)
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(1), incremental=True, async_save=False) as mgr:
+        for step in range(3):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+        assert mgr.all_steps() == [0, 2]
+        np.testing.assert_array_equal(np.asarray(mgr.restore(2)["base"]), np.asarray(base))
+    assert ckpt.metadata(f"{d}/2").referenced_bytes == N * N * 4
+    assert ckpt.verify(f"{d}/2").ok
+
+
+def test_a_base_with_a_dangling_reference_gives_a_full_save_not_a_failed_one(tmp_path, sharding, caplog):
+    d = str(tmp_path)
+    base = _arr(sharding, seed=8)
+    for step in range(3):
+        ckpt.save(f"{d}/{step}", {"base": base}, incremental=True)
+    os.remove(f"{d}/0/COMMITTED")  # step 1 and 2 now dangle (damage from outside the library)
+    ckpt.save(f"{d}/3", {"base": base}, incremental=True)
+    assert _refs(f"{d}/3", "base") == [] and _manifest(f"{d}/3")["format_version"] == 1
+    assert "cannot read the base" in caplog.text
+    np.testing.assert_array_equal(ckpt.restore(f"{d}/3")["base"], np.asarray(base))
