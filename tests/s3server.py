@@ -10,6 +10,7 @@ every byte goes through TensorStore's HTTP client and the loopback interface.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import tempfile
@@ -26,6 +27,9 @@ ENV_KEYS = (
 REGION = "us-east-1"
 
 
+_BUCKETS = itertools.count(1)  # bucket numbers, process-wide
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,12 +44,12 @@ class S3Server:
 
     def __init__(self, endpoint: str, client, server):
         self.endpoint, self.client, self._server = endpoint, client, server
-        self._n = 0
 
     def new_bucket(self, prefix: str = "ckpt") -> str:
-        """Creates a fresh bucket and returns its name."""
-        self._n += 1
-        name = f"{prefix}-{os.getpid()}-{self._n}"
+        """Creates a fresh bucket and returns its name: unique in this process, since moto
+        keeps its buckets in module-global state that outlives each server (a counter per
+        server gave a later module's first bucket the objects of an earlier module's)."""
+        name = f"{prefix}-{os.getpid()}-{next(_BUCKETS)}"
         self.client.create_bucket(Bucket=name)
         return name
 

@@ -11,7 +11,7 @@ import pytest
 import checkpointer as ckpt
 from checkpointer._save import _pipeline as _save
 
-README = os.path.join(os.path.dirname(__file__), "..", "README.md")
+OPERATING = os.path.join(os.path.dirname(__file__), "..", "docs", "operating.md")  # the page that shows the questions
 
 
 def _tree(step):
@@ -177,14 +177,14 @@ def test_a_failed_replacement_of_a_step_leaves_its_committed_metrics(tmp_path, m
         assert mgr.best_step("loss") == 2
 
 
-def test_the_readme_snippet_of_the_managers_questions_runs_as_written(tmp_path):
-    with open(README, encoding="utf-8") as f:
+def test_the_docs_snippet_of_the_managers_questions_runs_as_written(tmp_path):
+    with open(OPERATING, encoding="utf-8") as f:
         readme = f.read()
     start = readme.index("import numpy as np\nimport checkpointer as ckpt\n\nwith ckpt.CheckpointManager(\"/tmp/questions\"")
     code = readme[start : readme.index("```", start)]
     code = code.replace('"/tmp/questions"', repr(str(tmp_path / "questions")))
     scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (the README's own snippet)
+    exec(compile(code, "docs/operating.md", "exec"), scope)  # noqa: S102 (the page's own snippet)
     assert scope["best"] == 2
     assert scope["steps"] == [2, 3]
 

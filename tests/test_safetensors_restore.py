@@ -258,20 +258,6 @@ def test_max_inflight_bytes_bounds_the_host_memory_of_a_large_tensor(tmp_path):
     np.testing.assert_array_equal(np.asarray(out["w"][:, 5]), col + 5)
 
 
-def test_the_readme_safetensors_recipe_runs_as_written(tmp_path):
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    start = readme.index("import os, jax, numpy as np, checkpointer as ckpt\n")
-    code = readme[start : readme.index("```", start)]
-    assert 'folder = "/tmp/hf"' in code
-    code = code.replace('folder = "/tmp/hf"', f"folder = {str(tmp_path / 'hf')!r}")
-    scope: dict = {}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 (the README's own snippet)
-    params = scope["params"]
-    assert params["embed"].sharding.spec == P(None, "model")
-    np.testing.assert_array_equal(np.asarray(params["embed"]), np.ones((1024, 256), np.float32))
-
-
 @pytest.mark.multiprocess
 def test_each_of_two_processes_reads_only_its_own_columns(tmp_path):
     """2 processes x 4 devices: a tensor sharded over all 8 devices on its second axis is
