@@ -253,3 +253,19 @@ def test_chunks_written_hold_at_most_one_region():
     huge_row = write_chunk_shape((2, 1 << 26), (2, 1 << 26), 2)
     assert huge_row[0] == 1 and huge_row[1] * 2 <= REGION_BYTES
     assert write_chunk_shape((), (), 8) == ()
+
+
+def test_export_refuses_an_out_that_is_or_holds_the_source_even_with_overwrite(tmp_path):
+    # An `out` that was the checkpoint, or the run holding it, was replaced after the write
+    # with overwrite=True: the source checkpoint (or the whole run) was deleted.
+    run = str(tmp_path / "run")
+    for step in (1, 2):
+        ckpt.save(f"{run}/{step}", {"w": np.full(3, step, np.float32)})
+    for src, out in [(f"{run}/2", f"{run}/2"), (f"{run}/2", run), (run, run), (run, str(tmp_path))]:
+        with pytest.raises(ckpt.CheckpointExistsError, match="would delete the source"):
+            ckpt.export(src, out, format="orbax", overwrite=True)
+    with pytest.raises(ckpt.CheckpointExistsError, match="inside the checkpoint"):
+        ckpt.export(f"{run}/2", f"{run}/2/orbax", format="orbax")
+    assert sorted(os.listdir(run)) == ["1", "2"] and float(ckpt.restore(f"{run}/2")["w"][0]) == 2.0
+    ckpt.export(run, f"{run}/orbax", format="orbax")  # beside the steps: allowed, the run keeps its steps
+    assert ocp.CheckpointManager(f"{run}/orbax").all_steps() == [1, 2] and ckpt.verify(f"{run}/2").ok

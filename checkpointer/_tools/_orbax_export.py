@@ -418,6 +418,25 @@ def _check_out(storage: Storage, out: str, overwrite: bool) -> None:
         raise CheckpointExistsError(f"{out} exists; pass --overwrite (overwrite=True) to replace it, or export elsewhere")
 
 
+def _check_apart(storage: Storage, src: str, out_storage: Storage, dst: str, one_checkpoint: bool) -> None:
+    """Refuses an `out` that is the source or a folder above it (replacing it would delete
+    the source once the export is written), and an `out` inside one checkpoint (it would
+    change a committed checkpoint)."""
+    if type(storage) is not type(out_storage):
+        return
+    local = "://" not in src
+    a, b = (os.path.realpath(src), os.path.realpath(dst)) if local else (src.rstrip("/"), dst.rstrip("/"))
+    sep = os.sep if local else "/"
+    if a == b or a.startswith(b.rstrip(sep) + sep):
+        raise CheckpointExistsError(
+            f"{dst} is the source {src} or a folder that holds it: writing the Orbax export there would delete the "
+            "source; nothing was written. Export to a folder outside it")
+    if one_checkpoint and b.startswith(a.rstrip(sep) + sep):
+        raise CheckpointExistsError(
+            f"{dst} is inside the checkpoint {src}: the export would change a committed checkpoint; nothing was "
+            "written. Export to a folder outside it")
+
+
 def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> OrbaxExport:
     """Writes a checkpoint as an Orbax checkpoint, or a manager directory as an Orbax
     CheckpointManager directory (see `export`, `format="orbax"`).
@@ -425,7 +444,9 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     Raises:
       CheckpointNotFoundError: `path` is neither a committed checkpoint nor a directory of
         committed steps.
-      CheckpointExistsError: `out` exists and `overwrite` is False.
+      CheckpointExistsError: `out` exists and `overwrite` is False; `out` is `path` or a
+        folder above it (even with `overwrite`: it would delete the source), or inside
+        the one checkpoint `path`.
       UnsupportedValueError: a leaf Orbax cannot hold, or two leaves with one Orbax name
         (names them); raised before anything is written.
     """
@@ -437,6 +458,7 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
         meta = None
     if meta is not None:
         _check_exportable(meta, orbax_entries(meta))
+        _check_apart(storage, src, out_storage, dst, one_checkpoint=True)
         _check_out(out_storage, dst, overwrite)
         dropped = dropped_state(storage, src, meta)
         parent = dst.rstrip("/").rsplit("/", 1)[0] if "/" in dst.rstrip("/") else ""
@@ -451,6 +473,7 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     metas = {s: read_metadata(storage, f"{src}/{f}") for s, f in sorted(folders.items())}
     for m in metas.values():
         _check_exportable(m, orbax_entries(m))
+    _check_apart(storage, src, out_storage, dst, one_checkpoint=False)
     _check_out(out_storage, dst, overwrite)
     out_storage.makedirs(dst)
     stale = [n for n in out_storage.list_dir(dst) if n.isdigit() and int(n) not in metas]
