@@ -96,6 +96,19 @@ def test_an_array_zarr_python_writes_is_read_by_tensorstore_and_back(tmp_path, n
         assert np.isnan(np.float32(a[...])).all() and a.metadata.to_dict()["fill_value"] == on_disk
 
 
+def test_a_float8_e8m0fnu_fill_value_zarr_python_writes_is_the_one_tensorstore_reads(tmp_path):
+    """TensorStore reads a JSON number for float8_e8m0fnu 64 exponents low (1.0 as 2**-64):
+    zarr-python wrote `"fill_value": 1.0` and TensorStore read the unwritten chunk as 5.4e-20."""
+    dtype = np.dtype(ml_dtypes.float8_e8m0fnu)
+    for i, fill in enumerate([1.0, 2.0**-20, 2.0**100, 2.0**-127]):
+        p = str(tmp_path / f"e8m0_{i}")
+        a = zarr.create_array(p, shape=(4,), chunks=(2,), dtype=dtype, fill_value=fill, compressors=None)
+        a[:2] = np.array([4.0, 8.0], dtype)
+        got = ts.open({"driver": "zarr3", "kvstore": f"file://{p}"}).result().read().result()
+        assert _bits(got) == _bits(np.array([4.0, 8.0, fill, fill], dtype)), fill
+        assert _bits(zarr.open_array(p, mode="r")[...]) == _bits(got), fill
+
+
 def test_the_entry_points_name_every_data_type():
     """`import zarr` alone finds them once the package is installed: pyproject's
     `zarr.data_type` entry points resolve to the classes, by their zarr v3 names."""
