@@ -324,3 +324,16 @@ def test_every_function_works_on_s3(s3):
     fig = ckpt.plot_run(run)
     assert fig.get_suptitle() == f"run {run}: steps 1 … 2 (2 committed)"
     assert list(fig.axes[0].get_lines()[0].get_ydata()) == [1.0, 0.5]
+
+
+def test_a_shard_map_of_leaves_of_size_zero_draws_empty_panels(tmp_path, capsys):
+    # Leaves of size 0 store no chunk: the legend had no entry and matplotlib raised
+    # "ValueError: number sections must be larger than 0" (`inspect --png`: internal error).
+    path = str(tmp_path / "zero")
+    ckpt.save(path, {"z": np.zeros((0, 3), np.float32), "y": np.zeros((2, 0, 5), np.float32)})
+    fig = ckpt.plot_shards(path)
+    assert len([ax for ax in fig.axes if ax.get_visible()]) == 2 and not any(ax.patches for ax in fig.axes)
+    assert fig.axes[0].get_title().endswith("no chunk stored (size 0)")
+    png = tmp_path / "zero.png"
+    assert cli_main(["inspect", path, "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -452,13 +452,15 @@ def plot_shards(
         writers = sorted({c.process_index for c in chunks})
         skipped = sum(len(c.skipped) for c in chunks)
         ax.set_title(f"{meta.keystr(leaf_path) or '<root>'}  {m.dtype}{list(m.shape)}\n{saved}\n"
-                     f"{len(chunks)} chunks{' (packed)' if m.packed else ''} by process{'es' * (len(writers) > 1)} "
-                     f"{', '.join(map(str, writers))}; {skipped} replica{'s' * (skipped != 1)} skipped", fontsize=_FONT - 1)
+                     + (f"{len(chunks)} chunks{' (packed)' if m.packed else ''} by process{'es' * (len(writers) > 1)} "
+                        f"{', '.join(map(str, writers))}; {skipped} replica{'s' * (skipped != 1)} skipped" if chunks
+                        else "no chunk stored (size 0)"), fontsize=_FONT - 1)
     used = sorted({c.process_index for leaf_path in chosen for c in _chunks_of(meta, records, leaf_path)})
     handles = [Patch(facecolor=colors[i], label=f"process {i}") for i in used]
     if any(meta.arrays[p].packed for p in chosen):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="/", label="packed"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=_FONT - 1, frameon=False)
+    if handles:  # none when every leaf drawn has size 0 (no chunk stored)
+        fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=_FONT - 1, frameon=False)
     fig.suptitle(f"Who wrote which chunk: {meta.path}" + (f" (step {meta.step})" if meta.step is not None else "")
                  + "\npN: process N wrote the chunk, dev@k: the device at position k of the saved mesh; "
                  "skip: the replicas not written", fontsize=_FONT)
