@@ -337,3 +337,11 @@ def test_a_shard_map_of_leaves_of_size_zero_draws_empty_panels(tmp_path, capsys)
     png = tmp_path / "zero.png"
     assert cli_main(["inspect", path, "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_inspect_png_of_a_checkpoint_without_arrays_is_a_usage_error(tmp_path, capsys):
+    # It printed "internal error: ValueError ..." and exited 1.
+    path = str(tmp_path / "values")
+    ckpt.save(path, {"step": 3, "name": "run"})
+    assert cli_main(["inspect", path, "--png", str(tmp_path / "x.png")]) == 2
+    assert "holds none (only values)" in capsys.readouterr().err and not (tmp_path / "x.png").exists()

@@ -130,6 +130,8 @@ def _cmd_inspect(args, ui: _UI) -> int:
     meta = _metadata(args.path)
     if args.leaf and not args.png:
         raise UsageError("--leaf selects the leaves --png draws; add --png OUT")
+    if args.png and not meta.arrays:
+        raise UsageError(f"--png draws the shard maps of array leaves; {meta.path} holds none (only values)")
     if args.png:
         _draw(lambda: _tools.plot_shards(meta, args.leaf), args.png)
     leaves = []

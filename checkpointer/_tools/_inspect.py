@@ -401,6 +401,7 @@ def plot_shards(
       cell's value (or `display(fig)`); `fig.savefig(out)` writes a file.
     Raises:
       StructureMismatchError: a name matches no array leaf.
+      ValueError: the checkpoint holds no array leaf (only values).
       ModuleNotFoundError: matplotlib is not installed (`pip install 'checkpointer[notebook]'`).
       CorruptCheckpointError: a process record is missing or malformed.
 
