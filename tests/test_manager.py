@@ -112,6 +112,31 @@ def test_save_async_returns_a_concurrent_future_resolved_at_the_commit(ckpt_dir,
     assert later == [failing]
 
 
+def test_wait_and_join_inside_a_done_callback_on_the_save_thread(ckpt_dir, monkeypatch):
+    """A done-callback runs on the save thread: wait() there raised "RuntimeError: cannot
+    join current thread" (the thread joined itself)."""
+    seen = []
+
+    def callback(f):
+        try:
+            seen.append((f.join(), f.wait(), f.result()))
+        except BaseException as e:  # noqa: BLE001 (recorded for the assert below)
+            seen.append(e)
+
+    release, write = threading.Event(), _save.write_snapshot
+
+    def held(snap):
+        release.wait(30)
+        return write(snap)
+
+    monkeypatch.setattr(_save, "write_snapshot", held)
+    handle = ckpt.save_async(f"{ckpt_dir}/1", _state(2.0))
+    handle.add_done_callback(callback)  # before the save ends: called on its thread
+    release.set()
+    handle.wait()
+    assert handle.join() and seen == [(True, None, f"{ckpt_dir}/1")]
+
+
 def test_manager_lists_committed_steps_only(ckpt_dir):
     with ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepLatest(10)) as mgr:
         for step in (1, 2, 3):

@@ -205,6 +205,8 @@ class AsyncSave(concurrent.futures.Future[str]):
 
         Multi-process: as `wait`.
         """
+        if threading.current_thread() is self._thread:
+            return True  # a done-callback (run on the save thread): the work has ended
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
