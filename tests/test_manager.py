@@ -413,3 +413,13 @@ def test_a_committed_partial_whose_save_holds_its_lock_is_not_listed_until_renam
     finally:
         lock.release(remove=True)
     assert reader.all_steps() == [3]
+
+
+def test_keep_best_keeps_the_step_best_step_names_with_infinite_and_bool_metrics(ckpt_dir):
+    """A loss of -inf is stored as "-Infinity": KeepBest deleted that step while
+    best_step ranked it first; a bool metric the reverse."""
+    with ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepBest("loss", n=1)) as mgr:
+        for step, loss in [(1, 1.0), (2, float("-inf")), (3, 0.5), (4, True), (5, 0.9)]:
+            mgr.save(step, _state(step), metrics={"loss": loss})
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [2, 5] and mgr.best_step("loss") == 2
