@@ -345,3 +345,19 @@ def test_inspect_png_of_a_checkpoint_without_arrays_is_a_usage_error(tmp_path, c
     ckpt.save(path, {"step": 3, "name": "run"})
     assert cli_main(["inspect", path, "--png", str(tmp_path / "x.png")]) == 2
     assert "holds none (only values)" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+
+
+def test_a_python_int_longer_than_4300_digits_is_shown_by_its_size(tmp_path, capsys):
+    # Saved and restored fine, but repr() of it raises ValueError (Python's int-to-text
+    # limit): inspect_tree, `checkpointer inspect` (text and --json), a restore's
+    # structure error and the Orbax export's refusal all escaped as that ValueError.
+    path = str(tmp_path / "big")
+    ckpt.save(path, {"v": 2**20000, "w": np.ones(3)})
+    assert "<int of 20001 bits>" in str(ckpt.inspect_tree(path))
+    assert cli_main(["inspect", path]) == 0 and "<int of 20001 bits>" in capsys.readouterr().out
+    assert cli_main(["inspect", "--json", path]) == 0
+    assert json.loads(capsys.readouterr().out)["leaves"][0]["value"] == "<int of 20001 bits>"
+    with pytest.raises(ckpt.StructureMismatchError, match="the value <int of 20001 bits>"):
+        ckpt.restore(path, {"v": {"a": 1}, "w": np.zeros(3)})
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"\['v'\] of .* holds <int of 20001 bits>"):
+        ckpt.export(path, str(tmp_path / "o"), format="orbax")

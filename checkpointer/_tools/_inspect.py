@@ -47,6 +47,7 @@ from .._format import (
     process_record_name,
     read_metadata,
     read_process_record,
+    value_repr,
 )
 from .._storage import storage_for
 
@@ -141,9 +142,8 @@ def _summary(meta: CheckpointMetadata, leaf_path: str) -> LeafSummary:
         saved = m.saved_sharding.describe() if m.saved_sharding else "host numpy array"
         dtype = str(m.dtype) + (f" (key<{m.key_impl}>)" if m.key_impl else "")
         return LeafSummary(meta.keystr(leaf_path), m.shape, dtype, m.nbytes, saved, m.packed, m.chunk_shape, leaf_path)
-    value = repr(m.value)
     return LeafSummary(meta.keystr(leaf_path), None, type(m.value).__name__, 0,
-                       f"value {value if len(value) <= 60 else value[:57] + '...'}", False, None, leaf_path)
+                       f"value {value_repr(m.value, 60)}", False, None, leaf_path)
 
 
 @dataclasses.dataclass(frozen=True)

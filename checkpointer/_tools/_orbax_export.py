@@ -56,6 +56,7 @@ from .._format import (
     process_record_name,
     read_metadata,
     read_process_record,
+    value_repr,
     zarr_supports_dtype,
 )
 from .._storage import Storage, storage_for
@@ -168,7 +169,7 @@ def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> No
             )
         if isinstance(e.leaf, ValueMetadata) and not (e.leaf.value is None or isinstance(e.leaf.value, str) or _scalar(e.leaf.value) is not None):
             raise UnsupportedValueError(
-                f"{where} holds {e.leaf.value!r:.80} ({type(e.leaf.value).__name__}), which Orbax cannot store (its "
+                f"{where} holds {value_repr(e.leaf.value, 80)} ({type(e.leaf.value).__name__}), which Orbax cannot store (its "
                 "scalars are 0-d numpy arrays: int64 at most); nothing was written. Store it as a string or an array"
             )
 
