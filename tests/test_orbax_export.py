@@ -269,3 +269,16 @@ def test_export_refuses_an_out_that_is_or_holds_the_source_even_with_overwrite(t
     assert sorted(os.listdir(run)) == ["1", "2"] and float(ckpt.restore(f"{run}/2")["w"][0]) == 2.0
     ckpt.export(run, f"{run}/orbax", format="orbax")  # beside the steps: allowed, the run keeps its steps
     assert ocp.CheckpointManager(f"{run}/orbax").all_steps() == [1, 2] and ckpt.verify(f"{run}/2").ok
+
+
+def test_a_manifest_claiming_a_billion_processes_is_refused_not_read_a_billion_times(tmp_path):
+    # The export skipped missing process records one by one: process_count 10**9 in a
+    # hostile manifest meant 10**9 reads (a hang); a missing record is now refused at once.
+    src = str(tmp_path / "ckpt")
+    ckpt.save(src, {"w": np.ones(3, np.float32)})
+    manifest = json.loads(pathlib.Path(src, "manifest.json").read_text())
+    manifest["process_count"] = 10**9
+    pathlib.Path(src, "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"processes/1\.json is missing: process 1 of 1000000000"):
+        ckpt.export(src, str(tmp_path / "o"), format="orbax")
+    assert not (tmp_path / "o").exists()

@@ -319,13 +319,20 @@ def write_item(storage: Storage, src: str, meta: CheckpointMetadata, item: str) 
 
 
 def dropped_state(storage: Storage, path: str, meta: CheckpointMetadata) -> list[str]:
-    """One line for each thing of the checkpoint that the Orbax export leaves out."""
+    """One line for each thing of the checkpoint that the Orbax export leaves out.
+
+    Raises:
+      CorruptCheckpointError: a process's record is missing (names it).
+    """
     out = []
     for i in range(meta.process_count):
+        location = f"{path}/{process_record_name(i)}"
         try:
-            record = read_process_record(storage, f"{path}/{process_record_name(i)}")
-        except FileNotFoundError:
-            continue
+            record = read_process_record(storage, location)
+        except FileNotFoundError as e:  # not skipped: a manifest claiming 10**9 processes read 10**9 missing files
+            raise CorruptCheckpointError(
+                f"{location} is missing: process {i} of {meta.process_count} left no record in {path}; nothing was "
+                "exported") from e
         if record.per_process_state is not None:
             out.append(f"{path}: the per-process state of process {i} (Orbax has none; read it with "
                        f"ckpt.per_process_state({path!r}, process_index={i}) and save it yourself)")
@@ -450,6 +457,7 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
         the one checkpoint `path`.
       UnsupportedValueError: a leaf Orbax cannot hold, or two leaves with one Orbax name
         (names them); raised before anything is written.
+      CorruptCheckpointError: a process record is missing (before anything is written).
     """
     storage, src = storage_for(path)
     out_storage, dst = storage_for(out)
@@ -476,16 +484,15 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
         _check_exportable(m, orbax_entries(m))
     _check_apart(storage, src, out_storage, dst, one_checkpoint=False)
     _check_out(out_storage, dst, overwrite)
+    all_dropped = [line for s, m in metas.items() for line in dropped_state(storage, f"{src}/{folders[s]}", m)]
     out_storage.makedirs(dst)
     stale = [n for n in out_storage.list_dir(dst) if n.isdigit() and int(n) not in metas]
     for name in stale:  # overwrite: steps the source does not have would read as part of the run
         out_storage.delete_tree(f"{dst}/{name}")
     all_params: dict[str, str] = {}
-    all_dropped: list[str] = []
     total = 0
     for s, m in metas.items():
         step_src = f"{src}/{folders[s]}"
-        all_dropped += dropped_state(storage, step_src, m)
         params, n = _export_one(storage, step_src, m, out_storage, f"{dst}/{s}", step_layout=True, overwrite=overwrite)
         all_params.update(params)
         total += n
