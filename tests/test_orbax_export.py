@@ -282,3 +282,24 @@ def test_a_manifest_claiming_a_billion_processes_is_refused_not_read_a_billion_t
     with pytest.raises(ckpt.CorruptCheckpointError, match=r"processes/1\.json is missing: process 1 of 1000000000"):
         ckpt.export(src, str(tmp_path / "o"), format="orbax")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("key", ["_METADATA", "commit_success.txt", "_CHECKPOINT_METADATA", "..", "x/../y", "/abs", "a//b"])
+def test_a_key_that_cannot_be_an_orbax_param_folder_is_refused_before_writing(tmp_path, key):
+    # The param's zarr array is the folder <item>/<param>: these escaped as IsADirectoryError
+    # (colliding with the item's own files) or TensorStore's ValueError, mid-export.
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    ckpt.save(src, {key: np.arange(4.0), "w": np.ones(2)})
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"would be the Orbax param .*nothing was written"):
+        ckpt.export(src, out, format="orbax")
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_keys_with_slashes_and_item_file_names_below_the_top_still_export(tmp_path):
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    tree = {"ok/fine": np.arange(4.0), "sub": {"_METADATA": np.ones(2)}, "_METADATA": "a string makes no folder"}
+    ckpt.save(src, tree)
+    ckpt.export(src, out, format="orbax")
+    got = ocp.PyTreeCheckpointer().restore(out)
+    assert np.array_equal(got["ok/fine"], tree["ok/fine"]) and np.array_equal(got["sub"]["_METADATA"], np.ones(2))
+    assert got["_METADATA"] == tree["_METADATA"]

@@ -154,6 +154,23 @@ def orbax_entries(meta: CheckpointMetadata) -> list[_Entry]:
     return out
 
 
+# The item's own files: a param folder of one of these names would collide with them.
+_ITEM_FILES = (METADATA_FILE, SHARDING_FILE, STRINGS_FILE, CHECKPOINT_METADATA, COMMIT_SUCCESS, ARRAY_METADATAS)
+
+
+def _bad_param(param: str) -> str | None:
+    """Why the param name cannot be a folder of the item (None if it can): Orbax writes a
+    param's zarr array at `<item>/<param>/`, '/' in a key included."""
+    if param == "":
+        return None  # the item folder itself, as Orbax writes it
+    parts = param.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return "has an empty, '.' or '..' path component (a key with '/' makes folders)"
+    if any(param == f or param.startswith(f + "/") for f in _ITEM_FILES):
+        return "is the name of a file the Orbax checkpoint itself holds"
+    return None
+
+
 def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> None:
     for e in entries:
         where = f"leaf {e.keystr or '(root)'} of {meta.path}"
@@ -161,6 +178,14 @@ def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> No
             raise UnsupportedValueError(
                 f"{meta.path} holds one leaf (or one empty node) as its whole tree; an Orbax PyTree checkpoint holds a "
                 "tree of named leaves. Save it as {'x': value} and export that"
+            )
+        writes_folder = isinstance(e.leaf, ArrayMetadata) or (
+            isinstance(e.leaf, ValueMetadata) and e.leaf.value is not None and not isinstance(e.leaf.value, str))
+        why = _bad_param(e.param) if writes_folder else None
+        if why is not None:
+            raise UnsupportedValueError(
+                f"{where} would be the Orbax param {e.param!r}, which {why}; nothing was written. Rename the key, "
+                "or export with --format safetensors"
             )
         if isinstance(e.leaf, ArrayMetadata) and not zarr_supports_dtype(e.leaf.dtype):
             raise UnsupportedValueError(
