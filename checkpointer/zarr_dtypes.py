@@ -105,6 +105,10 @@ class _MlDtype(ZDType[Any, Any], HasItemSize):
             raise TypeError(f"Cannot convert {data!r} of type {type(data).__name__} to a {self._zarr_v3_name} scalar")
         if isinstance(data, str):
             data = float(_SPECIAL[data])
+        if self._kind == "i" and isinstance(data, (int, np.integer)) and not isinstance(data, (bool, np.bool_)):
+            info = ml_dtypes.iinfo(self._dtype())
+            if not info.min <= int(data) <= info.max:  # ml_dtypes would wrap it (int4(20) is 4), as numpy's ints refuse
+                raise ValueError(f"{data} is out of the range of {self._zarr_v3_name} ({info.min}..{info.max})")
         return self.to_native_dtype().type(data)
 
     def default_scalar(self) -> Any:
