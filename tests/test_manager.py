@@ -423,3 +423,24 @@ def test_keep_best_keeps_the_step_best_step_names_with_infinite_and_bool_metrics
             mgr.save(step, _state(step), metrics={"loss": loss})
             mgr.wait_until_finished()
         assert mgr.all_steps() == [2, 5] and mgr.best_step("loss") == 2
+
+
+def test_a_done_callback_runs_even_when_the_caller_keeps_no_handle(ckpt_dir, monkeypatch):
+    """`save_async(...).add_done_callback(fn)`: the save thread held its handle only weakly,
+    so a handle nobody kept was collected with its callbacks and `fn` never ran (any
+    concurrent.futures executor keeps its futures until resolved)."""
+    import gc
+
+    release, write = threading.Event(), _save.write_snapshot
+
+    def held(snap):
+        release.wait(30)
+        return write(snap)
+
+    monkeypatch.setattr(_save, "write_snapshot", held)
+    seen = threading.Event()
+    got = []
+    ckpt.save_async(f"{ckpt_dir}/1", _state(3.0)).add_done_callback(lambda f: (got.append(f.result()), seen.set()))
+    gc.collect()
+    release.set()
+    assert seen.wait(60) and got == [f"{ckpt_dir}/1"]
