@@ -303,3 +303,14 @@ def test_keys_with_slashes_and_item_file_names_below_the_top_still_export(tmp_pa
     got = ocp.PyTreeCheckpointer().restore(out)
     assert np.array_equal(got["ok/fine"], tree["ok/fine"]) and np.array_equal(got["sub"]["_METADATA"], np.ones(2))
     assert got["_METADATA"] == tree["_METADATA"]
+
+
+def test_a_run_exported_over_a_one_checkpoint_export_replaces_it(tmp_path):
+    # overwrite=True kept the earlier export's _METADATA, w/ ... beside the steps: the folder
+    # still restored as that old checkpoint (PyTreeCheckpointer().restore(out)).
+    run, out = str(tmp_path / "run"), str(tmp_path / "orbax")
+    for step in (1, 2):
+        ckpt.save(f"{run}/{step}", {"w": np.full(3, step, np.float32)})
+    ckpt.export(f"{run}/2", out, format="orbax")
+    ckpt.export(run, out, format="orbax", overwrite=True)
+    assert sorted(os.listdir(out)) == ["1", "2"] and ocp.CheckpointManager(out).all_steps() == [1, 2]

@@ -511,9 +511,16 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     _check_out(out_storage, dst, overwrite)
     all_dropped = [line for s, m in metas.items() for line in dropped_state(storage, f"{src}/{folders[s]}", m)]
     out_storage.makedirs(dst)
-    stale = [n for n in out_storage.list_dir(dst) if n.isdigit() and int(n) not in metas]
-    for name in stale:  # overwrite: steps the source does not have would read as part of the run
-        out_storage.delete_tree(f"{dst}/{name}")
+    # overwrite: steps the source does not have would read as part of the run, and the files
+    # of an earlier one-checkpoint export there as a checkpoint of their own; the steps
+    # exported again are replaced one by one below.
+    stale = [n for n in out_storage.list_dir(dst) if not (n.isdigit() and int(n) in metas)]
+    for name in stale:
+        path = f"{dst}/{name}"
+        if out_storage.is_folder(path):
+            out_storage.delete_tree(path)
+        else:
+            out_storage.delete_file(path)
     all_params: dict[str, str] = {}
     total = 0
     for s, m in metas.items():
