@@ -361,3 +361,10 @@ def test_a_python_int_longer_than_4300_digits_is_shown_by_its_size(tmp_path, cap
         ckpt.restore(path, {"v": {"a": 1}, "w": np.zeros(3)})
     with pytest.raises(ckpt.UnsupportedValueError, match=r"\['v'\] of .* holds <int of 20001 bits>"):
         ckpt.export(path, str(tmp_path / "o"), format="orbax")
+
+
+@pytest.mark.parametrize("last", [0, -1, 2.5])
+def test_plot_run_refuses_a_last_that_is_not_a_count(tmp_path, last):
+    # last=0 drew every step and last=-1 every step but the oldest (list slicing).
+    with pytest.raises(ValueError, match="last=.... needs an int >= 1"):
+        ckpt.plot_run(str(tmp_path), last=last)
