@@ -41,7 +41,9 @@ FLOAT_NAMES = ("bfloat16", "float8_e3m4", "float8_e4m3fn", "float8_e4m3fnuz", "f
 INT_NAMES = ("int4", "int2")
 _TWO_BYTES = ("bfloat16",)  # every other type is one byte (a sub-byte one stored one element per byte)
 # float8_e8m0fnu has no zero: TensorStore reads a JSON fill value 0 as bits 0 (its smallest
-# value, 2**-127) where ml_dtypes would cast 0 to NaN, and writes bits 0 as 0.0.
+# value, 2**-127) where ml_dtypes would cast 0 to NaN, and writes bits 0 as 0.0. Any other
+# JSON number it reads 64 exponents low (1.0 as 2**-64): other fill values are written as
+# the hex of their bits, which it reads exactly.
 _NO_ZERO = ("float8_e8m0fnu",)
 _SPECIAL = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}
 
@@ -103,6 +105,10 @@ class _MlDtype(ZDType[Any, Any], HasItemSize):
             raise TypeError(f"Cannot convert {data!r} of type {type(data).__name__} to a {self._zarr_v3_name} scalar")
         if isinstance(data, str):
             data = float(_SPECIAL[data])
+        if self._kind == "i" and isinstance(data, (int, np.integer)) and not isinstance(data, (bool, np.bool_)):
+            info = ml_dtypes.iinfo(self._dtype())
+            if not info.min <= int(data) <= info.max:  # ml_dtypes would wrap it (int4(20) is 4), as numpy's ints refuse
+                raise ValueError(f"{data} is out of the range of {self._zarr_v3_name} ({info.min}..{info.max})")
         return self.to_native_dtype().type(data)
 
     def default_scalar(self) -> Any:
@@ -128,6 +134,10 @@ class _MlDtype(ZDType[Any, Any], HasItemSize):
         if self._zarr_v3_name in _NO_ZERO and not np.asarray(value).view(np.uint8).any():
             return 0.0  # as TensorStore writes its fill value of bits 0 (see from_json_scalar)
         f = float(value)
+        if self._zarr_v3_name in _NO_ZERO and not np.isnan(f):
+            # TensorStore reads a JSON number for float8_e8m0fnu with the exponent off by 64
+            # (1.0 as bits 63, 2**-64); the hex of the bits it reads as written.
+            return f"0x{int(np.asarray(value, self._dtype()).view(np.uint8)[()]):02x}"
         if np.isnan(f):
             bits = int.from_bytes(np.asarray(value, self._dtype()).tobytes(), "little")
             default = int.from_bytes(np.asarray(np.nan, self._dtype()).tobytes(), "little")

@@ -562,3 +562,15 @@ def test_an_infinite_mesh_size_in_saved_sharding_is_corrupt_not_overflow(victim)
     sharding = dict(manifest["leaves"]["w"]["saved_sharding"], mesh_shape=[float("inf")])
     _write_manifest(path, _set(manifest, "w", saved_sharding=sharding))
     _all_raise_corrupt(path, match="saved_sharding")
+
+
+@pytest.mark.parametrize("process_count", [2, 10**9])
+def test_a_manifest_claiming_more_processes_than_records_fails_verify(victim, process_count):
+    # verify listed processes/ and checked what it found: a manifest claiming processes
+    # whose records are missing passed as OK.
+    path, manifest = victim
+    manifest["process_count"] = process_count
+    _write_manifest(path, manifest)
+    report = ckpt.verify(path)
+    assert not report.ok
+    assert any(f"processes/1.json is missing (process 1 of {process_count}" in p for p in report.problems)

@@ -324,3 +324,47 @@ def test_every_function_works_on_s3(s3):
     fig = ckpt.plot_run(run)
     assert fig.get_suptitle() == f"run {run}: steps 1 … 2 (2 committed)"
     assert list(fig.axes[0].get_lines()[0].get_ydata()) == [1.0, 0.5]
+
+
+def test_a_shard_map_of_leaves_of_size_zero_draws_empty_panels(tmp_path, capsys):
+    # Leaves of size 0 store no chunk: the legend had no entry and matplotlib raised
+    # "ValueError: number sections must be larger than 0" (`inspect --png`: internal error).
+    path = str(tmp_path / "zero")
+    ckpt.save(path, {"z": np.zeros((0, 3), np.float32), "y": np.zeros((2, 0, 5), np.float32)})
+    fig = ckpt.plot_shards(path)
+    assert len([ax for ax in fig.axes if ax.get_visible()]) == 2 and not any(ax.patches for ax in fig.axes)
+    assert fig.axes[0].get_title().endswith("no chunk stored (size 0)")
+    png = tmp_path / "zero.png"
+    assert cli_main(["inspect", path, "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_inspect_png_of_a_checkpoint_without_arrays_is_a_usage_error(tmp_path, capsys):
+    # It printed "internal error: ValueError ..." and exited 1.
+    path = str(tmp_path / "values")
+    ckpt.save(path, {"step": 3, "name": "run"})
+    assert cli_main(["inspect", path, "--png", str(tmp_path / "x.png")]) == 2
+    assert "holds none (only values)" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+
+
+def test_a_python_int_longer_than_4300_digits_is_shown_by_its_size(tmp_path, capsys):
+    # Saved and restored fine, but repr() of it raises ValueError (Python's int-to-text
+    # limit): inspect_tree, `checkpointer inspect` (text and --json), a restore's
+    # structure error and the Orbax export's refusal all escaped as that ValueError.
+    path = str(tmp_path / "big")
+    ckpt.save(path, {"v": 2**20000, "w": np.ones(3)})
+    assert "<int of 20001 bits>" in str(ckpt.inspect_tree(path))
+    assert cli_main(["inspect", path]) == 0 and "<int of 20001 bits>" in capsys.readouterr().out
+    assert cli_main(["inspect", "--json", path]) == 0
+    assert json.loads(capsys.readouterr().out)["leaves"][0]["value"] == "<int of 20001 bits>"
+    with pytest.raises(ckpt.StructureMismatchError, match="the value <int of 20001 bits>"):
+        ckpt.restore(path, {"v": {"a": 1}, "w": np.zeros(3)})
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"\['v'\] of .* holds <int of 20001 bits>"):
+        ckpt.export(path, str(tmp_path / "o"), format="orbax")
+
+
+@pytest.mark.parametrize("last", [0, -1, 2.5])
+def test_plot_run_refuses_a_last_that_is_not_a_count(tmp_path, last):
+    # last=0 drew every step and last=-1 every step but the oldest (list slicing).
+    with pytest.raises(ValueError, match="last=.... needs an int >= 1"):
+        ckpt.plot_run(str(tmp_path), last=last)

@@ -112,6 +112,31 @@ def test_save_async_returns_a_concurrent_future_resolved_at_the_commit(ckpt_dir,
     assert later == [failing]
 
 
+def test_wait_and_join_inside_a_done_callback_on_the_save_thread(ckpt_dir, monkeypatch):
+    """A done-callback runs on the save thread: wait() there raised "RuntimeError: cannot
+    join current thread" (the thread joined itself)."""
+    seen = []
+
+    def callback(f):
+        try:
+            seen.append((f.join(), f.wait(), f.result()))
+        except BaseException as e:  # noqa: BLE001 (recorded for the assert below)
+            seen.append(e)
+
+    release, write = threading.Event(), _save.write_snapshot
+
+    def held(snap):
+        release.wait(30)
+        return write(snap)
+
+    monkeypatch.setattr(_save, "write_snapshot", held)
+    handle = ckpt.save_async(f"{ckpt_dir}/1", _state(2.0))
+    handle.add_done_callback(callback)  # before the save ends: called on its thread
+    release.set()
+    handle.wait()
+    assert handle.join() and seen == [(True, None, f"{ckpt_dir}/1")]
+
+
 def test_manager_lists_committed_steps_only(ckpt_dir):
     with ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepLatest(10)) as mgr:
         for step in (1, 2, 3):
@@ -388,3 +413,34 @@ def test_a_committed_partial_whose_save_holds_its_lock_is_not_listed_until_renam
     finally:
         lock.release(remove=True)
     assert reader.all_steps() == [3]
+
+
+def test_keep_best_keeps_the_step_best_step_names_with_infinite_and_bool_metrics(ckpt_dir):
+    """A loss of -inf is stored as "-Infinity": KeepBest deleted that step while
+    best_step ranked it first; a bool metric the reverse."""
+    with ckpt.CheckpointManager(ckpt_dir, keep=ckpt.KeepBest("loss", n=1)) as mgr:
+        for step, loss in [(1, 1.0), (2, float("-inf")), (3, 0.5), (4, True), (5, 0.9)]:
+            mgr.save(step, _state(step), metrics={"loss": loss})
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [2, 5] and mgr.best_step("loss") == 2
+
+
+def test_a_done_callback_runs_even_when_the_caller_keeps_no_handle(ckpt_dir, monkeypatch):
+    """`save_async(...).add_done_callback(fn)`: the save thread held its handle only weakly,
+    so a handle nobody kept was collected with its callbacks and `fn` never ran (any
+    concurrent.futures executor keeps its futures until resolved)."""
+    import gc
+
+    release, write = threading.Event(), _save.write_snapshot
+
+    def held(snap):
+        release.wait(30)
+        return write(snap)
+
+    monkeypatch.setattr(_save, "write_snapshot", held)
+    seen = threading.Event()
+    got = []
+    ckpt.save_async(f"{ckpt_dir}/1", _state(3.0)).add_done_callback(lambda f: (got.append(f.result()), seen.set()))
+    gc.collect()
+    release.set()
+    assert seen.wait(60) and got == [f"{ckpt_dir}/1"]

@@ -253,3 +253,64 @@ def test_chunks_written_hold_at_most_one_region():
     huge_row = write_chunk_shape((2, 1 << 26), (2, 1 << 26), 2)
     assert huge_row[0] == 1 and huge_row[1] * 2 <= REGION_BYTES
     assert write_chunk_shape((), (), 8) == ()
+
+
+def test_export_refuses_an_out_that_is_or_holds_the_source_even_with_overwrite(tmp_path):
+    # An `out` that was the checkpoint, or the run holding it, was replaced after the write
+    # with overwrite=True: the source checkpoint (or the whole run) was deleted.
+    run = str(tmp_path / "run")
+    for step in (1, 2):
+        ckpt.save(f"{run}/{step}", {"w": np.full(3, step, np.float32)})
+    for src, out in [(f"{run}/2", f"{run}/2"), (f"{run}/2", run), (run, run), (run, str(tmp_path))]:
+        with pytest.raises(ckpt.CheckpointExistsError, match="would delete the source"):
+            ckpt.export(src, out, format="orbax", overwrite=True)
+    with pytest.raises(ckpt.CheckpointExistsError, match="inside the checkpoint"):
+        ckpt.export(f"{run}/2", f"{run}/2/orbax", format="orbax")
+    assert sorted(os.listdir(run)) == ["1", "2"] and float(ckpt.restore(f"{run}/2")["w"][0]) == 2.0
+    ckpt.export(run, f"{run}/orbax", format="orbax")  # beside the steps: allowed, the run keeps its steps
+    assert ocp.CheckpointManager(f"{run}/orbax").all_steps() == [1, 2] and ckpt.verify(f"{run}/2").ok
+
+
+def test_a_manifest_claiming_a_billion_processes_is_refused_not_read_a_billion_times(tmp_path):
+    # The export skipped missing process records one by one: process_count 10**9 in a
+    # hostile manifest meant 10**9 reads (a hang); a missing record is now refused at once.
+    src = str(tmp_path / "ckpt")
+    ckpt.save(src, {"w": np.ones(3, np.float32)})
+    manifest = json.loads(pathlib.Path(src, "manifest.json").read_text())
+    manifest["process_count"] = 10**9
+    pathlib.Path(src, "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"processes/1\.json is missing: process 1 of 1000000000"):
+        ckpt.export(src, str(tmp_path / "o"), format="orbax")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("key", ["_METADATA", "commit_success.txt", "_CHECKPOINT_METADATA", "..", "x/../y", "/abs", "a//b"])
+def test_a_key_that_cannot_be_an_orbax_param_folder_is_refused_before_writing(tmp_path, key):
+    # The param's zarr array is the folder <item>/<param>: these escaped as IsADirectoryError
+    # (colliding with the item's own files) or TensorStore's ValueError, mid-export.
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    ckpt.save(src, {key: np.arange(4.0), "w": np.ones(2)})
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"would be the Orbax param .*nothing was written"):
+        ckpt.export(src, out, format="orbax")
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_keys_with_slashes_and_item_file_names_below_the_top_still_export(tmp_path):
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    tree = {"ok/fine": np.arange(4.0), "sub": {"_METADATA": np.ones(2)}, "_METADATA": "a string makes no folder"}
+    ckpt.save(src, tree)
+    ckpt.export(src, out, format="orbax")
+    got = ocp.PyTreeCheckpointer().restore(out)
+    assert np.array_equal(got["ok/fine"], tree["ok/fine"]) and np.array_equal(got["sub"]["_METADATA"], np.ones(2))
+    assert got["_METADATA"] == tree["_METADATA"]
+
+
+def test_a_run_exported_over_a_one_checkpoint_export_replaces_it(tmp_path):
+    # overwrite=True kept the earlier export's _METADATA, w/ ... beside the steps: the folder
+    # still restored as that old checkpoint (PyTreeCheckpointer().restore(out)).
+    run, out = str(tmp_path / "run"), str(tmp_path / "orbax")
+    for step in (1, 2):
+        ckpt.save(f"{run}/{step}", {"w": np.full(3, step, np.float32)})
+    ckpt.export(f"{run}/2", out, format="orbax")
+    ckpt.export(run, out, format="orbax", overwrite=True)
+    assert sorted(os.listdir(out)) == ["1", "2"] and ocp.CheckpointManager(out).all_steps() == [1, 2]

@@ -200,3 +200,13 @@ def test_keep_steps_rejects_fractional_steps():
     # step 1 would silently protect a different checkpoint.
     with pytest.raises(ValueError):
         KeepSteps([1.5])
+
+
+def test_keep_best_ranks_saved_infinities_and_not_bools_as_best_step_does():
+    # save(metrics=) stores infinities as "Infinity"/"-Infinity": KeepBest skipped them
+    # (a -inf loss was deleted as unranked) and ranked True as 1, where best_step did the
+    # opposite, so the step best_step named could be one retention deleted.
+    metrics = {1: {"loss": 1.0}, 2: {"loss": "-Infinity"}, 3: {"loss": 0.5}, 4: {"loss": True}, 5: {"loss": "Infinity"}}
+    assert KeepBest("loss").keep([1, 2, 3, 4, 5], metrics) == {2}
+    assert KeepBest("loss", "max").keep([1, 2, 3, 4, 5], metrics) == {5}
+    assert KeepBest("loss", n=5).keep([1, 2, 3, 4, 5], metrics) == {1, 2, 3, 5}

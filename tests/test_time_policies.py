@@ -114,6 +114,21 @@ def test_save_interval_s_writes_a_step_only_when_enough_time_passed(tmp_path, mo
         ckpt.CheckpointManager(d, save_interval_s=0)
 
 
+def test_save_interval_s_after_the_clock_stepped_back_waits_one_interval_not_the_step(tmp_path, monkeypatch):
+    # The last save's wall time was kept: a clock stepped back a day held every save back
+    # for a day plus the interval.
+    clock = _FakeClock()
+    monkeypatch.setattr(_time_policies, "time", clock)
+    tree = {"w": np.zeros(4, np.float32)}
+    written = []
+    with ckpt.CheckpointManager(str(tmp_path / "run"), save_interval_s=100, async_save=False) as mgr:
+        for step, now in [(1, 100_000), (2, 100_050), (3, 13_600), (4, 13_650), (5, 13_700), (6, 13_750)]:
+            clock.now = now  # between steps 2 and 3 the clock goes back 86,450 s
+            if mgr.save(step, tree):
+                written.append(step)
+    assert written == [1, 5]
+
+
 def test_save_interval_s_and_steps_both_must_allow_a_save(tmp_path, monkeypatch):
     clock = _FakeClock()
     monkeypatch.setattr(_time_policies, "time", clock)

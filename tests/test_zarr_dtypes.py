@@ -96,6 +96,29 @@ def test_an_array_zarr_python_writes_is_read_by_tensorstore_and_back(tmp_path, n
         assert np.isnan(np.float32(a[...])).all() and a.metadata.to_dict()["fill_value"] == on_disk
 
 
+def test_a_float8_e8m0fnu_fill_value_zarr_python_writes_is_the_one_tensorstore_reads(tmp_path):
+    """TensorStore reads a JSON number for float8_e8m0fnu 64 exponents low (1.0 as 2**-64):
+    zarr-python wrote `"fill_value": 1.0` and TensorStore read the unwritten chunk as 5.4e-20."""
+    dtype = np.dtype(ml_dtypes.float8_e8m0fnu)
+    for i, fill in enumerate([1.0, 2.0**-20, 2.0**100, 2.0**-127]):
+        p = str(tmp_path / f"e8m0_{i}")
+        a = zarr.create_array(p, shape=(4,), chunks=(2,), dtype=dtype, fill_value=fill, compressors=None)
+        a[:2] = np.array([4.0, 8.0], dtype)
+        got = ts.open({"driver": "zarr3", "kvstore": f"file://{p}"}).result().read().result()
+        assert _bits(got) == _bits(np.array([4.0, 8.0, fill, fill], dtype)), fill
+        assert _bits(zarr.open_array(p, mode="r")[...]) == _bits(got), fill
+
+
+def test_an_int4_or_int2_fill_value_out_of_range_is_refused_not_wrapped(tmp_path):
+    # ml_dtypes wraps: fill_value=20 for int4 was stored as 4, -9 as 7 (numpy's ints refuse).
+    for name, fill in [("int4", 20), ("int4", -9), ("int2", 2)]:
+        with pytest.raises(ValueError, match=f"{fill} is out of the range of {name}"):
+            zarr.create_array(str(tmp_path / f"{name}{fill}"), shape=(4,), dtype=np.dtype(getattr(ml_dtypes, name)),
+                              fill_value=fill)
+    a = zarr.create_array(str(tmp_path / "ok"), shape=(2,), dtype=np.dtype(ml_dtypes.int4), fill_value=-8)
+    assert int(a[0]) == -8
+
+
 def test_the_entry_points_name_every_data_type():
     """`import zarr` alone finds them once the package is installed: pyproject's
     `zarr.data_type` entry points resolve to the classes, by their zarr v3 names."""

@@ -146,6 +146,8 @@ def _cmd_inspect(args, ui: _UI) -> int:
     meta = _metadata(args.path)
     if args.leaf and not args.png:
         raise UsageError("--leaf selects the leaves --png draws; add --png OUT")
+    if args.png and not meta.arrays:
+        raise UsageError(f"--png draws the shard maps of array leaves; {meta.path} holds none (only values)")
     if args.png:
         _draw(lambda: _tools.plot_shards(meta, args.leaf), args.png)
     leaves = []
@@ -194,8 +196,7 @@ def _cmd_inspect(args, ui: _UI) -> int:
             inner = "packed" if leaf["packed"] else _shape(leaf["inner_chunk_shape"])
             rows.append((name, _shape(leaf["shape"]), dtype, sharding, _shape(leaf["chunk_shape"]), inner, leaf["bytes"]))
         else:
-            value = repr(meta.leaves[leaf["path"]].value)
-            value = value if len(value) <= 40 else value[:37] + "..."
+            value = _format.value_repr(meta.leaves[leaf["path"]].value, 40)
             rows.append((name, "-", leaf["value_type"], f"value {value}", "-", "-", "-"))
     ui.table(["leaf", "shape", "dtype", "saved sharding", "chunk", "inner chunk", "bytes"], rows, right=["bytes"],
              footer=["total", "", "", "", "", "", meta.total_bytes])

@@ -12,6 +12,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .._format import value_repr
+
 PROG = "checkpointer"
 
 
@@ -46,6 +48,8 @@ def _metrics_str(metrics: dict) -> str:
 
 
 def _json_value(v: object) -> object:
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 13_000:
+        return value_repr(v)  # json.dumps of it would raise (the int-to-text digit limit)
     if v is None or isinstance(v, (bool, str)) or isinstance(v, int):
         return v
     if isinstance(v, float) and math.isfinite(v):

@@ -32,6 +32,16 @@ def value_to_json(value: object) -> dict | None:
     return None
 
 
+def value_repr(value: object, max_chars: int = 60) -> str:
+    """`repr(value)` cut to `max_chars` (`...` at the end), for a value leaf shown to a
+    user. An int too long for Python's int-to-text limit (`sys.get_int_max_str_digits`,
+    4300 digits by default, where `repr` raises ValueError) is `<int of N bits>`."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 13_000:  # > ~3,900 digits
+        return f"<int of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= max_chars else text[: max(0, max_chars - 3)] + "..."
+
+
 def value_from_json(obj: object, where: str) -> object:
     """Inverse of `value_to_json`. Raises CorruptCheckpointError on malformed input."""
     if not isinstance(obj, dict):

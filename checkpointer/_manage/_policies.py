@@ -112,12 +112,24 @@ class KeepEvery(KeepPolicy):
         return {s for s in steps if s % self.n == 0}
 
 
+def metric_score(value: object) -> float | None:
+    """A saved metric as a number to rank (`KeepBest`, `best_step`), or None (absent,
+    NaN, a bool, not a number). Saved infinities are the strings "Infinity" /
+    "-Infinity" (see `save(metrics=)`)."""
+    if isinstance(value, str):
+        value = {"Infinity": math.inf, "-Infinity": -math.inf}.get(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class KeepBest(KeepPolicy):
     """Keeps the `n` steps with the best value of `metric` (`mode` "min" or "max").
 
-    Steps saved without that metric (or with a NaN) are never "best"; they go unless
-    another policy keeps them. Ties go to the newer step.
+    Steps saved without that metric (or with a NaN, or a bool) are never "best"; they go
+    unless another policy keeps them. Ties go to the newer step. Values are ranked as
+    `best_step` ranks them (`metric_score`): an infinity counts.
     """
 
     metric: str
@@ -133,8 +145,8 @@ class KeepBest(KeepPolicy):
     def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, object]]) -> set[int]:
         scored = []
         for s in steps:
-            v = metrics.get(s, {}).get(self.metric)
-            if isinstance(v, (int, float)) and not math.isnan(v):
+            v = metric_score(metrics.get(s, {}).get(self.metric))
+            if v is not None:
                 scored.append((v if self.mode == "min" else -v, -s))
         return {-neg_step for _, neg_step in sorted(scored)[: self.n]}
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import math
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -17,7 +16,7 @@ from typing import TYPE_CHECKING
 from .. import _commit, _coord
 from .._errors import CheckpointError, CheckpointNotFoundError, UnknownMetricError
 from .._format import CheckpointMetadata, read_metadata
-from ._policies import KeepAny, KeepBest
+from ._policies import KeepAny, KeepBest, metric_score as _score
 from ._reader import StepReader
 
 if TYPE_CHECKING:
@@ -27,16 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("checkpointer")
 
 _delete_round = itertools.count()
-
-
-def _score(value: object) -> float | None:
-    """A saved metric as a number to rank, or None (absent, NaN, not a number).
-    Saved infinities are the strings "Infinity" / "-Infinity" (see `save(metrics=)`)."""
-    if isinstance(value, str):
-        value = {"Infinity": math.inf, "-Infinity": -math.inf}.get(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        return None
-    return float(value)
 
 
 def _keep_best_mode(policy: object, metric: str) -> str | None:

@@ -150,7 +150,9 @@ class SaveClock:
     A save is due when at least `interval_s` seconds have passed since the last save
     this manager wrote (on process 0), or, before its first, since the creation of the
     newest committed step (`first_unix_s()`); with neither (or a creation time after
-    now), at once.
+    now), at once. Should process 0's clock step back past the last save, the interval
+    counts from the moment that is noticed (at most `interval_s` without a save, not
+    the size of the step).
 
     Args:
       interval_s: seconds between saves (> 0).
@@ -180,6 +182,10 @@ class SaveClock:
             # Created "in the future" (another host's clock ahead, or this one stepped back):
             # its age is unknown, as for KeepNewerThan; waiting for it could hold saves back for hours.
             self._last_unix_s = first if _known(first) and first <= now_unix_s else None  # type: ignore[operator]
+        if self._last_unix_s is not None and now_unix_s < self._last_unix_s:
+            # This clock stepped back (NTP, a VM resumed): counting from a time still ahead
+            # would hold saves back for as long as the step; count from now instead.
+            self._last_unix_s = now_unix_s
         return self._last_unix_s is None or now_unix_s - self._last_unix_s >= self.interval_s
 
     def due(self, step: int, *, now_unix_s: float | None = None) -> bool:

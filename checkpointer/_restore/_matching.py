@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from .._errors import InvalidTargetError, StructureMismatchError
-from .._format import ArrayMetadata, CheckpointMetadata, ValueMetadata, flatten
+from .._format import ArrayMetadata, CheckpointMetadata, ValueMetadata, flatten, value_repr
 
 
 def _is_target_leaf(x: object) -> bool:
@@ -150,7 +150,7 @@ def match(meta: CheckpointMetadata, target: object, *, partial: bool, path: str,
             holders = dict.fromkeys(q for p in missing_paths[:10] for q in saved if q == "" or p.startswith(q + "/"))
             for holder in list(holders)[:3]:
                 m = meta.leaves[holder]
-                what = f"the value {m.value!r:.40}" if isinstance(m, ValueMetadata) else f"an array {m.shape}"
+                what = f"the value {value_repr(m.value, 40)}" if isinstance(m, ValueMetadata) else f"an array {m.shape}"
                 msg.append(f"  the checkpoint holds one leaf, {what}, at {_name(meta.keystr(holder))}, where the target has a subtree")
         if extra:
             msg.append(f"  in the checkpoint but not in the target ({len(extra)}): {_show([_name(meta.keystr(p)) for p in extra])}")

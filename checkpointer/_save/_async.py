@@ -48,6 +48,13 @@ class _Outcome:
                       self.path, self.error_text)
 
 
+# Handles with done-callbacks still to run: held here until resolved, so that a caller who
+# keeps no reference (`save_async(...).add_done_callback(fn)`) still gets `fn` called, as
+# from any concurrent.futures executor (the save thread holds its handle only weakly).
+_AWAITING_CALLBACKS: set[AsyncSave] = set()
+_AWAITING_LOCK = threading.Lock()
+
+
 def _report_unobserved(outcome: _Outcome) -> None:
     """The handle's finalizer (garbage collection, or interpreter exit after the
     non-daemon save thread ended): a failure no `wait()` raised is logged at ERROR; a
@@ -99,10 +106,14 @@ def _finish(
     finally:
         # Resolved last: a done-callback or `result()` sees the manager's bookkeeping done.
         if handle is not None:
-            if error is None:
-                handle.set_result(handle.path)
-            else:
-                handle.set_exception(error)
+            try:
+                if error is None:
+                    handle.set_result(handle.path)
+                else:
+                    handle.set_exception(error)
+            finally:
+                with _AWAITING_LOCK:
+                    _AWAITING_CALLBACKS.discard(handle)
 
 
 class AsyncSave(concurrent.futures.Future[str]):
@@ -191,6 +202,17 @@ class AsyncSave(concurrent.futures.Future[str]):
             self._observed()
         return error
 
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future[str]], object]) -> None:
+        """Calls `fn(self)` once resolved (on the save thread), or at once if done; the
+        handle is kept until then even if the caller drops it."""
+        if not self.done():
+            with _AWAITING_LOCK:
+                _AWAITING_CALLBACKS.add(self)
+            if self.done():  # resolved meanwhile: nothing left to keep it for
+                with _AWAITING_LOCK:
+                    _AWAITING_CALLBACKS.discard(self)
+        super().add_done_callback(fn)
+
     def _observed(self) -> None:
         with self._outcome.lock:
             self._outcome.observed = True
@@ -205,6 +227,8 @@ class AsyncSave(concurrent.futures.Future[str]):
 
         Multi-process: as `wait`.
         """
+        if threading.current_thread() is self._thread:
+            return True  # a done-callback (run on the save thread): the work has ended
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

@@ -49,6 +49,7 @@ from .._format import (
     process_record_name,
     read_metadata,
     read_process_record,
+    value_repr,
 )
 from .._storage import storage_for
 
@@ -143,9 +144,8 @@ def _summary(meta: CheckpointMetadata, leaf_path: str) -> LeafSummary:
         saved = m.saved_sharding.describe() if m.saved_sharding else "host numpy array"
         dtype = str(m.dtype) + (f" (key<{m.key_impl}>)" if m.key_impl else "")
         return LeafSummary(meta.keystr(leaf_path), m.shape, dtype, m.nbytes, saved, m.packed, m.chunk_shape, leaf_path)
-    value = repr(m.value)
     return LeafSummary(meta.keystr(leaf_path), None, type(m.value).__name__, 0,
-                       f"value {value if len(value) <= 60 else value[:57] + '...'}", False, None, leaf_path)
+                       f"value {value_repr(m.value, 60)}", False, None, leaf_path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +418,7 @@ def plot_shards(
       cell's value (or `display(fig)`); `fig.savefig(out)` writes a file.
     Raises:
       StructureMismatchError: a name matches no array leaf.
+      ValueError: the checkpoint holds no array leaf (only values).
       ModuleNotFoundError: matplotlib is not installed (`pip install 'checkpointer[notebook]'`).
       CorruptCheckpointError: a process record is missing or malformed.
 
@@ -469,15 +470,17 @@ def plot_shards(
         writers = sorted({c.process_index for c in chunks})
         skipped = sum(len(c.skipped) for c in chunks)
         ax.set_title(f"{meta.keystr(leaf_path) or '<root>'}  {m.dtype}{list(m.shape)}\n{saved}\n"
-                     f"{len(chunks)} chunks{' (packed)' if m.packed else ''} by process{'es' * (len(writers) > 1)} "
-                     f"{', '.join(map(str, writers))}; {skipped} replica{'s' * (skipped != 1)} skipped", fontsize=_FONT - 1)
+                     + (f"{len(chunks)} chunks{' (packed)' if m.packed else ''} by process{'es' * (len(writers) > 1)} "
+                        f"{', '.join(map(str, writers))}; {skipped} replica{'s' * (skipped != 1)} skipped" if chunks
+                        else "no chunk stored (size 0)"), fontsize=_FONT - 1)
     used = sorted({c.process_index for leaf_path in chosen for c in _chunks_of(meta, records, leaf_path)})
     handles = [Patch(facecolor=colors[i], label=f"process {i}") for i in used]
     if any(meta.arrays[p].packed for p in chosen):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="/", label="packed"))
     if any(meta.arrays[p].references for p in chosen):
         handles.append(Patch(facecolor="lightgrey", edgecolor="black", alpha=0.35, label="referenced: in an earlier step"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=_FONT - 1, frameon=False)
+    if handles:  # none when every leaf drawn has size 0 (no chunk stored)
+        fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 8), fontsize=_FONT - 1, frameon=False)
     fig.suptitle(f"Who wrote which chunk: {meta.path}" + (f" (step {meta.step})" if meta.step is not None else "")
                  + "\npN: process N wrote the chunk, dev@k: the device at position k of the saved mesh; "
                  "skip: the replicas not written", fontsize=_FONT)

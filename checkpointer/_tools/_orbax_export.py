@@ -56,6 +56,7 @@ from .._format import (
     process_record_name,
     read_metadata,
     read_process_record,
+    value_repr,
     zarr_supports_dtype,
 )
 from .._storage import Storage, storage_for
@@ -153,6 +154,23 @@ def orbax_entries(meta: CheckpointMetadata) -> list[_Entry]:
     return out
 
 
+# The item's own files: a param folder of one of these names would collide with them.
+_ITEM_FILES = (METADATA_FILE, SHARDING_FILE, STRINGS_FILE, CHECKPOINT_METADATA, COMMIT_SUCCESS, ARRAY_METADATAS)
+
+
+def _bad_param(param: str) -> str | None:
+    """Why the param name cannot be a folder of the item (None if it can): Orbax writes a
+    param's zarr array at `<item>/<param>/`, '/' in a key included."""
+    if param == "":
+        return None  # the item folder itself, as Orbax writes it
+    parts = param.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return "has an empty, '.' or '..' path component (a key with '/' makes folders)"
+    if any(param == f or param.startswith(f + "/") for f in _ITEM_FILES):
+        return "is the name of a file the Orbax checkpoint itself holds"
+    return None
+
+
 def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> None:
     for e in entries:
         where = f"leaf {e.keystr or '(root)'} of {meta.path}"
@@ -161,6 +179,14 @@ def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> No
                 f"{meta.path} holds one leaf (or one empty node) as its whole tree; an Orbax PyTree checkpoint holds a "
                 "tree of named leaves. Save it as {'x': value} and export that"
             )
+        writes_folder = isinstance(e.leaf, ArrayMetadata) or (
+            isinstance(e.leaf, ValueMetadata) and e.leaf.value is not None and not isinstance(e.leaf.value, str))
+        why = _bad_param(e.param) if writes_folder else None
+        if why is not None:
+            raise UnsupportedValueError(
+                f"{where} would be the Orbax param {e.param!r}, which {why}; nothing was written. Rename the key, "
+                "or export with --format safetensors"
+            )
         if isinstance(e.leaf, ArrayMetadata) and not zarr_supports_dtype(e.leaf.dtype):
             raise UnsupportedValueError(
                 f"{where} has dtype {e.leaf.dtype}, which Orbax (zarr3 through TensorStore) cannot store; nothing was "
@@ -168,7 +194,7 @@ def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> No
             )
         if isinstance(e.leaf, ValueMetadata) and not (e.leaf.value is None or isinstance(e.leaf.value, str) or _scalar(e.leaf.value) is not None):
             raise UnsupportedValueError(
-                f"{where} holds {e.leaf.value!r:.80} ({type(e.leaf.value).__name__}), which Orbax cannot store (its "
+                f"{where} holds {value_repr(e.leaf.value, 80)} ({type(e.leaf.value).__name__}), which Orbax cannot store (its "
                 "scalars are 0-d numpy arrays: int64 at most); nothing was written. Store it as a string or an array"
             )
 
@@ -318,13 +344,20 @@ def write_item(storage: Storage, src: str, meta: CheckpointMetadata, item: str) 
 
 
 def dropped_state(storage: Storage, path: str, meta: CheckpointMetadata) -> list[str]:
-    """One line for each thing of the checkpoint that the Orbax export leaves out."""
+    """One line for each thing of the checkpoint that the Orbax export leaves out.
+
+    Raises:
+      CorruptCheckpointError: a process's record is missing (names it).
+    """
     out = []
     for i in range(meta.process_count):
+        location = f"{path}/{process_record_name(i)}"
         try:
-            record = read_process_record(storage, f"{path}/{process_record_name(i)}")
-        except FileNotFoundError:
-            continue
+            record = read_process_record(storage, location)
+        except FileNotFoundError as e:  # not skipped: a manifest claiming 10**9 processes read 10**9 missing files
+            raise CorruptCheckpointError(
+                f"{location} is missing: process {i} of {meta.process_count} left no record in {path}; nothing was "
+                "exported") from e
         if record.per_process_state is not None:
             out.append(f"{path}: the per-process state of process {i} (Orbax has none; read it with "
                        f"ckpt.per_process_state({path!r}, process_index={i}) and save it yourself)")
@@ -418,6 +451,25 @@ def _check_out(storage: Storage, out: str, overwrite: bool) -> None:
         raise CheckpointExistsError(f"{out} exists; pass --overwrite (overwrite=True) to replace it, or export elsewhere")
 
 
+def _check_apart(storage: Storage, src: str, out_storage: Storage, dst: str, one_checkpoint: bool) -> None:
+    """Refuses an `out` that is the source or a folder above it (replacing it would delete
+    the source once the export is written), and an `out` inside one checkpoint (it would
+    change a committed checkpoint)."""
+    if type(storage) is not type(out_storage):
+        return
+    local = "://" not in src
+    a, b = (os.path.realpath(src), os.path.realpath(dst)) if local else (src.rstrip("/"), dst.rstrip("/"))
+    sep = os.sep if local else "/"
+    if a == b or a.startswith(b.rstrip(sep) + sep):
+        raise CheckpointExistsError(
+            f"{dst} is the source {src} or a folder that holds it: writing the Orbax export there would delete the "
+            "source; nothing was written. Export to a folder outside it")
+    if one_checkpoint and b.startswith(a.rstrip(sep) + sep):
+        raise CheckpointExistsError(
+            f"{dst} is inside the checkpoint {src}: the export would change a committed checkpoint; nothing was "
+            "written. Export to a folder outside it")
+
+
 def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> OrbaxExport:
     """Writes a checkpoint as an Orbax checkpoint, or a manager directory as an Orbax
     CheckpointManager directory (see `export`, `format="orbax"`).
@@ -425,9 +477,12 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     Raises:
       CheckpointNotFoundError: `path` is neither a committed checkpoint nor a directory of
         committed steps.
-      CheckpointExistsError: `out` exists and `overwrite` is False.
+      CheckpointExistsError: `out` exists and `overwrite` is False; `out` is `path` or a
+        folder above it (even with `overwrite`: it would delete the source), or inside
+        the one checkpoint `path`.
       UnsupportedValueError: a leaf Orbax cannot hold, or two leaves with one Orbax name
         (names them); raised before anything is written.
+      CorruptCheckpointError: a process record is missing (before anything is written).
     """
     storage, src = storage_for(path)
     out_storage, dst = storage_for(out)
@@ -437,6 +492,7 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
         meta = None
     if meta is not None:
         _check_exportable(meta, orbax_entries(meta))
+        _check_apart(storage, src, out_storage, dst, one_checkpoint=True)
         _check_out(out_storage, dst, overwrite)
         dropped = dropped_state(storage, src, meta)
         parent = dst.rstrip("/").rsplit("/", 1)[0] if "/" in dst.rstrip("/") else ""
@@ -451,17 +507,24 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     metas = {s: read_metadata(storage, f"{src}/{f}") for s, f in sorted(folders.items())}
     for m in metas.values():
         _check_exportable(m, orbax_entries(m))
+    _check_apart(storage, src, out_storage, dst, one_checkpoint=False)
     _check_out(out_storage, dst, overwrite)
+    all_dropped = [line for s, m in metas.items() for line in dropped_state(storage, f"{src}/{folders[s]}", m)]
     out_storage.makedirs(dst)
-    stale = [n for n in out_storage.list_dir(dst) if n.isdigit() and int(n) not in metas]
-    for name in stale:  # overwrite: steps the source does not have would read as part of the run
-        out_storage.delete_tree(f"{dst}/{name}")
+    # overwrite: steps the source does not have would read as part of the run, and the files
+    # of an earlier one-checkpoint export there as a checkpoint of their own; the steps
+    # exported again are replaced one by one below.
+    stale = [n for n in out_storage.list_dir(dst) if not (n.isdigit() and int(n) in metas)]
+    for name in stale:
+        path = f"{dst}/{name}"
+        if out_storage.is_folder(path):
+            out_storage.delete_tree(path)
+        else:
+            out_storage.delete_file(path)
     all_params: dict[str, str] = {}
-    all_dropped: list[str] = []
     total = 0
     for s, m in metas.items():
         step_src = f"{src}/{folders[s]}"
-        all_dropped += dropped_state(storage, step_src, m)
         params, n = _export_one(storage, step_src, m, out_storage, f"{dst}/{s}", step_layout=True, overwrite=overwrite)
         all_params.update(params)
         total += n

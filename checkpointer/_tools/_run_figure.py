@@ -43,10 +43,13 @@ def plot_run(run: str | os.PathLike | Any, *, last: int | None = 10) -> Figure:
       phases per process.
     Raises:
       CheckpointNotFoundError: no committed step in the directory.
+      ValueError: `last` is not None nor an int >= 1 (0 drew every step, -1 all but the oldest).
       ModuleNotFoundError: matplotlib is not installed (`pip install 'checkpointer[notebook]'`).
 
     Multi-process: reads every process's record; call it from one process.
     """
+    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 1):
+        raise ValueError(f"plot_run(last=...) needs an int >= 1 or None (all steps), got {last!r}")
     Figure = _import_matplotlib()
 
     location = _directory_of(run)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from .. import _encoding, _format
 from .._encoding import VerifyContext
 from .._errors import CheckpointError
-from .._format import ChunkRecord, ProcessRecord, read_metadata, read_process_record
+from .._format import ChunkRecord, ProcessRecord, process_record_name, read_metadata, read_process_record
 from .._storage import storage_for
 
 
@@ -71,7 +71,8 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
     problems: list[str] = []
     recorded: dict[str, ChunkRecord] = {}
     records: dict[str, ProcessRecord] = {}
-    for name in storage.list_dir(f"{path}/{_format.PROCESSES}"):
+    listed = set(storage.list_dir(f"{path}/{_format.PROCESSES}"))
+    for name in sorted(listed):
         where = f"{path}/{_format.PROCESSES}/{name}"
         try:
             record = records[name] = read_process_record(storage, where)
@@ -82,6 +83,11 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
             if c.key in recorded:
                 problems.append(f"chunk {c.key} is recorded by two processes")
             recorded[c.key] = c
+    missing = [i for i in range(min(meta.process_count, len(listed) + 1)) if process_record_name(i).rsplit("/", 1)[1] not in listed]
+    if missing:  # (not counted past the records found: a manifest may claim 10**9 processes)
+        problems.append(f"process record {process_record_name(missing[0])} is missing (process {missing[0]} of "
+                        f"{meta.process_count}; {len(listed)} record{'s' * (len(listed) != 1)} found): that "
+                        "process's chunks and per-process state are not recorded")
     ctx = VerifyContext(records, recorded, problems, progress=progress)
     groups = _encoding.by_encoding(meta.arrays.values())
     ctx.total = sum(enc.chunk_count(m) for enc, metas in groups for m in metas)  # packed chunks count like any other
