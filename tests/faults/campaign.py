@@ -306,8 +306,9 @@ def process_job(seed: int, faults: int, workdir: str, *, num_processes: int, two
     others raise a documented error (CommitTimeoutError, SaveError) or are ended by
     `jax.distributed` (its heartbeat: SIGABRT or exit 1 with the runtime's message)
     within `COMMIT_TIMEOUT_S` plus the heartbeat timeout plus slack; SIGTERM: the
-    preemption step is saved and every process exits 0; a SIGTERM that lands after the
-    loop's last sync point (in the final restore or close) has no step left to save: the
+    preemption step is saved and every process exits 0; a SIGTERM that JAX has not turned
+    into an agreed step by the loop's last sync point (it lands in the final restore or
+    close, or JAX's protocol lags past the job's last step) has no step left to save: the
     job finishes its work and exits 0, or JAX's shutdown barrier aborts it at exit
     (`_late_sigterm_shutdown_abort`, tallied in `Tally.excused`, not a violation).
     """
