@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                          workdir=args.workdir, process_counts=args.processes, progress=progress)
     tally.wall_s = time.monotonic() - t0
     console.print(table(tally, title=f"fault campaign: seed {args.seed}, --faults {args.faults}"))
+    for kind, point, why, message in tally.excused:  # seen, not the library's (see Tally.excused)
+        console.print(f"excused {kind}@{point}: {why}: {message}", markup=False, highlight=False)
     for kind, point, check, message in tally.violations:
         console.print(f"[red]VIOLATION[/red] {kind}@{point}: {check}: {message}", markup=True, highlight=False)
     if args.json:

@@ -20,6 +20,13 @@ the interval still decides what is written otherwise):
   program installed its own): it is not the process that saves, and a handler that
   never falls back to the default action would leave it unstoppable by SIGTERM.
 
+A SIGTERM after the loop's last `save` has no step left to save. Under `jax.distributed`
+the job's exit may then abort in JAX's shutdown barrier (SIGABRT): JAX's sync protocol,
+started on a process that got the notice, waits at a barrier for a process already in
+`jax.distributed.shutdown()`, and holds the lock that its own shutdown needs
+(docs/operating.md, "Preemption"; tests/test_fault_campaign.py reproduces it without
+this library).
+
 A step's answer is asked of JAX once (`reached` remembers the last step asked), so
 `mgr.should_save(step)`, `save(step)` and `mgr.reached_preemption(step)` in one loop
 iteration agree, whichever of them asks first.
