@@ -455,7 +455,9 @@ def test_missing_or_damaged_process_record(run_dir):
     os.remove(f"{path}/processes/0.json")
     _assert_is(ckpt.restore(path), 1.0)  # restore does not need the records
     report = ckpt.verify(path)
-    assert len(report.problems) == 9 and all("is not in any process record" in p for p in report.problems)
+    missing, *orphans = report.problems  # the record itself, then each chunk it would have listed
+    assert missing.startswith("process record processes/0.json is missing (process 0 of 1; 0 records found)")
+    assert len(orphans) == 9 and all("is not in any process record" in p for p in orphans)
     with open(f"{path}/processes/0.json", "w") as f:
         f.write('{"chunks": 5')
     report = ckpt.verify(path)

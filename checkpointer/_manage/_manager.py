@@ -262,12 +262,18 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         if err is not None:
             raise err
 
-    def _on_replication_error(self, step: int, error: BaseException) -> None:
+    def _failed(self, step: int, error: BaseException) -> None:
+        """A save of `step` failed: `status()` shows it, its in-flight entry goes, the
+        journal notes it (the probe)."""
         with self._mu:
-            self._pending_error = error
             self._last_error = f"step {step}: {type(error).__name__}: {error}"
         self._forget(step)
         self._journal.failed(step, error)
+
+    def _on_replication_error(self, step: int, error: BaseException) -> None:
+        with self._mu:
+            self._pending_error = error
+        self._failed(step, error)
 
     def _on_finish(self, step: int, handle: AsyncSave) -> None:
         snap = handle.snapshot
@@ -454,10 +460,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         try:
             run_background(snap, self._retention_after(step, snap))
         except BaseException as e:
-            with self._mu:
-                self._last_error = f"step {step}: {type(e).__name__}: {e}"
-            self._forget(step)
-            self._journal.failed(step, e)
+            self._failed(step, e)
             raise
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.result.write_s, time.perf_counter() - t0

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 from .._save import AsyncSave, Snapshot
 
 if TYPE_CHECKING:
-    from ._alerts import RunJournal
     from ._tier_manager import LocalTier
 
 
@@ -34,16 +33,14 @@ class TwoTierSaving:
     _tiers: LocalTier | None
     _in_flight: list[tuple[int, AsyncSave]]
     _last: dict[str, float | None]
-    _last_error: str | None
     _last_write_mode: tuple[str | None, str | None]
-    _journal: RunJournal
     async_save: bool
 
     if TYPE_CHECKING:
 
         def _on_finish(self, step: int, handle: AsyncSave) -> None: ...
 
-        def _forget(self, step: int) -> None: ...
+        def _failed(self, step: int, error: BaseException) -> None: ...
 
         def _raise_pending(self) -> None: ...
 
@@ -65,10 +62,7 @@ class TwoTierSaving:
         try:
             tiers.run_local(snap)
         except BaseException as e:
-            with self._mu:
-                self._last_error = f"step {step}: {type(e).__name__}: {e}"
-            self._forget(step)
-            self._journal.failed(step, e)
+            self._failed(step, e)
             raise
         tiers.send_to_peers(step, snap.generation)
         if durable:
