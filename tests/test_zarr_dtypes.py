@@ -100,6 +100,10 @@ def test_a_float8_e8m0fnu_fill_value_zarr_python_writes_is_the_one_tensorstore_r
     """TensorStore reads a JSON number for float8_e8m0fnu 64 exponents low (1.0 as 2**-64):
     zarr-python wrote `"fill_value": 1.0` and TensorStore read the unwritten chunk as 5.4e-20."""
     dtype = np.dtype(ml_dtypes.float8_e8m0fnu)
+    from checkpointer._format import zarr_supports_dtype
+
+    if not zarr_supports_dtype(dtype):  # TensorStore at the declared floor (0.1.81) has no float8_e8m0fnu
+        pytest.skip("this TensorStore has no float8_e8m0fnu")
     for i, fill in enumerate([1.0, 2.0**-20, 2.0**100, 2.0**-127]):
         p = str(tmp_path / f"e8m0_{i}")
         a = zarr.create_array(p, shape=(4,), chunks=(2,), dtype=dtype, fill_value=fill, compressors=None)
