@@ -24,7 +24,7 @@ from checkpointer._format import zarr_supports_dtype
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every ml_dtypes type TensorStore's zarr3 driver stores, so every one this library writes.
-WRITTEN = [n for n in dir(ml_dtypes) if isinstance(getattr(ml_dtypes, n), type) and n not in ("finfo", "iinfo")
+WRITTEN = [n for n in dir(ml_dtypes) if not n.startswith("_") and isinstance(getattr(ml_dtypes, n), type) and n not in ("finfo", "iinfo")
            and zarr_supports_dtype(np.dtype(getattr(ml_dtypes, n)))]
 
 
