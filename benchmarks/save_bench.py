@@ -97,7 +97,7 @@ def checkpointer_save(state, d):
         h.wait()
     s = h.snapshot
     return {"block": block, "commit": m.seconds, "rss": m.peak_delta, "disk": disk_bytes(d),
-            "phases": (s.snapshot_s, s.write_s, s.commit_s)}
+            "phases": (s.snapshot_s, s.result.write_s, s.result.commit_s)}
 
 
 class ManagerSave:
