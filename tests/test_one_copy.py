@@ -2,9 +2,10 @@
 
 Where the snapshot reads a shard in place (the CPU backend, numpy leaves) and the save
 writes local files, the snapshot copies each chunk straight into its zarr shard file
-(`ShardImage`), byte-identical to TensorStore's, computing each inner chunk's crc32c in
-that pass; the direct writer submits those buffers as they are: no staging copy, no
-checksum while writing, and the buffers come back to the pool for the next save.
+(`ShardImage`), byte-identical to TensorStore's; the direct writer computes each image's
+crc32c words and its record's `data_crc32c` in one pass right before it submits the buffer
+as it is (off the blocking path): no staging copy, and the buffers come back to the pool
+for the next save.
 """
 
 import json
@@ -50,6 +51,7 @@ def _image_write(tmp_path, meta, values, cell, strided):
     spec = _format.zarr_spec({"driver": "file", "path": f"{tmp_path}/ts/{_format.array_dir(meta.path)}/"}, meta, mode="create")
     ts.open(spec).result()[box.slices()].write(host).result()
     (image,) = _encoding.fill_images([(meta.layout, src)], lambda n: _memory.aligned_empty((n,), np.dtype(np.uint8), _memory.PAGE_ALIGN))
+    assert not image.checksummed  # the blocking copy moves bytes only; `write_image` checksums first
     path = tmp_path / "image.bin"
     _write.write_image(str(path), image, direct=False)
     return (tmp_path / "ts" / key).read_bytes(), path.read_bytes(), image, host
@@ -92,23 +94,64 @@ def _counting(monkeypatch, module, name):
     return calls
 
 
-def test_a_direct_save_of_cpu_shards_makes_no_staging_copy_and_no_checksum_while_writing(tmp_path, monkeypatch):
+def test_a_direct_save_of_cpu_shards_checksums_each_image_once_off_the_blocking_path_and_stages_nothing(tmp_path, monkeypatch):
     mesh = make_mesh((2, 4), ("data", "model"))
     taken = _counting(monkeypatch, _staging.StagingBuffers, "take")
+    passes = _counting(monkeypatch, _image, "_checksum")
     snap = _save.take_snapshot(str(tmp_path / "1"), _tree(mesh, 1), _save.SaveOptions(direct_io=True, pack_small_leaves_bytes=0))
-    images = [h for leaf in snap.arrays for h in leaf.host]
+    written = [(leaf.meta, w, h) for leaf in snap.arrays for w, h in zip(leaf.plan.writes, leaf.host)]
+    images = [h for _, _, h in written]
     assert images and all(isinstance(h, _encoding.ShardImage) for h in images)
-    # One crc32c per stored inner chunk in the snapshot's pass, none while writing.
-    assert sum(len(h.inner_crc32c) for h in images) == sum(len(_image.stored_inner_chunks(leaf.meta.layout, w.box.shape))
-                                                           for leaf in snap.arrays for w in leaf.plan.writes)
-    checksums = _counting(monkeypatch, crc32c, "crc32c")
+    assert passes[0] == 0 and not any(h.checksummed for h in images)  # the blocking snapshot only copies
     _save.run_background(snap)
-    assert checksums[0] == 0
+    assert passes[0] == len(images) and all(h.checksummed for h in images)  # one pass per image, by the writer
     assert taken[0] == 0  # no staging buffer: the snapshot's buffers are written as they are
+    records = {c["key"]: c for c in json.loads(Path(tmp_path, "1", "processes", "0.json").read_text())["chunks"]}
+    for meta, w, image in written:  # the words in the files are the crc32c of what precedes them, the record's of the box
+        key, nc = _format.chunk_key(meta.path, w.chunk_index), meta.layout.inner_bytes_with_crc
+        got = Path(tmp_path, "1", key).read_bytes()
+        words = [int.from_bytes(got[k * nc + nc - 4 : k * nc + nc], "little") for k in range(len(image.inner_crc32c))]
+        assert words == image.inner_crc32c.tolist() == [crc32c.crc32c(got[k * nc : k * nc + nc - 4]) for k in range(len(words))]
+        assert records[key]["data_crc32c"] == image.data_crc32c
     assert json.loads(Path(tmp_path, "1", "processes", "0.json").read_text())["write_mode"] == "direct"
     ckpt.save(str(tmp_path / "ts"), _tree(mesh, 1), direct_io=False, pack_small_leaves_bytes=0)
     for f in _chunk_files(tmp_path / "ts"):  # byte-identical to TensorStore's chunk files
         assert Path(tmp_path, "1", f.relative_to(tmp_path / "ts")).read_bytes() == f.read_bytes(), f
+
+
+def test_threads_asking_for_an_images_checksums_at_once_share_one_pass(monkeypatch):
+    shape, chunk, inner, _ = LAYOUTS["large"]  # inner chunks that cut the rows: the gathered data crc32c
+    meta = ArrayMetadata("w", shape, np.dtype(np.float32), chunk, inner, None)
+    host = _values(shape, np.float32, seed=3)
+    (image,) = _encoding.fill_images([(meta.layout, host)], lambda n: _memory.page_aligned_empty((n,), np.dtype(np.uint8)))
+    passes = _counting(monkeypatch, _image, "_checksum")
+    start = threading.Barrier(4)
+    got: list[int] = []
+    threads = [threading.Thread(target=lambda: (start.wait(), got.append(image.data_crc32c))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert passes[0] == 1 and got == [_format.data_crc32c(host)] * 4
+    nc, n = meta.layout.inner_bytes_with_crc, meta.layout.inner_bytes
+    buf = image.buffer
+    assert image.inner_crc32c.tolist() == [crc32c.crc32c(buf[k * nc : k * nc + n].data) for k in range(len(image.inner_crc32c))]
+
+
+def test_an_incremental_save_checks_and_writes_from_one_checksum_pass_per_image(tmp_path, monkeypatch):
+    mesh = make_mesh((2, 4), ("data", "model"))
+    ckpt.save(str(tmp_path / "0"), _tree(mesh, 0), incremental=True, pack_small_leaves_bytes=0)
+    passes = _counting(monkeypatch, _image, "_checksum")
+    tree = _tree(mesh, 0)
+    tree["w"] = tree["w"] + 1  # changed: checked by its crc32c, then written; "h" unchanged: referenced
+    handle = ckpt.save_async(str(tmp_path / "1"), tree, incremental=True, pack_small_leaves_bytes=0)
+    handle.wait()
+    stats = handle.snapshot.result.incremental
+    assert stats.chunks_changed == 8 and stats.bytes_hashed == 3000 * 4  # "h": XXH3 after its crc32c matched
+    assert passes[0] == 9  # 8 shards of "w" and "h": each checksummed once, for the check and the write
+    out = ckpt.restore(str(tmp_path / "1"))
+    np.testing.assert_array_equal(out["w"], np.arange(256 * 512, dtype=np.float32).reshape(256, 512) + 1)
+    np.testing.assert_array_equal(out["h"], np.arange(3000, dtype=np.int32).reshape(1000, 3))
 
 
 def test_the_manager_reuses_the_shard_file_buffers_of_its_last_snapshot(tmp_path, monkeypatch):

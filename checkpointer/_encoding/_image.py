@@ -5,16 +5,21 @@ Where the snapshot reads a shard's bytes in place (`_memory.reads_in_place`: the
 backend, numpy leaves) and the save writes local files, the snapshot copies the shard
 straight into a `ShardImage`: a page-aligned host buffer that holds the chunk's zarr
 shard file exactly as TensorStore writes it (`_write`'s module docstring: the inner
-chunks in C order, each followed by its crc32c, then the index and its crc32c). Each
-inner chunk's crc32c is computed in the same pass, right after its bytes were copied
-(while they are in the CPU cache), and kept (`ShardImage.inner_crc32c`: the input of an
-equality check of incremental saves). The direct writer then submits the buffer as it is
-(`write_image`): no staging copy, no checksum in the background.
+chunks in C order, each followed by its crc32c, then the index and its crc32c). The
+direct writer then submits the buffer as it is (`write_image`): no staging copy.
 
-The copy runs on every core: a shard's inner chunks are cut into groups of whole bands
-(inner chunks sharing their first-axis index) of about `_TASK_BYTES`, each group filled
-by one task, which also computes the crc32c of its band's rows of the shard (the record's
-`data_crc32c`, combined across groups with `_crc.combine`).
+The blocking copy (`fill_images`) moves bytes only, on every core: a shard's inner chunks
+are cut into groups of whole bands (inner chunks sharing their first-axis index) of about
+`_TASK_BYTES`, each group copied by one task. The checksums come after, off the blocking
+path, in one pass over the image (`ShardImage.checksum`, run by the writer's thread right
+before it submits the buffer, or by an incremental save's equality check first, whichever
+asks first; once): each inner chunk's crc32c, written into its word of the file, and the
+record's `data_crc32c` (the box's C-order bytes). Where the inner chunks are bands of
+whole rows, `data_crc32c` combines from their real rows' crc32c (`_crc.combine`); else
+each band is read a few rows at a time, the inner chunks' crc32c advanced over those rows
+and the rows gathered into C order in a small buffer and checksummed while both are in
+the CPU cache (the caller's shard cannot be read any more: it may be donated once the
+snapshot returns).
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import math
 import os
 import struct
+import threading
 from collections.abc import Callable, Sequence
 
 import crc32c
 import numpy as np
 
-from .. import _format
 from .._format import ShardFileLayout
 from .._storage import DIRECT_ALIGN
 from . import _crc
@@ -38,32 +44,81 @@ from . import _crc
 _THREADS = max(2, os.cpu_count() or 2)
 _TASK_BYTES = 8 << 20  # bytes of inner chunks one task fills (whole bands, at least one)
 _INLINE_BYTES = 256 << 10  # shards up to this size are filled on the calling thread
+_GATHER_BYTES = 256 << 10  # rows of a band gathered into C order at a time (cache-sized)
+_scratch = threading.local()  # per thread: the gather buffer of `_checksum`
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
+class _Sums:
+    """The checksums of one image, once computed (`ShardImage.checksum`)."""
+
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    inner: np.ndarray | None = None
+    data: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class ShardImage:
     """One chunk's zarr shard file, byte for byte, in a page-aligned host buffer.
+
+    The bytes are copied by the blocking snapshot; the crc32c words (after each inner
+    chunk) are written by `checksum`, which the writer calls before it submits the
+    buffer: until then the buffer is not yet the file.
 
     Attributes:
       buffer: uint8, `DIRECT_ALIGN`-aligned, at least `file_bytes` rounded up to
         `DIRECT_ALIGN` long (the bytes after `file_bytes` are padding, never written).
       file_bytes: the file's length, bytes.
-      inner_crc32c: per stored inner chunk in file order, the crc32c of its bytes
-        (uint32; those in the file, computed once, while copying).
-      data_crc32c: crc32c of the chunk's C-order bytes (the record's `data_crc32c`).
       data_bytes: bytes of the chunk's data (its box's elements times the itemsize).
+      layout: the file's layout.
+      box_shape: the chunk's box shape, elements.
+      dtype: the chunk's dtype.
     """
 
     buffer: np.ndarray
     file_bytes: int
-    inner_crc32c: np.ndarray
-    data_crc32c: int
     data_bytes: int
+    layout: ShardFileLayout
+    box_shape: tuple[int, ...]
+    dtype: np.dtype
+    _sums: _Sums = dataclasses.field(default_factory=_Sums, repr=False)
 
     @property
     def nbytes(self) -> int:
         """Host bytes the image holds (its buffer)."""
         return self.buffer.nbytes
+
+    @property
+    def checksummed(self) -> bool:
+        """Whether `checksum` ran (the crc32c words are in the buffer)."""
+        return self._sums.data is not None
+
+    def checksum(self) -> None:
+        """Computes, once, each inner chunk's crc32c (written into the buffer, after the
+        inner chunk) and the chunk's `data_crc32c`, in one pass over the image. Thread-
+        safe: a second caller waits for the first's result."""
+        sums = self._sums
+        if sums.data is not None:
+            return
+        with sums.lock:
+            if sums.data is None:
+                sums.inner, sums.data = _checksum(self)
+
+    @property
+    def inner_crc32c(self) -> np.ndarray:
+        """Per stored inner chunk in file order, the crc32c of its bytes (uint32;
+        `checksum` first if not yet)."""
+        self.checksum()
+        assert self._sums.inner is not None
+        return self._sums.inner
+
+    @property
+    def data_crc32c(self) -> int:
+        """crc32c of the chunk's C-order bytes (the record's `data_crc32c`; `checksum`
+        first if not yet)."""
+        self.checksum()
+        assert self._sums.data is not None
+        return self._sums.data
 
 
 def row_bands(layout: ShardFileLayout, box_shape: tuple[int, ...]) -> bool:
@@ -98,65 +153,46 @@ def image_bytes(layout: ShardFileLayout, box_shape: tuple[int, ...]) -> int:
     return -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
 
 
-@dataclasses.dataclass
-class _Job:
-    layout: ShardFileLayout
-    src: np.ndarray
-    buffer: np.ndarray
-    stored: tuple
-    bands: bool
-    crcs: np.ndarray
-    parts: list  # per task in order: (crc32c, bytes) of its share of the chunk's data
+@functools.lru_cache(maxsize=256)
+def _index_tail(layout: ShardFileLayout, box_shape: tuple[int, ...]) -> bytes:
+    """The file's index and its crc32c (the same for every box of this shape)."""
+    stored = stored_inner_chunks(layout, box_shape)
+    nc = layout.inner_bytes_with_crc
+    index = np.full((layout.inner_chunks, 2), ShardFileLayout.MISSING, dtype="<u8")
+    if stored:
+        index[[ident for ident, _, _, _ in stored]] = [(k * nc, nc) for k in range(len(stored))]
+    tail = index.tobytes()
+    return tail + struct.pack("<I", crc32c.crc32c(tail))
 
 
-def _fill(job: _Job, lo: int, hi: int, slot: int) -> None:
-    """Copies stored inner chunks [lo, hi) (whole bands) of `job` into its buffer, each
-    followed by its crc32c; records the crc32c of their share of the chunk's data."""
-    layout, src, buf = job.layout, job.src, job.buffer
-    n, nc, inner, dtype = layout.inner_bytes, layout.inner_bytes_with_crc, tuple(layout.inner_chunk_shape), src.dtype
-    view = buf.data
-    flat = src.reshape(-1).view(np.uint8) if (src.flags.c_contiguous and not job.bands and src.ndim) else None
-    band_bytes = (src.nbytes // src.shape[0] if src.ndim else src.nbytes) * (inner[0] if inner else 1)
-    data_crc, data_len, band = 0, 0, -1
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """`dst[...] = src` (same shape and dtype), as bytes where both last axes are
+    contiguous (numpy copies uint8 rows faster than most element types)."""
+    if dst.ndim and dst.strides[-1] == dst.itemsize and src.strides[-1] == src.itemsize:
+        dst, src = dst.view(np.uint8), src.view(np.uint8)
+    np.copyto(dst, src)
 
-    def band_done(b: int) -> None:
-        nonlocal data_crc, data_len
-        assert flat is not None
-        rows = flat[b * band_bytes : (b + 1) * band_bytes]
-        data_crc, data_len = crc32c.crc32c(rows.data, value=data_crc), data_len + rows.nbytes
 
+def _fill(layout: ShardFileLayout, src: np.ndarray, buf: np.ndarray, stored: tuple, lo: int, hi: int) -> None:
+    """Copies stored inner chunks [lo, hi) of a box `src` into their places in `buf`
+    (their crc32c words are `checksum`'s)."""
+    n, nc, inner = layout.inner_bytes, layout.inner_bytes_with_crc, tuple(layout.inner_chunk_shape)
+    dtype = src.dtype
     for k in range(lo, hi):
-        _, first, part, cut = job.stored[k]
-        if flat is not None and first != band:
-            if band >= 0:  # the host rows of the band just copied, checksummed while cached
-                band_done(band)
-            band = first
+        _, _, part, cut = stored[k]
         raw = buf[k * nc : k * nc + n]
         piece = src[part]
         if cut is not None:  # cut by the array's shape: the rest is fill (zero bytes)
             raw[...] = 0
-            np.copyto(raw.view(dtype).reshape(inner)[cut], piece)
+            _copy(raw.view(dtype).reshape(inner)[cut], piece)
         else:
-            np.copyto(raw.view(dtype).reshape(inner), piece)
-        if job.bands:  # the real rows lead the inner chunk, the fill follows
-            real = piece.nbytes
-            head = crc32c.crc32c(raw[:real].data)
-            crc = crc32c.crc32c(raw[real:].data, value=head) if real < n else head
-            data_crc, data_len = _crc.combine(data_crc, head, real), data_len + real
-        else:
-            crc = crc32c.crc32c(raw.data)
-        struct.pack_into("<I", view, k * nc + n, crc)
-        job.crcs[k] = crc
-    if flat is not None and band >= 0:
-        band_done(band)
-    job.parts[slot] = (data_crc, data_len)
+            _copy(raw.view(dtype).reshape(inner), piece)
 
 
-def _tasks(job: _Job) -> list[tuple[int, int]]:
+def _tasks(layout: ShardFileLayout, stored: tuple) -> list[tuple[int, int]]:
     """Ranges of stored inner chunks, whole bands, about `_TASK_BYTES` each."""
-    nc, out, lo = job.layout.inner_bytes_with_crc, [], 0
-    per = max(1, _TASK_BYTES // max(1, nc))
-    stored = job.stored
+    out, lo = [], 0
+    per = max(1, _TASK_BYTES // max(1, layout.inner_bytes_with_crc))
     while lo < len(stored):
         hi = min(len(stored), lo + per)
         while hi < len(stored) and stored[hi][1] == stored[hi - 1][1]:  # finish the band
@@ -170,7 +206,8 @@ def fill_images(
     requests: Sequence[tuple[ShardFileLayout, np.ndarray]], take: Callable[[int], np.ndarray],
 ) -> list[ShardImage]:
     """The shard files of `requests`, each `(layout, host bytes of the box)` (a view of the
-    shard, read in place), filled on every core: the one copy of those bytes.
+    shard, read in place), copied on every core: the one copy of those bytes. The
+    checksums are not computed here (`ShardImage.checksum`).
 
     Args:
       requests: per chunk its file layout and its box's host array (any strides; its
@@ -180,48 +217,100 @@ def fill_images(
     Returns:
       The images, in the order of `requests`.
     """
-    jobs: list[_Job] = []
-    work: list[tuple[_Job, int, int, int]] = []
+    images: list[ShardImage] = []
+    small: list[tuple] = []
+    big: list[tuple] = []
     for layout, src in requests:
         shape = tuple(src.shape)
         stored = stored_inner_chunks(layout, shape)
         buf = take(image_bytes(layout, shape))
-        job = _Job(layout, src, buf, stored, row_bands(layout, shape), np.zeros(len(stored), np.uint32), [])
-        ranges = _tasks(job)
-        job.parts = [None] * len(ranges)
-        jobs.append(job)
-        work.extend((job, lo, hi, slot) for slot, (lo, hi) in enumerate(ranges))
-    big = [w for w in work if w[0].src.nbytes > _INLINE_BYTES]
-    for w in work:
-        if w[0].src.nbytes <= _INLINE_BYTES:
-            _fill(*w)
+        at = len(stored) * layout.inner_bytes_with_crc
+        tail = _index_tail(layout, shape)
+        buf[at : at + len(tail)] = np.frombuffer(tail, np.uint8)
+        images.append(ShardImage(buf, at + len(tail), src.nbytes, layout, shape, src.dtype))
+        work = [(layout, src, buf, stored, lo, hi) for lo, hi in _tasks(layout, stored)]
+        (small if src.nbytes <= _INLINE_BYTES else big).extend(work)
+    for w in small:
+        _fill(*w)
     if len(big) == 1:
         _fill(*big[0])
     elif big:
         with concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(big))) as ex:
             for f in [ex.submit(_fill, *w) for w in big]:
                 f.result()
-    return [_finish(job) for job in jobs]
+    return images
 
 
-def _finish(job: _Job) -> ShardImage:
-    """Writes the index and its crc32c after the inner chunks; combines the data crc32c."""
-    layout, buf = job.layout, job.buffer
-    nc = layout.inner_bytes_with_crc
-    index = np.full((layout.inner_chunks, 2), ShardFileLayout.MISSING, dtype="<u8")
-    if job.stored:
-        index[[ident for ident, _, _, _ in job.stored]] = [(k * nc, nc) for k in range(len(job.stored))]
-    at = len(job.stored) * nc
-    tail = index.reshape(-1).view(np.uint8)
-    buf[at : at + tail.nbytes] = tail
-    struct.pack_into("<I", buf.data, at + tail.nbytes, crc32c.crc32c(tail.data))
-    size = at + tail.nbytes + ShardFileLayout.CRC_BYTES
-    src = job.src
-    if src.size and not job.bands and not (src.flags.c_contiguous and src.ndim):  # a strided view: one more pass
-        data_crc = _format.data_crc32c(src)
+def _checksum(image: ShardImage) -> tuple[np.ndarray, int]:
+    """The crc32c of each stored inner chunk of `image` (written into its word) and the
+    crc32c of the box's C-order bytes, in one pass (module docstring)."""
+    layout, shape, buf = image.layout, image.box_shape, image.buffer
+    stored = stored_inner_chunks(layout, shape)
+    n, nc = layout.inner_bytes, layout.inner_bytes_with_crc
+    crcs = np.zeros(len(stored), np.uint32)
+    if row_bands(layout, shape):  # the real rows lead each inner chunk, the fill follows
+        itemsize, data = np.dtype(image.dtype).itemsize, 0
+        for k, (_, _, part, _) in enumerate(stored):
+            raw = buf[k * nc : k * nc + n]
+            real = itemsize * math.prod(p.stop - p.start for p in part)
+            head = crc32c.crc32c(raw[:real].data)
+            crcs[k] = crc32c.crc32c(raw[real:].data, value=head) if real < n else head
+            data = _crc.combine(data, head, real)
     else:
-        data_crc = _crc.combine_all((c, n) for c, n in job.parts)
-    return ShardImage(buf, size, job.crcs, data_crc, src.nbytes)
+        data = _gathered(image, stored, crcs)
+    view = buf.data
+    for k, crc in enumerate(crcs.tolist()):
+        struct.pack_into("<I", view, k * nc + n, crc)
+    return crcs, data
+
+
+def _gathered(image: ShardImage, stored: tuple, crcs: np.ndarray) -> int:
+    """Inner chunks that cut the box's rows (not `row_bands`): each band a few rows at a
+    time, the inner chunks' crc32c (into `crcs`) advanced over those rows, the rows
+    gathered into C order in a small buffer and checksummed there. Returns the crc32c of
+    the box's C-order bytes."""
+    layout, shape, dtype, buf = image.layout, image.box_shape, np.dtype(image.dtype), image.buffer
+    n, nc, inner = layout.inner_bytes, layout.inner_bytes_with_crc, tuple(layout.inner_chunk_shape)
+    inner_row = n // inner[0]  # bytes of one row of an inner chunk
+    box_row = math.prod(shape[1:]) * dtype.itemsize  # bytes of one row of the box
+    rows = max(1, _GATHER_BYTES // max(box_row, 1))
+    scratch = getattr(_scratch, "buffer", None)
+    if scratch is None or scratch.nbytes < rows * box_row:
+        scratch = _scratch.buffer = np.empty(max(rows * box_row, _GATHER_BYTES), np.uint8)
+    data, k = 0, 0
+    while k < len(stored):
+        band = k
+        while k < len(stored) and stored[k][1] == stored[band][1]:
+            k += 1
+        real_rows = stored[band][2][0].stop - stored[band][2][0].start
+        for g in range(0, inner[0], rows):
+            stop = min(g + rows, inner[0])
+            for j in range(band, k):  # the inner chunks' crc32c over rows g..stop (fill rows too)
+                crcs[j] = crc32c.crc32c(buf[j * nc + g * inner_row : j * nc + stop * inner_row].data, value=int(crcs[j]))
+            if g >= real_rows:
+                continue
+            m = min(stop, real_rows) - g
+            out = scratch[: m * box_row].view(dtype).reshape((m, *shape[1:]))
+            for j in range(band, k):
+                _, _, part, cut = stored[j]
+                tile = buf[j * nc : j * nc + n].view(dtype).reshape(inner)[g : g + m]
+                if cut is not None:
+                    tile = tile[(slice(None), *cut[1:])]
+                _copy(out[(slice(None), *part[1:])], tile)
+            data = crc32c.crc32c(scratch[: m * box_row].data, value=data)
+    return data
+
+
+def checksum_all(hosts: Sequence[object], submit: Callable[..., concurrent.futures.Future] | None = None) -> None:
+    """`checksum` of every `ShardImage` among `hosts` not yet checksummed: on `submit`'s
+    threads (a writer's `submit`), else on this one."""
+    todo = [image for image in hosts if isinstance(image, ShardImage) and not image.checksummed]
+    if submit is None or len(todo) <= 1:
+        for image in todo:
+            image.checksum()
+        return
+    for f in [submit(image.checksum) for image in todo]:
+        f.result()
 
 
 def image_data(image: ShardImage, layout: ShardFileLayout, box_shape: tuple[int, ...], dtype: np.dtype) -> list[np.ndarray]:

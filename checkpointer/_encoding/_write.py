@@ -22,8 +22,9 @@ one entirely outside the shape is not stored and its index entry is all ones), t
 index (offset, nbytes: u64 LE per inner chunk in C order) and its crc32c.
 
 Where the snapshot read the shard in place (CPU backend, numpy leaves), it already laid
-the file out (`_image.ShardImage`, crc32c included): the writer submits that buffer as it
-is (`write_image`). Otherwise (the host copies of accelerators' shards, a local tier's
+the file out (`_image.ShardImage`): the writer's thread computes its crc32c words and the
+record's `data_crc32c` in one pass over it (`ShardImage.checksum`, off the blocking path,
+while the previous files are in flight) and submits the buffer as it is (`write_image`). Otherwise (the host copies of accelerators' shards, a local tier's
 variant of a snapshot taken for an object store) each inner chunk is copied once from the
 snapshot's host array into an aligned staging buffer and its crc32c computed there, once;
 a full buffer goes to the file with one `O_DIRECT` write. The record's `data_crc32c` (the
@@ -283,11 +284,13 @@ def write_shard_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk
 def write_image(path: str, image: ShardImage, direct: bool) -> None:
     """Writes a chunk's shard file from its `ShardImage` as it is, durably: with
     `O_DIRECT` (`direct`), else through the page cache (a file system that refuses
-    `O_DIRECT`); no copy, no checksum.
+    `O_DIRECT`); no copy. Its crc32c words first, unless computed already
+    (`ShardImage.checksum`: one pass over the buffer, just before it is submitted).
 
     Raises:
       OSError: from the file system.
     """
+    image.checksum()
     if direct:
         write_direct_file(path, image.buffer, image.file_bytes)
         return

@@ -7,8 +7,8 @@ background thread (see `_async.py`):
    every process computes every process's chunks from the shardings' global device
    maps), then copies the chunks this process writes (whole shards, or the slices of a
    replica-parallel split) to host memory, once: straight into their zarr shard files
-   where the shard is read in place and the files are local (`_encoding.fill_images`,
-   crc32c of every inner chunk in the same pass), else into host arrays of their boxes
+   where the shard is read in place and the files are local (`_encoding.fill_images`;
+   their crc32c come later, from the writer: `ShardImage.checksum`), else into host arrays of their boxes
    (`_memory.snapshot_to_host`); into the buffers of a pool when given one.
 2. `write_snapshot` (any thread): writes the chunks into `<path>.partial-<generation>/`,
    durably (TensorStore's file driver fsyncs, or the direct writer of local files,
@@ -39,7 +39,6 @@ from .._errors import CheckpointExistsError, SaveAgreementError, SaveError, Unsu
 from .._format import (
     ZARR_JSON,
     ArrayMetadata,
-    Box,
     ChunkRecord,
     PackRecord,
     ProcessRecord,
@@ -429,11 +428,6 @@ def begin_write(snap: Snapshot) -> None:
     snap.storage.makedirs(f"{snap.write_path}/{_format.PROCESSES}")
 
 
-def chunk_record(meta: ArrayMetadata, chunk_index: Sequence[int], box: Box, data: np.ndarray) -> ChunkRecord:
-    """The record of one chunk written from `data` (the host bytes of `box`)."""
-    return _encoding.chunk_record(meta, chunk_index, box, data)
-
-
 def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord], packed: PackRecord | None = None) -> ProcessRecord:
     """Once this process's chunks are durable: writes its `processes/<i>.json` (with
     `snap.result.write_s` as measured, and the index of its pack of small leaves) and returns
@@ -480,6 +474,8 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         )
         result = snap.result
         result.write_mode, result.write_mode_reason = ctx.mode, ctx.mode_reason
+        if snap.base is not None and ctx.image_writer is not None:  # the check reads the images' crc32c: on the writer's threads
+            _encoding.checksum_all([h for leaf in snap.arrays for h in leaf.host], ctx.image_writer.submit)
         leaves = [_encoding.LeafWrite(leaf.meta, _incremental.chunks_to_write(  # all, unless incremental
             snap.base, leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)], leaf.references,
             result.references, result.incremental)) for leaf in snap.arrays]

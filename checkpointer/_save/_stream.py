@@ -26,7 +26,7 @@ from typing import TypeGuard
 
 import numpy as np
 
-from .. import _commit, _coord, _format
+from .. import _commit, _coord, _encoding, _format
 from .._errors import SaveError, UnsupportedValueError, where
 from .._format import (
     ArrayMetadata,
@@ -210,7 +210,7 @@ def _write_leaf(
             store[box.slices()].write(data, can_reference_source_data_indefinitely=True).result()
         except Exception as e:
             raise SaveError(f"{where(leaf=meta.path, keystr=meta.keystr, path=root)}: writing chunk {cell} failed: {e}") from e
-        out.append(_pipeline.chunk_record(meta, cell, box, data))
+        out.append(_encoding.chunk_record(meta, cell, box, data))
         del data
         if progress is not None:
             progress(meta.path, encoded)
