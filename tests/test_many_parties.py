@@ -205,7 +205,7 @@ def test_step_deleted_while_it_is_restored_is_not_found(tmp_path, monkeypatch, h
     # Unpacked: the read intercepted is a zarr shard file's (packed leaves: tests/test_pack.py).
     ckpt.save(f"{run}/1", {"a": np.arange(64.0), "b": np.ones((8, 8), np.float32)}, pack_small_leaves_bytes=0)
     storage, directory = _storage.storage_for(run)
-    real = _read.read_chunk_into
+    real = _read.read_chunk_index
     calls = []
 
     def delete_then_read(*args, **kwargs):
@@ -216,7 +216,7 @@ def test_step_deleted_while_it_is_restored_is_not_found(tmp_path, monkeypatch, h
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_read, "read_chunk_into", delete_then_read)
+    monkeypatch.setattr(_read, "read_chunk_index", delete_then_read)
     with pytest.raises(ckpt.CheckpointNotFoundError, match="deleted"):
         ckpt.restore(f"{run}/1")
     assert calls

@@ -123,7 +123,8 @@ def test_2x4_to_4x2_exact_reads(process, expected):
     assert plan.dtype == F32
     assert _boxes(plan) == expected
     assert plan.bytes_needed == 4 * 1024 * 2048 * 4  # 32 MiB, half the array
-    assert plan.bytes_read == 8 * READ_4_OF_8
+    # 8 chunk reads of 4 files (two boxes each): each file's index is read once.
+    assert plan.bytes_read == 8 * READ_4_OF_8 - 4 * (8 * 16 + 4)
 
 
 def test_2x4_to_one_device_exact_reads():
@@ -245,8 +246,10 @@ def test_bytes_read_small_case_by_hand():
     assert [b.bytes_read for b in plan.boxes] == [424, 352, 104]
     rp = RestorePlan("/ckpt/7", 0, (plan,))
     assert rp.bytes_needed == 196
-    assert rp.bytes_read == 880
-    assert rp.read_amplification == 880 / 196
+    # The leaf's boxes are read together: each file's index and each inner chunk once
+    # (2 files x (4 inner chunks + index)), not once per box (880).
+    assert rp.bytes_read == 2 * (4 * 36 + 68) == 424
+    assert rp.read_amplification == 424 / 196
     assert len(rp.reads) == 5
 
 
@@ -296,7 +299,8 @@ def test_aligned_power_of_two_resharding_reads_only_index_overhead(case):
     plan = RestorePlan("/ckpt", 0, (plan_leaf(_saved(chunk, inner), _target_boxes((N, N), grid, axes, spec)),))
     assert len(plan.reads) == n_reads
     assert all(r.inner_chunks == touched for r in plan.reads)
-    overhead = n_reads * (touched * 4 + n_inner * 16 + 4)  # crc32c per inner chunk + index + its crc32c
+    files = len({r.chunk_key for r in plan.reads})  # each file's index is read once
+    overhead = n_reads * touched * 4 + files * (n_inner * 16 + 4)  # crc32c per inner chunk + index + its crc32c
     assert plan.bytes_needed == needed
     assert plan.bytes_read == needed + overhead  # not one data byte more than needed
     assert plan.read_amplification == 1.0 + overhead / needed
@@ -324,7 +328,7 @@ def test_str_lists_leaves_and_totals():
     lines = text.splitlines()
     assert lines[0] == "RestorePlan for /ckpt/100 (process 1)"
     rows = {line.split()[0]: line.split() for line in lines[1:] if not set(line) <= {"-", " "}}
-    assert rows["['small']"] == ["['small']", "8x8", "float32", "3", "5", "196", "B", "880", "B", "4.490"]  # by key string
+    assert rows["['small']"] == ["['small']", "8x8", "float32", "3", "5", "196", "B", "424", "B", "2.163"]  # by key string
     assert rows["['params']['w']"] == ["['params']['w']", "4096x4096", "float32", "1", "8", "64.0", "MiB", "64.0", "MiB", "1.000"]
     # The 0-d root leaf: 4 B needed, 4 + 4 + 16 + 4 = 28 B read.
     assert rows["<root>"] == ["<root>", "()", "float32", "1", "1", "4", "B", "28", "B", "7.000"]

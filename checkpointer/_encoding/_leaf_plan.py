@@ -275,10 +275,32 @@ class LeafRestorePlan:
 
     @property
     def bytes_read(self) -> int:
-        """Bytes this process fetches from storage for the leaf (a packed chunk that
-        several boxes need counts once: it is read once)."""
+        """Bytes this process fetches from storage for the leaf: a packed chunk that
+        several boxes need counts once, and so do a zarr shard file's index and an inner
+        chunk that several boxes (not read in slabs) need, as the reader fetches them
+        (`_read.read_boxes`: the boxes of a leaf that fit in a third of
+        `max_inflight_bytes` together are read together; a leaf whose boxes do not is
+        read in batches, each fetching a shared index or inner chunk again)."""
         packed = {(p.key, p.offset): p.nbytes for b in self.boxes for p in b.packed}
-        return sum(b.bytes_read for b in self.boxes if not b.packed) + sum(packed.values())
+        return sum(self.zarr_bytes_read_by_source.values()) + sum(packed.values())
+
+    @property
+    def zarr_bytes_read_by_source(self) -> dict[str | None, int]:
+        """Bytes of zarr shard files fetched for the leaf, per checkpoint they are read
+        from (`ChunkRead.source`), each index and inner chunk counted as `bytes_read` says."""
+        together: dict[tuple[str | None, str, int], int] = {}
+        out: dict[str | None, int] = {}
+        for b in self.boxes:
+            for s in b.slabs:
+                for r in s.reads:
+                    out[r.source] = out.get(r.source, 0) + r.bytes_read
+            if not b.slabs:
+                for r in b.reads:
+                    together[r.source, r.chunk_key, -1] = r.index_bytes
+                    together.update(((r.source, r.chunk_key, i), r.inner_bytes_with_crc) for i in r.inner_ids)
+        for (source, _, _), n in together.items():
+            out[source] = out.get(source, 0) + n
+        return out
 
     @property
     def bytes_received(self) -> int:
@@ -342,8 +364,9 @@ class RestorePlan:
         chunks an incremental save references (`ChunkRead.source`); packs count as this
         checkpoint's."""
         out: dict[str | None, int] = {}
-        for r in self.reads:
-            out[r.source] = out.get(r.source, 0) + r.bytes_read
+        for leaf in self.leaves:
+            for source, n in leaf.zarr_bytes_read_by_source.items():
+                out[source] = out.get(source, 0) + n
         packed = self.bytes_read - sum(out.values())
         if packed > 0:
             out[None] = out.get(None, 0) + packed

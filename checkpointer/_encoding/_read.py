@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import math
 import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import crc32c
 import numpy as np
@@ -40,6 +41,8 @@ from ._leaf_plan import BoxRead, ChunkRead, RestorePlan, plan_array_leaf
 
 if TYPE_CHECKING:
     import tensorstore as ts
+
+_T = TypeVar("_T")
 
 # One read covers at most this many bytes of adjacent inner chunks (and at most the
 # reader's `run_bytes`: 1 MiB for local files, so its crc32c check and copy find the
@@ -206,27 +209,47 @@ def _check_crc(blob: memoryview, what: str, path: str) -> memoryview:
     return data
 
 
-def read_chunk_into(
-    storage: Storage, path: str, meta: ArrayMetadata, read: ChunkRead, out: np.ndarray, stats: RestoreStats,
-    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO, read_chunk_bytes: int | None = None,
-    pool: concurrent.futures.Executor | None = None,
-) -> None:
-    """Executes one planned chunk read into `out` (the buffer of the read's box).
+@dataclasses.dataclass
+class _Run:
+    """One request of a zarr shard file (`_ChunkFile`) and where its inner chunks go.
 
-    The inner chunks needed are fetched in file order, nearby ones by one request
-    (`coalesce_ranges`: a gap of inner chunks not needed is read and thrown away when it
-    costs less than another request, within `max_over_read_ratio` of the bytes needed;
-    a request spans at most `read_chunk_bytes`, default the reader's `run_bytes`).
-    Each request is one pass: read (into a per-thread buffer of at most 1 MiB, still in
-    the CPU's cache, or straight into `out`), every inner chunk's crc32c checked there,
-    then placed. With `pool` (never from one of its own workers: they would wait on
-    each other), the requests are spread over one task per core.
+    Attributes:
+      file: the file, with `what` (leaf, checkpoint, process and chunk) for messages.
+      start, nbytes: the bytes the request fetches.
+      entries: per inner chunk fetched (ascending offsets), `(offset, targets)`; each
+        target `(inner_id, spans, out, direct)`: its box buffer, the spans to copy
+        (`ChunkRead.spans`) and, when the request is read straight into `out` (`direct`),
+        the bytes of `out` it fills.
+      direct: the request scatters the inner chunks straight into their destinations.
+    """
+
+    file: _ChunkFile
+    what: str
+    start: int
+    nbytes: int
+    entries: list[tuple[int, list[tuple[int, tuple, np.ndarray, memoryview | None]]]]
+    direct: bool
+
+
+def read_chunk_index(
+    storage: Storage, path: str, meta: ArrayMetadata, reads: list[tuple[ChunkRead, np.ndarray]], stats: RestoreStats,
+    max_over_read_ratio: float, read_chunk_bytes: int | None, opened: list[_ChunkFile],
+) -> list[_Run]:
+    """Opens one zarr shard file (appended to `opened`, for the caller to close), checks
+    its size, reads and checks its index, and returns the requests that fetch every inner
+    chunk `reads` need (the reads of one file by several boxes, each `(read, its box
+    buffer)`), in file order.
+
+    An inner chunk two boxes need is fetched once. Inner chunks apart in the file are
+    one request when `coalesce_ranges` says so (the gap costs less than another request,
+    within `max_over_read_ratio` of the bytes needed; a request spans at most
+    `read_chunk_bytes`, default the reader's `run_bytes`).
 
     Raises:
-      CorruptCheckpointError: the file is missing, of another size than planned, an
-        index entry is missing or out of range, or a checksum fails; the message names
-        the leaf and the chunk key.
+      CorruptCheckpointError: the file is missing, of another size than planned, its
+        index fails its checksum, or an entry is missing or out of range.
     """
+    read = reads[0][0]
     what = f"{where(leaf=meta.path, keystr=meta.keystr, path=path, process=_errors.this_process())}: chunk {read.chunk_key}"
     if read.source is not None:
         what += f" (referenced in {_format.source_path(path, read.source)})"
@@ -235,6 +258,7 @@ def read_chunk_into(
     except OSError as e:
         state = "is missing" if isinstance(e, FileNotFoundError) else "cannot be opened"
         raise CorruptCheckpointError(f"{what} {state} ({e.strerror}). Run `checkpointer verify {path}`.") from e
+    opened.append(f)
     stats._add(0, chunk_reads=1)
     try:
         size = f.size()
@@ -243,74 +267,125 @@ def read_chunk_into(
                 f"{what} has {size} bytes, expected {read.file_bytes} (truncated or damaged). Run `checkpointer verify {path}`."
             )
         index = np.frombuffer(_check_crc(f.read(read.index_offset, read.index_bytes), f"{what} index", path), "<u8").reshape(-1, 2)
-        step = read.inner_bytes_with_crc
-        wanted = []
-        for inner_id, spans in zip(read.inner_ids, itertools.product(*read.spans)):
+    except (OSError, EOFError) as e:
+        raise CorruptCheckpointError(f"{what} cannot be read: {e}. Run `checkpointer verify {path}`.") from e
+    step = read.inner_bytes_with_crc
+    by_offset: dict[int, list[tuple[int, tuple, np.ndarray, memoryview | None]]] = {}
+    for r, out in reads:
+        for inner_id, spans in zip(r.inner_ids, itertools.product(*r.spans)):
             offset, nbytes = int(index[inner_id, 0]), int(index[inner_id, 1])
             if offset == ShardFileLayout.MISSING or nbytes != step or offset + nbytes > read.index_offset:
                 raise CorruptCheckpointError(
                     f"{what}: index entry {inner_id} is missing or out of range (offset {offset}, {nbytes} bytes; "
                     f"expected {step} bytes ending by byte {read.index_offset}). Run `checkpointer verify {path}`."
                 )
-            wanted.append((offset, inner_id, spans, direct_destination(out, meta.inner_chunk_shape, spans)))
-        wanted.sort(key=lambda w: w[0])
-        # Coalesce inner chunks that are adjacent in the file into one read; a run is
-        # either read straight into `out` (every inner chunk a contiguous part of it) or
-        # through the scratch buffer.
-        # Inner chunks apart in the file (a gap of others) are one request when
-        # `coalesce_ranges` says so; such a request goes through the scratch buffer.
-        runs: list[list[tuple[int, int, tuple, memoryview | None]]] = []
-        run_bytes = read_chunk_bytes or min(_MAX_RUN_BYTES, f.run_bytes)
-        per_run = max(1, run_bytes // step)
-        per_direct_run = max(1, min(run_bytes // step, _DIRECT_RUN_INNER_CHUNKS))
-        starts = np.fromiter((w[0] for w in wanted), np.int64, len(wanted))
-        firsts = coalesce_ranges(starts, starts + step, request_cost_bytes=f.request_cost_bytes,
-                                 max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=run_bytes).tolist()
-        for a, b in zip(firsts, firsts[1:] + [len(wanted)]):
-            group = wanted[a:b]
-            if group[-1][0] - group[0][0] != (len(group) - 1) * step:  # gaps: one read through scratch
-                runs.append([(o, i, sp, None) for o, i, sp, _ in group])
+            by_offset.setdefault(offset, []).append((inner_id, spans, out, direct_destination(out, meta.inner_chunk_shape, spans)))
+    offsets = sorted(by_offset)
+    # Each group `coalesce_ranges` makes (at most `run_bytes` plus one inner chunk) is one
+    # request; a group without gaps is cut where it switches between inner chunks that
+    # are each a contiguous part of one box (and needed by that box alone: read straight
+    # into the boxes, at most `_DIRECT_RUN_INNER_CHUNKS` per request) and others (read
+    # through a per-thread scratch buffer).
+    run_bytes = read_chunk_bytes or min(_MAX_RUN_BYTES, f.run_bytes)
+    starts = np.asarray(offsets, np.int64)
+    firsts = coalesce_ranges(starts, starts + step, request_cost_bytes=f.request_cost_bytes,
+                             max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=run_bytes).tolist()
+    runs: list[_Run] = []
+    for a, b in zip(firsts, firsts[1:] + [len(offsets)]):
+        group = [(o, by_offset[o]) for o in offsets[a:b]]
+        if group[-1][0] - group[0][0] != (len(group) - 1) * step:  # gaps: one read through scratch
+            runs.append(_Run(f, what, group[0][0], group[-1][0] + step - group[0][0], group, False))
+            continue
+        for item in group:
+            direct = len(item[1]) == 1 and item[1][0][3] is not None
+            last = runs[-1] if runs and item is not group[0] else None
+            if last is not None and last.direct == direct and (not direct or len(last.entries) < _DIRECT_RUN_INNER_CHUNKS):
+                last.entries.append(item)
+                last.nbytes += step
+            else:
+                runs.append(_Run(f, what, item[0], step, [item], direct))
+    return runs
+
+
+def _execute(runs: list[_Run], meta: ArrayMetadata, step: int, path: str) -> None:
+    """Fetches each request, checks every inner chunk's crc32c in it (still in the CPU's
+    cache: a request through scratch covers at most `run_bytes`) and places it."""
+    dtype = meta.dtype.newbyteorder("<") if meta.dtype.itemsize > 1 and meta.dtype.kind in "iufc" else meta.dtype
+    for run in runs:
+        try:
+            if run.direct:
+                _read_run_direct(run.file, run.start, [(o, t[0][0], t[0][1], t[0][3]) for o, t in run.entries], run.what, path)
                 continue
-            for item in group:
-                if (runs and runs[-1][-1][0] + step == item[0] and (runs[-1][-1][3] is None) == (item[3] is None)
-                        and len(runs[-1]) < (per_run if item[3] is None else per_direct_run) and item is not group[0]):
-                    runs[-1].append(item)
-                else:
-                    runs.append([item])
-        dtype = meta.dtype.newbyteorder("<") if meta.dtype.itemsize > 1 and meta.dtype.kind in "iufc" else meta.dtype
+            blob = run.file.read(run.start, run.nbytes)
+        except (OSError, EOFError) as e:
+            raise CorruptCheckpointError(f"{run.what} cannot be read: {e}. Run `checkpointer verify {path}`.") from e
+        for offset, targets in run.entries:
+            rel = offset - run.start
+            data = _check_crc(blob[rel : rel + step], f"{run.what} inner chunk {targets[0][0]}", path)
+            inner = np.frombuffer(data, dtype=dtype).reshape(meta.inner_chunk_shape)
+            for _, spans, out, _ in targets:
+                src = tuple(slice(s, s + n) for s, _, n in spans)
+                dst = tuple(slice(d, d + n) for _, d, n in spans)
+                out[dst] = inner[src]
 
-        def run_all(some: list[list[tuple[int, int, tuple, memoryview | None]]]) -> None:
-            for run in some:
-                start = run[0][0]
-                if run[0][3] is not None:
-                    _read_run_direct(f, start, run, what, path)
-                    continue
-                blob = f.read(start, run[-1][0] + step - start)
-                for offset, inner_id, spans, _ in run:
-                    rel = offset - start
-                    data = _check_crc(blob[rel : rel + step], f"{what} inner chunk {inner_id}", path)
-                    inner = np.frombuffer(data, dtype=dtype).reshape(meta.inner_chunk_shape)
-                    src = tuple(slice(s, s + n) for s, _, n in spans)
-                    dst = tuple(slice(d, d + n) for _, d, n in spans)
-                    out[dst] = inner[src]
 
-        tasks = min(len(runs), os.cpu_count() or 1) if pool is not None else 1
-        if pool is None or tasks <= 1:
-            run_all(runs)
+def read_boxes(
+    storage: Storage, path: str, meta: ArrayMetadata, boxes: list[tuple[BoxRead, np.ndarray]], stats: RestoreStats,
+    max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO, read_chunk_bytes: int | None = None,
+    pool: concurrent.futures.Executor | None = None,
+) -> None:
+    """Reads several boxes (or slabs) of one leaf, each `(its plan, its buffer)`: C-contiguous,
+    of the box's shape and the stored dtype.
+
+    The reads of one zarr shard file by all these boxes are one set of requests
+    (`read_chunk_index`): its index read once, nearby inner chunks of different boxes
+    fetched together (a 1x8 column reshard of row-sharded files reads each file in a few
+    requests, not one per inner chunk per box). Each request is one pass: read (into a
+    per-thread buffer still in the CPU's cache, or straight into the box), every inner
+    chunk's crc32c checked there, then placed. With `pool` (never one of whose workers
+    calls this: they would wait on each other), the files' indexes are read in parallel,
+    then the requests are spread over one task per core (consecutive requests each).
+
+    Raises:
+      CorruptCheckpointError: a file is missing, of another size than planned, an index
+        entry is missing or out of range, or a checksum fails; the message names the leaf
+        and the chunk key.
+    """
+    by_file: dict[tuple[str | None, str], list[tuple[ChunkRead, np.ndarray]]] = {}
+    for b, out in boxes:
+        for r in b.reads:
+            by_file.setdefault((r.source, r.chunk_key), []).append((r, out))
+    if not by_file:
+        return
+    files = list(by_file.values())
+    step = files[0][0][0].inner_bytes_with_crc
+    opened: list[_ChunkFile] = []
+    how = (max_over_read_ratio, read_chunk_bytes, opened)
+    try:
+        if pool is None or len(files) <= 1:
+            runs = [run for reads in files for run in read_chunk_index(storage, path, meta, reads, stats, *how)]
         else:
-            # Consecutive runs per task (file order within each); this thread takes the first.
-            cuts = [len(runs) * k // tasks for k in range(tasks + 1)]
-            futures = [pool.submit(run_all, runs[a:b]) for a, b in zip(cuts[1:-1], cuts[2:])]
-            try:
-                run_all(runs[: cuts[1]])
-            finally:
-                concurrent.futures.wait(futures)  # none may still write into `out` or read `f` after this returns
-            for fut in futures:
-                fut.result()
-    except (OSError, EOFError) as e:
-        raise CorruptCheckpointError(f"{what} cannot be read: {e}. Run `checkpointer verify {path}`.") from e
+            runs = [run for runs_of in _spread(pool, [functools.partial(read_chunk_index, storage, path, meta, reads, stats, *how)
+                                                      for reads in files]) for run in runs_of]
+        tasks = min(len(runs), os.cpu_count() or 1) if pool is not None else 1
+        cuts = [len(runs) * k // tasks for k in range(tasks + 1)]
+        _spread(pool, [functools.partial(_execute, runs[a:b], meta, step, path) for a, b in zip(cuts, cuts[1:])])
     finally:
-        f.close()
+        for f in opened:
+            f.close()
+
+
+def _spread(pool: concurrent.futures.Executor | None, calls: list[Callable[[], _T]]) -> list[_T]:
+    """Runs `calls` (the first on this thread, the others on `pool`), waits for all of
+    them (none still running when this returns or raises), and returns their results."""
+    if pool is None or len(calls) <= 1:
+        return [c() for c in calls]
+    futures = [pool.submit(c) for c in calls[1:]]
+    try:
+        first = calls[0]()
+    finally:
+        concurrent.futures.wait(futures)
+    return [first] + [fut.result() for fut in futures]
 
 
 def direct_destination(out: np.ndarray, inner_chunk_shape: tuple[int, ...], spans: tuple) -> memoryview | None:
@@ -399,19 +474,11 @@ def read_box(
     storage: Storage, path: str, meta: ArrayMetadata, box_read: BoxRead, pool, stats: RestoreStats, out: np.ndarray | None = None,
     max_over_read_ratio: float = DEFAULT_MAX_OVER_READ_RATIO, read_chunk_bytes: int | None = None,
 ) -> np.ndarray:
-    """Assembles one target box (or slab) from its chunk reads (concurrently when `pool` is given),
-    into `out` (C-contiguous, of the box's shape and the stored dtype) or a new host buffer;
-    requests as `read_chunk_into` makes them. `pool` must not be one whose
-    worker calls this (a worker would wait on tasks queued behind it)."""
+    """Assembles one target box (or slab) from its chunk reads (`read_boxes`, concurrently
+    when `pool` is given), into `out` (C-contiguous, of the box's shape and the stored
+    dtype) or a new host buffer. `pool` must not be one whose worker calls this (a worker
+    would wait on tasks queued behind it)."""
     if out is None:
         out = host_buffer(box_read.box.shape, meta.dtype)
-    how = (max_over_read_ratio, read_chunk_bytes)
-    if pool is None or len(box_read.reads) <= 1:
-        for r in box_read.reads:
-            read_chunk_into(storage, path, meta, r, out, stats, *how, pool=pool)
-    else:
-        futures = [pool.submit(read_chunk_into, storage, path, meta, r, out, stats, *how) for r in box_read.reads]
-        concurrent.futures.wait(futures)  # all done (none still writing into `out`) before any error propagates
-        for fut in futures:
-            fut.result()
+    read_boxes(storage, path, meta, [(box_read, out)], stats, max_over_read_ratio, read_chunk_bytes, pool)
     return out

@@ -10,7 +10,6 @@ hold each box.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -24,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .. import _errors, _format
 from .._errors import CorruptCheckpointError, leaf_name, where
 from .._format import ArrayMetadata, Box, ProcessRecord, cell_box, grid_cells
-from .._memory import device_destination_supported, device_destinations, populate_destination
+from .._memory import device_destination_supported, device_destinations, host_buffer, populate_destination
 from .._storage import Storage
 from . import _read, _write
 from ._base import Item, LeafEncoding, ReadContext, VerifyContext
@@ -113,9 +112,11 @@ def _read_leaf(
     read into that buffer.
 
     Returns {device id: single-device jax.Array}, or {-1: numpy array} for a host target.
-    Host memory in use stays within the budget: a box is read, cast, put on its
-    devices and dropped before the next one; a box the plan split into slabs is read
-    slab by slab into a donated device buffer.
+    Host memory in use stays within the budget: boxes are read together in batches of
+    at most the budget (`_read.read_boxes`: the reads of one zarr shard file by several
+    boxes are one set of requests), cast, put on their devices and dropped before the
+    next batch; a box the plan split into slabs is read slab by slab into a donated
+    device buffer.
 
     Only damage is reported as CorruptCheckpointError (missing, truncated or
     checksum-failing data, from `_read` or TensorStore); any other exception is a bug
@@ -134,80 +135,87 @@ def _read_leaf(
     devices = _leaf_devices(lt)
     dtype = lt.dtype if lt.dtype is not None else meta.dtype
     out: dict[int, object] = {}
-    reading = _start_box_reads(storage, path, meta, lp, ctx, dests) if store is None and lt.dtype is None else {}
-    try:
-        _place_boxes(storage, path, meta, lt, lp, ctx, dests, store, devices, dtype, reading, out)
-    finally:
-        # On an error, no read may still write into a destination after this returns.
-        concurrent.futures.wait(reading.values())
+    together = [i for i, b in enumerate(lp.boxes) if store is None and not b.slabs and b.box.size]
+    for batch in _batches(together, [lp.boxes[i].bytes_needed * ctx.copies_in_flight for i in together], ctx.budget.limit):
+        _read_batch(storage, path, meta, lt, lp, ctx, dests, devices, batch, out)
+    alone = sorted(set(range(len(lp.boxes))) - set(together))
+    _place_boxes(storage, path, meta, lt, lp, ctx, dests, store, devices, dtype, alone, out)
     return out
 
 
-def _start_box_reads(
-    storage: Storage, path: str, meta: ArrayMetadata, lp: LeafRestorePlan, ctx: ReadContext,
-    dests: dict[int, tuple[jax.Array, np.ndarray]],
-) -> dict[int, concurrent.futures.Future]:
-    """Starts reading every box of the leaf that has a destination (`dests`: read straight
-    into its device buffer), each box a task of `ctx.chunk_pool`, so that one leaf's boxes
-    use every core; box index -> its read's future.
-
-    The budget is taken here, on the leaf's thread, before each task is queued, and given
-    back when the task ends: the pool's workers never wait for it (a worker waiting on the
-    budget while the read holding it waits for a worker would deadlock).
-    """
-    pool = ctx.chunk_pool
-    started: dict[int, concurrent.futures.Future] = {}
-    boxes = [i for i, b in enumerate(lp.boxes) if i in dests and not b.slabs and b.box.size]
-    if pool is None or len(boxes) < 2:
-        return started  # one box: read on this thread, its requests spread over the pool (`read_chunk_into`)
-    try:
-        for i in boxes:
-            b, dest = lp.boxes[i], dests[i]
-            cost = b.bytes_needed * ctx.copies_in_flight
-            ctx.budget.acquire(cost)
-            try:
-                fut = pool.submit(_read_into_destination, storage, path, meta, b, ctx, dest[1])
-            except BaseException:
-                ctx.budget.release(cost)
-                raise
-            fut.add_done_callback(functools.partial(_release, ctx, cost))
-            started[i] = fut
-    except BaseException:
-        concurrent.futures.wait(started.values())
-        raise
-    return started
+def _batches(boxes: list[int], costs: list[int], limit: int) -> Iterator[list[int]]:
+    """`boxes` in order, in consecutive batches whose costs add up to at most `limit`
+    (a box that costs more goes alone)."""
+    batch: list[int] = []
+    total = 0
+    for i, cost in zip(boxes, costs):
+        if batch and total + cost > limit:
+            yield batch
+            batch, total = [], 0
+        batch.append(i)
+        total += cost
+    if batch:
+        yield batch
 
 
-def _read_into_destination(
-    storage: Storage, path: str, meta: ArrayMetadata, b: BoxRead, ctx: ReadContext, view: np.ndarray,
+def _read_batch(
+    storage: Storage, path: str, meta: ArrayMetadata, lt: Any, lp: LeafRestorePlan, ctx: ReadContext,
+    dests: dict[int, tuple[jax.Array, np.ndarray]], devices: dict[int, Any], batch: list[int], out: dict[int, object],
 ) -> None:
-    populate_destination(view)
-    _read.read_box(storage, path, meta, b, None, ctx.stats, view, ctx.max_over_read_ratio, ctx.read_chunk_bytes)
+    """Reads the boxes `batch` of one leaf together (`_read.read_boxes`), each into its
+    device buffer (`dests`, without a cast) or a host buffer, then places each."""
+    cost = sum(lp.boxes[i].bytes_needed for i in batch) * ctx.copies_in_flight
+    ctx.budget.acquire(cost)
+    try:
+        mine = {i: dests.pop(i, None) for i in batch}
+        bufs = {i: d[1] if d is not None and lt.dtype is None else host_buffer(lp.boxes[i].box.shape, meta.dtype)
+                for i, d in mine.items()}
+        pool = ctx.chunk_pool
+        # The first touch of each device buffer's head and tail, spread over the pool.
+        _read._spread(pool, [functools.partial(populate_destination, d[1]) for d in mine.values() if d is not None])
+        _read.read_boxes(storage, path, meta, [(lp.boxes[i], bufs[i]) for i in batch], ctx.stats,
+                         ctx.max_over_read_ratio, ctx.read_chunk_bytes, pool)
+        for i in batch:
+            _place(lp.boxes[i], bufs.pop(i), mine.pop(i), lt, devices, out)
+    finally:
+        ctx.budget.release(cost)
 
 
-def _release(ctx: ReadContext, cost: int, _: object) -> None:
-    ctx.budget.release(cost)
+def _place(b: BoxRead, host: np.ndarray, dest: tuple[jax.Array, np.ndarray] | None, lt: Any, devices: dict[int, Any],
+           out: dict[int, object]) -> None:
+    """Puts one box read into `host` (the stored dtype; `dest`'s own view when it was read
+    in place) on the devices that hold it, cast to the target's dtype, in `out`."""
+    if lt.dtype is not None:
+        with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
+            host = host.astype(lt.dtype)
+    if lt.sharding is None:
+        out[-1] = host
+        return
+    # The first device gets the box without a copy where it can (CPU); every other
+    # device gets its own copy, so that donating one device's buffer can never change another's.
+    first, *rest = b.device_ids
+    if dest is None:
+        out[first] = jax.device_put(host, devices[first])
+    else:
+        if host is not dest[1]:
+            np.copyto(dest[1], host, casting="unsafe")
+        out[first] = dest[0]
+        dest = None  # the view must not outlive the array it points into
+    for d in rest:
+        out[d] = jax.device_put(out[first], devices[d])
 
 
 def _place_boxes(
     storage: Storage, path: str, meta: ArrayMetadata, lt: Any, lp: LeafRestorePlan, ctx: ReadContext,
     dests: dict[int, tuple[jax.Array, np.ndarray]], store: ts.TensorStore | None, devices: dict[int, Any], dtype: np.dtype,
-    reading: dict[int, concurrent.futures.Future], out: dict[int, object],
+    boxes: list[int], out: dict[int, object],
 ) -> None:
-    """`_read_leaf`'s loop over boxes: each box read (or its read in `reading` waited
-    for), cast, and put on its devices, in `out`."""
-    for i, b in enumerate(lp.boxes):
+    """`_read_leaf`'s loop over the boxes not read in batches (`boxes`: read slab by slab,
+    through TensorStore, or empty): each read, cast, and put on its devices, in `out`."""
+    for i in boxes:
+        b = lp.boxes[i]
         bufs = None
         dest = dests.pop(i, None)
-        if i in reading:
-            assert dest is not None
-            reading[i].result()
-            first, *rest = b.device_ids
-            out[first] = dest[0]
-            del dest  # the view must not outlive the array it points into
-            for d in rest:
-                out[d] = jax.device_put(out[first], devices[d])
-            continue
         if dest is not None:
             populate_destination(dest[1])
         for slab in b.slabs or (b,):
@@ -217,26 +225,13 @@ def _place_boxes(
             ctx.budget.acquire(cost)
             try:
                 host = _read_host(storage, path, meta, slab, store, ctx, dest[1] if dest is not None and lt.dtype is None else None)
-                if lt.dtype is not None:
-                    with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
-                        host = host.astype(lt.dtype)
-                if lt.sharding is None:
-                    out[-1] = host
-                elif not b.slabs:
-                    # The first device gets the box without a copy where it can (CPU);
-                    # every other device gets its own copy, so that donating one
-                    # device's buffer can never change another's.
-                    first, *rest = b.device_ids
-                    if dest is None:
-                        out[first] = jax.device_put(host, devices[first])
-                    else:
-                        if host is not dest[1]:
-                            np.copyto(dest[1], host, casting="unsafe")
-                        out[first] = dest[0]
-                        dest = None  # the view must not outlive the array it points into
-                    for d in rest:
-                        out[d] = jax.device_put(out[first], devices[d])
+                if not b.slabs:
+                    _place(b, host, dest, lt, devices, out)
+                    dest = None
                 else:
+                    if lt.dtype is not None:
+                        with np.errstate(all="ignore"):
+                            host = host.astype(lt.dtype)
                     if bufs is None:
                         bufs = {d: jnp.zeros(b.box.shape, dtype, device=devices[d]) for d in b.device_ids}
                     offsets = tuple(s.start for s in slab.box.relative_to(b.box))
