@@ -279,20 +279,17 @@ def deliver(
         resolved_by = {r: resolve_tree(meta, target, partial=options.partial, process_index=r, missing=options.missing)
                        for r in holder_of}
         transfers, why = _plan(resolved_by, holder_of)
-        if why is not None:
-            raise _Unsupported(why)
-        reads = _start_held_reads(peers, step, holder_of, resolved_by, transfers)  # beside the own read
-        if pidx not in holder_of:
-            tree = read_own()
-        sending = {k: f.result() for k, f in reads.items()}
-        for leaf in next(iter(resolved_by.values())).leaves:
-            if isinstance(leaf.meta, ArrayMetadata) and leaf.target is not None:
-                dtypes[leaf.path] = np.dtype(leaf.target.dtype if leaf.target.dtype is not None else leaf.meta.dtype)
-        if pidx in holder_of:
-            resolved_mine = resolved_by[pidx]
-        outcome = "ok"
-    except _Unsupported as e:
-        outcome = f"the target is not covered by this path ({e})"
+        outcome = "ok" if why is None else f"the target is not covered by this path ({why})"
+        if why is None:
+            reads = _start_held_reads(peers, step, holder_of, resolved_by, transfers)  # beside the own read
+            if pidx not in holder_of:
+                tree = read_own()
+            sending = {k: f.result() for k, f in reads.items()}
+            for leaf in next(iter(resolved_by.values())).leaves:
+                if isinstance(leaf.meta, ArrayMetadata) and leaf.target is not None:
+                    dtypes[leaf.path] = np.dtype(leaf.target.dtype if leaf.target.dtype is not None else leaf.meta.dtype)
+            if pidx in holder_of:
+                resolved_mine = resolved_by[pidx]
     except (CheckpointError, OSError, ValueError) as e:  # a damaged copy, a file gone, the key-value store
         outcome = f"process {pidx}: {type(e).__name__}: {e}"
     finally:
@@ -308,10 +305,6 @@ def deliver(
     assert resolved_mine is not None and meta is not None
     tree = _assemble(meta, resolved_mine, received)
     return tree, None
-
-
-class _Unsupported(Exception):
-    pass
 
 
 def _start_held_reads(peers: PeerService, step: int, holder_of: Mapping[int, int], resolved_by: Mapping[int, Any],
@@ -390,7 +383,8 @@ class Refetch(threading.Thread):
 
 
 def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: int | None,
-            resume: Callable[..., None] | None) -> tuple[tuple[PyTree, str, int] | None, int | None]:
+            resume: Callable[..., None] | None,
+            ) -> tuple[tuple[PyTree, str, int] | None, int | None, tuple[int, str] | None]:
     """`restore(None)` with `peer_copies`, before the local-only vote: every process
     tells what it holds newer than the newest durable step (its own local steps, the
     copies it holds of others'), in one round; every process picks from the same answers
@@ -403,8 +397,10 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
     manager's `LocalTier`.
 
     Returns:
-      (the restored (tree, source, durable bytes), None), or (None, the step after the
-      chosen one: the vote looks below it; None when no step is).
+      (the restored (tree, source, durable bytes), None, None), or (None, the step after
+      the chosen one: the vote looks below it, None when no step is; (step, generation)
+      when every process's own copy of it is whole: the local-only vote, made in the
+      same round, need not be made again).
 
     Raises:
       RestoreAgreementError: the processes' own copies of one step are of different
@@ -426,14 +422,21 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
     if stale:
         log.warning("local copies in %s are not used (%s): steps are read from %s", tier.root, "; ".join(stale),
                     tier.directory)
-    votes = _tiers.agree(tier.directory, lambda: _coord.canonical(peers.inventory(own, latest_durable)),
-                         tier.commit_timeout_s)
-    chosen = _peers.choose_peer_step([_format.load_json(v, what="a peer-step vote") for v in votes], tier.directory)
+    needed = tier._needed_keys(target, options.partial, options.missing)
+
+    def propose() -> str:  # the inventory, and the local-only vote in the same round
+        vote = _tiers.local_restore_proposal(tier.storage, tier.root, latest_durable, needed)
+        return _coord.canonical({"inventory": peers.inventory(own, latest_durable), "vote": vote})
+
+    answers = [_format.load_json(v, what="a peer-step vote") for v in
+               _tiers.agree(tier.directory, propose, tier.commit_timeout_s)]
+    chosen = _peers.choose_peer_step([a["inventory"] for a in answers], tier.directory)
     if chosen is None:
-        return None, None
+        return None, None, None
     step, generation, sources = chosen
-    if not any(sources):
-        return None, step + 1  # every process reads its own copy (the vote checks it whole)
+    if not any(sources):  # every process reads its own copy
+        voted = (step, generation) if all(a["vote"] == f"{step} {generation}" for a in answers) else None
+        return None, step + 1, voted
 
     def read_own() -> PyTree:
         tree, outcome, _ = tier._read_local_only(step, target, options)
@@ -451,7 +454,7 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
         refetch = Refetch(peers, step, generation, mine) if mine else None
         if resume is not None:
             resume(step, generation, False, local_save=refetch)
-        return (tree, "local", 0), None
+        return (tree, "local", 0), None, None
     log.warning("the replaced processes fetch their copies of step %d over TCP instead of receiving their boxes in "
                 "the restore: %s", step, why)
     if mine and own.get(step) != generation:
@@ -459,4 +462,4 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
         if failed is not None:
             log.warning("process %d could not fetch its copy of step %d from a peer (%s); the restore falls back to an "
                         "older step or %s", peers.process_index, step, failed, tier.directory)
-    return None, step + 1
+    return None, step + 1, None

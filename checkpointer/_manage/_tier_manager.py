@@ -401,6 +401,7 @@ class LocalTier:
     def _restore_local_only(
         self, target: object, options: RestoreOptions, latest_durable: int | None,
         resume: Callable[..., None] | None, damaged_copies: list[str], below: int | None = None,
+        voted: tuple[int, str] | None = None,
     ) -> tuple[PyTree, str, int] | None:
         """`restore(None)`'s local-only steps: the newest one whole on every process, read,
         and (a second vote) intact on every process; a damaged one is skipped for the
@@ -409,7 +410,7 @@ class LocalTier:
         newest durable step is next)."""
         needed = self._needed_keys(target, options.partial, options.missing)
         while True:
-            chosen = self._vote_local_step(latest_durable, needed, below)
+            chosen, voted = voted or self._vote_local_step(latest_durable, needed, below), None  # voted: in the peers' round
             if chosen is None:
                 return None
             step, generation = chosen
@@ -484,11 +485,11 @@ class LocalTier:
         if step is None:
             below = None
             if self.peers is not None:  # a replaced process receives its boxes from its holders
-                restored, below = _peer_delivery.restart(self, target, options, latest_durable, resume)
+                restored, below, voted = _peer_delivery.restart(self, target, options, latest_durable, resume)
                 if restored is not None:
                     return restored
             damaged: list[str] = []
-            local = self._restore_local_only(target, options, latest_durable, resume, damaged, below)
+            local = self._restore_local_only(target, options, latest_durable, resume, damaged, below, voted)
             if local is not None:
                 return local
             if latest_durable is None and damaged:
