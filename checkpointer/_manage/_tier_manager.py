@@ -483,7 +483,7 @@ class LocalTier:
           process's local tier), "local+durable" or "durable".
         """
         if step is None:
-            below = None
+            below, voted = None, None
             if self.peers is not None:  # a replaced process receives its boxes from its holders
                 restored, below, voted = _peer_delivery.restart(self, target, options, latest_durable, resume)
                 if restored is not None:
