@@ -167,3 +167,26 @@ def test_a_restart_onto_another_process_count_reads_the_durable_step_and_says_wh
         rec = r.record("restored")
         assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
         assert "saved by 4 processes, the job has 2" in r.stderr, r.describe()
+
+
+def test_a_replaced_process_receives_its_boxes_from_its_holder_inside_the_restore(tmp_path):
+    # 2 processes x 2 devices as 2 nodes (mesh 2x2: process p holds row p), k = 1: each
+    # holds the other's copy. Process 1's node is replaced: its boxes of step 120 travel
+    # from process 0's copy over the device interconnect, within the restore call.
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    args = {"directory": durable, "local": local, "phase": "save", "steps": STEPS, "peer_copies": 1,
+            "durable_every_steps": 100, "mesh": [2, 2]}
+    for r in run_processes(WORKER, 2, 2, args, timeout_s=240):
+        assert r.record("saved")["survives"].get("120") == 1, r.describe()
+    shutil.rmtree(f"{local}/process-1")
+    results = run_processes(WORKER, 2, 2, dict(args, phase="restore"), timeout_s=240)
+    for r in results:
+        rec = r.record("restored")
+        assert rec["step"] == 120 and rec["mismatches"] == [], r.describe()
+        assert rec["durable_bytes"] == 0 and rec["source"] == "local", r.describe()
+        received = r.stderr.find("received their boxes from the processes holding their copies")
+        assert received >= 0, r.describe()
+        # Nothing over TCP before the restore; afterwards the replaced process's local tier gets
+        # the step again, fetched in the background.
+        assert r.stderr.find("fetched its copy of step 120") in (-1, *range(received, len(r.stderr))), r.describe()
+    assert os.path.exists(f"{local}/process-1/120/COMMITTED")

@@ -93,12 +93,13 @@ class StepRestoring(StepReader):
         storage, path = storage_for(self._read_path(step))
         return restore_from(storage, path, target, options)
 
-    def _resume_replication(self, step: int, generation: str, overwrite: bool) -> None:
-        """After resuming from a local-only step: replicate it (the writer's lock first).
+    def _resume_replication(self, step: int, generation: str, overwrite: bool, local_save: object = None) -> None:
+        """After resuming from a local-only step: replicate it (the writer's lock first;
+        after `local_save`, a replaced process's copy still being fetched, when given).
         Every process waits until process 0 has cleaned up the directory (its first
         writer's recovery removes partial folders of earlier jobs, the same step's
         among them): a process that started copying first would lose its files."""
         assert self._tiers is not None
         self._ensure_writer()
         _tiers.agree(self._tiers.directory, lambda: "recovered", self._tiers.commit_timeout_s)
-        self._tiers.enqueue(step, generation, overwrite)
+        self._tiers.enqueue(step, generation, overwrite, local_save)

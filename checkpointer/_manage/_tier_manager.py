@@ -18,14 +18,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from .. import _commit, _coord, _encoding, _format, _storage
+from .. import _commit, _coord, _encoding, _storage
 from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import RestoreOptions, resolve_tree, restore_from
 from .._save import SaveResult, Snapshot, manifest_bytes, release_host, write_snapshot
 from .._storage import Storage
-from . import _alerts, _peers, _tiers
+from . import _alerts, _peer_delivery, _peers, _tiers
 from ._policies import KeepPolicy
 from ._tier import DurableTier, LocalStepTier
 from ._time_policies import SaveClock
@@ -400,7 +400,8 @@ class LocalTier:
 
     def _restore_local_only(
         self, target: object, options: RestoreOptions, latest_durable: int | None,
-        resume: Callable[[int, str, bool], None] | None, damaged_copies: list[str], below: int | None = None,
+        resume: Callable[..., None] | None, damaged_copies: list[str], below: int | None = None,
+        voted: tuple[int, str] | None = None,
     ) -> tuple[PyTree, str, int] | None:
         """`restore(None)`'s local-only steps: the newest one whole on every process, read,
         and (a second vote) intact on every process; a damaged one is skipped for the
@@ -409,7 +410,7 @@ class LocalTier:
         newest durable step is next)."""
         needed = self._needed_keys(target, options.partial, options.missing)
         while True:
-            chosen = self._vote_local_step(latest_durable, needed, below)
+            chosen, voted = voted or self._vote_local_step(latest_durable, needed, below), None  # voted: in the peers' round
             if chosen is None:
                 return None
             step, generation = chosen
@@ -451,53 +452,6 @@ class LocalTier:
             )
         return None
 
-    def _fetch_from_peers(self, latest_durable: int | None) -> int | None:
-        """Before the restore vote, with `peer_copies`: every process tells what it holds
-        newer than the newest durable step (its own local steps, the copies it holds of
-        others'), in one round; every process picks from the same answers the newest step
-        whose every process's share is held whole somewhere (its own copy, or a checked
-        copy of the same generation on a peer); a process without its own copy of it
-        fetches it from a holder (the next holder when a copy fails its crc32c check).
-        The restore vote then reads the step from every process's own local tier.
-
-        Returns:
-          The step after the chosen one (the restore vote looks below it: a newer
-          local step that not every share survived is never chosen), or None.
-
-        Raises:
-          RestoreAgreementError: the processes' own copies of one step are of different
-            save attempts (generations): the same error on every process.
-        """
-        assert self.peers is not None
-        count = _coord.process_count()
-        own: dict[int, str] = {}
-        stale: list[str] = []
-        for s in self.local_steps():
-            marker = _tiers.read_marker(self.storage, f"{self.root}/{s}")
-            if marker is None:
-                continue
-            if marker.process_count != count:
-                stale.append(f"step {s} was saved by {marker.process_count} processes, the job has {count}")
-                continue
-            own[s] = marker.generation
-        if stale:
-            log.warning("local copies in %s are not used (%s): steps are read from %s", self.root, "; ".join(stale),
-                        self.directory)
-        votes = _tiers.agree(self.directory, lambda: _coord.canonical(self.peers.inventory(own, latest_durable)),  # type: ignore[union-attr]
-                             self.commit_timeout_s)
-        chosen = _peers.choose_peer_step([_format.load_json(v, what="a peer-step vote") for v in votes], self.directory)
-        if chosen is None:
-            return None
-        step, generation, sources = chosen
-        mine = sources[self.process_index]
-        if own.get(step) == generation or not mine:
-            return step + 1
-        failed = self.peers.fetch(step, generation, mine)
-        if failed is not None:
-            log.warning("process %d could not fetch its copy of step %d from a peer (%s); the restore falls back to an "
-                        "older step or %s", self.process_index, step, failed, self.directory)
-        return step + 1
-
     def _read_agreed(self, step: int, target: object, options: RestoreOptions) -> tuple[list[str], PyTree | None, int]:
         """Reads local-only `step` and votes on the outcome: (the damaged copies of every
         process, [] when none; the tree; durable bytes read). A read error other than
@@ -520,7 +474,7 @@ class LocalTier:
         *,
         latest_durable: int | None,
         durable_path: Callable[[int], str],
-        resume: Callable[[int, str, bool], None] | None,
+        resume: Callable[..., None] | None,
     ) -> tuple[PyTree, str, int]:
         """Restores from the local tier where it can (see `CheckpointManager.restore`).
 
@@ -529,9 +483,13 @@ class LocalTier:
           process's local tier), "local+durable" or "durable".
         """
         if step is None:
-            below = self._fetch_from_peers(latest_durable) if self.peers is not None else None
+            below, voted = None, None
+            if self.peers is not None:  # a replaced process receives its boxes from its holders
+                restored, below, voted = _peer_delivery.restart(self, target, options, latest_durable, resume)
+                if restored is not None:
+                    return restored
             damaged: list[str] = []
-            local = self._restore_local_only(target, options, latest_durable, resume, damaged, below)
+            local = self._restore_local_only(target, options, latest_durable, resume, damaged, below, voted)
             if local is not None:
                 return local
             if latest_durable is None and damaged:

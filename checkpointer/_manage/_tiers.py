@@ -319,6 +319,7 @@ def agree(directory: str, propose: Callable[[], str], timeout_s: float) -> list[
         what=f"the choice of tier to restore from {directory} (restore #{n})", timeout_name="commit_timeout_s",
         hint="Every process of a manager with a local directory must call restore the same number of times, in the "
              "same order.",
+        max_poll_s=0.02,  # a restore waits for each round: process 0 polls as the cooperative restore's does
     )
     try:
         mine = propose()

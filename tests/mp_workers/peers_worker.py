@@ -3,6 +3,7 @@
 
 args: {"directory", "local", "phase": "save" | "restore", "steps": [..], "peer_copies": k,
        "durable_every_steps": n, "late_s": {"<process>": seconds before joining the manager},
+       "mesh": [rows, cols] (default [4, 2]),
        "kill_sending": [process, step]: that process dies (SIGKILL) in the middle of
        streaming its copy of that step to its first holder}
 phase "save": saves `steps` (w + step), waits, syncs, emits {"event": "saved", "all_steps",
@@ -30,7 +31,7 @@ from checkpointer._manage import _peers  # noqa: E402
 
 pidx = jax.process_index()
 SPECS = {"w": ["data", "model"], "ids": ["data"], "bf": ["data", None]}
-mesh = _common.mesh((4, 2), ("data", "model"))
+mesh = _common.mesh(tuple(args.get("mesh", (4, 2))), ("data", "model"))
 full = _common.global_arrays()
 expected = {k: full[k] for k in SPECS}
 tree = {k: v for k, v in _common.build_tree(mesh, {**_common.SAVE_SPECS, **SPECS}).items() if k in SPECS}
