@@ -44,8 +44,6 @@ import re
 import shutil
 import socket
 import socketserver
-import struct
-import sys
 import threading
 from collections.abc import Callable, Sequence
 
@@ -53,63 +51,20 @@ import crc32c
 
 from .. import _coord, _format
 from .._errors import CheckpointError, CorruptCheckpointError, RestoreAgreementError
-from .._save import BACKGROUND_NICE
+from ._peer_copy import (
+    CHUNK_BYTES,
+    COPY_RECORD,
+    MAX_HEADER_BYTES,
+    lower_thread_priority,
+    recv_json as _recv_json,
+    send_json as _send_json,
+    step_files,
+)
 from ._tier import PEER_COPIES_DIR, PeerCopyTier
 
 log = logging.getLogger("checkpointer")
 
-CHUNK_BYTES = 4 << 20  # bytes of a file in memory at once, per transfer
-MAX_HEADER_BYTES = 64 << 20  # a header lists the files of one step
-COPY_RECORD = "peer-copy.json"
-_LEN = struct.Struct(">I")
 _GENERATION_RE = re.compile(r"[0-9a-z-]{1,64}")  # what `_format.new_generation` writes, loosely
-
-
-def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
-    """Adds `nice` to the calling thread's nice value (Linux; elsewhere nothing): the
-    priority rule of the direct writer's threads."""
-    if sys.platform != "linux" or nice <= 0:
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:
-        pass
-
-
-def _send_json(sock: socket.socket, obj: object) -> None:
-    data = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(min(n - len(buf), CHUNK_BYTES))
-        if not part:
-            raise ConnectionError(f"the peer closed the connection after {len(buf)} of {n} bytes")
-        buf += part
-    return bytes(buf)
-
-
-def _recv_json(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_HEADER_BYTES:
-        raise ConnectionError(f"a peer message of {n} bytes (at most {MAX_HEADER_BYTES})")
-    obj = _format.load_json(_recv_exact(sock, n), what="a peer message", max_bytes=MAX_HEADER_BYTES)
-    if not isinstance(obj, dict):
-        raise ConnectionError("a peer message is not a JSON object")
-    return obj
-
-
-def _file_crc(path: str) -> tuple[int, int]:
-    """(length, crc32c) of a file, read in `CHUNK_BYTES` pieces."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            crc = crc32c.crc32c(chunk, crc)
-            size += len(chunk)
-    return size, crc
 
 
 def _receive_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> None:
@@ -156,22 +111,6 @@ def _stream_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> No
             sent = sock.sendfile(src, 0, size) if size else 0
             if sent != size:
                 raise ConnectionError(f"{folder}/{f['key']} is shorter than {size} bytes")
-
-
-def step_files(folder: str) -> list[dict]:
-    """Every file of a committed step folder with its length and crc32c, the marker last."""
-    out: list[dict] = []
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            key = os.path.relpath(path, folder).replace(os.sep, "/")
-            if key in (_format.COMMITTED, COPY_RECORD):
-                continue
-            size, crc = _file_crc(path)
-            out.append({"key": key, "size": size, "crc32c": crc})
-    out.sort(key=lambda f: str(f["key"]))
-    size, crc = _file_crc(f"{folder}/{_format.COMMITTED}")
-    return [*out, {"key": _format.COMMITTED, "size": size, "crc32c": crc}]
 
 
 def _commit_folder(partial: str, final: str, record: dict) -> None:
