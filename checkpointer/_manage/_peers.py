@@ -13,12 +13,14 @@ a JSON object; file bytes travel raw, in `CHUNK_BYTES` pieces, so memory stays b
 
 ```
 put   owner → holder   {"op": "put", "owner", "step", "generation", "keep": [steps],
-                        "files": [{"key", "size", "crc32c"}, ...]}  then each file's bytes
-                       (the marker `COMMITTED` last).  The holder writes them into
-                       process-<h>/peer-copies/process-<owner>/<step>.partial-<g>/,
-                       fsyncs each and checks its length and the crc32c of the bytes
-                       it wrote against the header (computed by the owner from its
-                       committed files), writes `peer-copy.json` (the header), renames the folder to
+                        "files": [{"key", "size"}, ...]}  then each file's bytes and the
+                       crc32c the owner took of them as it read them (4 bytes; the
+                       marker `COMMITTED` last; `_peer_copy.send_copy`).  The holder
+                       writes them into process-<h>/peer-copies/process-<owner>/<step>.partial-<g>/
+                       (past the page cache, fsynced, `_peer_copy.receive_copy`), taking
+                       the crc32c of the bytes as they arrive: each file's length and
+                       crc32c must be the owner's. It writes `peer-copy.json` (the header
+                       with the checked crc32c), renames the folder to
                        <step>/, drops the owner's copies not in `keep`, and answers
                        {"ok": true} or {"error": text}.
 get   any → holder     {"op": "get", "owner", "step", "generation"}: answers the copy's
@@ -51,6 +53,7 @@ import crc32c
 
 from .. import _coord, _format
 from .._errors import CheckpointError, CorruptCheckpointError, RestoreAgreementError
+from . import _peer_copy
 from ._peer_copy import (
     CHUNK_BYTES,
     COPY_RECORD,
@@ -176,6 +179,7 @@ class PeerService:
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self.last_error: str | None = None
         self.before_send: Callable[[int, int], None] | None = None  # tests: (step, holder) before each put
+        self.damage_sent: Callable[[str, memoryview], None] | None = None  # tests: a copy damaged on the way
         self._server = self._serve()
         host, port = self._server.server_address[:2]
         self._address = PeerAddress(str(host), int(port), self.node)
@@ -235,8 +239,9 @@ class PeerService:
         try:
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(partial)
-            _receive_files(sock, partial, request["files"])
-            _commit_folder(partial, f"{tier.root}/{step}", {k: request[k] for k in ("owner", "step", "generation", "files")})
+            files = _peer_copy.receive_copy(sock, partial, request["files"], _received_path)
+            _commit_folder(partial, f"{tier.root}/{step}", {"owner": owner, "step": step, "generation": generation,
+                                                            "files": files})
         except (OSError, CheckpointError) as e:
             shutil.rmtree(partial, ignore_errors=True)
             text = f"process {self.process_index} could not hold step {step} of process {owner} in {tier.root}: " + (
@@ -359,7 +364,7 @@ class PeerService:
             _send_json(sock, {"op": "put", "owner": self.process_index, "step": step, "generation": generation,
                               "keep": keep, "files": files})
             try:
-                _stream_files(sock, f"{self.local_root}/{step}", files)
+                _peer_copy.send_copy(sock, f"{self.local_root}/{step}", files, self.damage_sent)
             except OSError as e:  # the holder may have answered why it stopped reading
                 try:
                     answer = _recv_json(sock)
