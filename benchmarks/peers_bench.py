@@ -152,6 +152,14 @@ def _train_step_fn():
     return jax.jit(step, donate_argnums=0)
 
 
+def _copy_cpu_s(m) -> float:
+    """CPU seconds of the manager's peer-copy threads (sender and server), or NaN where
+    the library does not count them (a baseline checkout)."""
+    peers = getattr(getattr(m, "_tiers", None), "peers", None)
+    counted = getattr(peers, "copy_cpu_s", None)
+    return float("nan") if counted is None else sum(counted.values())
+
+
 def cost_job(directory: str, mib: int, every: int, saves: int, rounds: int) -> None:
     """Training time lost per local save, and its process CPU, with and without peer
     copies: the same loop (`saves` blocks of `every` steps) without saves, with a local
@@ -179,7 +187,7 @@ def cost_job(directory: str, mib: int, every: int, saves: int, rounds: int) -> N
         for variant in variants[r % 3:] + variants[: r % 3]:
             m = None if variant == "none" else managers[int(variant)]
             multihost_utils.sync_global_devices(f"cost-{r}-{variant}")
-            c0, t0 = _cpu_s(), time.perf_counter()
+            c0, t0, copy0 = _cpu_s(), time.perf_counter(), _copy_cpu_s(managers[1])
             for _ in range(saves):
                 step += 1
                 if m is not None:
@@ -190,8 +198,9 @@ def cost_job(directory: str, mib: int, every: int, saves: int, rounds: int) -> N
             loop_s = time.perf_counter() - t0
             if m is not None:
                 m.wait_until_finished()  # the last save's copies: untimed, inside the CPU window
+            copy_s = _copy_cpu_s(managers[1]) - copy0
             if r:
-                rows[variant].append({"loop_s": loop_s, "cpu_s": _cpu_s() - c0})
+                rows[variant].append({"loop_s": loop_s, "cpu_s": _cpu_s() - c0, "copy_cpu_s": copy_s})
     for m in managers.values():
         m.close()
     share = sum(s.data.nbytes for x in state.values() for s in x.addressable_shards)
@@ -342,12 +351,18 @@ def cost_part(args, mib: int) -> None:
                     got.setdefault("ratio", []).append(got["lost_1"][-1] / max(got["lost_0"][-1], 1e-9))
                     got.setdefault("per_gib", []).append((got["cpu_1"][-1] - got["cpu_0"][-1]) / share_gib)
                     got.setdefault("loop_none", []).append(loop["none"] / args.saves)
+                    copy = statistics.mean(r["rows"]["1"][i]["copy_cpu_s"] for r in recs) / args.saves / share_gib
+                    if copy == copy:  # not NaN: the library counts its copy threads' CPU
+                        got.setdefault("copy_per_gib", []).append(copy)
     rows = []
     for name, got in per.items():
         for k in ("0", "1"):
             rows.append([name, f"peer_copies={k}", C.fmt(got[f"lost_{k}"]), C.fmt(got[f"cpu_{k}"])])
         rows.append([name, "peers ÷ none / extra per GiB copied", C.fmt(got["ratio"], unit="×"),
                      C.fmt(got["per_gib"], unit="CPU-s/GiB")])
+        if got.get("copy_per_gib"):
+            rows.append([name, "the copy threads alone (sender + server) per GiB copied", "",
+                         C.fmt(got["copy_per_gib"], unit="CPU-s/GiB")])
     body = (
         C.header_lines("Peer copies: the cost of a local save (`benchmarks/peers_bench.py`)", args,
                        time.perf_counter() - t0, load)

@@ -169,3 +169,26 @@ def test_a_restart_onto_another_process_count_reads_the_durable_step_and_says_wh
         rec = r.record("restored")
         assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
         assert "saved by 4 processes, the job has 2" in r.stderr, r.describe()
+
+
+@pytest.mark.slow
+def test_a_holder_whose_tier_is_full_refuses_the_copy_clearly_keeps_the_older_one_and_the_next_copy_counts(tmp_path):
+    """ENOSPC injected by the fault harness (tests/faults, point `peer_copy`) in process 2
+    while it writes process 1's copy of step 120."""
+    args = {"directory": str(tmp_path / "durable"), "local": str(tmp_path / "local"), "phase": "save",
+            "steps": [100, 110, 120, 130], "peer_copies": 1, "durable_every_steps": 100, "enospc_holder": [2, 120]}
+    results = run_processes(WORKER, 4, 2, args, timeout_s=240)
+    after = [r.record("after_fault") for r in results]
+    assert after[2]["fired"] and "/peer-copies/process-1/" in after[2]["fired"], after[2]
+    # The owner says why its step survives no node loss: the holder, the step, the error.
+    error = after[1]["peer_error"] or ""
+    assert "process 2 could not hold step 120 of process 1" in error and "No space left on device" in error, error
+    assert after[1]["survives"].get("120") == 0, after[1]
+    # The holder kept its checked copy of step 110 and left no partial folder of 120.
+    assert after[2]["held"]["process-1"][-1] == "110" and not [n for n in after[2]["held"]["process-1"]
+                                                              if n.startswith("120")], after[2]
+    for r in results:  # the job went on: the next copy is held and checked
+        saved = r.record("saved")
+        assert saved["local_steps"] == [130] and saved["survives"].get("130") == 1, r.describe()
+    held = sorted(os.listdir(f"{args['local']}/process-2/peer-copies/process-1"))
+    assert "130" in held and not [n for n in held if n.startswith("120")], held  # 110 while the owner keeps it

@@ -47,6 +47,7 @@ import shutil
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import crc32c
@@ -178,6 +179,9 @@ class PeerService:
                                                              initializer=lower_thread_priority)
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self.last_error: str | None = None
+        # CPU seconds of this process's copy threads: "send" (its own steps, with the
+        # bookkeeping after each), "serve" (the requests of its peers); benchmarks read it.
+        self.copy_cpu_s: dict[str, float] = {}
         self.before_send: Callable[[int, int], None] | None = None  # tests: (step, holder) before each put
         self.damage_sent: Callable[[str, memoryview], None] | None = None  # tests: a copy damaged on the way
         self._server = self._serve()
@@ -209,6 +213,7 @@ class PeerService:
             def handle(self) -> None:
                 lower_thread_priority()
                 self.request.settimeout(service.timeout_s)
+                cpu_s = time.thread_time()
                 try:
                     request = _recv_json(self.request)
                     if request.get("op") == "put":
@@ -219,6 +224,8 @@ class PeerService:
                         _send_json(self.request, {"error": f"unknown request {request.get('op')!r}"})
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     log.warning("a peer request to process %d failed: %s", service.process_index, e)
+                finally:
+                    service._count_cpu("serve", time.thread_time() - cpu_s)
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -330,7 +337,7 @@ class PeerService:
             except BaseException:
                 return 0  # the local save failed: the manager reports it
         folder = f"{self.local_root}/{step}"
-        verified = 0
+        verified, cpu_s = 0, time.thread_time()
         try:
             files = step_files(folder)
             holders = self.holders(self.process_index)
@@ -351,7 +358,12 @@ class PeerService:
                 del self._verified[s]
         on_done(step, verified)
         self._publish()
+        self._count_cpu("send", time.thread_time() - cpu_s)
         return verified
+
+    def _count_cpu(self, side: str, cpu_s: float) -> None:
+        with self._mu:
+            self.copy_cpu_s[side] = self.copy_cpu_s.get(side, 0.0) + cpu_s
 
     def _failed(self, step: int, text: str) -> None:
         with self._mu:
