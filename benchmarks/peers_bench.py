@@ -110,7 +110,7 @@ def _state(mib: int, leaves: int = 16):
 
 
 def save_job(directory: str, mib: int, rate_mib_s: float) -> None:
-    """The training job: saves steps 100 and 110 with peers, Orbax's copy, and the copies' cost."""
+    """The training job: saves steps 100 and 110 with peers, and Orbax's copy."""
     import absl.logging
     import jax
     import orbax.checkpoint as ocp
@@ -134,21 +134,77 @@ def save_job(directory: str, mib: int, rate_mib_s: float) -> None:
     orbax = ocp.StandardCheckpointer()
     orbax.save(f"{directory}/orbax", jax.tree.map(lambda x: x + 100, state))
     orbax.wait_until_finished()
-    costs = {}
-    for peers in (0, 1):
-        cost_dir = f"{directory}/cost-{peers}"
-        with ckpt.CheckpointManager(f"{cost_dir}/durable", peer_copies=peers, **dict(kw, local_directory=f"{cost_dir}/local")) as m:
-            rows = []
-            for step in (1, 2):  # local-only saves (durable every 100)
-                multihost_utils.sync_global_devices(f"cost-{peers}-{step}")
-                c0, t0 = _cpu_s(), time.perf_counter()
-                m.save(step, {**state, "step": step})
-                blocked = time.perf_counter() - t0
-                m.wait_until_finished()  # local commit and (with peers) the copies checked
-                rows.append({"blocked_s": blocked, "wall_s": time.perf_counter() - t0, "cpu_s": _cpu_s() - c0})
-            costs[peers] = rows
-    local_bytes = sum(x.addressable_shards[0].data.nbytes * len(x.addressable_shards) for x in state.values())
-    testing.emit(event="saved", survives={str(k): v for k, v in survives.items()}, costs=costs, local_bytes=local_bytes)
+    testing.emit(event="saved", survives={str(k): v for k, v in survives.items()})
+
+
+def _train_step_fn():
+    """A training step that reads and writes the whole state (donated, as a real step's
+    update) and ends in one all-reduce over every process (the loss), so the processes
+    march in step as in training: a process slowed by its save slows the job."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(state):
+        new = {k: v - 1e-3 * jnp.tanh(v) for k, v in state.items()}
+        loss = sum(jnp.mean(v * v) for v in new.values())
+        return new, loss
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def _copy_cpu_s(m) -> float:
+    """CPU seconds of the manager's peer-copy threads (sender and server), or NaN where
+    the library does not count them (a baseline checkout)."""
+    peers = getattr(getattr(m, "_tiers", None), "peers", None)
+    counted = getattr(peers, "copy_cpu_s", None)
+    return float("nan") if counted is None else sum(counted.values())
+
+
+def cost_job(directory: str, mib: int, every: int, saves: int, rounds: int) -> None:
+    """Training time lost per local save, and its process CPU, with and without peer
+    copies: the same loop (`saves` blocks of `every` steps) without saves, with a local
+    save (manager, peer_copies=0) before each block, and with peer_copies=1; in an order
+    rotated per round, after one warm-up round."""
+    import absl.logging
+    import jax
+    from jax.experimental import multihost_utils
+
+    import checkpointer as ckpt
+    from checkpointer import testing
+
+    absl.logging.set_verbosity(absl.logging.ERROR)
+    pidx = jax.process_index()
+    state, _ = _state(mib)
+    train = _train_step_fn()
+    managers = {peers: ckpt.CheckpointManager(f"{directory}/cost-{peers}/durable", local_directory=f"{directory}/cost-{peers}/local",
+                                              keep_local=ckpt.KeepLatest(1), peer_node=f"node-{pidx}", peer_copies=peers,
+                                              durable_every_steps=100_000, commit_timeout_s=600)
+                for peers in (0, 1)}
+    variants = ["none", "0", "1"]
+    rows: dict[str, list[dict]] = {v: [] for v in variants}
+    step = 0
+    for r in range(rounds + 1):
+        for variant in variants[r % 3:] + variants[: r % 3]:
+            m = None if variant == "none" else managers[int(variant)]
+            multihost_utils.sync_global_devices(f"cost-{r}-{variant}")
+            c0, t0, copy0 = _cpu_s(), time.perf_counter(), _copy_cpu_s(managers[1])
+            for _ in range(saves):
+                step += 1
+                if m is not None:
+                    m.save(step * every, state)
+                for _ in range(every):
+                    state, loss = train(state)
+            jax.block_until_ready((state, loss))
+            loop_s = time.perf_counter() - t0
+            if m is not None:
+                m.wait_until_finished()  # the last save's copies: untimed, inside the CPU window
+            copy_s = _copy_cpu_s(managers[1]) - copy0
+            if r:
+                rows[variant].append({"loop_s": loop_s, "cpu_s": _cpu_s() - c0, "copy_cpu_s": copy_s})
+    for m in managers.values():
+        m.close()
+    share = sum(s.data.nbytes for x in state.values() for s in x.addressable_shards)
+    testing.emit(event="cost", rows=rows, share_bytes=share)
 
 
 def restore_job(directory: str, mib: int, case: str, rate_mib_s: float) -> None:
@@ -195,13 +251,28 @@ def restore_job(directory: str, mib: int, case: str, rate_mib_s: float) -> None:
 def main() -> None:
     import _common as C
 
-    from checkpointer import testing
-
     def extra(ap):
         ap.add_argument("--rate", type=float, default=200.0, help="durable write rate per process, MiB/s")
+        ap.add_argument("--only-cost", action="store_true", help="only the cost of the local saves (peers_bench_cost)")
+        ap.add_argument("--every", type=int, default=10, help="training steps per local save (default 10)")
+        ap.add_argument("--saves", type=int, default=3, help="local saves per measured loop (default 3)")
+        ap.add_argument("--baseline", default=None,
+                        help="another checkout of the library (e.g. /work/main): its cost job runs alternately "
+                             "with this one's, side by side")
 
     args = C.parse_args(__doc__, extra)
     mib = 64 if args.quick else 1024
+    if not args.only_cost:
+        restore_part(args, mib)
+    cost_part(args, mib)
+
+
+def restore_part(args, mib: int) -> None:
+    """The restart cases (a)-(d) and Orbax: the peers_bench section."""
+    import _common as C
+
+    from checkpointer import testing
+
     load, t0 = C.OtherLoad(), time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="peers-bench-") as d:
@@ -230,16 +301,6 @@ def main() -> None:
         rows.append([names[case], str(recs_[0]["step"]), f"{slowest:.3f} s", f"{slowest / d_time:.2f}×",
                      "n/a (TensorStore)" if durable[0] is None else f"{sum(durable) / MiB:.1f}",
                      ", ".join(sources)])
-    costs = recs[0]["costs"]
-    gib = recs[0]["local_bytes"] / 2**30
-    cost_rows = []
-    for peers in ("0", "1"):
-        cs = [max(r["costs"][peers][i]["cpu_s"] for r in recs) for i in range(2)]
-        cost_rows.append([f"peer_copies={peers}", C.fmt([max(r["costs"][peers][i]["blocked_s"] for r in recs) for i in range(2)]),
-                          C.fmt([max(r["costs"][peers][i]["wall_s"] for r in recs) for i in range(2)]), C.fmt(cs)])
-    cpu_per_gib = [(max(r["costs"]["1"][i]["cpu_s"] for r in recs) - max(r["costs"]["0"][i]["cpu_s"] for r in recs)) / gib
-                   for i in range(2)]
-    del costs
     body = (
         C.header_lines("Peer copies: restart after a lost node (`benchmarks/peers_bench.py`)", args,
                        time.perf_counter() - t0, load)
@@ -249,14 +310,81 @@ def main() -> None:
         f"- saved: step 100 (durable) and 110 (local + 1 peer copy); node losses survived as status() said: "
         f"{recs[0]['survives']}\n\n"
         + C.table(["case", "step restored", "restore (slowest process)", "÷ (d)", "MiB read from durable (all processes)", "sources"], rows)
-        + "\n\nCost of one local save (each process's share "
-        f"{gib:.3f} GiB; max over processes, per save):\n\n"
-        + C.table(["", "save blocked", "until local (+ copies checked)", "process CPU"], cost_rows)
-        + f"\n\nExtra CPU of the peer copy: {C.fmt(cpu_per_gib)} per GiB of each process's share "
-        "(sender and the holder's server run in every process: each sends one share and receives one).\n"
+        + "\n\nThe cost of the local saves with and without peer copies: the peers_bench_cost section.\n"
     )
     print(body)
     C.write_section(args.results, "peers_bench", body)
+
+
+def cost_part(args, mib: int) -> None:
+    """Training time lost per local save and its process CPU, with and without peer
+    copies (`cost_job`), per library checkout (this one, and --baseline alternately):
+    the peers_bench_cost section."""
+    import os
+    import statistics
+
+    import _common as C
+
+    from checkpointer import testing
+
+    here = str(Path(__file__).resolve().parent.parent)
+    libs = {"this checkout": here} | ({f"baseline {args.baseline}": args.baseline} if args.baseline else {})
+    load, t0 = C.OtherLoad(), time.perf_counter()
+    per: dict[str, dict[str, list[float]]] = {name: {} for name in libs}
+    share_gib = 0.0
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="peers-cost-") as d:
+        for run in range(args.runs):
+            for j, (name, lib) in enumerate(libs.items()):
+                env = {"PYTHONPATH": os.pathsep.join([lib, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+                out = testing.run_processes(cost_job, PROCESSES, DEVICES, {
+                    "directory": f"{d}/{run}-{j}", "mib": mib,
+                    "every": args.every, "saves": args.saves, "rounds": 2}, timeout_s=1800, env=env)
+                recs = [r.record("cost") for r in out]
+                share_gib = recs[0]["share_bytes"] / 2**30
+                for i in range(len(recs[0]["rows"]["none"])):
+                    loop = {v: max(r["rows"][v][i]["loop_s"] for r in recs) for v in ("none", "0", "1")}  # lockstep
+                    cpu = {v: statistics.mean(r["rows"][v][i]["cpu_s"] for r in recs) for v in ("none", "0", "1")}
+                    got = per[name]
+                    for k in ("0", "1"):
+                        got.setdefault(f"lost_{k}", []).append((loop[k] - loop["none"]) / args.saves)
+                        got.setdefault(f"cpu_{k}", []).append((cpu[k] - cpu["none"]) / args.saves)
+                    got.setdefault("ratio", []).append(got["lost_1"][-1] / max(got["lost_0"][-1], 1e-9))
+                    got.setdefault("per_gib", []).append((got["cpu_1"][-1] - got["cpu_0"][-1]) / share_gib)
+                    got.setdefault("loop_none", []).append(loop["none"] / args.saves)
+                    copy = statistics.mean(r["rows"]["1"][i]["copy_cpu_s"] for r in recs) / args.saves / share_gib
+                    if copy == copy:  # not NaN: the library counts its copy threads' CPU
+                        got.setdefault("copy_per_gib", []).append(copy)
+    rows = []
+    for name, got in per.items():
+        for k in ("0", "1"):
+            rows.append([name, f"peer_copies={k}", C.fmt(got[f"lost_{k}"]), C.fmt(got[f"cpu_{k}"])])
+        rows.append([name, "peers ÷ none / extra per GiB copied", C.fmt(got["ratio"], unit="×"),
+                     C.fmt(got["per_gib"], unit="CPU-s/GiB")])
+        if got.get("copy_per_gib"):
+            rows.append([name, "the copy threads alone (sender + server) per GiB copied", "",
+                         C.fmt(got["copy_per_gib"], unit="CPU-s/GiB")])
+    body = (
+        C.header_lines("Peer copies: the cost of a local save (`benchmarks/peers_bench.py`)", args,
+                       time.perf_counter() - t0, load)
+        + f"- {PROCESSES} processes x {DEVICES} CPU devices as 4 simulated nodes; state {mib} MiB float32 "
+        f"(each process's share {share_gib:.3f} GiB); a training step that reads and writes the whole state "
+        "(donated) and ends in an all-reduce over every process (the processes march in step)\n"
+        f"- one loop: {args.saves} blocks of {args.every} steps, a local save (CheckpointManager, "
+        "durable_every_steps=100000) before each block; the same loop without saves, with peer_copies=0 and with "
+        "peer_copies=1 in a rotated order, 2 measured rounds after a warm-up per run; the last save's copies "
+        "awaited untimed, inside the CPU window\n"
+        "- training time lost per local save = (loop − the same round's loop without saves) / saves, the slowest "
+        "process; process CPU per local save = (CPU − the same round's CPU without saves) / saves, mean over "
+        "processes (every process sends one share and receives one); extra per GiB copied = (CPU with peers − "
+        "without) per save / the share\n"
+        f"- loop without saves: {C.fmt(next(iter(per.values()))['loop_none'])} per block of {args.every} steps\n"
+        "- targets (issue 29): peer copies add at most 0.3 CPU-s per GiB copied, and at most 1.5× the training "
+        "time lost per local save without them\n\n"
+        + C.table(["library", "", "training time lost / local save", "process CPU / local save"], rows)
+        + "\n"
+    )
+    print(body)
+    C.write_section(args.results, "peers_bench_cost", body)
 
 
 if __name__ == "__main__":

@@ -151,8 +151,10 @@ def test_a_process_killed_while_sending_its_copy_leaves_no_copy_that_counts(tmp_
     results = run_processes(WORKER, 4, 2, args, timeout_s=240, check=False, fail_fast_grace_s=3)
     assert results[1].returncode == -9, results[1].describe()
     # Half of process 1's copy reached process 2, which dropped it when the connection broke
-    # and kept the checked copy of step 110 (the older copy is never lost to a newer one).
-    assert sorted(os.listdir(f"{local}/process-2/peer-copies/process-1")) == ["110"]
+    # and kept the checked copy of step 110 (the older copy is never lost to a newer one; 100
+    # too when the copy of 110 went out before the owner's local retention dropped 100).
+    held = sorted(os.listdir(f"{local}/process-2/peer-copies/process-1"))
+    assert "110" in held and not [n for n in held if n.startswith("120")], held
     for r in _restore(dict(args, phase="restore", kill_sending=None)):
         rec = r.record("restored")
         assert rec["step"] == 120 and rec["mismatches"] == [] and rec["durable_bytes"] == 0, r.describe()
@@ -190,3 +192,24 @@ def test_a_replaced_process_receives_its_boxes_from_its_holder_inside_the_restor
         # the step again, fetched in the background.
         assert r.stderr.find("fetched its copy of step 120") in (-1, *range(received, len(r.stderr))), r.describe()
     assert os.path.exists(f"{local}/process-1/120/COMMITTED")
+@pytest.mark.slow
+def test_a_holder_whose_tier_is_full_refuses_the_copy_clearly_keeps_the_older_one_and_the_next_copy_counts(tmp_path):
+    """ENOSPC injected by the fault harness (tests/faults, point `peer_copy`) in process 2
+    while it writes process 1's copy of step 120."""
+    args = {"directory": str(tmp_path / "durable"), "local": str(tmp_path / "local"), "phase": "save",
+            "steps": [100, 110, 120, 130], "peer_copies": 1, "durable_every_steps": 100, "enospc_holder": [2, 120]}
+    results = run_processes(WORKER, 4, 2, args, timeout_s=240)
+    after = [r.record("after_fault") for r in results]
+    assert after[2]["fired"] and "/peer-copies/process-1/" in after[2]["fired"], after[2]
+    # The owner says why its step survives no node loss: the holder, the step, the error.
+    error = after[1]["peer_error"] or ""
+    assert "process 2 could not hold step 120 of process 1" in error and "No space left on device" in error, error
+    assert after[1]["survives"].get("120") == 0, after[1]
+    # The holder kept its checked copy of step 110 and left no partial folder of 120.
+    assert after[2]["held"]["process-1"][-1] == "110" and not [n for n in after[2]["held"]["process-1"]
+                                                              if n.startswith("120")], after[2]
+    for r in results:  # the job went on: the next copy is held and checked
+        saved = r.record("saved")
+        assert saved["local_steps"] == [130] and saved["survives"].get("130") == 1, r.describe()
+    held = sorted(os.listdir(f"{args['local']}/process-2/peer-copies/process-1"))
+    assert "130" in held and not [n for n in held if n.startswith("120")], held  # 110 while the owner keeps it

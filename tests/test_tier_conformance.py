@@ -64,13 +64,19 @@ def test_a_peer_copy_that_fails_its_crc32c_check_is_refused_and_nothing_is_commi
     root = str(tmp_path / "process-0")
     ckpt.save(f"{root}/5", _tree(5))
     files = step_files(f"{root}/5")
-    lied = [dict(f, crc32c=f["crc32c"] ^ 1) if f["key"].endswith("manifest.json") else f for f in files]
     peers = PeerService(root, str(tmp_path / "dir"), copies=1, node="a", timeout_s=30)
+
+    def flip_a_manifest_byte(key, block):  # after the sender took its crc32c: damaged on the way
+        if key.endswith("manifest.json"):
+            block[0] ^= 1
+
     try:
-        with pytest.raises(ckpt.CheckpointError, match=r"has crc32c 0x[0-9a-f]+, expected 0x[0-9a-f]+"):
-            peers._put(0, 5, "g", lied, [5])
+        peers.damage_sent = flip_a_manifest_byte
+        with pytest.raises(ckpt.CheckpointError, match=r"manifest.json has crc32c 0x[0-9a-f]+, expected 0x[0-9a-f]+"):
+            peers._put(0, 5, "g", files, [5])
         assert peers.held(0).steps() == []
-        peers._put(0, 5, "g", files, [5])  # the true records: held, checked
+        peers.damage_sent = None
+        peers._put(0, 5, "g", files, [5])  # the bytes intact: held, checked
         assert peers.held(0).steps() == [5] and peers.held(0).generation(5) is not None
     finally:
         peers.close()

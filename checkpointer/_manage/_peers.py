@@ -13,12 +13,14 @@ a JSON object; file bytes travel raw, in `CHUNK_BYTES` pieces, so memory stays b
 
 ```
 put   owner → holder   {"op": "put", "owner", "step", "generation", "keep": [steps],
-                        "files": [{"key", "size", "crc32c"}, ...]}  then each file's bytes
-                       (the marker `COMMITTED` last).  The holder writes them into
-                       process-<h>/peer-copies/process-<owner>/<step>.partial-<g>/,
-                       fsyncs each and checks its length and the crc32c of the bytes
-                       it wrote against the header (computed by the owner from its
-                       committed files), writes `peer-copy.json` (the header), renames the folder to
+                        "files": [{"key", "size"}, ...]}  then each file's bytes and the
+                       crc32c the owner took of them as it read them (4 bytes; the
+                       marker `COMMITTED` last; `_peer_copy.send_copy`).  The holder
+                       writes them into process-<h>/peer-copies/process-<owner>/<step>.partial-<g>/
+                       (past the page cache, fsynced, `_peer_copy.receive_copy`), taking
+                       the crc32c of the bytes as they arrive: each file's length and
+                       crc32c must be the owner's. It writes `peer-copy.json` (the header
+                       with the checked crc32c), renames the folder to
                        <step>/, drops the owner's copies not in `keep`, and answers
                        {"ok": true} or {"error": text}.
 get   any → holder     {"op": "get", "owner", "step", "generation"}: answers the copy's
@@ -44,72 +46,29 @@ import re
 import shutil
 import socket
 import socketserver
-import struct
-import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import crc32c
 
 from .. import _coord, _format
 from .._errors import CheckpointError, CorruptCheckpointError, RestoreAgreementError
-from .._save import BACKGROUND_NICE
+from . import _peer_copy
+from ._peer_copy import (
+    CHUNK_BYTES,
+    COPY_RECORD,
+    MAX_HEADER_BYTES,
+    lower_thread_priority,
+    recv_json as _recv_json,
+    send_json as _send_json,
+    step_files,
+)
 from ._tier import PEER_COPIES_DIR, PeerCopyTier
 
 log = logging.getLogger("checkpointer")
 
-CHUNK_BYTES = 4 << 20  # bytes of a file in memory at once, per transfer
-MAX_HEADER_BYTES = 64 << 20  # a header lists the files of one step
-COPY_RECORD = "peer-copy.json"
-_LEN = struct.Struct(">I")
 _GENERATION_RE = re.compile(r"[0-9a-z-]{1,64}")  # what `_format.new_generation` writes, loosely
-
-
-def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
-    """Adds `nice` to the calling thread's nice value (Linux; elsewhere nothing): the
-    priority rule of the direct writer's threads."""
-    if sys.platform != "linux" or nice <= 0:
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:
-        pass
-
-
-def _send_json(sock: socket.socket, obj: object) -> None:
-    data = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(min(n - len(buf), CHUNK_BYTES))
-        if not part:
-            raise ConnectionError(f"the peer closed the connection after {len(buf)} of {n} bytes")
-        buf += part
-    return bytes(buf)
-
-
-def _recv_json(sock: socket.socket) -> dict:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_HEADER_BYTES:
-        raise ConnectionError(f"a peer message of {n} bytes (at most {MAX_HEADER_BYTES})")
-    obj = _format.load_json(_recv_exact(sock, n), what="a peer message", max_bytes=MAX_HEADER_BYTES)
-    if not isinstance(obj, dict):
-        raise ConnectionError("a peer message is not a JSON object")
-    return obj
-
-
-def _file_crc(path: str) -> tuple[int, int]:
-    """(length, crc32c) of a file, read in `CHUNK_BYTES` pieces."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            crc = crc32c.crc32c(chunk, crc)
-            size += len(chunk)
-    return size, crc
 
 
 def _receive_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> None:
@@ -156,22 +115,6 @@ def _stream_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> No
             sent = sock.sendfile(src, 0, size) if size else 0
             if sent != size:
                 raise ConnectionError(f"{folder}/{f['key']} is shorter than {size} bytes")
-
-
-def step_files(folder: str) -> list[dict]:
-    """Every file of a committed step folder with its length and crc32c, the marker last."""
-    out: list[dict] = []
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(dirpath, name)
-            key = os.path.relpath(path, folder).replace(os.sep, "/")
-            if key in (_format.COMMITTED, COPY_RECORD):
-                continue
-            size, crc = _file_crc(path)
-            out.append({"key": key, "size": size, "crc32c": crc})
-    out.sort(key=lambda f: str(f["key"]))
-    size, crc = _file_crc(f"{folder}/{_format.COMMITTED}")
-    return [*out, {"key": _format.COMMITTED, "size": size, "crc32c": crc}]
 
 
 def _commit_folder(partial: str, final: str, record: dict) -> None:
@@ -236,7 +179,11 @@ class PeerService:
                                                              initializer=lower_thread_priority)
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self.last_error: str | None = None
+        # CPU seconds of this process's copy threads: "send" (its own steps, with the
+        # bookkeeping after each), "serve" (the requests of its peers); benchmarks read it.
+        self.copy_cpu_s: dict[str, float] = {}
         self.before_send: Callable[[int, int], None] | None = None  # tests: (step, holder) before each put
+        self.damage_sent: Callable[[str, memoryview], None] | None = None  # tests: a copy damaged on the way
         self._server = self._serve()
         host, port = self._server.server_address[:2]
         self._address = PeerAddress(str(host), int(port), self.node)
@@ -266,6 +213,7 @@ class PeerService:
             def handle(self) -> None:
                 lower_thread_priority()
                 self.request.settimeout(service.timeout_s)
+                cpu_s = time.thread_time()
                 try:
                     request = _recv_json(self.request)
                     if request.get("op") == "put":
@@ -276,6 +224,8 @@ class PeerService:
                         _send_json(self.request, {"error": f"unknown request {request.get('op')!r}"})
                 except (OSError, ValueError, KeyError, TypeError) as e:
                     log.warning("a peer request to process %d failed: %s", service.process_index, e)
+                finally:
+                    service._count_cpu("serve", time.thread_time() - cpu_s)
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -296,8 +246,9 @@ class PeerService:
         try:
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(partial)
-            _receive_files(sock, partial, request["files"])
-            _commit_folder(partial, f"{tier.root}/{step}", {k: request[k] for k in ("owner", "step", "generation", "files")})
+            files = _peer_copy.receive_copy(sock, partial, request["files"], _received_path)
+            _commit_folder(partial, f"{tier.root}/{step}", {"owner": owner, "step": step, "generation": generation,
+                                                            "files": files})
         except (OSError, CheckpointError) as e:
             shutil.rmtree(partial, ignore_errors=True)
             text = f"process {self.process_index} could not hold step {step} of process {owner} in {tier.root}: " + (
@@ -386,7 +337,7 @@ class PeerService:
             except BaseException:
                 return 0  # the local save failed: the manager reports it
         folder = f"{self.local_root}/{step}"
-        verified = 0
+        verified, cpu_s = 0, time.thread_time()
         try:
             files = step_files(folder)
             holders = self.holders(self.process_index)
@@ -407,7 +358,12 @@ class PeerService:
                 del self._verified[s]
         on_done(step, verified)
         self._publish()
+        self._count_cpu("send", time.thread_time() - cpu_s)
         return verified
+
+    def _count_cpu(self, side: str, cpu_s: float) -> None:
+        with self._mu:
+            self.copy_cpu_s[side] = self.copy_cpu_s.get(side, 0.0) + cpu_s
 
     def _failed(self, step: int, text: str) -> None:
         with self._mu:
@@ -420,7 +376,7 @@ class PeerService:
             _send_json(sock, {"op": "put", "owner": self.process_index, "step": step, "generation": generation,
                               "keep": keep, "files": files})
             try:
-                _stream_files(sock, f"{self.local_root}/{step}", files)
+                _peer_copy.send_copy(sock, f"{self.local_root}/{step}", files, self.damage_sent)
             except OSError as e:  # the holder may have answered why it stopped reading
                 try:
                     answer = _recv_json(sock)

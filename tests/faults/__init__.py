@@ -2,9 +2,9 @@
 saves put their fault tests on it).
 
 - `layer`: `FaultLayer`, the fault-injecting wrapper of local storage and the direct
-  writer (kinds `STORAGE_KINDS`, `SIGNAL_KINDS`; injection points `POINTS`; a `Fault`
-  is a kind at the n-th operation of a point), which also refuses paths outside the
-  run's directories.
+  writer (kinds `STORAGE_KINDS`, `SIGNAL_KINDS`; injection points `POINTS`, and
+  `PEER_POINTS` for a holder writing a peer's copy; a `Fault` is a kind at the n-th
+  operation of a point), which also refuses paths outside the run's directories.
 - `invariants`: `Invariants`, the checks after each fault (newest committed step never
   back; every committed step bit-exact and verified; no `.partial-*` after a clean save;
   the `Sentinel` folder untouched).
@@ -31,10 +31,10 @@ from .campaign import (
     table,
 )
 from .invariants import Invariants, Sentinel, committed_steps, partial_folders
-from .layer import POINTS, SIGNAL_KINDS, STORAGE_KINDS, Fault, FaultLayer, Fired, OutsideRootsError
+from .layer import PEER_POINTS, POINTS, SIGNAL_KINDS, STORAGE_KINDS, Fault, FaultLayer, Fired, OutsideRootsError
 
 __all__ = [
     "KINDS", "POINTS", "PROCESS_KINDS", "SIGNAL_KINDS", "STORAGE_KINDS", "Fault", "FaultLayer", "Fired", "Invariants",
-    "OutsideRootsError", "Sentinel", "Tally", "committed_steps", "loop_worker", "multiprocess_storage_job",
+    "OutsideRootsError", "PEER_POINTS", "Sentinel", "Tally", "committed_steps", "loop_worker", "multiprocess_storage_job",
     "partial_folders", "process_job", "run_campaign", "storage_job", "storage_loop_worker", "table",
 ]

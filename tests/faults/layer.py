@@ -13,7 +13,8 @@ What is wrapped (in this process, for as long as `installed()` is entered):
   checks of the library still hold): `write_file`, `read_file`, `read_range`,
   `open_reader`, `makedirs`, `rename`, `sync_dir`, `delete_tree`, `delete_file`,
   `list_dir`, `list_files`, `exists`, `is_folder`, `size`;
-- the `os` module as `checkpointer._storage._local` and `._direct` see it (a proxy):
+- the `os` module as `checkpointer._storage._local`, `._direct` and
+  `checkpointer._manage._peer_copy` (a holder's copy of a peer's step) see it (a proxy):
   `write`, `pwrite` (short writes, ENOSPC, EIO), `fsync` (fsync failure), `preadv`,
   `pread` (EIO on restore), `open` (the path guard for direct chunk files).
 
@@ -39,6 +40,9 @@ from typing import Any
 STORAGE_KINDS = ("eio", "enospc", "short_write", "fsync_eio", "slow_io")
 SIGNAL_KINDS = ("sigkill", "sigterm")
 POINTS = ("save", "commit", "replication", "retention", "restore")
+# Points the campaign does not draw (its loop has no peers): a holder writing a peer's copy
+# of a local step (any path under a `peer-copies/` folder).
+PEER_POINTS = ("peer_copy",)
 SLOW_IO_S = 0.3  # how long a `slow_io` fault stalls its operation, seconds
 
 # Which operations each kind can strike (an op of another kind does not count down).
@@ -58,7 +62,7 @@ _SYSCALLS = {"write", "pwrite", "fsync", "open_write"}
 # restore only reads).
 POINT_KINDS = {
     "save": STORAGE_KINDS, "commit": STORAGE_KINDS, "replication": STORAGE_KINDS,
-    "retention": ("eio", "slow_io"), "restore": ("eio", "slow_io"),
+    "retention": ("eio", "slow_io"), "restore": ("eio", "slow_io"), "peer_copy": STORAGE_KINDS,
 }
 
 
@@ -73,8 +77,8 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in STORAGE_KINDS + SIGNAL_KINDS:
             raise ValueError(f"unknown fault kind {self.kind!r}: one of {STORAGE_KINDS + SIGNAL_KINDS}")
-        if self.point not in POINTS:
-            raise ValueError(f"unknown injection point {self.point!r}: one of {POINTS}")
+        if self.point not in POINTS + PEER_POINTS:
+            raise ValueError(f"unknown injection point {self.point!r}: one of {POINTS + PEER_POINTS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +147,8 @@ class FaultLayer:
         """The injection point an operation belongs to, or None."""
         if self.phase == "restore":
             return "restore" if op in _READS else None
+        if "/peer-copies/" in path and op not in _READS:
+            return "peer_copy"
         name = path.rstrip("/").rsplit("/", 1)[-1]
         if op == "delete_tree" or (op == "rename" and ".deleting-" in dst):
             return "retention"
@@ -218,15 +224,17 @@ class FaultLayer:
         replication threads too)."""
         import sys
 
+        import checkpointer._manage._peer_copy  # noqa: F401  (the peer copies' reads and writes)
         import checkpointer._storage  # noqa: F401  (the package, so its modules are loaded)
 
         local_mod = sys.modules["checkpointer._storage._local"]
         direct_mod = sys.modules["checkpointer._storage._direct"]
+        copy_mod = sys.modules["checkpointer._manage._peer_copy"]
         if isinstance(local_mod.os, _OsProxy):
             raise RuntimeError("a FaultLayer is already installed in this process: one at a time")
         cls = local_mod.LocalStorage
         saved_methods = {name: cls.__dict__[name] for name in _STORAGE_OPS if name in cls.__dict__}
-        saved_os = (local_mod.os, direct_mod.os)
+        saved_os = (local_mod.os, direct_mod.os, copy_mod.os)
         for name, real in saved_methods.items():
             setattr(cls, name, _wrap_method(self, name, real))
         direct_file = direct_mod.DirectFile
@@ -239,13 +247,14 @@ class FaultLayer:
         direct_file.__init__ = init
         local_mod.os = _OsProxy(self, os, {})
         direct_mod.os = _OsProxy(self, os, {})
+        copy_mod.os = _OsProxy(self, os, {})
         try:
             yield self
         finally:
             for name, real in saved_methods.items():
                 setattr(cls, name, real)
             direct_file.__init__ = real_init
-            local_mod.os, direct_mod.os = saved_os
+            local_mod.os, direct_mod.os, copy_mod.os = saved_os
 
 
 _STORAGE_OPS = ("write_file", "read_file", "read_range", "open_reader", "makedirs", "rename", "sync_dir",

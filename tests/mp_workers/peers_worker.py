@@ -5,9 +5,13 @@ args: {"directory", "local", "phase": "save" | "restore", "steps": [..], "peer_c
        "durable_every_steps": n, "late_s": {"<process>": seconds before joining the manager},
        "mesh": [rows, cols] (default [4, 2]),
        "kill_sending": [process, step]: that process dies (SIGKILL) in the middle of
-       streaming its copy of that step to its first holder}
+       streaming its copy of that step to its first holder,
+       "enospc_holder": [process, step]: before that step is saved (every earlier copy
+       checked), that process's FaultLayer (tests/faults) arms ENOSPC at its next write
+       of a peer's copy (the holder's tier is full)}
 phase "save": saves `steps` (w + step), waits, syncs, emits {"event": "saved", "all_steps",
-  "local_steps", "survives", "peer_error"}.
+  "local_steps", "survives", "peer_error"}; with "enospc_holder", after the faulted step
+  {"event": "after_fault", "survives", "peer_error", "held": {owner: [folders]}, "fired"}.
 phase "restore": restore(None), checks every shard bit-exactly; emits {"event": "restored",
   "step", "source", "durable_bytes", "mismatches"}, or {"event": "refused", "error"}.
 """
@@ -54,12 +58,47 @@ if kill and kill[0] == pidx:
 
     _peers.PeerService._put = dying_put
 
+
+
+def _arm_enospc(mngr, holder):
+    """Every earlier copy checked, then the holder's next write of a peer's copy fails
+    with ENOSPC (the FaultLayer of tests/faults, installed for the rest of the job)."""
+    mngr.wait_until_finished()
+    multihost_utils.sync_global_devices("before-enospc")
+    if pidx != holder:
+        return None
+    from tests.faults import Fault, FaultLayer  # the repository root is on the workers' path
+
+    layer = FaultLayer(roots=[args["directory"], args["local"]])
+    installed = layer.installed()  # referenced by the layer: a collected context manager uninstalls it
+    installed.__enter__()
+    layer.arm(Fault("enospc", "peer_copy"))
+    layer.installed_for_the_job = installed
+    return layer
+
+
+def _after_fault(mngr, layer):
+    mngr.wait_until_finished()
+    multihost_utils.sync_global_devices("after-enospc")
+    status = mngr.status()
+    copies = f"{mngr._tiers.root}/peer-copies"
+    held = {name: sorted(os.listdir(f"{copies}/{name}")) for name in sorted(os.listdir(copies))} if os.path.isdir(copies) else {}
+    fired = None if layer is None or layer.fired is None else f"{layer.fired.op} {layer.fired.path}"
+    _common.emit(event="after_fault", survives={str(k): v for k, v in status.node_losses_survived.items()},
+                 peer_error=status.last_peer_error, held=held, fired=fired)
+
+
 with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], keep_local=ckpt.KeepLatest(1),
                             commit_timeout_s=60, peer_copies=args.get("peer_copies", 1), peer_node=f"node-{pidx}",
                             durable_every_steps=args.get("durable_every_steps", 1)) as mngr:
     if args["phase"] == "save":
+        enospc, layer = args.get("enospc_holder"), None
         for step in args["steps"]:
+            if enospc and step == enospc[1]:
+                layer = _arm_enospc(mngr, enospc[0])
             mngr.save(step, dict(tree, w=tree["w"] + float(step), step=step))
+            if enospc and step == enospc[1]:
+                _after_fault(mngr, layer)
         mngr.wait_until_finished()
         multihost_utils.sync_global_devices("peers-saved")  # every process's copies are published
         status = mngr.status()
