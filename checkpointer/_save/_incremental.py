@@ -36,6 +36,7 @@ differs from the base's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -288,12 +289,33 @@ def _encoding_reads_directly(dtype: np.dtype) -> bool:
     return _encoding.fast_path_supported(dtype)
 
 
+_WHERE = threading.local()
+
+
+@contextlib.contextmanager
+def bases_beside(storage: Storage, path: str):
+    """Within (on this thread): an incremental save takes its base beside `path` on
+    `storage` instead of beside its own path. A two-tier manager's save commits on the
+    local tier first (`LOCAL/process-<i>/<step>`), so it references the newest committed
+    step of that same local folder; the durable copy is made self-consistent when it is
+    replicated (`_manage._tier_references`)."""
+    _WHERE.at = (storage, path)
+    try:
+        yield
+    finally:
+        _WHERE.at = None
+
+
 def find_base(storage: Storage, path: str) -> Base | None:
     """The newest committed checkpoint beside `path` (canonical step folders of its
-    parent, `path` itself excluded), with its manifest and chunk crc32c, or None.
+    parent, `path` itself excluded), with its manifest and chunk crc32c, or None
+    (`bases_beside` redirects it).
 
     A base whose manifest or records cannot be read is skipped (logged): the save is
     then a full one."""
+    at = getattr(_WHERE, "at", None)
+    if at is not None:
+        storage, path = at
     parent, name = path.rstrip("/").rsplit("/", 1)
     try:
         folders = _commit.committed_folders(storage, parent)
