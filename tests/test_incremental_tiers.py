@@ -96,3 +96,24 @@ def test_incremental_with_peer_copies_is_refused_naming_the_fix(tmp_path):
     with pytest.raises(ValueError, match="peer_copies=0"):
         ckpt.CheckpointManager(str(tmp_path / "run"), local_directory=str(tmp_path / "local"), peer_copies=1,
                                incremental=True)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_on_two_tiers_durable_references_of_every_process_are_gathered(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from multiprocess import WORKERS, run_processes
+
+    d, local = str(tmp_path / "run"), str(tmp_path / "local")
+    results = run_processes(WORKERS / "incremental_worker.py", 2, 4, {"directory": d, "local": local}, timeout_s=180)
+    for r in results:
+        rec = r.record("saved")
+        assert rec["steps"] == [2, 4] and rec["base_ok"] and rec["adapter"] == 4.0, r.describe()
+        # Durable 2 holds the base (local 1 never became durable: each process copied its
+        # chunks); durable 4 references durable 2 for both processes' chunks of it.
+        assert rec["refs"]["2"] == {"base": 0, "adapter": 0} and rec["refs"]["4"] == {"base": 8, "adapter": 0}
+    for step in (2, 4):
+        assert ckpt.verify(f"{d}/{step}").ok
+    with open(f"{d}/2/processes/1.json") as f:
+        assert sum("materialized_from" in c for c in json.load(f)["chunks"]) == 4

@@ -369,7 +369,9 @@ def gather(storage: Storage, root: str, own_index: int, own: Sequence[tuple[str,
       SaveError: the base was deleted or replaced meanwhile (nothing is committed).
     """
     out: dict[str, dict[tuple[int, ...], ChunkRef]] = {}
-    for i in range(process_count):
+    # `process_count` 1: this process's own alone (also a local tier's manifest copy,
+    # which process i > 0 writes without the others' records).
+    for i in ([own_index] if process_count == 1 else range(process_count)):
         if i == own_index:
             items = list(own)
         else:
