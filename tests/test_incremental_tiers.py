@@ -92,6 +92,22 @@ def test_a_local_only_step_restores_through_its_local_references(tmp_path, shard
         np.testing.assert_array_equal(np.asarray(tree["adapter"]), np.full((N, N), 3.0, np.float32))
 
 
+def test_replacing_a_local_step_that_its_base_references_writes_the_chunks_again(tmp_path, sharding):
+    # Local 2 references local 1; step 1 saved again (force=True, only durable 2 exists,
+    # which holds its own copy): its base, local 2, must not lend it a reference to itself.
+    d, local = str(tmp_path / "run"), str(tmp_path / "local")
+    base = _arr(sharding, seed=3)
+    with ckpt.CheckpointManager(d, local_directory=local, keep_local=ckpt.KeepLatest(3), durable_every_steps=2,
+                                incremental=True, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+        mgr.save(1, {"base": base, "adapter": _arr(sharding, 7.0)}, force=True)
+        assert "1" not in _refs_in(f"{local}/process-0/1", "base") and _chunk_files(f"{local}/process-0/1", "base") == 8
+        out = mgr.restore(1)
+        np.testing.assert_array_equal(np.asarray(out["base"]), np.asarray(base))
+        np.testing.assert_array_equal(np.asarray(out["adapter"]), np.full((N, N), 7.0, np.float32))
+
+
 def test_incremental_with_peer_copies_is_refused_naming_the_fix(tmp_path):
     with pytest.raises(ValueError, match="peer_copies=0"):
         ckpt.CheckpointManager(str(tmp_path / "run"), local_directory=str(tmp_path / "local"), peer_copies=1,

@@ -125,6 +125,7 @@ class Base:
     meta: CheckpointMetadata
     crcs: dict[str, int]  # chunk key -> data_crc32c of the chunks the base holds itself
     same: dict[str, weakref.ref]  # leaf path -> the jax.Array the base saved (this process)
+    own: str = ""  # the folder name of the save itself: a base's reference into it is not copied
 
     @property
     def generation(self) -> str:
@@ -145,8 +146,8 @@ class Base:
         """The reference to the base's chunk (to where the base found it, if the base
         references it itself: references are flat)."""
         old = b.references.get(chunk)
-        if old is not None:
-            return dataclasses.replace(old, xxh3_128=old.xxh3_128 or h)
+        if old is not None:  # into the step being replaced (force=True): its bytes go, written again
+            return None if old.folder == self.own else dataclasses.replace(old, xxh3_128=old.xxh3_128 or h)
         base_crc = self.crcs.get(_format.chunk_key(b.path, chunk))
         if base_crc is None or (crc is not None and crc != base_crc):
             return None
@@ -351,7 +352,7 @@ def find_base(storage: Storage, path: str) -> Base | None:
     with _IDENTITY_LOCK:
         known = _IDENTITY.get(f"{type(storage).__name__}:{parent}")
     same = known[2] if known is not None and known[0] == folder and known[1] == meta.generation else {}
-    return Base(storage, base_path, folder, meta, crcs, same)
+    return Base(storage, base_path, folder, meta, crcs, same, own=name)
 
 
 def references_json(refs: Sequence[tuple[str, ChunkRef]]) -> list[dict]:
