@@ -3,7 +3,9 @@
 Usage: python incremental_crash_worker.py DIR KILL_POINT
   KILL_POINT is `<hook>:<n>`: SIGKILL this process the n-th time <hook> runs, or `none`.
   Hooks: `refs_read` (retention read a step's references), `retention_renamed` (a step
-  moved aside: unpublished), `retention_deleted` (its bytes removed).
+  moved aside: unpublished), `retention_deleted` (its bytes removed); on object stores
+  (DIR an `s3://` URL): `catalog` (its marker deleted, its catalog entry not yet removed),
+  `unpublished` (both done), `kv_deleted` (its objects removed).
 The base changes at step 4 (steps before it reference step 0's base, later ones step 4's);
 the adapter changes every other step (odd steps reference the even step before).
 The adapter of step s is filled with s - s % 2; the tree's "step" is s.
@@ -24,8 +26,13 @@ from jax.sharding import (  # noqa: E402
 )
 
 import checkpointer as ckpt  # noqa: E402
+from checkpointer import _commit  # noqa: E402
+from checkpointer._commit import _directory  # noqa: E402
 from checkpointer._manage import _maintenance  # noqa: E402
-from checkpointer._storage import _local as _storage  # noqa: E402
+from checkpointer._storage import (
+    _kvstore,  # noqa: E402
+    _local as _storage,  # noqa: E402
+)
 
 directory, kill_point = sys.argv[1], sys.argv[2]
 hook, _, nth = kill_point.partition(":")
@@ -69,6 +76,34 @@ def delete_tree(self, path):
 
 
 _storage.LocalStorage.delete_tree = delete_tree
+_real_remove_entry = _directory._catalog.remove_entry
+
+
+def remove_entry(*args, **kwargs):
+    reached("catalog")
+    return _real_remove_entry(*args, **kwargs)
+
+
+_directory._catalog.remove_entry = remove_entry
+_real_unpublish = _commit.unpublish_step
+
+
+def unpublish_step(*args, **kwargs):
+    out = _real_unpublish(*args, **kwargs)
+    reached("unpublished")
+    return out
+
+
+_commit.unpublish_step = unpublish_step
+_real_kv_delete = _kvstore.KvStorage.delete_tree
+
+
+def kv_delete_tree(self, path):
+    _real_kv_delete(self, path)
+    reached("kv_deleted")
+
+
+_kvstore.KvStorage.delete_tree = kv_delete_tree
 
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
 sharding = NamedSharding(mesh, P("a", "b"))

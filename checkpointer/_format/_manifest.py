@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 
-from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, leaf_name
 from .._storage import Storage, storage_for
 from . import _json, _layout, _leaves, _references, _values
 from ._box import Box
@@ -181,7 +181,7 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
 def _attach_references(m: ArrayMetadata, raw: object, version: int, where: str) -> ArrayMetadata:
     """`m` with the chunk references of its entry (`_references`); only in a manifest of
     the version that has them, each chunk inside the leaf's grid, never of a packed leaf."""
-    loc = f"leaf {m.path!r} in {where}"
+    loc = f"leaf {leaf_name(m.path)} in {where}"
     _require(version == _references.FORMAT_VERSION_REFERENCES,
              f"{loc} has references, which format_version {version} does not have", where)
     _require(not m.packed, f"{loc}: a packed leaf cannot have references", where)
@@ -298,18 +298,19 @@ def _check_one_save(storage: Storage, path: str, raw: object) -> None:
 
 def _target_of(storage: Storage, path: str, folder: str, leaf: str, targets: dict) -> CheckpointMetadata:
     """The manifest of the referenced sibling `folder` (read once per folder, its own
-    references not followed), or CorruptCheckpointError naming both checkpoints."""
+    references not followed), or CorruptCheckpointError naming both checkpoints and
+    the leaf (`leaf`: its name as `jax.tree_util.keystr` prints it)."""
     if folder not in targets:
         target = _references.sibling(path, folder)
         try:
             targets[folder] = read_metadata(storage, target, check_references=False)
         except CheckpointNotFoundError as e:
             raise CorruptCheckpointError(
-                f"{path}: leaf {leaf!r} references chunks of {target}, which is not a committed checkpoint (deleted, "
+                f"{path}: leaf {leaf} references chunks of {target}, which is not a committed checkpoint (deleted, "
                 f"or never committed): the referenced data is gone. Restore another step. ({e})"
             ) from e
         except CorruptCheckpointError as e:
-            raise CorruptCheckpointError(f"{path}: leaf {leaf!r} references {target}, whose manifest is unreadable: {e}") from e
+            raise CorruptCheckpointError(f"{path}: leaf {leaf} references {target}, whose manifest is unreadable: {e}") from e
     return targets[folder]
 
 
@@ -324,10 +325,11 @@ def check_reference_targets(storage: Storage, path: str, meta: CheckpointMetadat
     """
     targets: dict[str, CheckpointMetadata] = {}
     for m in meta.arrays.values():
+        name = leaf_name(m.path, m.keystr)
         for cell, ref in m.references.items():
-            t = _target_of(storage, path, ref.folder, m.path, targets)
+            t = _target_of(storage, path, ref.folder, name, targets)
             target = _references.sibling(path, ref.folder)
-            here = f"{path}: leaf {m.path!r} chunk {list(cell)} references {target}"
+            here = f"{path}: leaf {name} chunk {list(cell)} references {target}"
             tm = t.arrays.get(m.path)
             if t.generation != ref.generation:
                 raise CorruptCheckpointError(
@@ -336,7 +338,7 @@ def check_reference_targets(storage: Storage, path: str, meta: CheckpointMetadat
                 )
             if tm is None or tm.packed or (tm.shape, tm.dtype, tm.chunk_shape, tm.inner_chunk_shape) != (
                     m.shape, m.dtype, m.chunk_shape, m.inner_chunk_shape):
-                raise CorruptCheckpointError(f"{here}, which has no leaf {m.path!r} of the same shape, dtype and chunk layout")
+                raise CorruptCheckpointError(f"{here}, which has no leaf {name} of the same shape, dtype and chunk layout")
             if cell in tm.references:
                 raise CorruptCheckpointError(
                     f"{here}, where that chunk is itself a reference (to {tm.references[cell].folder}): references must "

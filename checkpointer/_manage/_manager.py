@@ -4,6 +4,7 @@ restore from either tier, status. Listing and following steps: `_reader`."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
@@ -87,7 +88,10 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         finished save used, and why.
       incremental: as for `save` (docs/incremental.md). Retention keeps a step that a
         kept step references (`checkpointer gc` says for whom); `force=True` refuses to
-        replace a referenced step. Not with `local_directory`.
+        replace a referenced step. With `local_directory` a local step references the
+        newest committed local step of the same process; its durable copy references a
+        durable step of the same save, or holds the chunk itself (docs/incremental.md,
+        "Two tiers"). Not with `peer_copies` (ValueError).
       peer_copies, peer_node, durable_every_steps, durable_every_s: local steps held by
         peers on other nodes, and the durable schedule: see `TwoTierSaving`.
 
@@ -144,7 +148,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         # Two tiers pack as a direct save does: each process replicates its own pack.
         self._pack_bytes = _encoding.check_threshold(pack_small_leaves_bytes)
         self._direct_io = _storage.check_direct_io(direct_io)
-        self._incremental = _tier_manager.check_incremental(incremental, local_directory)
+        self._incremental = _tier_manager.check_incremental(incremental, peer_copies)
         self._last_write_mode: tuple[str | None, str | None] = (None, None)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
@@ -403,7 +407,9 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
             _commit.refuse(_commit.next_ticket(), f"{self.directory}/{step}", e)
             raise
         try:
-            snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers, write_limiter=self._write_limiter)
+            with self._tiers.bases(step) if self._tiers is not None and self._incremental else contextlib.nullcontext():
+                snap = take_snapshot(self.step_path(step), tree, options, step=step, buffers=self._buffers,
+                                     write_limiter=self._write_limiter)
         except Exception as e:
             self._journal.failed(step, e)
             raise

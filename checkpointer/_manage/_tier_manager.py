@@ -23,9 +23,9 @@ from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import RestoreOptions, resolve_tree, restore_from
-from .._save import SaveResult, Snapshot, manifest_bytes, release_host, write_snapshot
+from .._save import SaveResult, Snapshot, bases_beside, manifest_bytes, release_host, remember, write_snapshot
 from .._storage import Storage
-from . import _alerts, _peer_delivery, _peers, _tiers
+from . import _alerts, _peer_delivery, _peers, _tier_references, _tiers
 from ._policies import KeepPolicy
 from ._tier import DurableTier, LocalStepTier
 from ._time_policies import SaveClock
@@ -105,6 +105,7 @@ class LocalTier:
         self._queue = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-replicate")
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self._attempts: dict[int, int] = {}
+        self._bases_in_flight: dict[int, int] = {}  # incremental local saves in flight: step -> its local base
         self.last_error: str | None = None
         self.waiting = False
         self._recovered = False
@@ -131,8 +132,16 @@ class LocalTier:
         self._recovered = True
         return _commit.recover(self.storage, self.root)
 
+    def bases(self, step: int):
+        """Around `take_snapshot` of an incremental save: its base is the newest
+        committed step of this process's local tier (`_tier_references`)."""
+        return bases_beside(self.storage, f"{self.root}/{step}")
+
     def local_snapshot(self, snap: Snapshot) -> Snapshot:
         """The snapshot of a save, redirected to this process's local tier."""
+        if snap.base is not None and snap.step is not None and _format.is_step_name(snap.base.folder):
+            with self._mu:  # local retention keeps it until the save ends
+                self._bases_in_flight[snap.step] = int(snap.base.folder)
         return dataclasses.replace(
             snap, storage=self.storage, path=f"{self.root}/{snap.step}", writes_array_metadata=True, write_limiter=None,
             result=SaveResult(phases_unix_s=dict(snap.result.phases_unix_s)),
@@ -162,7 +171,11 @@ class LocalTier:
             )
             # A local replacement (the same step saved again) is always atomic: overwrite=True.
             commit.run(record.bytes_written, lambda _: manifest_bytes(snap, own, own_pack_only=True), marker=marker.to_json())
+            if snap.saved_arrays:  # the next incremental save's identity check
+                remember(snap.storage, snap.path, snap.generation, snap.saved_arrays)
         finally:
+            with self._mu:
+                self._bases_in_flight.pop(snap.step if snap.step is not None else -1, None)
             if snap.result.lock is not None:
                 snap.result.lock.release(remove=True)
                 snap.result.lock = None
@@ -303,7 +316,9 @@ class LocalTier:
         durable_folders = _commit.committed_folders(self.durable, self.directory)
         durable_steps = sorted(durable_folders)
         latest_durable = durable_steps[-1] if durable_steps else None
-        removed = []
+        with self._mu:
+            kept |= set(self._bases_in_flight.values())
+        may_go = []
         for s in steps:
             if s in kept:
                 continue
@@ -320,14 +335,8 @@ class LocalTier:
                 n > s and copies.get(n, 0) >= copies.get(s, 0) for n in steps)
             if not durable and not (latest_durable is not None and s < latest_durable) and not superseded:
                 continue  # the only copy of a step newer than the newest durable one: kept
-            try:
-                _commit.delete_step(self.storage, self.root, s)
-            except OSError as e:
-                log.warning("could not remove local step %d from %s: %s", s, self.root, e)
-                continue
-            removed.append(s)
-            log.info("local retention removed step %d from %s", s, self.root)
-        return removed
+            may_go.append(s)
+        return _tier_references.remove_local(self.storage, self.root, steps, may_go)  # after the steps they reference
 
     def status(self, latest_durable: int | None) -> TierStatus:
         steps = self.local_steps()
@@ -367,7 +376,8 @@ class LocalTier:
             try:
                 for leaf in resolved.leaves:
                     if leaf.target is not None and isinstance(leaf.meta, ArrayMetadata):
-                        keys.extend(k for k, _ in _encoding.files(leaf.meta, [b for _, b in leaf.device_boxes]))
+                        keys.extend(_tier_references.local_keys(leaf.meta, [k for k, _ in _encoding.files(
+                            leaf.meta, [b for _, b in leaf.device_boxes])], path.rsplit("/", 1)[1]))
             except CheckpointError:  # e.g. a packed chunk another process wrote: not in this copy's index
                 return None
             return keys
@@ -522,18 +532,20 @@ class LocalTier:
         return tree, "durable", options.stats.bytes_read - before
 
 
-def check_incremental(incremental: object, local_directory: object) -> bool:
-    """The manager's `incremental` option, checked: not with a local tier.
+def check_incremental(incremental: object, peer_copies: object) -> bool:
+    """The manager's `incremental` option, checked: not with peer copies.
 
     Raises:
       TypeError: not a bool.
-      ValueError: True with `local_directory`.
+      ValueError: True with `peer_copies` > 0.
     """
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be True or False, got {incremental!r}")
-    if incremental and local_directory is not None:
+    if incremental and peer_copies:
         raise ValueError(
-            "incremental=True with local_directory= is not supported yet: a local tier's step cannot reference "
-            "the durable directory's steps. Pass one or the other"
+            f"incremental=True with peer_copies={peer_copies!r} is not supported: a peer's copy of a local step holds "
+            "that step's files only, not the chunks it references in earlier local steps, so a copy fetched after "
+            "a node loss could not be restored. Pass peer_copies=0 (local and durable tiers follow references), "
+            "or incremental=False to keep peer copies (docs/incremental.md, \"Two tiers\")"
         )
     return incremental

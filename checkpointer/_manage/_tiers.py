@@ -43,6 +43,7 @@ from .. import _commit, _coord, _encoding, _format, _storage
 from .._errors import CheckpointError, CorruptCheckpointError, ReplicationError, RestoreAgreementError
 from .._format import ZARR_JSON, ProcessRecord
 from .._storage import Reader, Storage, storage_for
+from . import _tier_references
 
 log = logging.getLogger("checkpointer")
 
@@ -252,15 +253,20 @@ def replicate(
             durable.makedirs(parent)
             if pidx == 0 and durable.supports_locks and root != target.durable_path:
                 lock = durable.lock(root + _commit.SAVE_LOCK_SUFFIX)  # recovery leaves it alone
-            for folder in sorted({f"{root}/{k}".rsplit("/", 1)[0] for k in [*keys, record_name]}):
+            # Incremental saves: references to local steps not durable are materialized.
+            rewritten = _tier_references.durable_record(local, target.local_path, durable, target.durable_path, record_name)
+            sources = [(f"{target.local_path}/{k}", k) for k in keys]
+            if rewritten is not None:
+                sources += [(src, k) for src, k, _ in rewritten[1]]
+            for folder in sorted({f"{root}/{k}".rsplit("/", 1)[0] for k in [*(k for _, k in sources), record_name]}):
                 durable.makedirs(folder)
             with concurrent.futures.ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="checkpointer-replicate") as pool:
-                futures = [
-                    pool.submit(_copy_verified, local, f"{target.local_path}/{k}", durable, f"{root}/{k}", limiter)
-                    for k in keys
-                ]
+                futures = [pool.submit(_copy_verified, local, src, durable, f"{root}/{k}", limiter) for src, k in sources]
                 copied = sum(f.result() for f in futures)
-            copied += _copy_verified(local, f"{target.local_path}/{record_name}", durable, f"{root}/{record_name}", None)
+            if rewritten is not None:
+                copied += _tier_references.write_verified(durable, f"{root}/{record_name}", rewritten[0])
+            else:
+                copied += _copy_verified(local, f"{target.local_path}/{record_name}", durable, f"{root}/{record_name}", None)
         except BaseException as e:
             commit.fail(e)
             if isinstance(e, CheckpointError):
@@ -278,6 +284,7 @@ def replicate(
             if not isinstance(raw, dict):
                 raise CorruptCheckpointError(f"{target.local_path}/{_format.MANIFEST} is not a JSON object")
             with_every_pack(raw, durable, root, _coord.process_count())
+            _tier_references.with_every_reference(raw, durable, root, target.durable_path, _coord.process_count())
             return _format.dumps({**raw, "process_bytes_written": process_bytes} if len(process_bytes) > 1 else raw)
 
         try:
@@ -365,6 +372,8 @@ class TieredStorage(Storage):
         self.durable_bytes_read = 0
         self.used_durable_kvstore = False
         self._mu = threading.Lock()
+        self._parent = durable_path.rsplit("/", 1)[0]
+        self._siblings: dict[str, str | None] = {}
 
     def _count(self, n: int) -> None:
         with self._mu:
@@ -381,7 +390,33 @@ class TieredStorage(Storage):
             local_path = self.local_path + path[len(self.durable_path):]
             if self.local.exists(local_path):
                 return self.local, local_path, True
+        elif path.startswith(self._parent + "/"):  # a sibling step's file: a chunk an incremental save references
+            folder, _, rest = path[len(self._parent) + 1:].partition("/")
+            sibling = self._local_sibling(folder)
+            if sibling is not None and rest and (not self.durable_committed or rest.startswith(_format.ARRAYS + "/")):
+                local_path = f"{sibling}/{rest}"
+                if self.local.exists(local_path):
+                    return self.local, local_path, True
         return self.durable, path, False
+
+    def _local_sibling(self, folder: str) -> str | None:
+        """The local step folder beside this step's local folder that holds the same
+        save as the step `folder` beside the durable path (a local-only view: the local
+        step `folder` itself, whose generation the local manifest's references check; a
+        durable view: only when its marker names the durable step's generation), or None."""
+        with self._mu:
+            if folder in self._siblings:
+                return self._siblings[folder]
+        found = None
+        if _format.is_step_name(folder):
+            local = f"{self.local_path.rsplit('/', 1)[0]}/{folder}"
+            marker = read_marker(self.local, local)
+            if marker is not None and (not self.durable_committed or marker.generation == durable_generation(
+                    self.durable, self._parent, int(folder))):
+                found = local
+        with self._mu:
+            self._siblings[folder] = found
+        return found
 
     def kvstore_spec(self, path: str) -> dict:
         if not self.durable_committed and path.startswith(self.durable_path):
@@ -463,8 +498,8 @@ def local_restore_proposal(
     marker = read_marker(storage, path)
     if marker is None or marker.process_count != _coord.process_count() or marker.device_ids != own_device_ids():
         return "-"
-    keys = needed_keys(path)
-    if keys is None or any(not storage.exists(f"{path}/{k}") for k in keys):
+    keys = needed_keys(path)  # relative to `root` (an incremental step's references: other local steps)
+    if keys is None or any(not storage.exists(f"{root}/{k}") for k in keys):
         return "-"
     return f"{step} {marker.generation}"
 

@@ -36,6 +36,7 @@ differs from the base's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -124,6 +125,7 @@ class Base:
     meta: CheckpointMetadata
     crcs: dict[str, int]  # chunk key -> data_crc32c of the chunks the base holds itself
     same: dict[str, weakref.ref]  # leaf path -> the jax.Array the base saved (this process)
+    own: str = ""  # the folder name of the save itself: a base's reference into it is not copied
 
     @property
     def generation(self) -> str:
@@ -144,8 +146,8 @@ class Base:
         """The reference to the base's chunk (to where the base found it, if the base
         references it itself: references are flat)."""
         old = b.references.get(chunk)
-        if old is not None:
-            return dataclasses.replace(old, xxh3_128=old.xxh3_128 or h)
+        if old is not None:  # into the step being replaced (force=True): its bytes go, written again
+            return None if old.folder == self.own else dataclasses.replace(old, xxh3_128=old.xxh3_128 or h)
         base_crc = self.crcs.get(_format.chunk_key(b.path, chunk))
         if base_crc is None or (crc is not None and crc != base_crc):
             return None
@@ -288,12 +290,33 @@ def _encoding_reads_directly(dtype: np.dtype) -> bool:
     return _encoding.fast_path_supported(dtype)
 
 
+_WHERE = threading.local()
+
+
+@contextlib.contextmanager
+def bases_beside(storage: Storage, path: str):
+    """Within (on this thread): an incremental save takes its base beside `path` on
+    `storage` instead of beside its own path. A two-tier manager's save commits on the
+    local tier first (`LOCAL/process-<i>/<step>`), so it references the newest committed
+    step of that same local folder; the durable copy is made self-consistent when it is
+    replicated (`_manage._tier_references`)."""
+    _WHERE.at = (storage, path)
+    try:
+        yield
+    finally:
+        _WHERE.at = None
+
+
 def find_base(storage: Storage, path: str) -> Base | None:
     """The newest committed checkpoint beside `path` (canonical step folders of its
-    parent, `path` itself excluded), with its manifest and chunk crc32c, or None.
+    parent, `path` itself excluded), with its manifest and chunk crc32c, or None
+    (`bases_beside` redirects it).
 
     A base whose manifest or records cannot be read is skipped (logged): the save is
     then a full one."""
+    at = getattr(_WHERE, "at", None)
+    if at is not None:
+        storage, path = at
     parent, name = path.rstrip("/").rsplit("/", 1)
     try:
         folders = _commit.committed_folders(storage, parent)
@@ -329,7 +352,7 @@ def find_base(storage: Storage, path: str) -> Base | None:
     with _IDENTITY_LOCK:
         known = _IDENTITY.get(f"{type(storage).__name__}:{parent}")
     same = known[2] if known is not None and known[0] == folder and known[1] == meta.generation else {}
-    return Base(storage, base_path, folder, meta, crcs, same)
+    return Base(storage, base_path, folder, meta, crcs, same, own=name)
 
 
 def references_json(refs: Sequence[tuple[str, ChunkRef]]) -> list[dict]:
@@ -347,7 +370,9 @@ def gather(storage: Storage, root: str, own_index: int, own: Sequence[tuple[str,
       SaveError: the base was deleted or replaced meanwhile (nothing is committed).
     """
     out: dict[str, dict[tuple[int, ...], ChunkRef]] = {}
-    for i in range(process_count):
+    # `process_count` 1: this process's own alone (also a local tier's manifest copy,
+    # which process i > 0 writes without the others' records).
+    for i in ([own_index] if process_count == 1 else range(process_count)):
         if i == own_index:
             items = list(own)
         else:

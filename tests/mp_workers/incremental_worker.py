@@ -2,7 +2,8 @@
 changes, three steps with a manager (KeepLatest(2)), then restores: sharded, and replicated
 (a cooperative restore: the processes read parts and exchange them).
 
-args: {"directory": manager directory}
+args: {"directory": manager directory, "local": a local_directory (two tiers: steps 1..4,
+      durable every 2nd: durable 2 holds the base, durable 4 references it), optional}
 emits: {"event": "saved", "steps": all_steps, "refs": {step: references per leaf},
         "base_ok": bool, "adapter": float}
 """
@@ -28,16 +29,19 @@ def adapter(step):
 
 
 d = args["directory"]
-with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(2), incremental=True, async_save=False, pack_small_leaves_bytes=0) as mgr:
-    for step in range(3):
+tiers = {"local_directory": args["local"], "durable_every_steps": 2} if args.get("local") else {}
+first, last = (1, 4) if tiers else (0, 2)
+with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(2), incremental=True, async_save=False, pack_small_leaves_bytes=0,
+                            **tiers) as mgr:
+    for step in range(first, last + 1):
         mgr.save(step, {"base": base, "adapter": adapter(step)})
     steps = mgr.all_steps()
-    out = mgr.restore(2, {"base": sharding, "adapter": sharding})
+    out = mgr.restore(last, {"base": sharding, "adapter": sharding})
     local = [np.array_equal(np.asarray(s.data), host_base[s.index]) for s in out["base"].addressable_shards]
     # Replicated on every process: a cooperative restore (each process reads a part, they exchange).
-    rep = mgr.restore(2, {"base": NamedSharding(mesh, P()), "adapter": sharding})
+    rep = mgr.restore(last, {"base": NamedSharding(mesh, P()), "adapter": sharding})
     local.append(np.array_equal(np.asarray(rep["base"].addressable_shards[0].data), host_base))
-    plan = ckpt.plan_restore(f"{d}/2", {"base": NamedSharding(mesh, P()), "adapter": sharding})
+    plan = ckpt.plan_restore(f"{d}/{last}", {"base": NamedSharding(mesh, P()), "adapter": sharding})
     refs = {s: {k: len(v.references) for k, v in ckpt.metadata(f"{d}/{s}").arrays.items()} for s in steps}
 _common.emit(event="saved", steps=steps, refs=refs, base_ok=all(local), cooperative=plan.cooperative,
              sources=sorted(str(k) for k in plan.bytes_read_by_source),

@@ -1,0 +1,231 @@
+"""Incremental saves on two tiers (docs/incremental.md, "Two tiers").
+
+A save of a two-tier manager with `incremental=True` commits on the local tier first, as
+`LOCAL/process-<i>/<step>`; its base is the newest committed local step of the same
+process folder (`_save.bases_beside`), so a local step references local steps only,
+and its chunk files lie on the same disk.
+
+Replication keeps the durable tier self-consistent (a durable step's references point
+only into committed durable steps of the durable directory), reference by reference:
+
+- translated: the referenced local step `F` is committed on the durable tier with the
+  same generation (it was replicated): the durable step references durable `F`, whose
+  chunk file holds the same bytes (replication copies them, checked). Nothing is copied.
+- re-referenced: otherwise, when the newest committed durable step holds a copy of the
+  very same chunk file (it materialized it from local `F`, same generation: its record
+  says so, `MATERIALIZED_FROM`), or references such a copy (its record's reference says
+  so, too), the durable step references that copy.
+- materialized: otherwise (`durable_every_steps` > 1 skipped `F`, its replication
+  failed, or durable retention removed it): the chunk file is copied from local `F`
+  into the durable step, checked, and listed in the process's durable record as a chunk
+  it wrote (with `MATERIALIZED_FROM`); the reference is dropped there.
+
+Never "replicate the referenced step": a step the schedule left local stays local, and a
+durable step never depends on the local tier. Process 0 rebuilds the durable manifest's
+references from every process's durable record (`with_every_reference`) and checks that
+each translated target is still the committed generation, or the commit fails
+(ReplicationError, nothing committed).
+
+Local retention keeps a local step that a local step which stays references
+(`_maintenance.hold_referenced`), and the base of a local save in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+
+import crc32c
+
+from .. import _commit, _format
+from .._errors import CorruptCheckpointError, ReplicationError
+from .._format import ArrayMetadata, ChunkRecord, ProcessRecord
+from .._storage import Storage
+from . import _maintenance
+
+log = logging.getLogger("checkpointer")
+
+# A durable record's chunk copied from a local step it referenced: `[folder, generation]`
+# of that local step (an additive field of the chunk's entry; older readers keep it as read).
+MATERIALIZED_FROM = "materialized_from"
+
+
+def remove_local(storage: Storage, root: str, steps: Collection[int], doomed: Collection[int]) -> list[int]:
+    """Removes the local steps of `doomed` (of the committed `steps` of `root`) that no
+    staying local step references (the others stay: logged), one at a time, each only
+    once no step left references it (`_maintenance.maintain`'s order): a crash or a
+    failed removal between two leaves no local step with a dangling reference.
+    Returns the steps removed."""
+    if not doomed:
+        return []
+    folders = _commit.committed_folders(storage, root)
+    refs = {s: _maintenance.referenced_steps(storage, root, folders[s]) for s in steps if s in folders}
+    may_go, held = _maintenance.hold_referenced(steps, doomed, refs)
+    for c, users in sorted(held.items()):
+        log.info("local retention keeps step %d of %s: local steps %s reference its chunks", c, root, users)
+    remaining, removed = set(steps), []
+    while may_go:
+        ready = [c for c in may_go if not any(c in refs.get(s, ()) for s in remaining if s != c)]
+        if not ready:
+            break
+        c = max(ready)
+        may_go.discard(c)
+        try:
+            _commit.delete_step(storage, root, c)
+        except OSError as e:
+            log.warning("could not remove local step %d from %s: %s", c, root, e)
+            continue
+        remaining.discard(c)
+        removed.append(c)
+        log.info("local retention removed step %d from %s", c, root)
+    return sorted(removed)
+
+
+def local_keys(meta: ArrayMetadata, keys: list[str], step_folder: str) -> list[str]:
+    """`keys` (chunk files of `meta`, relative to the step folder) relative to the
+    local root instead: `<step>/<key>`, or `<F>/<key>` for a chunk the step
+    references in local step `F`."""
+    where = {_format.chunk_key(meta.path, cell): ref.folder for cell, ref in meta.references.items()}
+    return [f"{where.get(k, step_folder)}/{k}" for k in keys]
+
+
+def durable_record(local: Storage, local_path: str, durable: Storage, durable_path: str, record_name: str) -> tuple[bytes, list[tuple[str, str, int]]] | None:
+    """The durable record of this process for a local step whose record has references,
+    and the chunk files to copy into the durable step for the references that are
+    materialized: `(local source path, key, data_crc32c)`. None when the local record
+    has no references (it is copied as it is).
+
+    Raises:
+      CorruptCheckpointError: a referenced local step lacks the chunk, or its crc32c
+        differs from the reference's.
+    """
+    location = f"{local_path}/{record_name}"
+    raw = _format.loads(local.read_file(location), location)
+    if not isinstance(raw, dict) or not raw.get("references"):
+        return None
+    local_root, durable_parent = local_path.rsplit("/", 1)[0], durable_path.rsplit("/", 1)[0]
+    durable_folders = _commit.committed_folders(durable, durable_parent)
+    kept_refs, chunks, copies = [], list(raw.get("chunks") or []), []
+    translated: dict[str, bool] = {}
+    records: dict[str, dict[str, ChunkRecord]] = {}
+    earlier = _materialized(durable, durable_parent, durable_folders, durable_path.rsplit("/", 1)[1], record_name)
+    for r in raw["references"]:
+        folder, generation = r.get("in"), r.get("generation")
+        if folder not in translated:
+            same = _format.is_step_name(folder) and int(folder) in durable_folders and durable_generation_of(
+                durable, f"{durable_parent}/{durable_folders[int(folder)]}") == generation
+            translated[folder] = bool(same)
+        if translated[folder]:
+            kept_refs.append(r)
+            continue
+        key = _format.chunk_key(r["leaf"], r["chunk"])
+        again = earlier.get((key, folder, generation))
+        if again is not None:  # the newest durable step holds a copy of the very same chunk file
+            kept_refs.append({**r, "in": again[0], "generation": again[1], MATERIALIZED_FROM: [folder, generation]})
+            continue
+        if folder not in records:  # the chunks this process wrote in local step `folder`
+            rec = ProcessRecord.from_json(_format.loads(local.read_file(f"{local_root}/{folder}/{record_name}"), folder), folder)
+            records[folder] = {c.key: c for c in rec.chunks}
+        c = records[folder].get(key)
+        if c is None or c.data_crc32c != r.get("data_crc32c"):
+            raise CorruptCheckpointError(
+                f"{local_path}: leaf {r['leaf']!r} chunk {r['chunk']} references the local step {local_root}/{folder}, "
+                f"which {'has no such chunk' if c is None else 'holds other bytes (crc32c differs)'}; the local tier is damaged"
+            )
+        chunks.append(c.to_json() | {MATERIALIZED_FROM: [folder, generation]})
+        copies.append((f"{local_root}/{folder}/{key}", key, c.file_bytes or 0))
+    raw["chunks"] = chunks
+    raw["bytes_written"] = (raw.get("bytes_written") or 0) + sum(n for _, _, n in copies)
+    if kept_refs:
+        raw["references"] = kept_refs
+    else:
+        raw.pop("references")
+    if copies:
+        log.info("replicating %s: %d referenced chunk(s) of local steps not on %s are copied into it", local_path,
+                 len(copies), durable_parent)
+    return _format.dumps(raw), copies
+
+
+def _materialized(durable: Storage, parent: str, folders: dict[int, str], own: str, record_name: str) -> dict[tuple[str, str, str], tuple[str, str]]:
+    """The chunks the newest committed durable step (not `own`) holds as copies of
+    local steps' chunks (`MATERIALIZED_FROM` in this process's record there): (key,
+    local folder, generation) -> (that durable step's folder, its generation). A later
+    durable step references them there instead of copying them again."""
+    newest = [f for s, f in folders.items() if f == str(s) and f != own]
+    if not newest:
+        return {}
+    path = f"{parent}/{newest[-1]}"
+    generation = durable_generation_of(durable, path)
+    try:
+        record = _format.read_process_record(durable, f"{path}/{record_name}")
+    except (OSError, CorruptCheckpointError):
+        return {}
+    out = {}
+    for c in record.chunks:
+        origin = c.extra.get(MATERIALIZED_FROM)
+        if generation is not None and isinstance(origin, list) and len(origin) == 2:
+            out[(c.key, str(origin[0]), str(origin[1]))] = (newest[-1], generation)
+    for r in record.references or ():  # it references such a copy in turn
+        origin = r.get(MATERIALIZED_FROM)
+        if isinstance(origin, list) and len(origin) == 2 and isinstance(r.get("chunk"), list):
+            out[(_format.chunk_key(r["leaf"], r["chunk"]), str(origin[0]), str(origin[1]))] = (str(r["in"]), str(r["generation"]))
+    return out
+
+
+def durable_generation_of(storage: Storage, path: str) -> str | None:
+    """The generation in the `COMMITTED` marker of the durable step at `path`, or None."""
+    try:
+        marker = _format.loads(storage.read_file(f"{path}/{_format.COMMITTED}"), path)
+    except (OSError, CorruptCheckpointError):
+        return None
+    return str(marker.get("generation")) if isinstance(marker, dict) else None
+
+
+def write_verified(storage: Storage, path: str, data: bytes) -> int:
+    """Writes `data` and reads it back (as `_tiers._copy_verified` does a copy)."""
+    storage.write_file(path, data)
+    back = storage.read_file(path)
+    if back != data:
+        raise CorruptCheckpointError(
+            f"{path} reads back as {len(back)} bytes with crc32c {crc32c.crc32c(back):#010x}, expected {len(data)} "
+            f"bytes with crc32c {crc32c.crc32c(data):#010x}; the durable tier corrupts writes"
+        )
+    return len(data)
+
+
+def with_every_reference(manifest: dict, durable: Storage, root: str, durable_path: str, process_count: int) -> None:
+    """Process 0 at the durable commit: the local manifest copy lists process 0's local
+    references; the durable one lists every process's durable references (from their
+    records in `root`, translated ones only), with `format_version` 2 when any and 1
+    otherwise. Checks that every referenced durable step still holds the generation.
+
+    Raises:
+      ReplicationError: a referenced durable step was removed or replaced meanwhile.
+    """
+    leaves = manifest.get("leaves")
+    if not isinstance(leaves, dict):
+        return
+    had = any(isinstance(e, dict) and e.get("references") for e in leaves.values())
+    refs: dict[str, list[dict]] = {}
+    if had or manifest.get("format_version") == _format.FORMAT_VERSION_REFERENCES:
+        for i in range(process_count):
+            location = f"{root}/{_format.process_record_name(i)}"
+            record = _format.read_process_record(durable, location)
+            for r in record.references or ():
+                refs.setdefault(r["leaf"], []).append({k: v for k, v in r.items() if k not in ("leaf", MATERIALIZED_FROM)})
+    for leaf, entry in leaves.items():
+        if isinstance(entry, dict):
+            entry.pop("references", None)
+            if leaf in refs:
+                entry["references"] = sorted(refs[leaf], key=lambda r: r.get("chunk") or [])
+    wanted = {(r["in"], r["generation"]) for rs in refs.values() for r in rs}
+    for folder, generation in sorted(wanted):
+        target = _format.sibling(durable_path, folder)
+        if durable_generation_of(durable, target) != generation:
+            raise ReplicationError(
+                f"replicating {durable_path}: the durable step {target} it references (generation {generation}) was "
+                "removed or replaced meanwhile; nothing committed. The local step is replicated again on restart"
+            )
+    if had or refs:
+        manifest["format_version"] = _format.FORMAT_VERSION_REFERENCES if refs else _format.FORMAT_VERSION
+

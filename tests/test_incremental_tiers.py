@@ -1,0 +1,135 @@
+"""Incremental saves on two tiers and packed leaves (issue 30): a local step references
+local steps; its durable copy references only committed durable steps (translated) or
+holds the chunk itself (materialized); local retention keeps what local steps
+reference; peer copies refuse incremental saves with the fix; unchanged packed leaves
+are not rewritten."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import checkpointer as ckpt
+
+N = 1024  # 1024x1024 float32 = 4 MiB per leaf, 8 chunks of 512 KiB: not packed
+
+
+@pytest.fixture(scope="module")
+def sharding():
+    return NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b"))
+
+
+def _arr(sharding, value=0.0, seed=None):
+    if seed is not None:
+        host = np.random.default_rng(seed).standard_normal((N, N)).astype(np.float32)
+    else:
+        host = np.full((N, N), value, np.float32)
+    return jax.device_put(host, sharding)
+
+
+def _manifest(path):
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
+
+
+def _refs_in(path, leaf):
+    return {r["in"] for r in _manifest(path)["leaves"][leaf].get("references", [])}
+
+
+def _chunk_files(path, leaf):
+    root = os.path.join(path, "arrays", leaf, "c")
+    return sum(len(files) for _, _, files in os.walk(root)) if os.path.isdir(root) else 0
+
+
+def test_two_tiers_reference_local_steps_and_durable_copies_reference_durable_steps_or_hold_the_chunks(tmp_path, sharding):
+    d, local = str(tmp_path / "run"), str(tmp_path / "local")
+    lroot = f"{local}/process-0"
+    base = _arr(sharding, seed=1)
+    # Durable every 2nd step: step 1 stays local, so durable 2 cannot reference it.
+    with ckpt.CheckpointManager(d, local_directory=local, keep=ckpt.KeepLatest(3), keep_local=ckpt.KeepLatest(2),
+                                durable_every_steps=2, incremental=True, async_save=True) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+            mgr.wait_until_finished()
+            if step == 3:  # local 3 references local 1 (its base's holder), on the local disk
+                assert _refs_in(f"{lroot}/3", "base") == {"1"} and _chunk_files(f"{lroot}/3", "base") == 0
+        assert mgr.all_steps() == [2, 4, 6]
+        # Durable 2 holds the base itself (local 1 is not durable: materialized); durable 4
+        # and 6 reference durable 2's copy; nothing references a step of the local tier.
+        assert _refs_in(f"{d}/2", "base") == set() and _chunk_files(f"{d}/2", "base") == 8
+        assert _refs_in(f"{d}/4", "base") == {"2"} and _chunk_files(f"{d}/4", "base") == 0
+        assert _refs_in(f"{d}/6", "base") == {"2"} and _manifest(f"{d}/6")["format_version"] == 2
+        # Local retention keeps local 1 (referenced by the local steps kept), removes the rest.
+        assert sorted(int(n) for n in os.listdir(lroot) if n.isdigit()) == [1, 5, 6]
+        for step in (2, 4, 6):
+            assert ckpt.verify(f"{d}/{step}").ok
+            out = ckpt.restore(f"{d}/{step}")
+            np.testing.assert_array_equal(out["base"], np.asarray(base))
+            np.testing.assert_array_equal(out["adapter"], np.full((N, N), step, np.float32))
+        # The manager's restore reads step 6 from the local tier; the base it references
+        # in durable 2 (a copy local 2, gone, does not hold) from the durable tier.
+        tree = mgr.restore(6)
+        np.testing.assert_array_equal(np.asarray(tree["base"]), np.asarray(base))
+        st = mgr.status()
+        assert st.last_restore_source == "local+durable" and 0 < st.last_restore_durable_bytes <= N * N * 4 + (1 << 20)
+
+
+def test_a_local_only_step_restores_through_its_local_references(tmp_path, sharding):
+    d, local = str(tmp_path / "run"), str(tmp_path / "local")
+    base = _arr(sharding, seed=2)
+    with ckpt.CheckpointManager(d, local_directory=local, keep_local=ckpt.KeepLatest(2), durable_every_steps=10,
+                                incremental=True, async_save=False) as mgr:
+        for step in range(1, 4):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+        assert mgr.all_steps() == []  # nothing durable: steps 1..3 are local only
+    with ckpt.CheckpointManager(d, local_directory=local, keep_local=ckpt.KeepLatest(2), durable_every_steps=10,
+                                incremental=True) as mgr:
+        tree = mgr.restore()  # the newest local-only step, its base read from local step 1
+        np.testing.assert_array_equal(np.asarray(tree["base"]), np.asarray(base))
+        np.testing.assert_array_equal(np.asarray(tree["adapter"]), np.full((N, N), 3.0, np.float32))
+
+
+def test_replacing_a_local_step_that_its_base_references_writes_the_chunks_again(tmp_path, sharding):
+    # Local 2 references local 1; step 1 saved again (force=True, only durable 2 exists,
+    # which holds its own copy): its base, local 2, must not lend it a reference to itself.
+    d, local = str(tmp_path / "run"), str(tmp_path / "local")
+    base = _arr(sharding, seed=3)
+    with ckpt.CheckpointManager(d, local_directory=local, keep_local=ckpt.KeepLatest(3), durable_every_steps=2,
+                                incremental=True, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+        mgr.save(1, {"base": base, "adapter": _arr(sharding, 7.0)}, force=True)
+        assert "1" not in _refs_in(f"{local}/process-0/1", "base") and _chunk_files(f"{local}/process-0/1", "base") == 8
+        out = mgr.restore(1)
+        np.testing.assert_array_equal(np.asarray(out["base"]), np.asarray(base))
+        np.testing.assert_array_equal(np.asarray(out["adapter"]), np.full((N, N), 7.0, np.float32))
+
+
+def test_incremental_with_peer_copies_is_refused_naming_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="peer_copies=0"):
+        ckpt.CheckpointManager(str(tmp_path / "run"), local_directory=str(tmp_path / "local"), peer_copies=1,
+                               incremental=True)
+
+
+@pytest.mark.multiprocess
+def test_two_processes_on_two_tiers_durable_references_of_every_process_are_gathered(tmp_path):
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from multiprocess import WORKERS, run_processes
+
+    d, local = str(tmp_path / "run"), str(tmp_path / "local")
+    results = run_processes(WORKERS / "incremental_worker.py", 2, 4, {"directory": d, "local": local}, timeout_s=180)
+    for r in results:
+        rec = r.record("saved")
+        assert rec["steps"] == [2, 4] and rec["base_ok"] and rec["adapter"] == 4.0, r.describe()
+        # Durable 2 holds the base (local 1 never became durable: each process copied its
+        # chunks); durable 4 references durable 2 for both processes' chunks of it.
+        assert rec["refs"]["2"] == {"base": 0, "adapter": 0} and rec["refs"]["4"] == {"base": 8, "adapter": 0}
+    for step in (2, 4):
+        assert ckpt.verify(f"{d}/{step}").ok
+    with open(f"{d}/2/processes/1.json") as f:
+        assert sum("materialized_from" in c for c in json.load(f)["chunks"]) == 4
