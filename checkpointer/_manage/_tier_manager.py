@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .. import _commit, _coord, _encoding, _storage
+from .. import _commit, _coord, _encoding, _format, _storage
 from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
