@@ -179,3 +179,17 @@ def test_zarr_inner_chunks_apart_in_a_shard_file_are_one_request_within_the_rati
     (n1, read1, plan1), (n2, read2, plan2) = counts[1.0], counts[2.0]
     assert read1 == plan1  # 1.0: exactly the planned inner chunks
     assert n1 == 8 * 9 and n2 == 8 * 2 and plan2 < read2 <= 2 * plan2, counts
+
+
+def test_a_cast_reshard_reads_each_zarr_shard_file_together_too(tmp_path, monkeypatch):
+    # A target dtype other than the stored one: the boxes are read together into host
+    # buffers, then cast into their device buffers.
+    path = str(tmp_path / "1")
+    x, target = _reshard_1x8(path)
+    sharding = target["w"]
+    calls = _count_preadv(monkeypatch)
+    out = ckpt.restore(path, {"w": jax.ShapeDtypeStruct(x.shape, np.float16, sharding=sharding)})
+    monkeypatch.undo()
+    assert out["w"].dtype == np.float16 and out["w"].sharding == sharding
+    assert np.asarray(out["w"]).tobytes() == x.astype(np.float16).tobytes()
+    assert len(calls) <= 8 * 3, sorted(calls)

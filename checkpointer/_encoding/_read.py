@@ -61,7 +61,8 @@ class RestoreStats:
       bytes_read: bytes fetched from storage by the byte-range reader (inner chunks,
         their crc32c and shard indexes); leaves read through TensorStore's array layer
         (sub-byte dtypes) are not counted.
-      chunk_reads: chunk (zarr shard file) reads executed.
+      chunk_reads: zarr shard files (and packed-chunk runs) read: a file that several
+        boxes of a leaf need counts once when they are read together (`read_boxes`).
       attempts: 1, or 2 when the checkpoint was replaced while it was read.
       elapsed_s: seconds `restore` took, when it returned.
       plan: the `RestorePlan` executed (of the last attempt).
