@@ -574,20 +574,12 @@ class LocalTier:
         return tree, "durable", options.stats.bytes_read - before
 
 
-def check_incremental(incremental: object, peer_copies: object) -> bool:
-    """The manager's `incremental` option, checked: not with peer copies.
+def check_incremental(incremental: object) -> bool:
+    """The manager's `incremental` option, checked.
 
     Raises:
       TypeError: not a bool.
-      ValueError: True with `peer_copies` > 0.
     """
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be True or False, got {incremental!r}")
-    if incremental and peer_copies:
-        raise ValueError(
-            f"incremental=True with peer_copies={peer_copies!r} is not supported: a peer's copy of a local step holds "
-            "that step's files only, not the chunks it references in earlier local steps, so a copy fetched after "
-            "a node loss could not be restored. Pass peer_copies=0 (local and durable tiers follow references), "
-            "or incremental=False to keep peer copies (docs/incremental.md, \"Two tiers\")"
-        )
     return incremental

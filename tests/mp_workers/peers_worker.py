@@ -4,7 +4,8 @@
 args: {"directory", "local", "phase": "save" | "restore", "steps": [..], "peer_copies": k,
        "durable_every_steps": n, "late_s": {"<process>": seconds before joining the manager},
        "kill_sending": [process, step]: that process dies (SIGKILL) in the middle of
-       streaming its copy of that step to its first holder}
+       streaming its copy of that step to its first holder, "incremental": bool,
+       "pack_small_leaves_bytes": int}
 phase "save": saves `steps` (w + step), waits, syncs, emits {"event": "saved", "all_steps",
   "local_steps", "survives", "peer_error"}.
 phase "restore": restore(None), checks every shard bit-exactly; emits {"event": "restored",
@@ -55,7 +56,9 @@ if kill and kill[0] == pidx:
 
 with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], keep_local=ckpt.KeepLatest(1),
                             commit_timeout_s=60, peer_copies=args.get("peer_copies", 1), peer_node=f"node-{pidx}",
-                            durable_every_steps=args.get("durable_every_steps", 1)) as mngr:
+                            durable_every_steps=args.get("durable_every_steps", 1),
+                            incremental=args.get("incremental", False),
+                            pack_small_leaves_bytes=args.get("pack_small_leaves_bytes")) as mngr:
     if args["phase"] == "save":
         for step in args["steps"]:
             mngr.save(step, dict(tree, w=tree["w"] + float(step), step=step))
