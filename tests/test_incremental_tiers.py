@@ -147,10 +147,13 @@ def test_two_processes_on_two_tiers_durable_references_of_every_process_are_gath
     for r in results:
         rec = r.record("saved")
         assert rec["steps"] == [2, 4] and rec["base_ok"] and rec["adapter"] == 4.0, r.describe()
-        # Durable 2 holds the base (local 1 never became durable: each process copied its
-        # chunks); durable 4 references durable 2 for both processes' chunks of it.
-        assert rec["refs"]["2"] == {"base": 0, "adapter": 0} and rec["refs"]["4"] == {"base": 8, "adapter": 0}
+        # Process 0's half of the base changes every step, process 1's does not. Durable 2
+        # holds the base (local 1 never became durable: process 1 copied its chunks in);
+        # durable 4 references durable 2 for process 1's 4 chunks, which process 0, whose
+        # local manifest copy has no references, gathered from process 1's durable record.
+        assert rec["refs"]["2"] == {"base": 0, "adapter": 0} and rec["refs"]["4"] == {"base": 4, "adapter": 0}
     for step in (2, 4):
         assert ckpt.verify(f"{d}/{step}").ok
+    assert "references" not in _manifest(f"{local}/process-0/4")["leaves"]["base"]
     with open(f"{d}/2/processes/1.json") as f:
         assert sum("materialized_from" in c for c in json.load(f)["chunks"]) == 4

@@ -195,6 +195,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
                     durable_every_s, self.directory + "#durable", agreement_timeout_s,
                     first_unix_s=self._newest_created_unix_s),
             )
+            self._tiers.incremental = self._incremental
         elif peer_copies:
             raise ValueError("peer_copies needs local_directory: the copies are held in the peers' local tiers")
 

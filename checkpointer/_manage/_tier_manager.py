@@ -106,6 +106,7 @@ class LocalTier:
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self._attempts: dict[int, int] = {}
         self._bases_in_flight: dict[int, int] = {}  # incremental local saves in flight: step -> its local base
+        self.incremental = False  # the manager's `incremental` (set by it): replication gathers references
         self.last_error: str | None = None
         self.waiting = False
         self._recovered = False
@@ -193,7 +194,7 @@ class LocalTier:
             attempt = self._attempts[step] = self._attempts.get(step, -1) + 1
             target = _tiers.ReplicationTarget(
                 step=step, local_path=f"{self.root}/{step}", durable_path=f"{self.directory}/{step}",
-                generation=generation, attempt=attempt, overwrite=overwrite,
+                generation=generation, attempt=attempt, overwrite=overwrite, incremental=self.incremental,
             )
             job = self._queue.submit(self._replicate, target, local_save)
             self._jobs[step] = job

@@ -195,11 +195,15 @@ def write_verified(storage: Storage, path: str, data: bytes) -> int:
     return len(data)
 
 
-def with_every_reference(manifest: dict, durable: Storage, root: str, durable_path: str, process_count: int) -> None:
+def with_every_reference(manifest: dict, durable: Storage, root: str, durable_path: str, process_count: int,
+                         incremental: bool = False) -> None:
     """Process 0 at the durable commit: the local manifest copy lists process 0's local
     references; the durable one lists every process's durable references (from their
     records in `root`, translated ones only), with `format_version` 2 when any and 1
     otherwise. Checks that every referenced durable step still holds the generation.
+    Reads the records when process 0's copy has references or the manager saves
+    incrementally (`incremental`: another process may have references that process 0
+    has not); else nothing.
 
     Raises:
       ReplicationError: a referenced durable step was removed or replaced meanwhile.
@@ -209,7 +213,7 @@ def with_every_reference(manifest: dict, durable: Storage, root: str, durable_pa
         return
     had = any(isinstance(e, dict) and e.get("references") for e in leaves.values())
     refs: dict[str, list[dict]] = {}
-    if had or manifest.get("format_version") == _format.FORMAT_VERSION_REFERENCES:
+    if had or incremental or manifest.get("format_version") == _format.FORMAT_VERSION_REFERENCES:
         for i in range(process_count):
             location = f"{root}/{_format.process_record_name(i)}"
             record = _format.read_process_record(durable, location)
