@@ -11,6 +11,8 @@ CheckpointManager with KeepLatest(3), async saves. Modes, each into a new folder
   incr-content    incremental=True; the base is a fresh copy of the same values every step
                   (crc32c + XXH3-128, the first save after the first compares with the stored bytes)
   orbax           orbax-checkpoint's CheckpointManager(max_to_keep=3), StandardSave (if installed)
+  incr-two-tiers  (--two-tiers) incr-identity with local_directory= (KeepLatest(2) locally, every
+                  step replicated): bytes are the durable step's (replication's copies)
 
 Per save: bytes written (the manifest's process_bytes_written; orbax: the step folder's size),
 the time `save()` blocks the loop (training time lost), the time until committed
@@ -63,6 +65,8 @@ def _args():
     ap.add_argument("--pretrain-saves", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only-pretrain", action="store_true", help="only the pretraining loop (its own RESULTS.md section)")
+    ap.add_argument("--two-tiers", action="store_true", help="also incr-two-tiers (a local tier, every step replicated)")
+    ap.add_argument("--modes", default=None, help="comma-separated subset of the modes (default: all)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--results", default=None)
     args = ap.parse_args()
@@ -93,6 +97,9 @@ def _lora(args, sharding, mode: str, root: str) -> dict:
         import orbax.checkpoint as ocp
 
         mgr = ocp.CheckpointManager(d, options=ocp.CheckpointManagerOptions(max_to_keep=3))
+    elif mode == "incr-two-tiers":
+        mgr = ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(3), incremental=True, local_directory=f"{root}/{mode}-local",
+                                     keep_local=ckpt.KeepLatest(2))
     else:
         mgr = ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(3), incremental=mode != "full")
     for step in range(args.steps):
@@ -171,12 +178,19 @@ def main() -> None:
         modes.append("orbax")
     except ImportError:
         pass
+    if args.two_tiers:
+        modes.append("incr-two-tiers")
+    if args.modes:
+        modes = [m for m in args.modes.split(",") if m in [*modes, "incr-two-tiers"]]
+        if "full" not in modes:
+            modes.insert(0, "full")  # the restore column's reference
     try:
         lora = {}
         for mode in ([] if args.only_pretrain else modes):
             lora[mode] = _lora(args, sharding, mode, root)
             print(mode, {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in lora[mode].items()}, flush=True)
             shutil.rmtree(f"{root}/{mode}", ignore_errors=True)
+            shutil.rmtree(f"{root}/{mode}-local", ignore_errors=True)
         pre = _pretrain(args, sharding, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -108,10 +108,31 @@ def test_replacing_a_local_step_that_its_base_references_writes_the_chunks_again
         np.testing.assert_array_equal(np.asarray(out["adapter"]), np.full((N, N), 7.0, np.float32))
 
 
-def test_incremental_with_peer_copies_is_refused_naming_the_fix(tmp_path):
-    with pytest.raises(ValueError, match="peer_copies=0"):
-        ckpt.CheckpointManager(str(tmp_path / "run"), local_directory=str(tmp_path / "local"), peer_copies=1,
-                               incremental=True)
+@pytest.mark.multiprocess
+def test_a_peer_copy_carries_the_chunks_its_step_references_and_a_lost_node_resumes_from_it(tmp_path):
+    # 4 processes as 4 nodes, one peer copy each; steps 100 (durable), 110, 120 (local
+    # and peers). 'ids' and 'bf' never change: local 120 references local 100 for them.
+    import glob
+    import shutil
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from multiprocess import WORKERS, run_processes
+
+    durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
+    args = {"directory": durable, "local": local, "phase": "save", "steps": [100, 110, 120], "peer_copies": 1,
+            "durable_every_steps": 100, "incremental": True, "pack_small_leaves_bytes": 0}
+    for r in run_processes(WORKERS / "peers_worker.py", 4, 2, args, timeout_s=240):
+        saved = r.record("saved")
+        assert saved["local_steps"] == [100, 120] and saved["survives"].get("120") == 1, r.describe()
+    assert _refs_in(f"{local}/process-1/120", "ids") == {"100"}  # the local step references
+    copy = f"{local}/process-2/peer-copies/process-1/120"  # the copy process 2 holds: standalone
+    assert _manifest(copy)["format_version"] == 1 and not _refs_in(copy, "ids") and _chunk_files(copy, "ids") > 0
+    assert not glob.glob(f"{local}/process-1/.peer-send-*")  # the hard-linked folder it was sent from is gone
+    shutil.rmtree(f"{local}/process-1")  # node 1 replaced: its own steps and the copies it held
+    for r in run_processes(WORKERS / "peers_worker.py", 4, 2, dict(args, phase="restore"), timeout_s=240):
+        rec = r.record("restored")
+        assert rec["step"] == 120 and rec["mismatches"] == [] and rec["durable_bytes"] == 0, r.describe()
 
 
 @pytest.mark.multiprocess
@@ -126,10 +147,13 @@ def test_two_processes_on_two_tiers_durable_references_of_every_process_are_gath
     for r in results:
         rec = r.record("saved")
         assert rec["steps"] == [2, 4] and rec["base_ok"] and rec["adapter"] == 4.0, r.describe()
-        # Durable 2 holds the base (local 1 never became durable: each process copied its
-        # chunks); durable 4 references durable 2 for both processes' chunks of it.
-        assert rec["refs"]["2"] == {"base": 0, "adapter": 0} and rec["refs"]["4"] == {"base": 8, "adapter": 0}
+        # Process 0's half of the base changes every step, process 1's does not. Durable 2
+        # holds the base (local 1 never became durable: process 1 copied its chunks in);
+        # durable 4 references durable 2 for process 1's 4 chunks, which process 0, whose
+        # local manifest copy has no references, gathered from process 1's durable record.
+        assert rec["refs"]["2"] == {"base": 0, "adapter": 0} and rec["refs"]["4"] == {"base": 4, "adapter": 0}
     for step in (2, 4):
         assert ckpt.verify(f"{d}/{step}").ok
+    assert "references" not in _manifest(f"{local}/process-0/4")["leaves"]["base"]
     with open(f"{d}/2/processes/1.json") as f:
         assert sum("materialized_from" in c for c in json.load(f)["chunks"]) == 4

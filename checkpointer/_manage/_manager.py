@@ -90,8 +90,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         kept step references (`checkpointer gc` says for whom); `force=True` refuses to
         replace a referenced step. With `local_directory` a local step references the
         newest committed local step of the same process; its durable copy references a
-        durable step of the same save, or holds the chunk itself (docs/incremental.md,
-        "Two tiers"). Not with `peer_copies` (ValueError).
+        durable step of the same save, or holds the chunk itself; a peer copy carries
+        the chunks it references (docs/incremental.md, "Two tiers").
       peer_copies, peer_node, durable_every_steps, durable_every_s: local steps held by
         peers on other nodes, and the durable schedule: see `TwoTierSaving`.
 
@@ -148,7 +148,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         # Two tiers pack as a direct save does: each process replicates its own pack.
         self._pack_bytes = _encoding.check_threshold(pack_small_leaves_bytes)
         self._direct_io = _storage.check_direct_io(direct_io)
-        self._incremental = _tier_manager.check_incremental(incremental, peer_copies)
+        self._incremental = _tier_manager.check_incremental(incremental)
         self._last_write_mode: tuple[str | None, str | None] = (None, None)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
@@ -195,6 +195,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
                     durable_every_s, self.directory + "#durable", agreement_timeout_s,
                     first_unix_s=self._newest_created_unix_s),
             )
+            self._tiers.incremental = self._incremental
         elif peer_copies:
             raise ValueError("peer_copies needs local_directory: the copies are held in the peers' local tiers")
 

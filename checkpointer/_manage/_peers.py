@@ -54,7 +54,7 @@ import crc32c
 
 from .. import _coord, _format
 from .._errors import CheckpointError, CorruptCheckpointError, RestoreAgreementError
-from . import _peer_copy
+from . import _peer_copy, _tier_references
 from ._peer_copy import (
     CHUNK_BYTES,
     COPY_RECORD,
@@ -175,6 +175,7 @@ class PeerService:
         self._verified: dict[int, int] = {}  # own step → copies checked by their holders
         self._held: dict[int, PeerCopyTier] = {}
         self._mu = threading.Lock()
+        self._sending: dict[int, str] = {}  # step -> the folder its copy is sent from (`_tier_references`)
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-peers",
                                                              initializer=lower_thread_priority)
         self._jobs: dict[int, concurrent.futures.Future] = {}
@@ -336,22 +337,30 @@ class PeerService:
                 after()
             except BaseException:
                 return 0  # the local save failed: the manager reports it
-        folder = f"{self.local_root}/{step}"
+        folder, cleanup = f"{self.local_root}/{step}", None
         verified, cpu_s = 0, time.thread_time()
         try:
+            # Incremental saves: a standalone folder that carries the referenced chunks.
+            folder, cleanup = _tier_references.peer_copy_folder(self.local_root, step)
             files = step_files(folder)
             holders = self.holders(self.process_index)
         except Exception as e:  # a file gone, or the coordination service has no address (jaxlib's error)
             self._failed(step, f"step {step}: {type(e).__name__}: {e}")
             holders, files = [], []
-        for holder in holders:
-            try:
-                if self.before_send is not None:
-                    self.before_send(step, holder)
-                self._put(holder, step, generation, files, keep())
-                verified += 1
-            except Exception as e:  # the holder's answer, a broken connection, no address
-                self._failed(step, f"step {step} to process {holder}: {type(e).__name__}: {e}")
+        try:
+            for holder in holders:
+                try:
+                    if self.before_send is not None:
+                        self.before_send(step, holder)
+                    self._sending[step] = folder
+                    self._put(holder, step, generation, files, keep())
+                    verified += 1
+                except Exception as e:  # the holder's answer, a broken connection, no address
+                    self._failed(step, f"step {step} to process {holder}: {type(e).__name__}: {e}")
+        finally:
+            self._sending.pop(step, None)
+            if cleanup is not None:
+                cleanup()
         with self._mu:
             self._verified[step] = verified
             for s in [s for s in self._verified if s not in set(keep()) | {step}]:
@@ -376,7 +385,7 @@ class PeerService:
             _send_json(sock, {"op": "put", "owner": self.process_index, "step": step, "generation": generation,
                               "keep": keep, "files": files})
             try:
-                _peer_copy.send_copy(sock, f"{self.local_root}/{step}", files, self.damage_sent)
+                _peer_copy.send_copy(sock, self._sending.get(step, f"{self.local_root}/{step}"), files, self.damage_sent)
             except OSError as e:  # the holder may have answered why it stopped reading
                 try:
                     answer = _recv_json(sock)

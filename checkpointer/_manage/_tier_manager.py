@@ -106,6 +106,7 @@ class LocalTier:
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self._attempts: dict[int, int] = {}
         self._bases_in_flight: dict[int, int] = {}  # incremental local saves in flight: step -> its local base
+        self.incremental = False  # the manager's `incremental` (set by it): replication gathers references
         self.last_error: str | None = None
         self.waiting = False
         self._recovered = False
@@ -193,7 +194,7 @@ class LocalTier:
             attempt = self._attempts[step] = self._attempts.get(step, -1) + 1
             target = _tiers.ReplicationTarget(
                 step=step, local_path=f"{self.root}/{step}", durable_path=f"{self.directory}/{step}",
-                generation=generation, attempt=attempt, overwrite=overwrite,
+                generation=generation, attempt=attempt, overwrite=overwrite, incremental=self.incremental,
             )
             job = self._queue.submit(self._replicate, target, local_save)
             self._jobs[step] = job
@@ -532,20 +533,12 @@ class LocalTier:
         return tree, "durable", options.stats.bytes_read - before
 
 
-def check_incremental(incremental: object, peer_copies: object) -> bool:
-    """The manager's `incremental` option, checked: not with peer copies.
+def check_incremental(incremental: object) -> bool:
+    """The manager's `incremental` option, checked.
 
     Raises:
       TypeError: not a bool.
-      ValueError: True with `peer_copies` > 0.
     """
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be True or False, got {incremental!r}")
-    if incremental and peer_copies:
-        raise ValueError(
-            f"incremental=True with peer_copies={peer_copies!r} is not supported: a peer's copy of a local step holds "
-            "that step's files only, not the chunks it references in earlier local steps, so a copy fetched after "
-            "a node loss could not be restored. Pass peer_copies=0 (local and durable tiers follow references), "
-            "or incremental=False to keep peer copies (docs/incremental.md, \"Two tiers\")"
-        )
     return incremental

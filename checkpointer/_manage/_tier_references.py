@@ -33,7 +33,9 @@ Local retention keeps a local step that a local step which stays references
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+import os
+import shutil
+from collections.abc import Callable, Collection
 
 import crc32c
 
@@ -193,11 +195,15 @@ def write_verified(storage: Storage, path: str, data: bytes) -> int:
     return len(data)
 
 
-def with_every_reference(manifest: dict, durable: Storage, root: str, durable_path: str, process_count: int) -> None:
+def with_every_reference(manifest: dict, durable: Storage, root: str, durable_path: str, process_count: int,
+                         incremental: bool = False) -> None:
     """Process 0 at the durable commit: the local manifest copy lists process 0's local
     references; the durable one lists every process's durable references (from their
     records in `root`, translated ones only), with `format_version` 2 when any and 1
     otherwise. Checks that every referenced durable step still holds the generation.
+    Reads the records when process 0's copy has references or the manager saves
+    incrementally (`incremental`: another process may have references that process 0
+    has not); else nothing.
 
     Raises:
       ReplicationError: a referenced durable step was removed or replaced meanwhile.
@@ -207,7 +213,7 @@ def with_every_reference(manifest: dict, durable: Storage, root: str, durable_pa
         return
     had = any(isinstance(e, dict) and e.get("references") for e in leaves.values())
     refs: dict[str, list[dict]] = {}
-    if had or manifest.get("format_version") == _format.FORMAT_VERSION_REFERENCES:
+    if had or incremental or manifest.get("format_version") == _format.FORMAT_VERSION_REFERENCES:
         for i in range(process_count):
             location = f"{root}/{_format.process_record_name(i)}"
             record = _format.read_process_record(durable, location)
@@ -229,3 +235,92 @@ def with_every_reference(manifest: dict, durable: Storage, root: str, durable_pa
     if had or refs:
         manifest["format_version"] = _format.FORMAT_VERSION_REFERENCES if refs else _format.FORMAT_VERSION
 
+
+
+# --- peer copies -------------------------------------------------------------------------
+
+PEER_SEND_PREFIX = ".peer-send-"
+
+
+def peer_copy_folder(local_root: str, step: int) -> tuple[str, Callable[[], None]]:
+    """The folder to send as the peer copy of local `step` (`_peers`): the step folder
+    itself, or, when its manifest has references, a standalone copy beside it
+    (`.peer-send-<step>`, a foreign name that listings ignore): hard links to the step's
+    files and to the chunk files it references in earlier local steps (no bytes copied),
+    with the manifest and this process's record rewritten without references (the chunks
+    listed as its own, `MATERIALIZED_FROM` the local step). A copy then carries what it
+    references: the holder keeps one folder per step, and a copy fetched after a node
+    loss restores alone. Returns (folder, cleanup). Local POSIX only, like the local tier.
+
+    Raises:
+      CorruptCheckpointError: a referenced local step lacks the chunk or holds other bytes.
+    """
+    folder = f"{local_root}/{step}"
+    with open(f"{folder}/{_format.MANIFEST}", "rb") as f:
+        manifest = _format.loads(f.read(), folder)
+    leaves = manifest.get("leaves") if isinstance(manifest, dict) else None
+    if not isinstance(leaves, dict) or not any(isinstance(e, dict) and e.get("references") for e in leaves.values()):
+        return folder, lambda: None
+    for name in os.listdir(local_root):  # one sender thread: any other is a crashed send's
+        if name.startswith(PEER_SEND_PREFIX):
+            shutil.rmtree(f"{local_root}/{name}", ignore_errors=True)
+    staging = f"{local_root}/{PEER_SEND_PREFIX}{step}"
+    try:
+        for dirpath, _, names in os.walk(folder):
+            target = os.path.join(staging, os.path.relpath(dirpath, folder))
+            os.makedirs(target, exist_ok=True)
+            for n in names:
+                os.link(os.path.join(dirpath, n), os.path.join(target, n))
+        for rec_name in os.listdir(f"{folder}/{_format.PROCESSES}"):
+            record_name = f"{_format.PROCESSES}/{rec_name}"
+            with open(f"{folder}/{record_name}", "rb") as f:
+                raw = _format.loads(f.read(), f"{folder}/{record_name}")
+            if not isinstance(raw, dict) or not raw.get("references"):
+                continue
+            records: dict[str, dict[str, ChunkRecord]] = {}
+            chunks = list(raw.get("chunks") or [])
+            for r in raw.pop("references"):
+                key = _format.chunk_key(r["leaf"], r["chunk"])
+                c = _referenced_chunk(local_root, str(r["in"]), record_name, key, r, records)
+                os.makedirs(os.path.dirname(f"{staging}/{key}"), exist_ok=True)
+                os.link(f"{local_root}/{r['in']}/{key}", f"{staging}/{key}")
+                chunks.append(c.to_json() | {MATERIALIZED_FROM: [r["in"], r["generation"]]})
+                raw["bytes_written"] = (raw.get("bytes_written") or 0) + (c.file_bytes or 0)
+            raw["chunks"] = chunks
+            _replace_file(f"{staging}/{record_name}", _format.dumps(raw))
+        for entry in leaves.values():
+            if isinstance(entry, dict):
+                entry.pop("references", None)
+        manifest["format_version"] = _format.FORMAT_VERSION
+        _replace_file(f"{staging}/{_format.MANIFEST}", _format.dumps(manifest))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return staging, lambda: shutil.rmtree(staging, ignore_errors=True)
+
+
+def _referenced_chunk(local_root: str, folder: str, record_name: str, key: str, r: dict,
+                      records: dict[str, dict[str, ChunkRecord]]) -> ChunkRecord:
+    """The chunk record of `key` in local step `folder` (this process's record there),
+    checked against the reference `r`."""
+    if folder not in records:
+        location = f"{local_root}/{folder}/{record_name}"
+        with open(location, "rb") as f:
+            rec = ProcessRecord.from_json(_format.loads(f.read(), location), location)
+        records[folder] = {c.key: c for c in rec.chunks}
+    c = records[folder].get(key)
+    if c is None or c.data_crc32c != r.get("data_crc32c"):
+        raise CorruptCheckpointError(
+            f"leaf {r.get('leaf')!r} chunk {r.get('chunk')} references the local step {local_root}/{folder}, which "
+            f"{'has no such chunk' if c is None else 'holds other bytes (crc32c differs)'}; the local tier is damaged"
+        )
+    return c
+
+
+def _replace_file(path: str, data: bytes) -> None:
+    """Writes `path` anew (never through a hard link to the step's own file)."""
+    os.unlink(path)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

@@ -195,6 +195,8 @@ class ReplicationTarget:
       attempt: the replication attempt of this step in this job (0, 1, ...): names the
         coordination keys, which must never be reused.
       overwrite: replace a committed durable step.
+      incremental: the manager saves incrementally (process 0 gathers every process's
+        references into the durable manifest).
     """
 
     step: int
@@ -203,6 +205,7 @@ class ReplicationTarget:
     generation: str
     attempt: int
     overwrite: bool
+    incremental: bool = False
 
 
 def _commit_of(target: ReplicationTarget, durable: Storage, commit_timeout_s: float) -> _commit.Commit:
@@ -284,7 +287,8 @@ def replicate(
             if not isinstance(raw, dict):
                 raise CorruptCheckpointError(f"{target.local_path}/{_format.MANIFEST} is not a JSON object")
             with_every_pack(raw, durable, root, _coord.process_count())
-            _tier_references.with_every_reference(raw, durable, root, target.durable_path, _coord.process_count())
+            _tier_references.with_every_reference(raw, durable, root, target.durable_path, _coord.process_count(),
+                                                  target.incremental)
             return _format.dumps({**raw, "process_bytes_written": process_bytes} if len(process_bytes) > 1 else raw)
 
         try:

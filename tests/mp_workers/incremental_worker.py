@@ -3,7 +3,8 @@ changes, three steps with a manager (KeepLatest(2)), then restores: sharded, and
 (a cooperative restore: the processes read parts and exchange them).
 
 args: {"directory": manager directory, "local": a local_directory (two tiers: steps 1..4,
-      durable every 2nd: durable 2 holds the base, durable 4 references it), optional}
+      durable every 2nd: durable 2 holds the base, durable 4 references it; the base's
+      first 512 rows, process 0's, change every step: only process 1 references), optional}
 emits: {"event": "saved", "steps": all_steps, "refs": {step: references per leaf},
         "base_ok": bool, "adapter": float}
 """
@@ -34,6 +35,10 @@ first, last = (1, 4) if tiers else (0, 2)
 with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(2), incremental=True, async_save=False, pack_small_leaves_bytes=0,
                             **tiers) as mgr:
     for step in range(first, last + 1):
+        if tiers:  # process 0's half of the base changes: its local manifest copies have no references
+            host_base = np.arange(1024 * 1024, dtype=np.float32).reshape(1024, 1024)
+            host_base[:512] += step
+            base = jax.make_array_from_callback(host_base.shape, sharding, lambda idx, h=host_base: h[idx])
         mgr.save(step, {"base": base, "adapter": adapter(step)})
     steps = mgr.all_steps()
     out = mgr.restore(last, {"base": sharding, "adapter": sharding})

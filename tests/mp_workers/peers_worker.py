@@ -5,7 +5,8 @@ args: {"directory", "local", "phase": "save" | "restore", "steps": [..], "peer_c
        "durable_every_steps": n, "late_s": {"<process>": seconds before joining the manager},
        "mesh": [rows, cols] (default [4, 2]),
        "kill_sending": [process, step]: that process dies (SIGKILL) in the middle of
-       streaming its copy of that step to its first holder,
+       streaming its copy of that step to its first holder, "incremental": bool,
+       "pack_small_leaves_bytes": int,
        "enospc_holder": [process, step]: before that step is saved (every earlier copy
        checked), that process's FaultLayer (tests/faults) arms ENOSPC at its next write
        of a peer's copy (the holder's tier is full)}
@@ -90,7 +91,9 @@ def _after_fault(mngr, layer):
 
 with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], keep_local=ckpt.KeepLatest(1),
                             commit_timeout_s=60, peer_copies=args.get("peer_copies", 1), peer_node=f"node-{pidx}",
-                            durable_every_steps=args.get("durable_every_steps", 1)) as mngr:
+                            durable_every_steps=args.get("durable_every_steps", 1),
+                            incremental=args.get("incremental", False),
+                            pack_small_leaves_bytes=args.get("pack_small_leaves_bytes")) as mngr:
     if args["phase"] == "save":
         enospc, layer = args.get("enospc_holder"), None
         for step in args["steps"]:
