@@ -83,6 +83,19 @@ def meta_files(folder: str) -> dict[str, str]:
     return out
 
 
+def _publish_meta(client: Any, key: str, folder: str) -> None:
+    """Publishes the small files of the copy `folder` under `key` (`{"files"}`), or why
+    not (`{"error"}`: the replaced process then does not wait for them)."""
+    try:
+        raw = json.dumps({"files": meta_files(folder)})
+        if len(raw) > MAX_META_BYTES:
+            raise CheckpointError(f"the small files of {folder} are {len(raw)} bytes (at most {MAX_META_BYTES})")
+    except (OSError, CheckpointError) as e:
+        client.key_value_set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}), allow_overwrite=True)
+        raise
+    client.key_value_set(key, raw, allow_overwrite=True)
+
+
 def _write_meta(files: dict[str, str], folder: str) -> None:
     for key, data in files.items():
         if key.startswith("/") or ".." in key.split("/"):
@@ -264,15 +277,15 @@ def deliver(
     try:
         for r, h in holder_of.items():
             if h == pidx:
-                files = meta_files(f"{peers.held(r).root}/{step}")
-                raw = json.dumps(files)
-                if len(raw) > MAX_META_BYTES:
-                    raise CheckpointError(f"the small files of the copy are {len(raw)} bytes (at most {MAX_META_BYTES})")
-                client.key_value_set(peers._key("meta", step, generation, r), raw, allow_overwrite=True)
+                _publish_meta(client, peers._key("meta", step, generation, r), f"{peers.held(r).root}/{step}")
         if pidx in holder_of:
             raw = client.blocking_key_value_get(peers._key("meta", step, generation, pidx), timeout_ms)
+            files = _format.load_json(raw, what="the small files of a peer copy", max_bytes=4 * MAX_META_BYTES)
+            if not isinstance(files, dict) or "error" in files:
+                raise CheckpointError(f"process {holder_of[pidx]} could not send the small files of its copy: "
+                                      f"{files.get('error') if isinstance(files, dict) else files}")
             tmp = tempfile.mkdtemp(prefix=f"checkpointer-peer-{step}-")
-            _write_meta(_format.load_json(raw, what="the small files of a peer copy", max_bytes=4 * MAX_META_BYTES), tmp)
+            _write_meta(files["files"], tmp)
             meta = read_metadata(LocalStorage(), tmp)
         else:
             meta = read_metadata(LocalStorage(), f"{peers.local_root}/{step}")
@@ -290,7 +303,7 @@ def deliver(
                     dtypes[leaf.path] = np.dtype(leaf.target.dtype if leaf.target.dtype is not None else leaf.meta.dtype)
             if pidx in holder_of:
                 resolved_mine = resolved_by[pidx]
-    except (CheckpointError, OSError, ValueError) as e:  # a damaged copy, a file gone, the key-value store
+    except (CheckpointError, OSError, ValueError, RuntimeError) as e:  # a damaged copy, a file gone, the key-value store
         outcome = f"process {pidx}: {type(e).__name__}: {e}"
     finally:
         if tmp is not None:
