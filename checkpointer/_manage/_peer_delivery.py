@@ -10,10 +10,12 @@ The step and the holders are chosen from every process's inventory (one round,
    `zarr.json` nodes, process records: `META_NAMES`) in the coordination service's
    key-value store; the replacement reads them (it needs the tree's structure, shapes
    and values), into a temporary folder.
-2. Every process with its own copy reads its boxes from it (`restore_from`, not
-   cooperative); each holder reads the replacement's boxes (as the target places them
-   on the replacement's devices) from the copy it holds (`region_reader`: the chunks'
-   crc32c are checked). One round of the rendezvous: every process's outcome. A damaged
+2. Each holder reads the replacement's boxes (as the target places them on the
+   replacement's devices) from the copy it holds (`region_reader`: the chunks' crc32c
+   are checked); every process with its own copy reads its boxes from it meanwhile
+   (`restore_from`, not cooperative, no collective: on a thread, beside the transfers).
+   One round of the rendezvous on the holders' reads before the transfers, one on the
+   own reads after them. A damaged
    copy, or a target this path does not cover (host leaves, PRNG keys, a sharding that
    is not a `NamedSharding` on devices, a box that differs in shape between devices),
    makes every process fall back, the same way, to fetching the copy over TCP
@@ -273,6 +275,7 @@ def deliver(
     dtypes: dict[str, np.dtype] = {}
     resolved_mine = None
     meta = None
+    own_read: concurrent.futures.Future | None = None
     timeout_ms = int(peers.timeout_s * 1000)
     try:
         for r, h in holder_of.items():
@@ -294,9 +297,11 @@ def deliver(
         transfers, why = _plan(resolved_by, holder_of)
         outcome = "ok" if why is None else f"the target is not covered by this path ({why})"
         if why is None:
-            reads = _start_held_reads(peers, step, holder_of, resolved_by, transfers)  # beside the own read
-            if pidx not in holder_of:
-                tree = read_own()
+            reads = _start_held_reads(peers, step, holder_of, resolved_by, transfers)
+            if pidx not in holder_of:  # the own read goes on beside the transfers (no collective in it)
+                own = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-peer-own")
+                own_read = own.submit(read_own)
+                own.shutdown(wait=False)
             sending = {k: f.result() for k, f in reads.items()}
             for leaf in next(iter(resolved_by.values())).leaves:
                 if isinstance(leaf.meta, ArrayMetadata) and leaf.target is not None:
@@ -308,16 +313,32 @@ def deliver(
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    outcomes = agree(lambda: outcome)
+    outcomes = agree(lambda: outcome)  # the boxes to send are read
+    bad = [o for o in outcomes if o != "ok"]
+    if bad:
+        _drop(own_read)
+        return None, "; ".join(dict.fromkeys(bad))
+    received = _run_rounds(transfers, sending, dtypes)
+    if own_read is not None:
+        try:
+            tree, outcome = own_read.result(), "ok"
+        except (CheckpointError, OSError, ValueError, RuntimeError) as e:  # a damaged own copy
+            outcome = f"process {pidx}: {type(e).__name__}: {e}"
+    outcomes = agree(lambda: outcome)  # every own copy is read
     bad = [o for o in outcomes if o != "ok"]
     if bad:
         return None, "; ".join(dict.fromkeys(bad))
-    received = _run_rounds(transfers, sending, dtypes)
     if pidx not in holder_of:
         return tree, None
     assert resolved_mine is not None and meta is not None
     tree = _assemble(meta, resolved_mine, received)
     return tree, None
+
+
+def _drop(read: concurrent.futures.Future | None) -> None:
+    """Waits for an own read that is not used (its arrays are dropped), ignoring its error."""
+    if read is not None:
+        concurrent.futures.wait([read])
 
 
 def _start_held_reads(peers: PeerService, step: int, holder_of: Mapping[int, int], resolved_by: Mapping[int, Any],
