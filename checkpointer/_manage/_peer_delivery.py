@@ -10,10 +10,12 @@ The step and the holders are chosen from every process's inventory (one round,
    `zarr.json` nodes, process records: `META_NAMES`) in the coordination service's
    key-value store; the replacement reads them (it needs the tree's structure, shapes
    and values), into a temporary folder.
-2. Every process with its own copy reads its boxes from it (`restore_from`, not
-   cooperative); each holder reads the replacement's boxes (as the target places them
-   on the replacement's devices) from the copy it holds (`region_reader`: the chunks'
-   crc32c are checked). One round of the rendezvous: every process's outcome. A damaged
+2. Each holder reads the replacement's boxes (as the target places them on the
+   replacement's devices) from the copy it holds (`region_reader`: the chunks' crc32c
+   are checked); every process with its own copy reads its boxes from it meanwhile
+   (`restore_from`, not cooperative, no collective: on a thread, beside the transfers).
+   One round of the rendezvous on the holders' reads before the transfers, one on the
+   own reads after them. A damaged
    copy, or a target this path does not cover (host leaves, PRNG keys, a sharding that
    is not a `NamedSharding` on devices, a box that differs in shape between devices),
    makes every process fall back, the same way, to fetching the copy over TCP
@@ -81,6 +83,19 @@ def meta_files(folder: str) -> dict[str, str]:
                 with open(os.path.join(dirpath, name), "rb") as f:
                     out[key] = base64.b64encode(f.read()).decode()
     return out
+
+
+def _publish_meta(client: Any, key: str, folder: str) -> None:
+    """Publishes the small files of the copy `folder` under `key` (`{"files"}`), or why
+    not (`{"error"}`: the replaced process then does not wait for them)."""
+    try:
+        raw = json.dumps({"files": meta_files(folder)})
+        if len(raw) > MAX_META_BYTES:
+            raise CheckpointError(f"the small files of {folder} are {len(raw)} bytes (at most {MAX_META_BYTES})")
+    except (OSError, CheckpointError) as e:
+        client.key_value_set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}), allow_overwrite=True)
+        raise
+    client.key_value_set(key, raw, allow_overwrite=True)
 
 
 def _write_meta(files: dict[str, str], folder: str) -> None:
@@ -260,19 +275,20 @@ def deliver(
     dtypes: dict[str, np.dtype] = {}
     resolved_mine = None
     meta = None
+    own_read: concurrent.futures.Future | None = None
     timeout_ms = int(peers.timeout_s * 1000)
     try:
         for r, h in holder_of.items():
             if h == pidx:
-                files = meta_files(f"{peers.held(r).root}/{step}")
-                raw = json.dumps(files)
-                if len(raw) > MAX_META_BYTES:
-                    raise CheckpointError(f"the small files of the copy are {len(raw)} bytes (at most {MAX_META_BYTES})")
-                client.key_value_set(peers._key("meta", step, generation, r), raw, allow_overwrite=True)
+                _publish_meta(client, peers._key("meta", step, generation, r), f"{peers.held(r).root}/{step}")
         if pidx in holder_of:
             raw = client.blocking_key_value_get(peers._key("meta", step, generation, pidx), timeout_ms)
+            files = _format.load_json(raw, what="the small files of a peer copy", max_bytes=4 * MAX_META_BYTES)
+            if not isinstance(files, dict) or "error" in files:
+                raise CheckpointError(f"process {holder_of[pidx]} could not send the small files of its copy: "
+                                      f"{files.get('error') if isinstance(files, dict) else files}")
             tmp = tempfile.mkdtemp(prefix=f"checkpointer-peer-{step}-")
-            _write_meta(_format.load_json(raw, what="the small files of a peer copy", max_bytes=4 * MAX_META_BYTES), tmp)
+            _write_meta(files["files"], tmp)
             meta = read_metadata(LocalStorage(), tmp)
         else:
             meta = read_metadata(LocalStorage(), f"{peers.local_root}/{step}")
@@ -281,30 +297,48 @@ def deliver(
         transfers, why = _plan(resolved_by, holder_of)
         outcome = "ok" if why is None else f"the target is not covered by this path ({why})"
         if why is None:
-            reads = _start_held_reads(peers, step, holder_of, resolved_by, transfers)  # beside the own read
-            if pidx not in holder_of:
-                tree = read_own()
+            reads = _start_held_reads(peers, step, holder_of, resolved_by, transfers)
+            if pidx not in holder_of:  # the own read goes on beside the transfers (no collective in it)
+                own = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-peer-own")
+                own_read = own.submit(read_own)
+                own.shutdown(wait=False)
             sending = {k: f.result() for k, f in reads.items()}
             for leaf in next(iter(resolved_by.values())).leaves:
                 if isinstance(leaf.meta, ArrayMetadata) and leaf.target is not None:
                     dtypes[leaf.path] = np.dtype(leaf.target.dtype if leaf.target.dtype is not None else leaf.meta.dtype)
             if pidx in holder_of:
                 resolved_mine = resolved_by[pidx]
-    except (CheckpointError, OSError, ValueError) as e:  # a damaged copy, a file gone, the key-value store
+    except (CheckpointError, OSError, ValueError, RuntimeError) as e:  # a damaged copy, a file gone, the key-value store
         outcome = f"process {pidx}: {type(e).__name__}: {e}"
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    outcomes = agree(lambda: outcome)
+    outcomes = agree(lambda: outcome)  # the boxes to send are read
+    bad = [o for o in outcomes if o != "ok"]
+    if bad:
+        _drop(own_read)
+        return None, "; ".join(dict.fromkeys(bad))
+    received = _run_rounds(transfers, sending, dtypes)
+    if own_read is not None:
+        try:
+            tree, outcome = own_read.result(), "ok"
+        except (CheckpointError, OSError, ValueError, RuntimeError) as e:  # a damaged own copy
+            outcome = f"process {pidx}: {type(e).__name__}: {e}"
+    outcomes = agree(lambda: outcome)  # every own copy is read
     bad = [o for o in outcomes if o != "ok"]
     if bad:
         return None, "; ".join(dict.fromkeys(bad))
-    received = _run_rounds(transfers, sending, dtypes)
     if pidx not in holder_of:
         return tree, None
     assert resolved_mine is not None and meta is not None
     tree = _assemble(meta, resolved_mine, received)
     return tree, None
+
+
+def _drop(read: concurrent.futures.Future | None) -> None:
+    """Waits for an own read that is not used (its arrays are dropped), ignoring its error."""
+    if read is not None:
+        concurrent.futures.wait([read])
 
 
 def _start_held_reads(peers: PeerService, step: int, holder_of: Mapping[int, int], resolved_by: Mapping[int, Any],

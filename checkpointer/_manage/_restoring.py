@@ -60,7 +60,12 @@ class StepRestoring(StepReader):
         through the coordination service); it is logged and its replication resumes.
         One that fails its checks on any process is skipped for the next older one (a
         second vote: the same step on every process), with a warning naming the damaged
-        copy (`LOCAL/process-<i>/<step>`). Otherwise the newest durable step. A durable step whose local copy (same
+        copy (`LOCAL/process-<i>/<step>`). With `peer_copies`, a step counts as whole
+        when every process's share survives somewhere (its own copy, or a peer's checked
+        copy): a process whose own copy is gone (a replaced node) receives its boxes from
+        the process holding its copy, over the device interconnect, within this call (a
+        collective then); it falls back to fetching the copy's files when a copy is
+        damaged or the target has host leaves or PRNG keys. Otherwise the newest durable step. A durable step whose local copy (same
         generation) is on this process is read from there, the files missing locally
         from `directory`; a local copy that fails its checksums is dropped for
         `directory`. `status().last_restore_source` tells which. With a local tier,
