@@ -336,6 +336,20 @@ def test_two_processes_reference_their_own_chunks_and_process_0_gathers_them(tmp
     assert ckpt.verify(f"{d}/2").ok
 
 
+def test_two_processes_reference_their_packed_chunks_and_restore_them_cooperatively(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from multiprocess import WORKERS, run_processes
+
+    d = str(tmp_path / "run")
+    for r in run_processes(WORKERS / "incremental_packs_worker.py", 2, 4, {"directory": d}, timeout_s=120):
+        rec = r.record("saved")
+        # The third save wrote each process's half of the adapter (8x64 float32 split over
+        # the processes) and its pack's crc32c: no frozen small leaf.
+        assert rec["written"] == [4 * 64 * 4 + 4] * 2 and rec["refs"] == 6 * 2 + 1, rec
+        assert rec["ok"] and rec["cooperative"] and "0" in rec["sources"], rec
+    assert ckpt.verify(f"{d}/2").ok
+
+
 # The object store's own windows: the marker deleted with the catalog entry still there,
 # and both gone with the objects still there (reading references and removing the bytes
 # are the local test's points, the same code on every backend).
