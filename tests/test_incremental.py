@@ -336,6 +336,20 @@ def test_two_processes_reference_their_own_chunks_and_process_0_gathers_them(tmp
     assert ckpt.verify(f"{d}/2").ok
 
 
+def test_two_processes_reference_their_packed_chunks_and_restore_them_cooperatively(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from multiprocess import WORKERS, run_processes
+
+    d = str(tmp_path / "run")
+    for r in run_processes(WORKERS / "incremental_packs_worker.py", 2, 4, {"directory": d}, timeout_s=120):
+        rec = r.record("saved")
+        # The third save wrote each process's half of the adapter (8x64 float32 split over
+        # the processes) and its pack's crc32c: no frozen small leaf.
+        assert rec["written"] == [4 * 64 * 4 + 4] * 2 and rec["refs"] == 6 * 2 + 1, rec
+        assert rec["ok"] and rec["cooperative"] and "0" in rec["sources"], rec
+    assert ckpt.verify(f"{d}/2").ok
+
+
 # The object store's own windows: the marker deleted with the catalog entry still there,
 # and both gone with the objects still there (reading references and removing the bytes
 # are the local test's points, the same code on every backend).
@@ -393,3 +407,97 @@ def test_a_base_with_a_dangling_reference_gives_a_full_save_not_a_failed_one(tmp
     assert _refs(f"{d}/3", "base") == [] and _manifest(f"{d}/3")["format_version"] == 1
     assert "cannot read the base" in caplog.text
     np.testing.assert_array_equal(ckpt.restore(f"{d}/3")["base"], np.asarray(base))
+
+
+def _lora(sharding, step, big):
+    """A LoRA-shaped tree: 40 frozen small leaves (norms and biases of the base), 4
+    small adapters that change every step, and a big frozen leaf (not packed)."""
+    frozen = {f"norm{i}": np.full(256, i, np.float32) for i in range(40)}
+    adapters = {f"lora{i}": np.full((64, 16), step * 10 + i, np.float32) for i in range(4)}
+    return {"base": {"w": big, **frozen}, "adapters": adapters}
+
+
+def _packed_refs(path):
+    return [p for p in _manifest(path).get("packed", []) if "in" in p]
+
+
+def test_unchanged_packed_leaves_are_referenced_not_rewritten(tmp_path, sharding):
+    d = str(tmp_path)
+    big = _arr(sharding, seed=7)
+    for step in range(3):
+        ckpt.save(f"{d}/{step}", _lora(sharding, step, big), incremental=True)
+    adapter_bytes = 4 * 64 * 16 * 4
+    m = _manifest(f"{d}/2")
+    assert m["format_version"] == _format.FORMAT_VERSION_REFERENCES
+    # The third save wrote the adapters' packed bytes (and the pack's crc32c) only: no byte
+    # of a frozen small leaf, no chunk of the big one.
+    assert sum(m["process_bytes_written"]) == adapter_bytes + 4
+    assert os.path.getsize(f"{d}/2/packed/process-0/c/0") == adapter_bytes + 4
+    refs = _packed_refs(f"{d}/2")
+    assert {p["in"] for p in refs} == {"0"}  # flat: to the pack that holds the bytes
+    assert sorted(b["leaf"] for p in refs for b in p["boxes"]) == sorted(f"base/norm{i}" for i in range(40))
+    assert all(b.get("xxh3_128") for p in refs for b in p["boxes"])
+    assert ckpt.metadata(f"{d}/2").referenced_bytes == N * N * 4 + 40 * 256 * 4
+    replicated = NamedSharding(sharding.mesh, P())
+    target = jax.tree.map(lambda _: replicated, _lora(sharding, 2, big))
+    target["base"]["w"] = sharding
+    by_source = ckpt.plan_restore(f"{d}/2", target).bytes_read_by_source
+    assert set(by_source) == {None, "0"} and by_source[None] == adapter_bytes, by_source  # packs where they lie
+    chunks = ckpt.shard_chunks(f"{d}/2", "base/norm3")
+    assert [(c.packed, c.referenced_in) for c in chunks] == [(True, "0")]
+    for step in range(3):
+        r = ckpt.restore(f"{d}/{step}")
+        want = _lora(sharding, step, big)
+        np.testing.assert_array_equal(r["base"]["norm7"], want["base"]["norm7"])
+        np.testing.assert_array_equal(r["adapters"]["lora3"], want["adapters"]["lora3"])
+        np.testing.assert_array_equal(r["base"]["w"], np.asarray(big))
+        assert ckpt.verify(f"{d}/{step}").ok
+    ckpt.export(f"{d}/2", f"{tmp_path}/out.npz", format="npz")
+    with np.load(f"{tmp_path}/out.npz") as z:
+        np.testing.assert_array_equal(next(z[k] for k in z.files if k.endswith("norm39")), np.full(256, 39, np.float32))
+    with pytest.raises(ckpt.CheckpointExistsError, match=r"\['1', '2'\]"):
+        ckpt.save(f"{d}/0", _lora(sharding, 9, big), overwrite=True)
+
+
+def test_retention_keeps_the_step_whose_pack_is_referenced(tmp_path, sharding):
+    d = str(tmp_path / "run")
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(1), incremental=True, async_save=False) as mgr:
+        for step in range(3):
+            tree = _lora(sharding, step, None)
+            del tree["base"]["w"]  # small leaves only: nothing but the pack references keeps step 0
+            mgr.save(step, tree)
+        assert mgr.all_steps() == [0, 2]  # 1 deleted; 0 holds the frozen small leaves 2 references
+        r = mgr.restore(2)
+    np.testing.assert_array_equal(np.asarray(r["base"]["norm5"]), np.full(256, 5, np.float32))
+    np.testing.assert_array_equal(np.asarray(r["adapters"]["lora0"]), np.full((64, 16), 20, np.float32))
+    assert ckpt.verify(f"{d}/2").ok
+
+
+def test_a_corrupted_or_hostile_referenced_pack_names_both_steps(tmp_path, sharding):
+    d = str(tmp_path)
+    big = _arr(sharding, seed=9)
+    for step in range(2):
+        ckpt.save(f"{d}/{step}", _lora(sharding, step, big), incremental=True)
+    box = next(b for p in _packed_refs(f"{d}/1") for b in p["boxes"] if b["leaf"] == "base/norm3")
+    with open(f"{d}/0/packed/process-0/c/0", "r+b") as f:  # damage norm3's bytes in step 0's pack
+        f.seek(box["offset"])
+        f.write(b"\xff\xff\xff\xff")
+    with pytest.raises(ckpt.CorruptCheckpointError) as e:
+        ckpt.restore(f"{d}/1")
+    assert f"{d}/1" in str(e.value) and f"{d}/0/packed" in str(e.value) and "['norm3']" in str(e.value)
+    report = ckpt.verify(f"{d}/1")
+    assert not report.ok and any(f"{d}/0/packed" in p and "['norm3']" in p for p in report.problems), report
+    m = _manifest(f"{d}/1")
+    for case in ("generation", "offset", "self"):
+        hostile = json.loads(json.dumps(m))
+        p = next(p for p in hostile["packed"] if "in" in p)
+        if case == "generation":
+            p["generation"] = "20000101000000-00000000"
+        elif case == "offset":
+            p["boxes"][0]["offset"] += 4
+        else:
+            p["in"] = "1"
+        _write_manifest(f"{d}/1", hostile)
+        with pytest.raises(ckpt.CorruptCheckpointError) as e:
+            ckpt.metadata(f"{d}/1")
+        assert f"{d}/1" in str(e.value) and (case == "self" or f"{d}/0" in str(e.value)), (case, str(e.value))

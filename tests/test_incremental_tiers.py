@@ -157,3 +157,21 @@ def test_two_processes_on_two_tiers_durable_references_of_every_process_are_gath
     assert "references" not in _manifest(f"{local}/process-0/4")["leaves"]["base"]
     with open(f"{d}/2/processes/1.json") as f:
         assert sum("materialized_from" in c for c in json.load(f)["chunks"]) == 4
+
+
+def test_on_two_tiers_packs_are_written_whole_and_restore(tmp_path, sharding):
+    # Pack references are made by single-tier saves only (docs/incremental.md, "Packs"):
+    # replication and peer copies carry a local step's pack whole.
+    d, local = str(tmp_path / "run"), str(tmp_path / "local")
+    frozen = {f"norm{i}": np.full(256, i, np.float32) for i in range(8)}
+    with ckpt.CheckpointManager(d, local_directory=local, keep=ckpt.KeepLatest(2), durable_every_steps=1,
+                                incremental=True, async_save=False) as mgr:
+        for step in range(3):
+            mgr.save(step, {**frozen, "lora": np.full((64, 16), step, np.float32)})
+        mgr.wait_until_finished()
+        for path in (f"{local}/process-0/2", f"{d}/2"):
+            assert not [p for p in _manifest(path).get("packed", []) if "in" in p]
+        out = mgr.restore(2)
+    np.testing.assert_array_equal(np.asarray(out["norm5"]), np.full(256, 5, np.float32))
+    np.testing.assert_array_equal(np.asarray(out["lora"]), np.full((64, 16), 2, np.float32))
+    assert ckpt.verify(f"{d}/2").ok

@@ -60,7 +60,7 @@ def _cmd_ls(args, ui: _UI) -> int:
                 row["size_bytes"] = sum(meta.process_bytes_written)  # replaced by the files' sizes where cheap
                 # Incremental saves: data bytes this step references in earlier steps (it owns `size_bytes`).
                 row["shared_bytes"] = meta.referenced_bytes
-                row["shared_from"] = sorted({r.folder for m in meta.arrays.values() for r in m.references.values()})
+                row["shared_from"] = sorted(meta.referenced_folders)
             except CheckpointError as err:
                 row["note"] = "manifest unreadable: " + " ".join(str(err).split())
         if row["created_unix_s"] is None:

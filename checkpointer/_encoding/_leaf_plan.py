@@ -361,15 +361,16 @@ class RestorePlan:
     @property
     def bytes_read_by_source(self) -> dict[str | None, int]:
         """Bytes read per checkpoint: None for this one, a sibling folder name for the
-        chunks an incremental save references (`ChunkRead.source`); packs count as this
-        checkpoint's."""
+        chunks an incremental save references (`ChunkRead.source`) and for the packed
+        chunks it references in a sibling's pack (`_format.split_pack_key`)."""
         out: dict[str | None, int] = {}
         for leaf in self.leaves:
             for source, n in leaf.zarr_bytes_read_by_source.items():
                 out[source] = out.get(source, 0) + n
-        packed = self.bytes_read - sum(out.values())
-        if packed > 0:
-            out[None] = out.get(None, 0) + packed
+            packed = {(p.key, p.offset): p.nbytes for b in leaf.boxes for p in b.packed}  # each once, as `bytes_read`
+            for (key, _), n in packed.items():
+                source = _format.split_pack_key(key)[0]
+                out[source] = out.get(source, 0) + n
         return out
 
     def __repr__(self) -> str:

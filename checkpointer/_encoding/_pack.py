@@ -26,6 +26,10 @@ Packed leaves have no zarr array of their own: they are described in the manifes
 every leaf (shape, dtype, chunk shape, saved sharding), and read as
 `zarr.open_array(f"{path}/packed/process-0")[off:off + n].view(dtype).reshape(box shape)`.
 
+Incremental saves reference unchanged packed chunks in an earlier step's pack instead
+of packing them again: a `packed` record with `"in"` (`_format.pack_file`,
+docs/format.md "Packed chunks referenced"; `_save._incremental.Base.split_packed`).
+
 This module is the pack itself: the rule, the names, writing it, the index of a save,
 and reading planned byte ranges of it (`read_runs`, `assemble_box`). The encoding's
 operations (plans, the cooperative share, file checks, restore, verify, export, the two
@@ -201,28 +205,39 @@ class PackWriter:
 
 
 def packs_of_save(
-    storage: Storage, root: str, process_index: int, own: PackRecord | None, process_count: int
+    storage: Storage, root: str, process_index: int, own: PackRecord | None, process_count: int,
+    own_references: Sequence[PackRecord] = (),
 ) -> list[PackRecord]:
     """Process 0 at commit: every process's pack index, for the manifest (its own,
-    `own`, the others' from their `processes/<i>.json` in `root`).
+    `own`, the others' from their `processes/<i>.json` in `root`), then the packs of
+    earlier checkpoints they reference (incremental saves: `own_references`, the
+    others' records' `packed_references`).
 
     Raises:
       CorruptCheckpointError: a record cannot be parsed.
     """
-    packs = []
+    packs, refs = [], []
     for i in range(process_count):
-        pack = own if i == process_index else _read_pack_index(storage, f"{root}/{_format.process_record_name(i)}")
+        if i == process_index:
+            pack, theirs = own, list(own_references)
+        else:
+            pack, theirs = _read_pack_index(storage, f"{root}/{_format.process_record_name(i)}")
         if pack is not None:
             packs.append(pack)
-    return packs
+        refs += theirs
+    return packs + refs
 
 
-def _read_pack_index(storage: Storage, location: str) -> PackRecord | None:
-    """The `packed` field of a process record, parsed alone (its `chunks` may be thousands
-    of entries process 0 does not need here)."""
+def _read_pack_index(storage: Storage, location: str) -> tuple[PackRecord | None, list[PackRecord]]:
+    """The `packed` and `packed_references` fields of a process record, parsed alone (its
+    `chunks` may be thousands of entries process 0 does not need here)."""
     raw = _format.loads(storage.read_file(location, max_bytes=_format.MAX_MANIFEST_BYTES), location)
     packed = raw.get("packed") if isinstance(raw, dict) else None
-    return None if packed is None else PackRecord.from_json(packed, f"{location}: packed")
+    refs = raw.get("packed_references") if isinstance(raw, dict) else None
+    if refs is not None and not isinstance(refs, list):
+        raise CorruptCheckpointError(f"{location}: 'packed_references' is not a list")
+    return (None if packed is None else PackRecord.from_json(packed, f"{location}: packed"),
+            [PackRecord.from_json(r, f"{location}: packed_references[{i}]") for i, r in enumerate(refs or ())])
 
 
 # --- reads ---------------------------------------------------------------------------------
@@ -242,6 +257,12 @@ def name_leaves(leaves: Sequence[str], shown: int = 3) -> str:
     if rest:
         return f"{', '.join(names)} and {rest} more leaves"
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _shown(path: str, key: str) -> str:
+    """A pack file for messages: its key in this checkpoint, or the whole path of a pack
+    of an earlier checkpoint it references (which names that checkpoint)."""
+    return key if _format.split_pack_key(key)[0] is None else _format.pack_file(path, key)
 
 
 def read_runs(
@@ -264,7 +285,7 @@ def read_runs(
             try:
                 reader = readers.get(run.key)
                 if reader is None:
-                    reader = readers[run.key] = storage.open_reader(f"{path}/{run.key}")
+                    reader = readers[run.key] = storage.open_reader(_format.pack_file(path, run.key))
                 buf = np.empty(run.nbytes, np.uint8)
                 reader.read_into(run.offset, buf.data)
             except (OSError, EOFError) as e:
@@ -277,7 +298,7 @@ def read_runs(
                 leaves = list(dict.fromkeys(leaves))
                 others = f" (and {len(leaves) - 1} other leaves packed next to it)" if len(leaves) > 1 else ""
                 raise CorruptCheckpointError(
-                    f"{where(keystr=leaves[0], path=path, process=process)}: pack file {run.key}, bytes {run.offset}..{run.offset + run.nbytes}{others}, "
+                    f"{where(keystr=leaves[0], path=path, process=process)}: pack file {_shown(path, run.key)}, bytes {run.offset}..{run.offset + run.nbytes}{others}, "
                     f"cannot be read: {e}. Run `checkpointer verify {path}`."
                 ) from e
             # Counted as planned: the packed chunks' bytes (`LeafRestorePlan.bytes_read`),
@@ -291,7 +312,7 @@ def read_runs(
                     assert piece_crcs is not None, "a piece of a shared chunk outside a cooperative restore"
                     piece_crcs[(run.key, offset)] = computed
                 elif computed != crc:
-                    damaged.append((leaf, f"bytes {offset}..{offset + nbytes} of {run.key}: crc32c mismatch (stored {crc:#010x}, "
+                    damaged.append((leaf, f"bytes {offset}..{offset + nbytes} of {_shown(path, run.key)}: crc32c mismatch (stored {crc:#010x}, "
                                           f"the bytes read give {computed:#010x})"))
                 out[(run.key, offset)] = data
     finally:

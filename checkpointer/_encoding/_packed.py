@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from .. import _errors, _memory
+from .. import _errors, _format, _memory
 from .._errors import CorruptCheckpointError, SaveError, leaf_name, where
 from .._format import ZARR_JSON, ArrayMetadata, Box, PackedBox, ProcessRecord, cell_box, grid_cells
 from .._storage import Storage, acquire
@@ -232,7 +232,7 @@ class PackedEncoding(LeafEncoding):
         process = _errors.this_process()
         for key, (expected, ranges) in needed.items():
             try:
-                size: int | None = storage.size(f"{path}/{key}")
+                size: int | None = storage.size(_format.pack_file(path, key))
             except OSError as e:
                 found = f"is missing ({e.strerror})" if isinstance(e, FileNotFoundError) else f"cannot be read ({e.strerror})"
                 size = None

@@ -28,7 +28,16 @@ from ._leaves import MAX_CHUNKS_PER_LEAF, ArrayMetadata, PackedBox, SavedShardin
 from ._manifest import check_reference_targets, library_version, manifest_json, metadata, read_metadata
 from ._metadata import CheckpointMetadata
 from ._records import ChunkRecord, PackedBoxRecord, PackRecord, ProcessRecord, parse_phases, phases_json, read_process_record
-from ._references import FORMAT_VERSION_REFERENCES, ChunkRef, refs_from_json, sibling, source_path
+from ._references import (
+    FORMAT_VERSION_REFERENCES,
+    ChunkRef,
+    pack_file,
+    pack_ref_key,
+    refs_from_json,
+    sibling,
+    source_path,
+    split_pack_key,
+)
 from ._shard_file import ShardFileLayout
 from ._sharding import named_shard_boxes, spec_axes
 from ._tree import PyTree, describe, escape_key, flatten, keystrs, rebuild
@@ -38,4 +47,4 @@ from ._values import value_from_json, value_repr, value_to_json
 from ._zarr_arrays import data_crc32c, inner_chunk_shape, zarr_spec, zarr_supports_dtype
 from ._zarr_groups import ZARR_JSON, write_group_nodes
 
-__all__ = ['ARRAYS', 'ArrayMetadata', 'Box', 'COMMITTED', 'CheckpointMetadata', 'ChunkRecord', 'ChunkRef', 'FORMAT_VERSION', 'FORMAT_VERSION_REFERENCES', 'MANIFEST', 'MAX_CHUNKS_PER_LEAF', 'MAX_JSON_BYTES', 'MAX_JSON_DEPTH', 'MAX_MANIFEST_BYTES', 'PROCESSES', 'PackRecord', 'PackedBox', 'PackedBoxRecord', 'ProcessRecord', 'PyTree', 'SavedSharding', 'ShardFileLayout', 'ValueMetadata', 'ZARR_JSON', 'array_dir', 'cell_box', 'check_reference_targets', 'chunk_key', 'data_crc32c', 'deleting_name', 'describe', 'dtype_kind', 'dtype_name', 'dumps', 'dumps_large', 'escape_key', 'flatten', 'format_bytes', 'generation_time', 'grid_cells', 'inner_chunk_shape', 'is_numeric_dtype', 'is_step_name', 'is_whole_byte_dtype', 'json_depth', 'keystrs', 'library_version', 'load_json', 'loads', 'manifest_json', 'metadata', 'metadata_json', 'metrics_json', 'named_shard_boxes', 'new_generation', 'parse_deleting_name', 'parse_partial_name', 'parse_phases', 'partial_name', 'phases_json', 'process_record_name', 'read_metadata', 'read_process_record', 'rebuild', 'refs_from_json', 'row_slabs', 'sibling', 'source_path', 'spec_axes', 'value_from_json', 'value_repr', 'value_to_json', 'write_group_nodes', 'zarr_spec', 'zarr_supports_dtype']
+__all__ = ['ARRAYS', 'ArrayMetadata', 'Box', 'COMMITTED', 'CheckpointMetadata', 'ChunkRecord', 'ChunkRef', 'FORMAT_VERSION', 'FORMAT_VERSION_REFERENCES', 'MANIFEST', 'MAX_CHUNKS_PER_LEAF', 'MAX_JSON_BYTES', 'MAX_JSON_DEPTH', 'MAX_MANIFEST_BYTES', 'PROCESSES', 'PackRecord', 'PackedBox', 'PackedBoxRecord', 'ProcessRecord', 'PyTree', 'SavedSharding', 'ShardFileLayout', 'ValueMetadata', 'ZARR_JSON', 'array_dir', 'cell_box', 'check_reference_targets', 'chunk_key', 'data_crc32c', 'deleting_name', 'describe', 'dtype_kind', 'dtype_name', 'dumps', 'dumps_large', 'escape_key', 'flatten', 'format_bytes', 'generation_time', 'grid_cells', 'inner_chunk_shape', 'is_numeric_dtype', 'is_step_name', 'is_whole_byte_dtype', 'json_depth', 'keystrs', 'library_version', 'load_json', 'loads', 'manifest_json', 'metadata', 'metadata_json', 'metrics_json', 'named_shard_boxes', 'new_generation', 'pack_file', 'pack_ref_key', 'parse_deleting_name', 'parse_partial_name', 'parse_phases', 'partial_name', 'phases_json', 'process_record_name', 'read_metadata', 'read_process_record', 'rebuild', 'refs_from_json', 'row_slabs', 'sibling', 'source_path', 'spec_axes', 'split_pack_key', 'value_from_json', 'value_repr', 'value_to_json', 'write_group_nodes', 'zarr_spec', 'zarr_supports_dtype']

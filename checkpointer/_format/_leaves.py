@@ -162,6 +162,11 @@ class PackedBox:
       offset: where its C-order bytes start in the file, bytes.
       nbytes: their length, bytes (box size × itemsize).
       crc32c: crc32c of those bytes.
+      folder: None, or (incremental saves, format_version 2) the sibling checkpoint
+        whose pack holds the chunk (the manifest's pack record `"in"`); `key` is then
+        `_references.pack_ref_key(folder, its key there)`, read through `pack_file`.
+      generation: with `folder`: the save attempt of that checkpoint referenced.
+      xxh3_128: with `folder`: XXH3-128 of the chunk's bytes, or None (unknown).
     """
 
     key: str
@@ -170,6 +175,9 @@ class PackedBox:
     offset: int
     nbytes: int
     crc32c: int
+    folder: str | None = None
+    generation: str | None = None
+    xxh3_128: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,7 +86,8 @@ def manifest_json(
     out: dict[str, object] = {
         # Additive: a checkpoint with references (incremental saves) has the version older
         # readers refuse; one without keeps version 1.
-        "format_version": _references.FORMAT_VERSION_REFERENCES if any(m.references for m in arrays) else _layout.FORMAT_VERSION,
+        "format_version": _references.FORMAT_VERSION_REFERENCES if any(m.references for m in arrays) or any(
+            "in" in p.extra for p in packed) else _layout.FORMAT_VERSION,
         "step": step,
         "generation": generation,
         "created_unix_s": time.time() if created_unix_s is None else created_unix_s,
@@ -166,7 +167,7 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
             raise CorruptCheckpointError(f"leaf {path!r} in {where} has unknown type {entry.get('type')!r}")
     ordered = leaf_paths_of(structure)
     _require(sorted(ordered) == sorted(leaves), "the tree structure and the leaves disagree", where)
-    _attach_pack_boxes(raw.get("packed", []), leaves, where, complete="packed_processes" not in raw)
+    _attach_pack_boxes(raw.get("packed", []), leaves, where, complete="packed_processes" not in raw, version=version)
     names = keystrs(structure)
     leaves = {p: dataclasses.replace(leaves[p], keystr=names[p]) for p in ordered}
     tree = rebuild(structure, lambda p: leaves[p], where=where)
@@ -193,7 +194,8 @@ def _attach_references(m: ArrayMetadata, raw: object, version: int, where: str) 
     return dataclasses.replace(m, references=_references.by_chunk(refs))
 
 
-def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetadata], where: str, complete: bool = True) -> None:
+def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetadata], where: str, complete: bool = True,
+                       version: int = _layout.FORMAT_VERSION) -> None:
     """Parses the manifest's `packed` section and sets each packed leaf's `pack_boxes`
     (in place); every chunk of a packed leaf must be in exactly one pack, in bounds
     (`complete=False`, a local tier's copy indexing its own process's pack: at most one).
@@ -210,6 +212,14 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
         key, file_bytes = pack["key"], pack.get("bytes")
         _require(_is_int(file_bytes) and file_bytes >= 4, f"{loc}: 'bytes' {file_bytes!r:.100} is not a size", where)
         check_leaf_path(key, where=where)
+        folder = generation = None
+        if "in" in pack:  # a pack of a sibling checkpoint, its listed boxes referenced (format_version 2)
+            _require(version == _references.FORMAT_VERSION_REFERENCES,
+                     f"{loc} references a pack, which format_version {version} does not have", where)
+            folder = _references.check_folder_name(pack["in"], where.rstrip("/").rsplit("/", 1)[-1], f"manifest of {where}: {loc}")
+            generation = pack.get("generation")
+            _require(isinstance(generation, str) and 0 < len(generation) <= 255, f"{loc}: malformed generation", where)
+            key = _references.pack_ref_key(folder, key)
         for j, b in enumerate(pack["boxes"]):
             try:
                 leaf, (origin, shape), offset, nbytes, crc = b["leaf"], b["box"], b["offset"], b["data_bytes"], b["data_crc32c"]
@@ -226,7 +236,9 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
                 ok = ok and type(o) is int and type(s) is int and 0 <= o < n and o % c == 0 and s == min(c, n - o)
                 size = size * s if ok else -1  # never `*=` a str or list from a hostile manifest
             _require(ok and nbytes == size, f"{loc} box {j} of leaf {leaf!r} does not fit the leaf's chunk grid or the pack's size", where)
-            found.setdefault(leaf, []).append(_leaves.PackedBox(key, file_bytes, box, offset, nbytes, crc))
+            h = b.get("xxh3_128") if folder is not None else None
+            _require(h is None or isinstance(h, str) and len(h) == 32, f"{loc} box {j}: malformed xxh3_128", where)
+            found.setdefault(leaf, []).append(_leaves.PackedBox(key, file_bytes, box, offset, nbytes, crc, folder, generation, h))
     for path, m in leaves.items():
         if isinstance(m, ArrayMetadata) and m.packed:
             boxes = found.get(path, [])
@@ -344,6 +356,35 @@ def check_reference_targets(storage: Storage, path: str, meta: CheckpointMetadat
                     f"{here}, where that chunk is itself a reference (to {tm.references[cell].folder}): references must "
                     "point to the checkpoint holding the bytes (a chain or a cycle)"
                 )
+        for pb in m.pack_boxes:
+            if pb.folder is not None:
+                _check_pack_reference(storage, path, m, name, pb, _target_of(storage, path, pb.folder, name, targets))
+
+
+def _check_pack_reference(storage: Storage, path: str, m: ArrayMetadata, name: str, pb: _leaves.PackedBox,
+                          t: CheckpointMetadata) -> None:
+    """One referenced packed chunk: the target names its generation and holds the same
+    bytes (key, offset, size, crc32c) in its own pack (no chain), for a leaf of the same
+    shape, dtype and chunk shape."""
+    assert pb.folder is not None
+    target = _references.sibling(path, pb.folder)
+    here = f"{path}: leaf {name} packed chunk at {list(pb.box.origin)} references the pack of {target}"
+    if t.generation != pb.generation:
+        raise CorruptCheckpointError(
+            f"{here}, saved by generation {pb.generation}, but {target} now holds generation {t.generation} "
+            "(replaced since): the referenced bytes are gone. Restore another step"
+        )
+    tm = t.arrays.get(m.path)
+    if tm is None or not tm.packed or (tm.shape, tm.dtype, tm.chunk_shape) != (m.shape, m.dtype, m.chunk_shape):
+        raise CorruptCheckpointError(f"{here}, which has no packed leaf {name} of the same shape, dtype and chunk layout")
+    key = _references.split_pack_key(pb.key)[1]
+    theirs = next((b for b in tm.pack_boxes if b.box == pb.box), None)
+    if theirs is None or theirs.folder is not None or (theirs.key, theirs.offset, theirs.nbytes, theirs.crc32c) != (
+            key, pb.offset, pb.nbytes, pb.crc32c):
+        raise CorruptCheckpointError(
+            f"{here}, which does not hold that chunk itself at the same place (another pack, offset, size or crc32c, "
+            "or a reference: a chain or a cycle). Restore another step"
+        )
 
 
 def metadata(path: str | os.PathLike) -> CheckpointMetadata:

@@ -55,7 +55,15 @@ class CheckpointMetadata:
         for m in self.arrays.values():
             for cell in m.references:
                 total += math.prod(min(c, s - i * c) for i, c, s in zip(cell, m.chunk_shape, m.shape)) * m.dtype.itemsize
+            total += sum(b.nbytes for b in m.pack_boxes if b.folder is not None)  # referenced packed chunks
         return total
+
+    @property
+    def referenced_folders(self) -> set[str]:
+        """The sibling checkpoints (folder names) whose chunks or packed chunks this one
+        references (incremental saves); empty without references."""
+        out = {r.folder for m in self.arrays.values() for r in m.references.values()}
+        return out | {b.folder for m in self.arrays.values() for b in m.pack_boxes if b.folder is not None}
 
     @property
     def total_bytes(self) -> int:

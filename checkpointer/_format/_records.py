@@ -236,6 +236,12 @@ def _pack(v: object) -> PackRecord:
     return PackRecord.from_json(v, "packed")
 
 
+def _pack_list(v: object) -> tuple[PackRecord, ...]:
+    if not isinstance(v, list):
+        raise ValueError(f"{v!r:.100} is not a list")
+    return tuple(PackRecord.from_json(p, f"packed reference {i}") for i, p in enumerate(v))
+
+
 def _ref_list(v: object) -> tuple[dict, ...]:
     if not isinstance(v, list) or not all(isinstance(r, dict) and isinstance(r.get("leaf"), str) for r in v):
         raise ValueError(f"{v!r:.100} is not a list of references with a leaf")
@@ -285,6 +291,11 @@ class ProcessRecord:
         since an earlier checkpoint of the directory (incremental saves): each
         `{"leaf": path, **_references.ChunkRef.to_json()}`, parsed by the manifest's
         reader; None (absent) when there are none. Not in `chunks`.
+      packed_references: the packed chunks this process did not write because they are
+        unchanged (incremental saves): pack records with `"in"` and `"generation"`
+        (kept in `PackRecord.extra`), each listing the referenced boxes of one pack of
+        an earlier checkpoint, copied into the manifest's `packed`; None (absent) when
+        there are none.
       extra: JSON fields this version does not know, kept as read.
     """
 
@@ -302,6 +313,8 @@ class ProcessRecord:
     write_mode: str | None = _json_field("write_mode", _text, default=None)
     write_mode_reason: str | None = _json_field("write_mode_reason", _text, default=None)
     references: tuple[dict, ...] | None = _json_field("references", _ref_list, list, default=None)
+    packed_references: tuple[PackRecord, ...] | None = _json_field(
+        "packed_references", _pack_list, lambda ps: [p.to_json() for p in ps], default=None)
     extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:

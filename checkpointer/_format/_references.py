@@ -114,5 +114,28 @@ def source_path(path: str, folder: str | None) -> str:
     return path if folder is None else sibling(path, folder)
 
 
+def pack_ref_key(folder: str, key: str) -> str:
+    """The in-memory key (`PackedBox.key`) of a pack file of the sibling `folder`: keeps
+    the runs of different checkpoints' packs apart. Never written to disk (the manifest
+    says `"in"`)."""
+    return f"../{folder}/{key}"
+
+
+def split_pack_key(key: str) -> tuple[str | None, str]:
+    """`(folder, key in it)` of a `PackedBox.key` (`pack_ref_key`); `(None, key)` for
+    this checkpoint's own pack."""
+    if key.startswith("../"):
+        folder, rest = key[3:].split("/", 1)
+        return folder, rest
+    return None, key
+
+
+def pack_file(path: str, key: str) -> str:
+    """The path of the pack file `key` (a `PackedBox.key`) of the checkpoint at `path`:
+    in it, or in the sibling checkpoint a pack reference names."""
+    folder, rest = split_pack_key(key)
+    return f"{source_path(path, folder)}/{rest}"
+
+
 def by_chunk(refs: tuple[ChunkRef, ...]) -> Mapping[tuple[int, ...], ChunkRef]:
     return {r.chunk: r for r in refs}

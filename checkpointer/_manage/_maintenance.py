@@ -125,7 +125,7 @@ def referenced_steps(storage: Storage, directory: str, folder: str) -> set[int]:
     except (CheckpointError, OSError) as e:
         log.warning("cannot read the references of %s/%s: %s", directory, folder, e)
         return set()
-    return {int(r.folder) for m in meta.arrays.values() for r in m.references.values() if _format.is_step_name(r.folder)}
+    return {int(f) for f in meta.referenced_folders if _format.is_step_name(f)}
 
 
 def bases_in_flight(snapshots: Iterable[Snapshot]) -> set[int]:

@@ -27,8 +27,14 @@ that has a base (~0.08 CPU-s/GiB here), and skips that pass for a leaf that chan
 entirely at its last check for `RECHECK_EVERY` saves (a pretraining loop pays 1/8 of a
 pass). A leaf whose chunks are all images is checked on every save (no pass to save).
 
-Not deduplicated: packed small leaves (`_pack`: their pack is rewritten, at most
-`pack_small_leaves_bytes` per leaf), dtypes the byte-range reader does not decode
+Packed small leaves (`_pack`) are deduplicated entry by entry (`split_packed`): a packed
+chunk whose crc32c and XXH3-128 equal the base's (compared with the base's bytes, read
+back from its pack, the first time) is not put into this save's pack; the manifest's
+`packed` list gains a record of the base's pack (`"in"`, `"generation"`) listing the
+chunks referenced there (docs/format.md). Not on a two-tier manager's local tier
+(`bases_beside`): replication and peer copies carry whole packs.
+
+Not deduplicated: dtypes the byte-range reader does not decode
 (complex, sub-byte: read through TensorStore's array layer, which cannot follow a
 reference), and leaves whose layout (shape, dtype, chunk and inner chunk shape)
 differs from the base's.
@@ -49,7 +55,7 @@ import xxhash
 
 from .. import _commit, _encoding, _format
 from .._errors import CheckpointError, CheckpointExistsError, SaveError
-from .._format import ArrayMetadata, Box, CheckpointMetadata, ChunkRef
+from .._format import ArrayMetadata, Box, CheckpointMetadata, ChunkRef, PackedBox, PackedBoxRecord, PackRecord
 from .._storage import Storage
 
 log = logging.getLogger("checkpointer")
@@ -126,6 +132,7 @@ class Base:
     crcs: dict[str, int]  # chunk key -> data_crc32c of the chunks the base holds itself
     same: dict[str, weakref.ref]  # leaf path -> the jax.Array the base saved (this process)
     own: str = ""  # the folder name of the save itself: a base's reference into it is not copied
+    packs: bool = True  # packed chunks are referenced too (not on a two-tier manager's local tier)
 
     @property
     def generation(self) -> str:
@@ -239,6 +246,82 @@ class Base:
         return write, refs
 
 
+    def split_packed(self, meta: ArrayMetadata, chunks: Sequence[tuple[tuple[int, ...], Box, np.ndarray]],
+                     stats: Stats) -> tuple[list, list[PackedBox]]:
+        """`split` for a packed leaf: `(chunks to write into this save's pack, references)`,
+        each reference the base's `PackedBox` of the same chunk, pointing to the pack that
+        holds its bytes (the base's own, or where the base found it: references are flat).
+
+        Equality: the crc32c of the host copy against the base's index entry; a match is
+        proven by XXH3-128, against the hash the base's reference kept, or else against
+        the base's bytes read back from its pack (crc32c-checked)."""
+        b = self.meta.arrays.get(meta.path)
+        if not self.packs or b is None or not b.packed or not meta.packed or (b.shape, b.dtype, b.chunk_shape) != (
+                meta.shape, meta.dtype, meta.chunk_shape):
+            return list(chunks), []
+        theirs = {pb.box: pb for pb in b.pack_boxes}
+        write, refs = [], []
+        readers: dict[str, object] = {}
+        try:
+            for chunk_index, box, host in chunks:
+                pb = theirs.get(box)
+                data = np.ascontiguousarray(host)
+                if pb is None or pb.nbytes != data.nbytes or pb.nbytes == 0 or pb.folder == self.own:
+                    write.append((chunk_index, box, host))
+                    continue
+                stats.bytes_hashed += data.nbytes
+                if _format.data_crc32c(data) != pb.crc32c:
+                    stats.chunks_changed += 1
+                    write.append((chunk_index, box, host))
+                    continue
+                h = xxh3_128(data)
+                stats.bytes_hashed += data.nbytes
+                if pb.xxh3_128 is not None:
+                    same = h == pb.xxh3_128
+                    stats.chunks_by_hash += same
+                else:  # the first time: the base's bytes, read back once
+                    file = _format.pack_file(self.path, pb.key)
+                    reader = readers.get(file)
+                    if reader is None:
+                        reader = readers[file] = self.storage.open_reader(file)
+                    buf = np.empty(pb.nbytes, np.uint8)
+                    reader.read_into(pb.offset, buf.data)  # type: ignore[attr-defined]
+                    stats.bytes_compared += pb.nbytes
+                    same = _format.data_crc32c(buf) == pb.crc32c and xxh3_128(buf) == h
+                    stats.chunks_by_comparison += same
+                if not same:
+                    stats.chunks_changed += 1
+                    write.append((chunk_index, box, host))
+                    continue
+                stats.bytes_referenced += pb.nbytes
+                folder, key = _format.split_pack_key(pb.key)
+                refs.append(dataclasses.replace(pb, key=key, folder=folder or self.folder,
+                                                generation=pb.generation or self.generation, xxh3_128=h))
+        except OSError as e:  # the base's pack cannot be read: this leaf's chunks are written
+            log.warning("incremental save: cannot read the pack of the base %s (%s); writing %s whole", self.path, e, meta.path)
+            return list(chunks), []
+        finally:
+            for r in readers.values():
+                r.close()  # type: ignore[attr-defined]
+        return write, refs
+
+
+def pack_references(refs: Sequence[tuple[str, ChunkRef | PackedBox]]) -> tuple[PackRecord, ...] | None:
+    """The packed chunks referenced (`split_packed`, in `refs` beside the chunk
+    references) as pack records of the packs holding them: `"in"`, `"generation"`, and
+    the referenced boxes (each with its `xxh3_128`); None when there are none."""
+    groups: dict[tuple[str, str, str, int], list[PackedBoxRecord]] = {}
+    for leaf, pb in refs:
+        if isinstance(pb, PackedBox):
+            assert pb.folder is not None and pb.generation is not None
+            extra = {"xxh3_128": pb.xxh3_128} if pb.xxh3_128 is not None else {}
+            groups.setdefault((pb.folder, pb.generation, pb.key, pb.file_bytes), []).append(PackedBoxRecord(
+                leaf=leaf, box=pb.box, offset=pb.offset, data_bytes=pb.nbytes, data_crc32c=pb.crc32c, extra=extra))
+    out = tuple(PackRecord(array=key.rsplit("/c/", 1)[0], key=key, file_bytes=n, boxes=tuple(sorted(boxes, key=lambda x: x.offset)),
+                           extra={"in": folder, "generation": gen}) for (folder, gen, key, n), boxes in groups.items())
+    return out or None
+
+
 def _xxh3_128_of(meta: ArrayMetadata, box: Box, host: np.ndarray | _encoding.ShardImage) -> str:
     """XXH3-128 of a chunk's C-order bytes, from its host array or read back from its image."""
     if not isinstance(host, _encoding.ShardImage):
@@ -250,7 +333,7 @@ def _xxh3_128_of(meta: ArrayMetadata, box: Box, host: np.ndarray | _encoding.Sha
 
 
 def chunks_to_write(base: Base | None, meta: ArrayMetadata, chunks: list, identical: Sequence[ChunkRef] | None,
-                    references: list[tuple[str, ChunkRef]], stats: Stats) -> list:
+                    references: list[tuple[str, ChunkRef | PackedBox]], stats: Stats) -> list:
     """The chunks of one leaf to write (`chunks`, each `(chunk index, box, host copy)`,
     all of them for a save that is not incremental); the references made instead are
     appended to `references` (`(leaf path, ChunkRef)`): `identical`, those of a leaf
@@ -260,6 +343,10 @@ def chunks_to_write(base: Base | None, meta: ArrayMetadata, chunks: list, identi
         references += [(meta.path, r) for r in identical]
         return []
     if base is None:
+        return chunks
+    if meta.packed:
+        chunks, packed_refs = base.split_packed(meta, chunks, stats)
+        references += [(meta.path, pb) for pb in packed_refs]
         return chunks
     chunks, refs = base.split(meta, chunks, stats)  # the equality check's one seam
     references += [(meta.path, r) for r in refs]
@@ -352,15 +439,15 @@ def find_base(storage: Storage, path: str) -> Base | None:
     with _IDENTITY_LOCK:
         known = _IDENTITY.get(f"{type(storage).__name__}:{parent}")
     same = known[2] if known is not None and known[0] == folder and known[1] == meta.generation else {}
-    return Base(storage, base_path, folder, meta, crcs, same, own=name)
+    return Base(storage, base_path, folder, meta, crcs, same, own=name, packs=at is None)
 
 
-def references_json(refs: Sequence[tuple[str, ChunkRef]]) -> list[dict]:
+def references_json(refs: Sequence[tuple[str, ChunkRef | PackedBox]]) -> list[dict]:
     """A process record's `"references"`: `{"leaf": path, **ChunkRef.to_json()}` each."""
-    return [{"leaf": leaf} | r.to_json() for leaf, r in refs]
+    return [{"leaf": leaf} | r.to_json() for leaf, r in refs if isinstance(r, ChunkRef)]
 
 
-def gather(storage: Storage, root: str, own_index: int, own: Sequence[tuple[str, ChunkRef]], process_count: int,
+def gather(storage: Storage, root: str, own_index: int, own: Sequence[tuple[str, ChunkRef | PackedBox]], process_count: int,
            base: Base | None) -> dict[str, dict[tuple[int, ...], ChunkRef]]:
     """Process 0 at commit: every process's references (its own `own`, the others' from
     their records in `root`), leaf path -> chunk -> reference; checks that the base is
@@ -370,11 +457,15 @@ def gather(storage: Storage, root: str, own_index: int, own: Sequence[tuple[str,
       SaveError: the base was deleted or replaced meanwhile (nothing is committed).
     """
     out: dict[str, dict[tuple[int, ...], ChunkRef]] = {}
+    wanted: dict[str, set[str]] = {}  # referenced folder -> the generations referenced there
     # `process_count` 1: this process's own alone (also a local tier's manifest copy,
     # which process i > 0 writes without the others' records).
     for i in ([own_index] if process_count == 1 else range(process_count)):
         if i == own_index:
-            items = list(own)
+            items = [(leaf, r) for leaf, r in own if isinstance(r, ChunkRef)]  # packed ones: `pack_references`
+            for _, pb in own:
+                if isinstance(pb, PackedBox) and pb.folder is not None:
+                    wanted.setdefault(pb.folder, set()).add(str(pb.generation))
         else:
             location = f"{root}/{_format.process_record_name(i)}"
             record = _format.read_process_record(storage, location)
@@ -382,18 +473,19 @@ def gather(storage: Storage, root: str, own_index: int, own: Sequence[tuple[str,
             for j, raw in enumerate(record.references or ()):
                 parsed = _format_refs(raw, location, j)
                 items.append((raw["leaf"], parsed))
+            for p in record.packed_references or ():
+                wanted.setdefault(str(p.extra.get("in")), set()).add(str(p.extra.get("generation")))
         for leaf, r in items:
             out.setdefault(leaf, {})[r.chunk] = r
-    if out and base is not None:
-        folders = {r.folder for refs in out.values() for r in refs.values()}
-        for folder in folders:
+            wanted.setdefault(r.folder, set()).add(r.generation)
+    if wanted and base is not None:
+        for folder in wanted:
             target = _format.sibling(base.path, folder)
             try:
                 generation = _format.read_metadata(storage, target, check_references=False).generation
             except CheckpointError as e:
                 raise SaveError(f"incremental save into {root}: the referenced checkpoint {target} is gone ({e}); nothing committed") from e
-            wanted = {r.generation for refs in out.values() for r in refs.values() if r.folder == folder}
-            if wanted != {generation}:
+            if wanted[folder] != {generation}:
                 raise SaveError(f"incremental save into {root}: the referenced checkpoint {target} was replaced meanwhile; nothing committed")
     return out
 
@@ -416,6 +508,6 @@ def referencing(storage: Storage, path: str) -> list[str]:
             meta = _format.read_metadata(storage, f"{parent}/{folder}", check_references=False)
         except (CheckpointError, OSError):
             continue
-        if any(r.folder == name for m in meta.arrays.values() for r in m.references.values()):
+        if name in meta.referenced_folders:
             out.append(folder)
     return out

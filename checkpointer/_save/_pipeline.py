@@ -94,7 +94,7 @@ class SaveResult:
         (`_encoding.write_context`), once writing.
       lock: process 0's lock on `<partial>.lock` while writing.
       references: incremental saves: the references this process made, `(leaf path,
-        ChunkRef)` (unchanged by identity, or found unchanged by `_incremental.Base.split`).
+        ChunkRef or a packed chunk's PackedBox)` (`_incremental.Base.split`/`split_packed`).
       incremental: what the equality check of an incremental save found and cost.
     """
 
@@ -106,7 +106,7 @@ class SaveResult:
     write_mode: str | None = None
     write_mode_reason: str | None = None
     lock: FileLock | None = None
-    references: list[tuple[str, _format.ChunkRef]] = dataclasses.field(default_factory=list)
+    references: list[tuple[str, _format.ChunkRef | _format.PackedBox]] = dataclasses.field(default_factory=list)
     incremental: _incremental.Stats = dataclasses.field(default_factory=_incremental.Stats)
 
 
@@ -446,6 +446,7 @@ def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord], packed: PackReco
         phases_unix_s=dict(snap.result.phases_unix_s) or None,
         packed=packed,  # additive: absent when this process packed nothing
         references=tuple(_incremental.references_json(snap.result.references)) or None,  # additive: incremental saves
+        packed_references=_incremental.pack_references(snap.result.references),
     )
     snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps_large(record.to_json()))
     return record
@@ -509,9 +510,11 @@ def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: b
     (`packed_processes`)."""
     with _memory.paused():
         if own_pack_only:
-            packed = [snap.result.pack_index] if snap.result.pack_index is not None else []
+            packed = ([snap.result.pack_index] if snap.result.pack_index is not None else []) + list(
+                _incremental.pack_references(snap.result.references) or ())
         else:
-            packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.result.pack_index, snap.process_count) if (
+            packed = _encoding.packs_of_save(snap.storage, snap.write_path, snap.process_index, snap.result.pack_index, snap.process_count,
+                                             _incremental.pack_references(snap.result.references) or ()) if (
                 any(leaf.meta.packed for leaf in snap.arrays)) else []
         arrays = [leaf.meta for leaf in snap.arrays]
         if snap.base is not None:  # every process's references, by leaf (format_version 2 when any)

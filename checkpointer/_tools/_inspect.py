@@ -327,6 +327,12 @@ def _chunks_of(meta: CheckpointMetadata, records: Mapping[int, ProcessRecord], l
             holders, writer = _holders(m, box, meta.process_count, pidx)
             out.append(WrittenChunk(box, pidx, False, chunk_key(leaf_path, ref.chunk), box.size * m.dtype.itemsize, holders,
                                     None if imported else writer, ref.folder))
+        for p in rec.packed_references or ():  # packed chunks referenced in an earlier step's pack
+            for b in p.boxes:
+                if b.leaf == leaf_path:
+                    holders, writer = _holders(m, b.box, meta.process_count, pidx)
+                    out.append(WrittenChunk(b.box, pidx, True, p.key, b.data_bytes, holders, None if imported else writer,
+                                            str(p.extra.get("in"))))
     return out
 
 
