@@ -371,8 +371,9 @@ def cost_part(args, mib: int) -> None:
     for name, got in per.items():
         for k in ("0", "1"):
             rows.append([name, f"peer_copies={k}", C.fmt(got[f"lost_{k}"]), C.fmt(got[f"cpu_{k}"])])
-        ratio = statistics.median(got["lost_1"]) / statistics.median(got["lost_0"])
-        rows.append([name, "with ÷ without peers (medians) / extra per GiB copied", f"{ratio:.2f}×",
+        without = statistics.median(got["lost_0"])
+        ratio = f"{statistics.median(got['lost_1']) / without:.2f}×" if without > 0.05 else "n/a (none lost without)"
+        rows.append([name, "with ÷ without peers (medians) / extra per GiB copied", ratio,
                      C.fmt(got["per_gib"], unit="CPU-s/GiB")])
         if got.get("copy_per_gib"):
             rows.append([name, "the copy threads alone (sender + server) per GiB copied", "",
