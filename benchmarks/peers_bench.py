@@ -21,16 +21,21 @@ Per case: the step restored (steps lost at a node loss = the failure step minus 
 saves every 10 steps at most 10 when a copy survives), bytes read from the durable tier
 (`status().last_restore_durable_bytes`, or `RestoreStats.bytes_read` for (d)).
 
-Cost of the copies, in the save job (each on its own manager, 2 local-only saves each):
-blocked seconds of `save`, wall seconds until the step is local and (with peers) copied,
-and process CPU seconds over that span, without and with peer_copies=1.
+The cost of a local save (`cost_job`, its own job; the peers_bench_cost section): the
+training time lost per local save as benchmarks/train_loss_bench.py defines it (a loop
+of training steps with a local save every --every steps, against the same loop without
+saves), and the process CPU it takes, without and with peer_copies=1; with --baseline
+another checkout of the library (e.g. /work/main) runs the same job alternately, side
+by side. Where the library counts them (`PeerService.copy_cpu_s`), the CPU of the copy
+threads alone (sender and the holder's server) per GiB copied too.
 
 Orbax reads the durable directory through TensorStore, which the paced backend cannot
 throttle: its row reads at page-cache speed, a lower bound.
 
 Run:  .venv/bin/python benchmarks/peers_bench.py [--quick] [--rate 200] [--dir /tmp]
-      Prints a markdown table and replaces the peers_bench section of benchmarks/RESULTS.md
-      (--quick: RESULTS.md untouched unless --results).
+      [--only-cost] [--every 10] [--saves 3] [--baseline /work/main] [--runs N]
+      Prints markdown tables and replaces the peers_bench (restarts) and peers_bench_cost
+      sections of benchmarks/RESULTS.md (--quick: RESULTS.md untouched unless --results).
 """
 
 from __future__ import annotations
@@ -165,6 +170,8 @@ def cost_job(directory: str, mib: int, every: int, saves: int, rounds: int) -> N
     copies: the same loop (`saves` blocks of `every` steps) without saves, with a local
     save (manager, peer_copies=0) before each block, and with peer_copies=1; in an order
     rotated per round, after one warm-up round."""
+    import os
+
     import absl.logging
     import jax
     from jax.experimental import multihost_utils
@@ -204,7 +211,7 @@ def cost_job(directory: str, mib: int, every: int, saves: int, rounds: int) -> N
     for m in managers.values():
         m.close()
     share = sum(s.data.nbytes for x in state.values() for s in x.addressable_shards)
-    testing.emit(event="cost", rows=rows, share_bytes=share)
+    testing.emit(event="cost", rows=rows, share_bytes=share, library=os.path.dirname(os.path.abspath(ckpt.__file__)))
 
 
 def restore_job(directory: str, mib: int, case: str, rate_mib_s: float) -> None:
@@ -336,9 +343,16 @@ def cost_part(args, mib: int) -> None:
         for run in range(args.runs):
             for j, (name, lib) in enumerate(libs.items()):
                 env = {"PYTHONPATH": os.pathsep.join([lib, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-                out = testing.run_processes(cost_job, PROCESSES, DEVICES, {
-                    "directory": f"{d}/{run}-{j}", "mib": mib,
-                    "every": args.every, "saves": args.saves, "rounds": 2}, timeout_s=1800, env=env)
+                cwd = os.getcwd()
+                os.chdir(lib)  # the workers run `python -c`: the working directory comes first on their path
+                try:
+                    out = testing.run_processes(cost_job, PROCESSES, DEVICES, {
+                        "directory": f"{d}/{run}-{j}", "mib": mib,
+                        "every": args.every, "saves": args.saves, "rounds": 2}, timeout_s=1800, env=env)
+                finally:
+                    os.chdir(cwd)
+                where = {r.record("cost")["library"] for r in out}
+                assert where == {os.path.join(os.path.abspath(lib), "checkpointer")}, (lib, where)
                 recs = [r.record("cost") for r in out]
                 share_gib = recs[0]["share_bytes"] / 2**30
                 for i in range(len(recs[0]["rows"]["none"])):
@@ -348,7 +362,6 @@ def cost_part(args, mib: int) -> None:
                     for k in ("0", "1"):
                         got.setdefault(f"lost_{k}", []).append((loop[k] - loop["none"]) / args.saves)
                         got.setdefault(f"cpu_{k}", []).append((cpu[k] - cpu["none"]) / args.saves)
-                    got.setdefault("ratio", []).append(got["lost_1"][-1] / max(got["lost_0"][-1], 1e-9))
                     got.setdefault("per_gib", []).append((got["cpu_1"][-1] - got["cpu_0"][-1]) / share_gib)
                     got.setdefault("loop_none", []).append(loop["none"] / args.saves)
                     copy = statistics.mean(r["rows"]["1"][i]["copy_cpu_s"] for r in recs) / args.saves / share_gib
@@ -358,7 +371,9 @@ def cost_part(args, mib: int) -> None:
     for name, got in per.items():
         for k in ("0", "1"):
             rows.append([name, f"peer_copies={k}", C.fmt(got[f"lost_{k}"]), C.fmt(got[f"cpu_{k}"])])
-        rows.append([name, "peers ÷ none / extra per GiB copied", C.fmt(got["ratio"], unit="×"),
+        without = statistics.median(got["lost_0"])
+        ratio = f"{statistics.median(got['lost_1']) / without:.2f}×" if without > 0.05 else "n/a (none lost without)"
+        rows.append([name, "with ÷ without peers (medians) / extra per GiB copied", ratio,
                      C.fmt(got["per_gib"], unit="CPU-s/GiB")])
         if got.get("copy_per_gib"):
             rows.append([name, "the copy threads alone (sender + server) per GiB copied", "",
