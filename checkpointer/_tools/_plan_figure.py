@@ -54,7 +54,7 @@ def _device_bytes(plan: RestorePlan) -> dict[int, list[float]]:
     """Device id → [bytes needed, bytes read] of one process's plan."""
     out: dict[int, list[float]] = {}
     for leaf in plan.leaves:
-        seen = set()
+        seen: set[tuple] = set()  # packed (key, offset); zarr (source, chunk key, inner id or -1 for the index)
         for b in leaf.boxes:
             devices = b.device_ids or (-1,)
             read = 0
@@ -63,8 +63,15 @@ def _device_bytes(plan: RestorePlan) -> dict[int, list[float]]:
                     if (p.key, p.offset) not in seen:
                         seen.add((p.key, p.offset))
                         read += p.nbytes
-            else:
+            elif b.slabs:
                 read = b.bytes_read
+            else:  # an index or inner chunk that several boxes need is read once (`LeafRestorePlan.bytes_read`)
+                for r in b.reads:
+                    for key, n in [((r.source, r.chunk_key, -1), r.index_bytes),
+                                   *(((r.source, r.chunk_key, i), r.inner_bytes_with_crc) for i in r.inner_ids)]:
+                        if key not in seen:
+                            seen.add(key)
+                            read += n
             needed = b.bytes_needed if leaf.exchange_spec is None else 0
             for d in devices:
                 row = out.setdefault(d, [0.0, 0.0])
