@@ -69,7 +69,8 @@ _IDENTITY_LOCK = threading.Lock()
 # without the crc32c pass until RECHECK_EVERY saves have passed, so the check costs a loop
 # where everything changes 1/RECHECK_EVERY of a crc32c pass, and a leaf that stops changing
 # is referenced again within RECHECK_EVERY saves. Only for leaves with chunks that are no
-# `ShardImage` (whose crc32c is a pass of its own): an image's crc32c came with the snapshot.
+# `ShardImage` (whose crc32c is a pass of its own): an image's crc32c comes from its one checksum pass
+# (`ShardImage.checksum`, on the writer's threads), which the write then reuses.
 RECHECK_EVERY = 8
 # The chunk crc32c of the last few bases, by (storage, path, generation): a training loop
 # reads each base's process records once, not on every save.
