@@ -5,7 +5,9 @@ Usage: python incremental_crash_worker.py DIR KILL_POINT
   Hooks: `refs_read` (retention read a step's references), `retention_renamed` (a step
   moved aside: unpublished), `retention_deleted` (its bytes removed); on object stores
   (DIR an `s3://` URL): `catalog` (its marker deleted, its catalog entry not yet removed),
-  `unpublished` (both done), `kv_deleted` (its objects removed).
+  `unpublished` (both done), `kv_deleted` (its objects removed); retired steps:
+  `retired` (a step's RETIRED marker written, nothing pruned yet), `pruned` (POSIX: one
+  unreferenced chunk file of a retired step deleted).
 The base changes at step 4 (steps before it reference step 0's base, later ones step 4's);
 the adapter changes every other step (odd steps reference the even step before).
 The adapter of step s is filled with s - s % 2; the tree's "step" is s.
@@ -95,6 +97,25 @@ def unpublish_step(*args, **kwargs):
 
 
 _commit.unpublish_step = unpublish_step
+_real_retire = _commit.retire_step
+
+
+def retire_step(*args, **kwargs):
+    _real_retire(*args, **kwargs)
+    reached("retired")
+
+
+_commit.retire_step = retire_step
+_real_delete_file = _storage.LocalStorage.delete_file
+
+
+def delete_file(self, path):
+    _real_delete_file(self, path)
+    if "/arrays/" in path:
+        reached("pruned")
+
+
+_storage.LocalStorage.delete_file = delete_file
 _real_kv_delete = _kvstore.KvStorage.delete_tree
 
 

@@ -353,7 +353,7 @@ def test_gc_dry_run_then_removes_the_partial_folder_and_old_steps(run_dir, capsy
     doc = run_json(capsys, "gc", run_dir, "--keep-latest", "1")
     freed = doc.pop("freed_bytes")  # what step 2's own files held
     assert doc == {"directory": run_dir, "dry_run": False, "removed_partial": [], "rolled_forward": [],
-                   "removed_steps": [2], "kept_steps": [3], "kept_for_references": {}}
+                   "removed_steps": [2], "kept_steps": [3], "kept_for_references": {}, "retired_steps": {}}
     assert freed > 0
 
 

@@ -181,7 +181,8 @@ def test_manager_retention_keeps_referenced_steps_until_nobody_references_them(t
         for step in range(5):
             mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
         mgr.wait_until_finished()
-        assert mgr.all_steps() == [0, 3, 4]  # 0 holds the frozen base that 3 and 4 reference
+        assert mgr.all_steps() == [3, 4]  # 0 is retired: it holds only the frozen base 3 and 4 reference
+        assert os.path.exists(f"{d}/0/RETIRED")
         with pytest.raises(ckpt.CheckpointExistsError, match="reference"):
             mgr.save(0, {"base": base, "adapter": _arr(sharding, 9.0)}, force=True)
         new_base = _arr(sharding, seed=4)
@@ -212,7 +213,8 @@ def test_gc_reports_what_it_freed_and_what_it_kept_for_whom(tmp_path, sharding, 
 WORKER = os.path.join(os.path.dirname(__file__), "incremental_crash_worker.py")
 # Every storage operation of retention: the references read, the step moved aside
 # (unpublished), its bytes removed; at the first and a later retention.
-KILL_POINTS = ["refs_read:3", "retention_renamed:1", "retention_deleted:1", "retention_renamed:3", "retention_deleted:4"]
+KILL_POINTS = ["refs_read:3", "retention_renamed:1", "retention_deleted:1", "retention_renamed:3", "retention_deleted:4",
+               "retired:1", "retired:2", "pruned:1", "pruned:3"]  # retiring: the marker, the chunks nobody references
 
 
 @pytest.mark.parametrize("kill_point", KILL_POINTS)
@@ -234,8 +236,19 @@ def test_a_crash_at_any_point_of_retention_leaves_no_dangling_reference(tmp_path
     # The next writer's retention finishes the job.
     res = subprocess.run([sys.executable, WORKER, d, "none"], env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-2000:]
-    for step in ckpt.CheckpointManager(d, read_only=True).all_steps():
+    steps = ckpt.CheckpointManager(d, read_only=True).all_steps()
+    for step in steps:
         assert ckpt.verify(f"{d}/{step}").ok
+    # Retired steps hold exactly the chunks the listed steps reference (the rerun finished the job).
+    wanted: dict[str, set] = {}
+    for step in steps:
+        for leaf in ("base", "adapter"):
+            for r in _refs(f"{d}/{step}", leaf):
+                wanted.setdefault(r["in"], set()).add((leaf, tuple(r["chunk"])))
+    retired = [n for n in os.listdir(d) if os.path.exists(f"{d}/{n}/RETIRED")]
+    assert set(retired) <= set(wanted)
+    for name in retired:
+        assert sum(_chunk_files(f"{d}/{name}", leaf) for leaf in ("base", "adapter")) == len(wanted[name]), name
 
 
 def test_ls_shows_owned_and_shared_bytes_and_pictures_show_references(tmp_path, sharding, capsys):
@@ -329,11 +342,11 @@ def test_two_processes_reference_their_own_chunks_and_process_0_gathers_them(tmp
     results = run_processes(WORKERS / "incremental_worker.py", 2, 4, {"directory": d}, timeout_s=120)
     for r in results:
         rec = r.record("saved")
-        assert rec["steps"] == [0, 1, 2] and rec["base_ok"] and rec["adapter"] == 2.0
+        assert rec["steps"] == [1, 2] and rec["base_ok"] and rec["adapter"] == 2.0  # 0 retired: it holds the base
         # Both processes' chunks of the base (4 each) are references in the manifest.
-        assert rec["refs"]["2"] == {"base": 8, "adapter": 0} and rec["refs"]["0"] == {"base": 0, "adapter": 0}
+        assert rec["refs"]["2"] == {"base": 8, "adapter": 0} and rec["refs"]["1"] == {"base": 8, "adapter": 0}
         assert rec["cooperative"] and "0" in rec["sources"]  # the cooperative plan reads the base from step 0
-    assert ckpt.verify(f"{d}/2").ok
+    assert ckpt.verify(f"{d}/2").ok and os.path.exists(f"{d}/0/RETIRED")
 
 
 def test_two_processes_reference_their_packed_chunks_and_restore_them_cooperatively(tmp_path):
@@ -353,7 +366,7 @@ def test_two_processes_reference_their_packed_chunks_and_restore_them_cooperativ
 # The object store's own windows: the marker deleted with the catalog entry still there,
 # and both gone with the objects still there (reading references and removing the bytes
 # are the local test's points, the same code on every backend).
-S3_KILL_POINTS = ["catalog:1", "unpublished:1"]
+S3_KILL_POINTS = ["catalog:1", "unpublished:1", "retired:1"]
 
 
 @pytest.fixture(scope="module")
@@ -391,8 +404,10 @@ def test_object_stores_reference_and_retain_alike(sharding):
     with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(1), incremental=True, async_save=False) as mgr:
         for step in range(3):
             mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
-        assert mgr.all_steps() == [0, 2]
+        assert mgr.all_steps() == [2]  # 0 retired: hidden, its base kept for 2
         np.testing.assert_array_equal(np.asarray(mgr.restore(2)["base"]), np.asarray(base))
+        with pytest.raises(ckpt.CheckpointNotFoundError, match="retired"):
+            mgr.restore(0)
     assert ckpt.metadata(f"{d}/2").referenced_bytes == N * N * 4
     assert ckpt.verify(f"{d}/2").ok
 
@@ -466,7 +481,7 @@ def test_retention_keeps_the_step_whose_pack_is_referenced(tmp_path, sharding):
             tree = _lora(sharding, step, None)
             del tree["base"]["w"]  # small leaves only: nothing but the pack references keeps step 0
             mgr.save(step, tree)
-        assert mgr.all_steps() == [0, 2]  # 1 deleted; 0 holds the frozen small leaves 2 references
+        assert mgr.all_steps() == [2]  # 1 deleted; 0 retired: its pack holds the frozen small leaves 2 references
         r = mgr.restore(2)
     np.testing.assert_array_equal(np.asarray(r["base"]["norm5"]), np.full(256, 5, np.float32))
     np.testing.assert_array_equal(np.asarray(r["adapters"]["lora0"]), np.full((64, 16), 20, np.float32))

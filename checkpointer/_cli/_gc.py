@@ -25,6 +25,7 @@ def _cmd_gc(args, ui: _UI) -> int:
     folders = _commit.committed_folders(storage, directory)
     own_bytes = {st: _step_bytes(storage, directory, f) for st, f in folders.items()}
     held: dict[int, list[int]] = {}
+    retired_bytes: dict[int, tuple[int, int]] = {}  # step -> (freed, kept) bytes
     lock = None
     if not args.dry_run:
         if storage.supports_locks:
@@ -36,9 +37,14 @@ def _cmd_gc(args, ui: _UI) -> int:
                 raise CheckpointError(f"{e} (gc needs the directory to itself)") from e
         try:
             keep = _manage.KeepLatest(args.keep_latest) if args.keep_latest else None
+            sizes = {st: storage.folder_bytes(f"{directory}/{f}") for st, f in folders.items()}
             recovered, doomed = _manage.maintain(storage, directory, keep=keep, kept_for_references=held)  # as a manager's writer does
             actions = [(n, a) for n, a in actions if n in set(recovered)]
             steps = sorted(set(_commit.committed_steps(storage, directory)) | set(doomed))
+            for st in held:  # POSIX: what retiring freed (object stores: None, a request per file)
+                before, after = sizes.get(st), storage.folder_bytes(f"{directory}/{folders.get(st, st)}")
+                if before is not None and after is not None:
+                    retired_bytes[st] = (before - after, after)
         finally:
             if lock is not None:
                 lock.release()
@@ -46,8 +52,8 @@ def _cmd_gc(args, ui: _UI) -> int:
         doomed = steps[: -args.keep_latest] if args.keep_latest else []
         if doomed:
             refs = {st: _manage.referenced_steps(storage, directory, f) for st, f in folders.items()}
-            gone, held = _manage.hold_referenced(steps, doomed, refs)
-            doomed = sorted(gone)
+            held = _manage.users_among(steps, doomed, refs)  # retired, not removed
+            doomed = [st for st in doomed if st not in held]
     kept = [s for s in steps if s not in doomed]
     verb = {"remove": "would remove" if args.dry_run else "removed",
             "roll forward": "would roll forward" if args.dry_run else "rolled forward"}
@@ -57,13 +63,19 @@ def _cmd_gc(args, ui: _UI) -> int:
                  "rolled_forward": [n for n, a in actions if a == "roll forward"],
                  "removed_steps": doomed, "kept_steps": kept,
                  "freed_bytes": sum(own_bytes.get(st, 0) for st in doomed),
-                 "kept_for_references": {str(st): users for st, users in held.items()}})
+                 "kept_for_references": {str(st): users for st, users in held.items()},
+                 "retired_steps": {str(st): {"referenced_by": users, "freed_bytes": retired_bytes.get(st, (None, None))[0],
+                                             "kept_bytes": retired_bytes.get(st, (None, None))[1]}
+                                   for st, users in held.items()}})
         return 0
     rows = [(verb[a], n, "crashed or replaced save" if a == "remove" else "committed, not yet renamed") for n, a in actions]
     rows += [("would remove" if args.dry_run else "removed", str(s),
               f"beyond the newest {args.keep_latest}; frees {format_bytes(own_bytes.get(s, 0))}") for s in doomed]
-    rows += [("kept", str(st), f"referenced by steps {', '.join(map(str, users))} (incremental saves); holds "
-              f"{format_bytes(own_bytes.get(st, 0))}") for st, users in sorted(held.items())]
+    rows += [("would retire" if args.dry_run else "retired", str(st),
+              f"beyond the newest {args.keep_latest}; hidden, only the chunks steps {', '.join(map(str, users))} reference "
+              f"kept (incremental saves); " + (f"freed {format_bytes(retired_bytes[st][0])}, kept {format_bytes(retired_bytes[st][1])}"
+                                               if st in retired_bytes else f"held {format_bytes(own_bytes.get(st, 0))}"))
+             for st, users in sorted(held.items())]
     if rows:
         ui.table(["action", "folder", "why"], rows, title=f"{directory}{' (dry run)' if args.dry_run else ''}")
     else:

@@ -26,6 +26,8 @@ def _generation_time(generation: str | None) -> float | None:
 def _state(e: _commit.StepEntry, committed: set[int]) -> str:
     if _format.parse_deleting_name(e.name):
         return "deleting"
+    if e.retired:
+        return "retired"  # kept only for the chunks newer steps reference (incremental saves)
     if e.generation is None:
         return "committed" if e.committed else "no marker"
     if e.committed:
@@ -43,7 +45,7 @@ def _cmd_ls(args, ui: _UI) -> int:
         raise UsageError(f"{directory} is one checkpoint, not a directory of steps: use `{PROG} inspect {directory}`")
     # Steps committed in their own `<step>/` (a committed partial of another step is
     # "committed, not renamed"; see `_commit.committed_folders`), by the markers just read.
-    committed = {e.step for e in found if e.committed and e.generation is None}
+    committed = {e.step for e in found if e.committed and e.generation is None and not e.retired}
     now = time.time()
     rows = []
     for e in found:
@@ -51,7 +53,9 @@ def _cmd_ls(args, ui: _UI) -> int:
         row: dict[str, Any] = {"step": e.step, "folder": e.name, "state": state, "committed": state == "committed",
                "size_bytes": None, "shared_bytes": 0, "shared_from": [], "created_unix_s": None, "age_s": None,
                "metrics": {}, "note": None}
-        if e.committed:
+        if e.retired:
+            row["note"] = "retired: only the chunks newer steps reference are kept"
+        elif e.committed:
             try:
                 meta = read_metadata(storage, f"{directory}/{e.name}")
                 row["created_unix_s"] = meta.created_unix_s or None

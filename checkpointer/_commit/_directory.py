@@ -1,7 +1,9 @@
 """A manager's directory: step folders, crashed saves, and their cleanup.
 
 ```
-DIR/<step>/                      committed iff <step>/COMMITTED exists
+DIR/<step>/                      committed iff <step>/COMMITTED exists; retired (hidden,
+                                 kept for the chunks newer steps reference) iff
+                                 <step>/RETIRED exists too (`retire_step`)
 DIR/<step>.partial-<generation>/ a save in flight or a crashed one (POSIX)
 DIR/<step>.deleting-<generation>/ an old copy being replaced (force=True, POSIX)
 DIR/.checkpointer-gc.json        object stores: when recovery first saw each
@@ -49,12 +51,15 @@ class StepEntry:
       step: the step it belongs to.
       committed: whether it holds a commit marker.
       generation: the save attempt, for partial folders.
+      retired: a committed `<step>/` with a `RETIRED` marker: no step any more, kept
+        only for the chunks newer steps reference (`retire_step`).
     """
 
     name: str
     step: int
     committed: bool
     generation: str | None
+    retired: bool = False
 
 
 # Process 0 of a save holds an flock on `<partial folder>.lock` while it writes (POSIX),
@@ -89,7 +94,8 @@ def entries(storage: Storage, directory: str, names: Sequence[str] | None = None
             continue
         step, generation, deleting = folder
         committed = not deleting and storage.exists(f"{directory}/{name}/{_format.COMMITTED}")
-        out.append(StepEntry(name, step, committed, generation))
+        retired = committed and generation is None and storage.exists(f"{directory}/{name}/{_format.RETIRED}")
+        out.append(StepEntry(name, step, committed, generation, retired))
     return sorted(out, key=lambda e: (e.step, e.name))
 
 
@@ -129,7 +135,7 @@ def committed_folders(storage: Storage, directory: str) -> dict[int, str]:
         return {s: str(s) for s in steps}
     out: dict[int, str] = {}
     for e in entries(storage, directory):  # sorted: `<step>` before its partial folders
-        if not e.committed:
+        if not e.committed or e.retired:
             continue
         if e.generation is None:
             out[e.step] = e.name
@@ -290,6 +296,26 @@ def unpublish_step(storage: Storage, directory: str, step: int) -> str:
     return moved
 
 
+def retire_step(storage: Storage, directory: str, step: int, referenced_by: Sequence[int]) -> None:
+    """Hides committed `step` from every listing for good, keeping its files: its chunks
+    are still read by the steps `referenced_by` (incremental saves). Its catalog entry
+    goes first (object stores), then the `RETIRED` marker is written (one atomic write):
+    a crash between the two leaves a whole step that only the catalog does not list
+    until `repair` adds it back. Retention then removes the chunks nobody references
+    (`_manage._maintenance`).
+
+    Multi-process: the writer (process 0) only.
+    """
+    _catalog.remove_entry(storage, directory, step)
+    content = {"retired_unix_s": time.time(), "referenced_by": sorted(int(s) for s in referenced_by)}
+    storage.write_file(f"{directory}/{step}/{_format.RETIRED}", _format.dumps(content))
+
+
+def retired_folders(storage: Storage, directory: str) -> dict[int, str]:
+    """Step -> folder of every retired step (one full listing), ascending."""
+    return {e.step: e.name for e in entries(storage, directory) if e.retired}
+
+
 def delete_step(storage: Storage, directory: str, step: int) -> None:
     """Deletes a committed step: unpublished first, then removed."""
     storage.delete_tree(unpublish_step(storage, directory, step))
@@ -310,7 +336,7 @@ def repair(storage: Storage, directory: str) -> tuple[list[int], list[int]]:
     # meanwhile (`checkpointer gc` beside a live writer) does not lose its entry.
     listed = set(_catalog.catalog_steps(storage, directory, complete_only=False) or ())
     found = entries(storage, directory)
-    committed = {e.step for e in found if e.committed and e.generation is None}
+    committed = {e.step for e in found if e.committed and e.generation is None and not e.retired}
     folders = {e.step for e in found if e.generation is None}
     added = sorted(committed - listed)
     removed = sorted(s for s in listed if s not in folders)

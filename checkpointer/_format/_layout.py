@@ -6,6 +6,8 @@
   arrays/<leaf path>/    one zarr v3 array per array leaf
   processes/<i>.json     what process i wrote
   COMMITTED              the commit marker, written last
+  RETIRED                (incremental saves) a step kept only for the chunks newer
+                         steps reference: hidden from listings, not restorable itself
 <path>.partial-<generation>/   a save in flight or a crashed one
 <path>.deleting-<generation>/  a replaced checkpoint being removed (overwrite, POSIX)
 ```
@@ -29,6 +31,7 @@ from ._tree import check_leaf_path
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 COMMITTED = "COMMITTED"
+RETIRED = "RETIRED"  # docs/format.md, "Retired steps"
 ARRAYS = "arrays"
 PROCESSES = "processes"
 PARTIAL_INFIX = ".partial-"

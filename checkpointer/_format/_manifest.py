@@ -254,7 +254,8 @@ def read_metadata(storage: Storage, path: str, *, check_references: bool = True)
     `check_references` is False.
 
     Raises:
-      CheckpointNotFoundError: no commit marker at `path`.
+      CheckpointNotFoundError: no commit marker at `path`, or (`check_references`) the
+        step is retired (kept only for the chunks newer steps reference).
       CorruptCheckpointError: the manifest is missing, malformed or cannot be read (an
         I/O error: its cause), or a reference's target is missing, replaced, of another
         layout or itself a reference.
@@ -268,6 +269,8 @@ def read_metadata(storage: Storage, path: str, *, check_references: bool = True)
             else " Check the path, or list committed steps with `checkpointer ls DIR`."
         )
         raise CheckpointNotFoundError(f"no committed checkpoint at {path}: the commit marker {_layout.COMMITTED} is absent.{hint}")
+    if check_references and storage.exists(f"{path}/{_layout.RETIRED}"):
+        raise CheckpointNotFoundError(_retired_message(storage, path))
     try:
         data = storage.read_file(f"{path}/{_layout.MANIFEST}", max_bytes=_json.MAX_MANIFEST_BYTES)
     except (FileNotFoundError, IsADirectoryError) as e:
@@ -285,6 +288,18 @@ def read_metadata(storage: Storage, path: str, *, check_references: bool = True)
     if check_references and meta.format_version == _references.FORMAT_VERSION_REFERENCES:
         check_reference_targets(storage, path, meta)
     return meta
+
+
+def _retired_message(storage: Storage, path: str) -> str:
+    """Why the retired step at `path` cannot be read itself (its `RETIRED` marker)."""
+    try:
+        users = _json.load_json(storage.read_file(f"{path}/{_layout.RETIRED}", max_bytes=1 << 20), what=path).get("referenced_by")
+    except (CheckpointError, OSError, AttributeError):
+        users = None
+    when = f" (steps {', '.join(map(str, users))} when it was retired)" if isinstance(users, list) and users else ""
+    return (f"{path} is retired: retention removed it but kept the chunks that newer steps reference{when} "
+            f"(incremental saves; its {_layout.RETIRED} marker), so it is no checkpoint any more. Restore a newer step "
+            "(`checkpointer ls` lists them)")
 
 
 def _check_one_save(storage: Storage, path: str, raw: object) -> None:

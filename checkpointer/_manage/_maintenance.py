@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from .. import _commit, _format
 from .._errors import CheckpointError
 from .._storage import Storage
+from . import _retirement
 from ._policies import KeepPolicy
 
 if TYPE_CHECKING:
@@ -51,10 +52,12 @@ def maintain(
       created: `created(step, folders)`, the manifest's creation time of `step` (None:
         unknown), read only for a policy by time (`keep.uses_times`).
       kept_for_references: filled (when given) with each step the policy would remove
-        but that stays because kept steps reference its chunks (incremental saves):
-        step -> the steps that reference it.
+        but that kept steps reference (incremental saves): step -> the steps that
+        reference it. Such a step is retired (`_retirement`): hidden from listings, only
+        the chunks those steps reference kept.
     Returns:
-      The folder names the recovery removed or rolled forward, and the steps retention removed.
+      The folder names the recovery removed or rolled forward, and the steps retention
+      removed (retired steps too, once nothing references them).
 
     Multi-process: process 0 alone calls it.
     """
@@ -63,7 +66,7 @@ def maintain(
         done = _commit.recover(storage, directory)
         _commit.repair(storage, directory)  # object stores: the step catalog
     if keep is None:
-        return done, []
+        return done, _retirement.prune(storage, directory, None, remove) if recover else []
     folders = _commit.committed_folders(storage, directory)  # one listing for steps and metrics
     steps = list(folders)
     if not steps:
@@ -72,17 +75,22 @@ def maintain(
     times = {s: created(s, folders) if created is not None else None for s in steps} if keep.uses_times else {}
     kept = set(keep.keep_at(steps, saved, times, time.time())) | {steps[-1]} | set(protect())
     doomed = [s for s in steps if s not in kept]
-    if not doomed:
-        return done, []
+    if not doomed:  # a recovery also finishes a retirement a crash interrupted
+        return done, _retirement.prune(storage, directory, folders, remove) if recover else []
     refs = {s: referenced_steps(storage, directory, folders[s]) for s in steps}
-    doomed_set, held = hold_referenced(steps, doomed, refs)
+    retire = users_among(steps, doomed, refs)
     if kept_for_references is not None:
-        kept_for_references.update(held)
-    for c, users in sorted(held.items()):
-        log.info("retention keeps step %d of %s: steps %s reference its chunks", c, directory, users)
-    # Remove one step at a time, only one that no committed step still references: a
+        kept_for_references.update(retire)
+    # A doomed step that a step which stays references is retired (hidden at once; only
+    # the chunks nobody references go, below), the others are removed.
+    for c, users in sorted(retire.items()):
+        _commit.retire_step(storage, directory, c, users)
+        log.info("retention retired step %d of %s: kept only for the chunks steps %s reference", c, directory, users)
+    listed = [s for s in steps if s not in retire]
+    doomed_set = {s for s in doomed if s not in retire}
+    # Remove one step at a time, only one that no listed step still references: a
     # crash between any two operations leaves no committed step with a dangling reference.
-    remaining, removed = set(steps), []
+    remaining, removed = set(listed), []
     while doomed_set:
         ready = [c for c in doomed_set if not any(c in refs[s] for s in remaining if s != c)]
         if not ready:  # references among the doomed steps only in a cycle: a hostile manifest; keep them
@@ -96,7 +104,17 @@ def maintain(
         remaining.discard(c)
         doomed_set.discard(c)
         removed.append(c)
+    removed += _retirement.prune(storage, directory, {s: folders[s] for s in sorted(remaining)}, remove)
     return done, sorted(removed)
+
+
+def users_among(steps: Collection[int], doomed: Collection[int], refs: Mapping[int, set[int]]) -> dict[int, list[int]]:
+    """Of the `doomed` steps, those that a step which stays references: step -> those
+    steps (references are flat: a step references the step that holds the bytes, so
+    only the steps that stay count)."""
+    gone = set(doomed)
+    out = {c: sorted(s for s in steps if s not in gone and c in refs.get(s, ())) for c in sorted(gone)}
+    return {c: users for c, users in out.items() if users}
 
 
 def hold_referenced(steps: Collection[int], doomed: Collection[int], refs: Mapping[int, set[int]]) -> tuple[set[int], dict[int, list[int]]]:

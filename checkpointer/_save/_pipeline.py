@@ -187,7 +187,8 @@ def _committed(storage: Storage, path: str) -> bool:
 
 
 # What a checkpoint folder (or a crashed save under the final name) may contain.
-_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED, ZARR_JSON, _encoding.PACKED})
+_FORMAT_NAMES = frozenset({_format.ARRAYS, _format.PROCESSES, _format.MANIFEST, _format.COMMITTED, _format.RETIRED, ZARR_JSON,
+                           _encoding.PACKED})
 
 
 def check_target(storage: Storage, path: str, pidx: int, overwrite: bool) -> None:
