@@ -86,8 +86,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
       direct_io: as for `save` ("auto", True, False); with two tiers it applies to the
         local tier's writes. `status().last_write_mode` says which mode the last
         finished save used, and why.
-      incremental: as for `save` (docs/incremental.md). Retention keeps a step that a
-        kept step references (`checkpointer gc` says for whom); `force=True` refuses to
+      incremental: as for `save` (docs/incremental.md). Retention retires a step kept steps
+        reference: hidden, it keeps only their chunks until none does; `force=True` refuses to
         replace a referenced step. With `local_directory` a local step references the
         newest committed local step of the same process; its durable copy references a
         durable step of the same save, or holds the chunk itself; a peer copy carries
