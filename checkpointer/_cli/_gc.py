@@ -44,7 +44,7 @@ def _cmd_gc(args, ui: _UI) -> int:
             for st in held:  # POSIX: what retiring freed (object stores: None, a request per file)
                 before, after = sizes.get(st), storage.folder_bytes(f"{directory}/{folders.get(st, st)}")
                 if before is not None and after is not None:
-                    retired_bytes[st] = (before - after, after)
+                    retired_bytes[st] = (max(0, before - after), after)  # the marker adds a few bytes
         finally:
             if lock is not None:
                 lock.release()
@@ -70,7 +70,8 @@ def _cmd_gc(args, ui: _UI) -> int:
         return 0
     rows = [(verb[a], n, "crashed or replaced save" if a == "remove" else "committed, not yet renamed") for n, a in actions]
     rows += [("would remove" if args.dry_run else "removed", str(s),
-              f"beyond the newest {args.keep_latest}; frees {format_bytes(own_bytes.get(s, 0))}") for s in doomed]
+              f"beyond the newest {args.keep_latest}; frees {format_bytes(own_bytes.get(s, 0))}" if s in own_bytes
+              else "a retired step no step references any more") for s in doomed]
     rows += [("would retire" if args.dry_run else "retired", str(st),
               f"beyond the newest {args.keep_latest}; hidden, only the chunks steps {', '.join(map(str, users))} reference "
               f"kept (incremental saves); " + (f"freed {format_bytes(retired_bytes[st][0])}, kept {format_bytes(retired_bytes[st][1])}"

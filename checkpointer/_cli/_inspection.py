@@ -54,7 +54,7 @@ def _cmd_ls(args, ui: _UI) -> int:
                "size_bytes": None, "shared_bytes": 0, "shared_from": [], "created_unix_s": None, "age_s": None,
                "metrics": {}, "note": None}
         if e.retired:
-            row["note"] = "retired: only the chunks newer steps reference are kept"
+            row["note"] = "only the chunks newer steps reference are kept"
         elif e.committed:
             try:
                 meta = read_metadata(storage, f"{directory}/{e.name}")
