@@ -11,10 +11,12 @@ import ctypes
 import datetime
 import functools
 import gc
+import json
 import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -210,7 +212,7 @@ class OtherLoad:
 
 def header_lines(title: str, args, wall_s: float, load: OtherLoad) -> str:
     cmd = shlex.join(["python", *sys.argv])
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     share = load.share()
     warn = " (**the machine was not idle: treat these numbers with care**)" if share > 0.1 else ""
     return (f"## {title}\n\n"
@@ -310,3 +312,46 @@ def touch_free_memory(margin_bytes: int = 2 << 30, limit_bytes: int | None = Non
     gc.collect()
     _malloc_trim()
     return done, time.perf_counter() - t0
+
+
+def run_child(script, spec: dict, pycache: str | None = None) -> dict:
+    """One measurement in a fresh process: runs `python SCRIPT --child JSON(spec)` and returns
+    the dict of the `RESULT {...}` line it prints (`print_result`); a child that prints none
+    ends the script with the tail of its stderr.
+
+    pycache: a folder for the children's bytecode cache (PYTHONPYCACHEPREFIX, bytecode on even
+    under PYTHONDONTWRITEBYTECODE): an installed library imports from its .pyc files, as jax
+    and orbax do here from site-packages; without it an editable checkout would compile its
+    modules in every child. A warm-up round fills it. None: the parent's environment as is."""
+    env = None
+    if pycache is not None:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+        env["PYTHONPYCACHEPREFIX"] = pycache
+    p = subprocess.run([sys.executable, str(script), "--child", json.dumps(spec)], capture_output=True, text=True, env=env)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise SystemExit(f"child {json.dumps(spec)[:400]} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+
+
+def print_result(res: dict) -> None:
+    """The child's side of `run_child`: its one result line."""
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def plain_read(files, sizes=None) -> np.ndarray:
+    """`readinto()` of every file of `files` (paths), in order, into one new numpy buffer, one
+    thread, unbuffered: the floor for reading those bytes into fresh memory. `sizes`: the
+    files' sizes in bytes, known beforehand (None: each file is stat()ed first)."""
+    sizes = [os.stat(f).st_size for f in files] if sizes is None else list(sizes)
+    buf = np.empty(sum(sizes), np.uint8)
+    view, off = memoryview(buf), 0
+    for f, n in zip(files, sizes):
+        with open(f, "rb", buffering=0) as fh:
+            end = off + n
+            while off < end:
+                got = fh.readinto(view[off:end])
+                if not got:
+                    raise OSError(f"{f} is shorter than {n} bytes")
+                off += got
+    return buf

@@ -33,7 +33,6 @@ import json  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -99,16 +98,6 @@ def child(spec: dict) -> None:
     print("RESULT " + json.dumps(res), flush=True)
 
 
-def run_child(spec: dict, pycache: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = pycache
-    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise SystemExit(f"child {spec['method']} {spec['state']} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
-
-
 def main() -> None:
     import _common as C
     import absl.logging
@@ -147,7 +136,7 @@ def main() -> None:
                 for m in METHODS[k:] + METHODS[:k]:
                     spec = {"method": m, "state": s, "shapes": shapes[s], "ckpt": paths[s][0], "orbax": paths[s][1], "check": run < 0}
                     C.set_page_cache(paths[s], "warm")
-                    r = run_child(spec, f"{root}/pycache")
+                    r = C.run_child(__file__, spec, f"{root}/pycache")
                     if run < 0 and r["sums"] != sums[s]:
                         raise SystemExit(f"{m} restored wrong values for {s}")
                     if run >= 0:

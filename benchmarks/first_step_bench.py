@@ -39,7 +39,6 @@ import json  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -106,16 +105,6 @@ def child(spec: dict) -> None:
     if method == "orbax":
         mgr.close()
     print("RESULT " + json.dumps(res), flush=True)
-
-
-def run_child(spec: dict, pycache: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = pycache  # as fresh_restore_bench: imports from .pyc files, filled by the warm-up
-    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise SystemExit(f"child {spec['method']} {spec['target']} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
 
 
 def _med(rs, key) -> float:
@@ -197,7 +186,7 @@ def main() -> None:
                 for name in METHODS[k:] + METHODS[:k]:
                     spec = {"method": name, "target": t, "shapes": shapes, "ckpt": cpath, "orbax": opath, "raw": raw, "check": run < 0}
                     C.set_page_cache([cpath, opath, raw], args.page_cache)
-                    r = run_child(spec, f"{root}/pycache")
+                    r = C.run_child(__file__, spec, f"{root}/pycache")
                     if run < 0 and r["sums"] != sums:
                         raise SystemExit(f"{name} restored wrong values onto {t}: {r['sums']} != {sums}")
                     if run >= 0:

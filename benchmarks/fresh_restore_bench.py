@@ -43,7 +43,6 @@ import json  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -71,25 +70,9 @@ def _target(state_shapes: dict, which: str) -> dict:
             for k, s in state_shapes.items()}
 
 
-def _plain_read(arrays_dir: str):
-    import numpy as np
-
-    files = sorted((str(p), p.stat().st_size) for p in Path(arrays_dir).rglob("*") if p.is_file())
-    buf = np.empty(sum(n for _, n in files), np.uint8)
-    view, off = memoryview(buf), 0
-    for f, n in files:
-        with open(f, "rb", buffering=0) as fh:
-            end = off + n
-            while off < end:
-                got = fh.readinto(view[off:end])
-                if not got:
-                    raise OSError(f"{f} is shorter than {n} bytes")
-                off += got
-    return buf
-
-
 def child(spec: dict) -> None:
     """One measurement in this (fresh) process; prints one JSON line."""
+    import _common as C
     import absl.logging
     import jax
     import numpy as np
@@ -99,7 +82,7 @@ def child(spec: dict) -> None:
     tgt = _target(spec["shapes"], spec["target"]) if method != "plain read" else None
     ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     if method == "plain read":
-        out = _plain_read(spec["ckpt"] + "/arrays")
+        out = C.plain_read(sorted(p for p in Path(spec["ckpt"], "arrays").rglob("*") if p.is_file()))
     elif method == "checkpointer":
         import checkpointer as ckpt
 
@@ -117,20 +100,7 @@ def child(spec: dict) -> None:
         res["n_buffers"] = {k: len({s.data.unsafe_buffer_pointer() for s in v.addressable_shards}) for k, v in out.items()}
     if method == "orbax":
         mgr.close()
-    print("RESULT " + json.dumps(res), flush=True)
-
-
-def run_child(spec: dict, pycache: str) -> dict:
-    # Bytecode caches on, in a folder of this run (the warm-up round fills it): an installed
-    # library imports from its .pyc files, as jax and orbax do here from site-packages; with
-    # PYTHONDONTWRITEBYTECODE=1 an editable checkout would compile its modules in every child.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = pycache
-    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, env=env)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise SystemExit(f"child {spec['method']} {spec['target']} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+    C.print_result(res)
 
 
 def report(C, args, res, logical, wall_s, load) -> str:
@@ -198,7 +168,7 @@ def main() -> None:
                 for name in METHODS[k:] + METHODS[:k]:
                     spec = {"method": name, "target": t, "shapes": shapes, "ckpt": cpath, "orbax": opath, "check": run < 0}
                     C.set_page_cache([cpath, opath], args.page_cache)
-                    r = run_child(spec, f"{root}/pycache")
+                    r = C.run_child(__file__, spec, f"{root}/pycache")
                     if run < 0 and name != "plain read":
                         if r["sums"] != sums:
                             raise SystemExit(f"{name} restored wrong values onto {t}: {r['sums']} != {sums}")

@@ -82,20 +82,6 @@ def rchar() -> int:
     return 0
 
 
-def plain_read(files, total, _target):
-    buf = np.empty(total, np.uint8)
-    view, off = memoryview(buf), 0
-    for f, n in files:
-        with open(f, "rb", buffering=0) as fh:
-            end = off + n
-            while off < end:
-                got = fh.readinto(view[off:end])
-                if not got:
-                    raise OSError(f"{f} is shorter than {n} bytes")
-                off += got
-    return buf
-
-
 METHODS = ["plain read", "checkpointer", "orbax"]
 
 
@@ -178,7 +164,7 @@ def main() -> None:
         disk = {"checkpointer": disk_bytes(cpath), "plain": total, "orbax": disk_bytes(opath)}
         plan = {t: ckpt.plan_restore(cpath, tgt).bytes_read for t, tgt in tgts.items()}
         mgr = ocp.CheckpointManager(opath)
-        fns = {"plain read": lambda tgt: plain_read(files, total, tgt),
+        fns = {"plain read": lambda tgt: C.plain_read([f for f, _ in files], [n for _, n in files]),
                "checkpointer": lambda tgt: ckpt.restore(cpath, tgt),
                "orbax": lambda tgt: mgr.restore(0, args=ocp.args.StandardRestore(tgt))}
         print(f"devices: {jax.device_count()} × {jax.devices()[0].platform}; runs: {args.runs}; warm-up round first")

@@ -66,7 +66,6 @@ import re  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -179,23 +178,6 @@ def plain_read_files(root: str, library: str) -> list[Path]:
     return sorted(p for d in dirs for p in d.rglob("*") if p.is_file())
 
 
-def plain_read(files: list[Path]):
-    import numpy as np
-
-    sizes = [f.stat().st_size for f in files]
-    buf = np.empty(sum(sizes), np.uint8)
-    view, off = memoryview(buf), 0
-    for f, n in zip(files, sizes):
-        with open(f, "rb", buffering=0) as fh:
-            end = off + n
-            while off < end:
-                got = fh.readinto(view[off:end])
-                if not got:
-                    raise OSError(f"{f} is shorter than {n} bytes")
-                off += got
-    return buf
-
-
 # ---------------------------------------------------------------------------------------------
 # One measurement in a fresh process
 
@@ -286,7 +268,7 @@ def child(spec: dict) -> dict:
         elif lib == FLOOR:
             res = jax.block_until_ready(jax.device_put(src, dev))
         else:
-            res = plain_read(files)
+            res = C.plain_read(files)
         t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         if lib == OB:
             mgr.close()
@@ -300,14 +282,6 @@ def child(spec: dict) -> dict:
     out.update(s=t1 - t0, user_s=r1.ru_utime - r0.ru_utime, sys_s=r1.ru_stime - r0.ru_stime,
                minflt=r1.ru_minflt - r0.ru_minflt, peak_rise=(_status_kib("VmHWM") - rss_base) << 10)
     return out
-
-
-def run_child(spec: dict) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True)
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise SystemExit(f"child {spec} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,13 +429,13 @@ def measure_point(series: str, n: int, args, root: str, log) -> dict:
         for lib in order:  # saves
             path = paths[lib]
             spec = {"op": "save", "lib": lib, "series": series, "n": n, "path": path, "check": check}
-            r = run_job("save", lib, nproc, args.per_process, path, check) if nproc else run_child(spec)
+            r = run_job("save", lib, nproc, args.per_process, path, check) if nproc else C.run_child(__file__, spec)
             sums[lib] = r.get("checksum")
             res.setdefault(("save", lib), []).append(r)
             log(series, n, run, "save", lib, r)
         if series in ("size", "leaves"):
             spec = {"op": "save", "lib": FLOOR, "series": series, "n": n, "path": "", "check": False}
-            r = run_child(spec)
+            r = C.run_child(__file__, spec)
             res.setdefault(("save", FLOOR), []).append(r)
             log(series, n, run, "save", FLOOR, r)
         ordered = order if run % 2 == 0 else order[::-1]
@@ -469,19 +443,19 @@ def measure_point(series: str, n: int, args, root: str, log) -> dict:
             store = paths[lib] + ("/0" if lib == OB else "")
             C.set_page_cache([paths[lib]], "warm")
             spec = {"op": "restore", "lib": lib, "series": series, "n": n, "path": paths[lib], "check": check}
-            r = run_job("restore", lib, nproc, args.per_process, paths[lib], check) if nproc else run_child(spec)
+            r = run_job("restore", lib, nproc, args.per_process, paths[lib], check) if nproc else C.run_child(__file__, spec)
             if check and sums.get(lib) is not None and abs(r["checksum"] - sums[lib]) > 1e-6 * max(1.0, abs(sums[lib])):
                 raise SystemExit(f"{lib} restored other values at {series}={n}: checksum {r['checksum']} != {sums[lib]}")
             res.setdefault(("restore", lib), []).append(r)
             log(series, n, run, "restore", lib, r)
             C.set_page_cache([paths[lib]], "warm")
             spec = {"op": "restore", "lib": PLAIN, "series": series, "n": n, "path": store, "of": lib}
-            r = run_child(spec)
+            r = C.run_child(__file__, spec)
             res.setdefault(("restore", f"{PLAIN} ({lib}'s files)"), []).append(r)
             log(series, n, run, "restore", f"{PLAIN} ({lib}'s files)", r)
         if series == "leaves":
             spec = {"op": "restore", "lib": FLOOR, "series": series, "n": n, "path": ""}
-            r = run_child(spec)
+            r = C.run_child(__file__, spec)
             res.setdefault(("restore", FLOOR), []).append(r)
             log(series, n, run, "restore", FLOOR, r)
         for p in paths.values():
@@ -733,6 +707,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print("RESULT " + json.dumps(child(json.loads(sys.argv[2]))), flush=True)
+        import _common as C
+
+        C.print_result(child(json.loads(sys.argv[2])))
     else:
         main()
