@@ -12,6 +12,7 @@ import datetime
 import functools
 import gc
 import json
+import math
 import os
 import platform
 import shlex
@@ -156,6 +157,19 @@ def fmt(xs, unit: str = "s", digits: int = 3) -> str:
     if len(xs) == 1:
         return f"{med:.{digits}f} {unit}".rstrip()
     return f"{med:.{digits}f} ({lo:.{digits}f}–{hi:.{digits}f}) {unit}".rstrip()
+
+
+def median_interval(xs, level: float = 0.9) -> tuple[float, float, float]:
+    """A distribution-free confidence interval of the median of `xs`: `(low, high, coverage)`,
+    the order statistics x_(j) and x_(n+1-j) with the largest j whose coverage (from the
+    binomial(n, 1/2) law of how many values fall below the median) is at least `level`;
+    with too few values, (min, max) and its coverage, below `level`."""
+    v, n = sorted(xs), len(xs)
+    below = [math.comb(n, i) / 2**n for i in range(n + 1)]  # P(exactly i values below the median)
+    j = 1
+    while j < n // 2 and 1 - 2 * sum(below[:j + 1]) >= level:
+        j += 1
+    return v[j - 1], v[n - j], 1 - 2 * sum(below[:j])
 
 
 def ratio(a, b) -> str:
