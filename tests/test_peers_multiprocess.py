@@ -169,6 +169,8 @@ def test_a_restart_onto_another_process_count_reads_the_durable_step_and_says_wh
         rec = r.record("restored")
         assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
         assert "saved by 4 processes, the job has 2" in r.stderr, r.describe()
+        # k = 1: the 2 processes' folders hold shares 0, 1 and copies of 3, 0 (tests/test_mesh_restart.py: k = 2 covers).
+        assert "the share of process 2 survives in none" in rec["reason"], rec
 
 
 def test_a_replaced_process_receives_its_boxes_from_its_holder_inside_the_restore(tmp_path):

@@ -32,11 +32,13 @@ def test_two_processes_restore_bit_exactly_when_one_local_tier_is_wiped(tmp_path
 
 
 @pytest.mark.slow
-def test_a_local_only_step_split_by_replica_parallel_writes_is_not_whole_and_the_durable_step_is_restored(tmp_path):
+def test_a_local_only_step_split_by_replica_parallel_writes_is_restored_from_both_processes_copies(tmp_path):
     # Replica-parallel writes give each replicated box's chunks to one holder each
     # ('emb', 'rep', 'bf' are replicated across the two processes), so neither process's
-    # local copy of step 2 holds every chunk its devices need: the restore must not
-    # resume from it (it would read fill values), but from durable step 1.
+    # local copy of step 2 holds every chunk its devices need: the local-only vote refuses
+    # it (reading it would give fill values). Both processes' folders are on this machine
+    # (one node): the restart combines them (`_mesh_restart`), bit-exactly, reading
+    # nothing durable.
     durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
     args = {"directory": durable, "local": local, "phase": "save", "steps": [1, 2]}
     for r in run_processes(WORKERS / "tiers_worker.py", 2, 4, args, timeout_s=300):
@@ -45,7 +47,8 @@ def test_a_local_only_step_split_by_replica_parallel_writes_is_not_whole_and_the
     results = run_processes(WORKERS / "tiers_worker.py", 2, 4, dict(args, phase="restore"), timeout_s=300)
     for r in results:
         rec = r.record("restored")
-        assert rec["step"] == 1 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
+        assert rec["step"] == 2 and rec["mismatches"] == [] and rec["source"] == "local", r.describe()
+        assert rec["durable_bytes"] == 0, r.describe()
 
 
 @pytest.mark.slow

@@ -58,7 +58,7 @@ from .._errors import CheckpointError
 from .._format import ArrayMetadata, Box, PyTree, ValueMetadata, read_metadata, rebuild
 from .._restore import RestoreOptions, resolve_tree
 from .._storage import LocalStorage
-from . import _peers, _tiers
+from . import _mesh_restart, _peers, _tiers
 from ._peers import PeerService
 
 log = logging.getLogger("checkpointer")
@@ -445,25 +445,32 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
     count = _coord.process_count()
     own: dict[int, str] = {}
     stale: list[str] = []
+    newest_stale = -1
     for s in tier.local_steps():
         marker = _tiers.read_marker(tier.storage, f"{tier.root}/{s}")
         if marker is None:
             continue
         if marker.process_count != count:
-            stale.append(f"step {s} was saved by {marker.process_count} processes, the job has {count}")
+            if latest_durable is None or s > latest_durable:
+                stale.append(f"step {s} was saved by {marker.process_count} processes, the job has {count}")
+                newest_stale = s
             continue
         own[s] = marker.generation
+    stale = stale if stale and newest_stale > max(own, default=-1) else []  # older ones: this job's steps come first
     if stale:
-        log.warning("local copies in %s are not used (%s): steps are read from %s", tier.root, "; ".join(stale),
+        log.warning("local copies in %s are of another process count (%s): they are combined over the device exchange "
+                    "where the surviving copies cover the target, else %s is read", tier.root, "; ".join(stale),
                     tier.directory)
     needed = tier._needed_keys(target, options.partial, options.missing)
 
     def propose() -> str:  # the inventory, and the local-only vote in the same round
         vote = _tiers.local_restore_proposal(tier.storage, tier.root, latest_durable, needed)
-        return _coord.canonical({"inventory": peers.inventory(own, latest_durable), "vote": vote})
+        return _coord.canonical({"inventory": peers.inventory(own, latest_durable), "vote": vote, "stale": bool(stale)})
 
     answers = [_format.load_json(v, what="a peer-step vote") for v in
                _tiers.agree(tier.directory, propose, tier.commit_timeout_s)]
+    if any(a.get("stale") for a in answers):  # saved by another process count: `_mesh_restart`, every process alike
+        return None, None, None
     chosen = _peers.choose_peer_step([a["inventory"] for a in answers], tier.directory)
     if chosen is None:
         return None, None, None
@@ -480,6 +487,9 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
 
     tree, why = deliver(peers, step, generation, sources, target, options, read_own,
                         lambda propose: _tiers.agree(tier.directory, propose, tier.commit_timeout_s))
+    if tree is None:  # e.g. another mesh: the copies combined file by file over the device exchange
+        combined, reason = _mesh_restart.restart(tier, target, options, latest_durable, None, only=(step, generation))
+        tree, why = (combined[0], None) if combined is not None else (None, "; ".join(filter(None, [why, reason])))
     mine = sources[_coord.process_index()]
     if tree is not None:
         log.warning("restored step %d from the local tiers: processes %s received their boxes from the processes "

@@ -49,6 +49,12 @@ class ManagerStatus:
       last_restore_source: two tiers: where this process's last `restore` read from:
         "local", "local+durable" or "durable" (None before the first).
       last_restore_durable_bytes: bytes that restore fetched from the durable tier.
+      last_restore_reason: two tiers: why the last `restore` read from where it did,
+        in words: for a durable step after `restore(None)`, why the local copies did
+        not serve it (which step, which processes' shares survive and which are
+        missing, or what failed); for a local step, how the local copies served it
+        (e.g. combined over the device exchange for another mesh or process count).
+        None before the first restore.
       last_write_mode: how this process wrote the last finished save's chunk files:
         "direct" (`O_DIRECT`, local files) or "buffered" (TensorStore); None before the
         first (`direct_io=` of the manager).
@@ -82,6 +88,7 @@ class ManagerStatus:
     last_write_mode_reason: str | None = None
     node_losses_survived: dict[int, int] = dataclasses.field(default_factory=dict)
     last_peer_error: str | None = None
+    last_restore_reason: str | None = None
 
 
 class StatusReporting(StepReader):
@@ -141,6 +148,7 @@ class StatusReporting(StepReader):
                 last_write_mode_reason=self._last_write_mode[1],
                 node_losses_survived=tiers.node_losses_survived if tiers else {},
                 last_peer_error=tiers.last_peer_error if tiers else None,
+                last_restore_reason=tiers.last_restore_reason if tiers else None,
             )
 
     def recommend_interval(self, mtbf_s: float) -> float:

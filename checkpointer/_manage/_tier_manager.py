@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import RestoreOptions, resolve_tree, restore_from
 from .._save import SaveResult, Snapshot, bases_beside, manifest_bytes, release_host, remember, write_snapshot
 from .._storage import Storage
-from . import _alerts, _peer_delivery, _peers, _tier_references, _tiers
+from . import _alerts, _mesh_restart, _peer_delivery, _peers, _tier_references, _tiers
 from ._policies import KeepPolicy
 from ._tier import DurableTier, LocalStepTier
 from ._time_policies import SaveClock
@@ -44,6 +45,7 @@ class TierStatus:
     waiting_for_replication: bool
     node_losses_survived: dict[int, int] = dataclasses.field(default_factory=dict)
     last_peer_error: str | None = None
+    last_restore_reason: str | None = None
 
 
 def _naming(error: CheckpointError, where: str, text: str | None = None) -> CheckpointError:
@@ -67,7 +69,8 @@ class LocalTier:
       retention_after: step → the callback process 0 runs after the durable commit.
       on_error: called with (step, error) when a replication fails.
       peer_copies: copies of each local step held by processes on other nodes (0: none).
-      peer_node: this process's node name for `peer_copies` (default: its host name).
+      peer_node: this process's node name (default: its host name): for `peer_copies`,
+        and for a restart onto fewer processes, which reads the folders of its node.
       durable_every_steps: replicate every n-th local step to the durable tier (1: all).
       durable_clock: also replicate only when this clock says a save is due (seconds).
     """
@@ -116,6 +119,8 @@ class LocalTier:
         self._durable_clock = durable_clock
         self.tier = LocalStepTier(self.storage, self.root, self._retention_mu)
         self.durable_tier = DurableTier(durable, directory)
+        self.node = peer_node if peer_node is not None else socket.gethostname()
+        self.last_restore_reason: str | None = None  # why the last restore read where it did (`status`)
         self.peers: _peers.PeerService | None = None
         if peer_copies and _coord.process_count() > 1:
             self.peers = _peers.PeerService(self.root, directory, copies=peer_copies, node=peer_node,
@@ -130,6 +135,8 @@ class LocalTier:
         if self._recovered:
             return []
         self.storage.makedirs(self.root)
+        _mesh_restart.write_node(self.root, self.node)  # a later job with fewer processes per node reads it
+        _mesh_restart.remove_staging_leftovers(self.root, self.process_index)
         self._recovered = True
         return _commit.recover(self.storage, self.root)
 
@@ -355,7 +362,7 @@ class LocalTier:
         survives = {s: n for s, n in survives.items() if s in steps}
         with self._mu:
             return TierStatus(latest_local, lag_steps, lag_s, self.last_error, self.waiting, survives,
-                              self.peers.last_error if self.peers is not None else None)
+                              self.peers.last_error if self.peers is not None else None, self.last_restore_reason)
 
     # --- restore ------------------------------------------------------------------------
 
@@ -495,14 +502,24 @@ class LocalTier:
         """
         if step is None:
             below, voted = None, None
+            self.last_restore_reason = None
             if self.peers is not None:  # a replaced process receives its boxes from its holders
                 restored, below, voted = _peer_delivery.restart(self, target, options, latest_durable, resume)
-                if restored is not None:
+                if restored is not None:  # the reason: `_mesh_restart`'s when it combined the copies
+                    self.last_restore_reason = self.last_restore_reason or (
+                        "the newest local step survived whole: the processes without their own copy received their "
+                        "boxes from the processes holding copies")
                     return restored
             damaged: list[str] = []
             local = self._restore_local_only(target, options, latest_durable, resume, damaged, below, voted)
             if local is not None:
+                self.last_restore_reason = "the newest local step is whole on every process's own local tier"
                 return local
+            # Another mesh, sharding or process count: the surviving copies combined.
+            combined, why = _mesh_restart.restart(self, target, options, latest_durable, resume)
+            self.last_restore_reason = why
+            if combined is not None:
+                return combined
             if latest_durable is None and damaged:
                 raise CorruptCheckpointError(
                     f"no intact committed step in {self.directory} nor on the local tier of every process: "
@@ -510,8 +527,15 @@ class LocalTier:
                     "explicit checkpoint, or start the run afresh"
                 )
             if latest_durable is None:
-                raise CheckpointNotFoundError(f"no committed step in {self.directory} (nor on every process's local tier)")
+                raise CheckpointNotFoundError(f"no committed step in {self.directory} (nor on every process's local "
+                                              f"tier{': ' + why if why else ''})")
+            if why:
+                log.warning("restoring the newest durable step %d from %s: %s", latest_durable, self.directory, why)
+            self.last_restore_reason = (f"the newest durable step {latest_durable} was restored: "
+                                        f"{why or 'no process holds a local step newer than it'}")
             step = latest_durable
+        else:
+            self.last_restore_reason = f"restore(step={step}) names the step"
         path = durable_path(step)
         marker = _tiers.read_marker(self.storage, f"{self.root}/{step}")
         if marker is not None and marker.generation == _tiers.durable_generation(self.durable, self.directory, step):

@@ -4,6 +4,9 @@
 args: {"directory", "local", "phase": "save" | "restore", "steps": [..], "peer_copies": k,
        "durable_every_steps": n, "late_s": {"<process>": seconds before joining the manager},
        "mesh": [rows, cols] (default [4, 2]),
+       "restore_mesh": [rows, cols], "restore_specs": {leaf: spec}: the restore's target
+       (default: the saved mesh and SPECS), "node_group": n (process p is on node
+       "node-<p // n>"; default 1),
        "kill_sending": [process, step]: that process dies (SIGKILL) in the middle of
        streaming its copy of that step to its first holder, "incremental": bool,
        "pack_small_leaves_bytes": int,
@@ -14,7 +17,7 @@ phase "save": saves `steps` (w + step), waits, syncs, emits {"event": "saved", "
   "local_steps", "survives", "peer_error"}; with "enospc_holder", after the faulted step
   {"event": "after_fault", "survives", "peer_error", "held": {owner: [folders]}, "fired"}.
 phase "restore": restore(None), checks every shard bit-exactly; emits {"event": "restored",
-  "step", "source", "durable_bytes", "mismatches"}, or {"event": "refused", "error"}.
+  "step", "source", "durable_bytes", "reason", "mismatches"}, or {"event": "refused", "error"}.
 """
 
 import json
@@ -90,7 +93,8 @@ def _after_fault(mngr, layer):
 
 
 with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], keep_local=ckpt.KeepLatest(1),
-                            commit_timeout_s=60, peer_copies=args.get("peer_copies", 1), peer_node=f"node-{pidx}",
+                            commit_timeout_s=60, peer_copies=args.get("peer_copies", 1),
+                            peer_node=f"node-{pidx // args.get('node_group', 1)}",
                             durable_every_steps=args.get("durable_every_steps", 1),
                             incremental=args.get("incremental", False),
                             pack_small_leaves_bytes=args.get("pack_small_leaves_bytes")) as mngr:
@@ -110,6 +114,10 @@ with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], ke
                      peer_error=status.last_peer_error)
     else:
         target = {k: (v.sharding if isinstance(v, jax.Array) else None) for k, v in tree.items()}
+        if args.get("restore_mesh") or args.get("restore_specs"):
+            rmesh = _common.mesh(tuple(args.get("restore_mesh") or args.get("mesh", (4, 2))), ("data", "model"))
+            specs = {**SPECS, **args.get("restore_specs", {})}
+            target = {k: jax.sharding.NamedSharding(rmesh, _common.spec(specs[k])) for k in SPECS}
         target["step"] = None
         try:
             out = mngr.restore(None, target)
@@ -125,6 +133,7 @@ with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], ke
                     if not _common.same_bits(np.asarray(s.data), g[s.index]):
                         mismatches.append(f"{name}: shard on device {s.device.id} differs")
             _common.emit(event="restored", step=int(out["step"]), source=status.last_restore_source,
-                         durable_bytes=status.last_restore_durable_bytes, mismatches=mismatches)
+                         durable_bytes=status.last_restore_durable_bytes, reason=status.last_restore_reason,
+                         mismatches=mismatches)
         mngr.wait_until_finished()
 print(json.dumps({"done": pidx}))
