@@ -124,8 +124,9 @@ def test_a_peer_copy_carries_the_chunks_its_step_references_and_a_lost_node_resu
             "durable_every_steps": 100, "incremental": True, "pack_small_leaves_bytes": 0}
     for r in run_processes(WORKERS / "peers_worker.py", 4, 2, args, timeout_s=240):
         saved = r.record("saved")
-        assert saved["local_steps"] == [100, 120] and saved["survives"].get("120") == 1, r.describe()
+        assert saved["local_steps"] == [120] and saved["survives"].get("120") == 1, r.describe()
     assert _refs_in(f"{local}/process-1/120", "ids") == {"100"}  # the local step references
+    assert os.path.exists(f"{local}/process-1/100/RETIRED")  # retired: kept for what local 120 references
     copy = f"{local}/process-2/peer-copies/process-1/120"  # the copy process 2 holds: standalone
     assert _manifest(copy)["format_version"] == 1 and not _refs_in(copy, "ids") and _chunk_files(copy, "ids") > 0
     assert not glob.glob(f"{local}/process-1/.peer-send-*")  # the hard-linked folder it was sent from is gone

@@ -321,6 +321,11 @@ class ProcessRecord:
         """The JSON object (fields in the order of format_version 1; None fields omitted)."""
         return _record_to_json(self)
 
+    @property
+    def has_references(self) -> bool:
+        """Whether it references chunks or packed chunks of earlier checkpoints."""
+        return bool(self.references or self.packed_references)
+
     @staticmethod
     def from_json(obj: object, where: str) -> ProcessRecord:
         """Parses and validates a process record.

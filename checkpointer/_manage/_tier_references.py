@@ -26,8 +26,9 @@ references from every process's durable record (`with_every_reference`) and chec
 each translated target is still the committed generation, or the commit fails
 (ReplicationError, nothing committed).
 
-Local retention keeps a local step that a local step which stays references
-(`_maintenance.hold_referenced`), and the base of a local save in flight.
+Local retention retires a local step that a local step which stays references (only the
+files local steps reference kept, as on the durable tier: `_retirement`), and keeps the
+base of a local save in flight.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .. import _commit, _format
 from .._errors import CorruptCheckpointError, ReplicationError
 from .._format import ArrayMetadata, ChunkRecord, ProcessRecord
 from .._storage import Storage
-from . import _maintenance
+from . import _maintenance, _retirement
 
 log = logging.getLogger("checkpointer")
 
@@ -53,19 +54,25 @@ MATERIALIZED_FROM = "materialized_from"
 
 
 def remove_local(storage: Storage, root: str, steps: Collection[int], doomed: Collection[int]) -> list[int]:
-    """Removes the local steps of `doomed` (of the committed `steps` of `root`) that no
-    staying local step references (the others stay: logged), one at a time, each only
-    once no step left references it (`_maintenance.maintain`'s order): a crash or a
-    failed removal between two leaves no local step with a dangling reference.
-    Returns the steps removed."""
-    if not doomed:
-        return []
+    """Removes the local steps of `doomed` (of the committed `steps` of `root`), as the
+    durable tier's retention does (`_maintenance.maintain`): one that a staying local
+    step references is retired (hidden, only the chunks and packs local steps reference
+    kept: `_retirement`), the others are removed one at a time, each only once no step
+    left references it; then the retired steps' unreferenced files go, and a retired step
+    nobody references any more is removed. A crash or a failed removal between two
+    operations leaves no local step with a dangling reference. Returns the steps removed
+    (retired ones too, once removed). The caller holds the local root's `guard`."""
     folders = _commit.committed_folders(storage, root)
-    refs = {s: _maintenance.referenced_steps(storage, root, folders[s]) for s in steps if s in folders}
-    may_go, held = _maintenance.hold_referenced(steps, doomed, refs)
-    for c, users in sorted(held.items()):
-        log.info("local retention keeps step %d of %s: local steps %s reference its chunks", c, root, users)
-    remaining, removed = set(steps), []
+    listed = {s: folders[s] for s in steps if s in folders}
+    if not doomed:  # a retired step nobody references any more still goes
+        return _retirement.prune(storage, root, listed)
+    refs = {s: _maintenance.referenced_steps(storage, root, f) for s, f in listed.items()}
+    retire = _maintenance.users_among(list(listed), doomed, refs)
+    for c, users in sorted(retire.items()):
+        _commit.retire_step(storage, root, c, users)
+        log.info("local retention retired step %d of %s: kept only for the chunks local steps %s reference", c, root, users)
+    may_go = {c for c in doomed if c not in retire and c in listed}
+    remaining, removed = set(listed) - set(retire), []
     while may_go:
         ready = [c for c in may_go if not any(c in refs.get(s, ()) for s in remaining if s != c)]
         if not ready:
@@ -80,6 +87,10 @@ def remove_local(storage: Storage, root: str, steps: Collection[int], doomed: Co
         remaining.discard(c)
         removed.append(c)
         log.info("local retention removed step %d from %s", c, root)
+    try:
+        removed += _retirement.prune(storage, root, {s: listed[s] for s in sorted(remaining)})
+    except OSError as e:
+        log.warning("could not free the retired local steps of %s: %s", root, e)
     return sorted(removed)
 
 
@@ -91,11 +102,50 @@ def local_keys(meta: ArrayMetadata, keys: list[str], step_folder: str) -> list[s
     return [f"{where.get(k, step_folder)}/{k}" for k in keys]
 
 
-def durable_record(local: Storage, local_path: str, durable: Storage, durable_path: str, record_name: str) -> tuple[bytes, list[tuple[str, str, int]]] | None:
+class DurableSteps:
+    """The committed durable steps of the durable directory `parent` that a local step's
+    references may be translated to, read lazily (one listing; the retired steps' only
+    when a reference needs one; each step's marker and a retired step's files once)."""
+
+    def __init__(self, durable: Storage, parent: str):
+        self.durable, self.parent = durable, parent
+        self.listed = _commit.committed_folders(durable, parent)
+        self._retired: dict[int, str] | None = None
+        self._generations: dict[str, str | None] = {}
+        self._files: dict[str, set[str]] = {}
+
+    def holds(self, folder: object, generation: object, key: str) -> bool:
+        """Whether the durable step `folder` is the save `generation` (it was replicated
+        from the local step a reference names) and holds the file `key`: a listed step
+        holds every file it wrote; a retired one (`_retirement`) only those listed steps
+        reference, which stay while this step is committed (durable retention runs after
+        a durable commit, never during a replication, and `with_every_reference` checks
+        them again at the commit)."""
+        if not isinstance(folder, str) or not _format.is_step_name(folder):
+            return False
+        step, retired = int(folder), False
+        if step not in self.listed:
+            if self._retired is None:
+                self._retired = _commit.retired_folders(self.durable, self.parent)
+            if step not in self._retired:
+                return False
+            retired = True
+        path = f"{self.parent}/{self.listed.get(step) or (self._retired or {})[step]}"
+        if path not in self._generations:
+            self._generations[path] = durable_generation_of(self.durable, path)
+        if self._generations[path] != generation:
+            return False
+        if retired and path not in self._files:
+            self._files[path] = set(self.durable.list_files(path))
+        return not retired or key in self._files[path]
+
+
+def durable_record(local: Storage, local_path: str, durable: Storage, durable_path: str,
+                   record_name: str) -> tuple[bytes, list[tuple[str, str, int]], bool] | None:
     """The durable record of this process for a local step whose record has references,
-    and the chunk files to copy into the durable step for the references that are
-    materialized: `(local source path, key, data_crc32c)`. None when the local record
-    has no references (it is copied as it is).
+    the chunk files to copy into the durable step for the references that are
+    materialized: `(local source path, key, file bytes)`, and whether the durable record
+    still has references. None when the local record has none (it is copied as it is).
 
     Raises:
       CorruptCheckpointError: a referenced local step lacks the chunk, or its crc32c
@@ -106,21 +156,16 @@ def durable_record(local: Storage, local_path: str, durable: Storage, durable_pa
     if not isinstance(raw, dict) or not raw.get("references"):
         return None
     local_root, durable_parent = local_path.rsplit("/", 1)[0], durable_path.rsplit("/", 1)[0]
-    durable_folders = _commit.committed_folders(durable, durable_parent)
+    steps = DurableSteps(durable, durable_parent)
     kept_refs, chunks, copies = [], list(raw.get("chunks") or []), []
-    translated: dict[str, bool] = {}
     records: dict[str, dict[str, ChunkRecord]] = {}
-    earlier = _materialized(durable, durable_parent, durable_folders, durable_path.rsplit("/", 1)[1], record_name)
+    earlier = _materialized(durable, durable_parent, steps.listed, durable_path.rsplit("/", 1)[1], record_name)
     for r in raw["references"]:
         folder, generation = r.get("in"), r.get("generation")
-        if folder not in translated:
-            same = _format.is_step_name(folder) and int(folder) in durable_folders and durable_generation_of(
-                durable, f"{durable_parent}/{durable_folders[int(folder)]}") == generation
-            translated[folder] = bool(same)
-        if translated[folder]:
+        key = _format.chunk_key(r["leaf"], r["chunk"])
+        if steps.holds(folder, generation, key):  # translated: the durable step of the same save holds it
             kept_refs.append(r)
             continue
-        key = _format.chunk_key(r["leaf"], r["chunk"])
         again = earlier.get((key, folder, generation))
         if again is not None:  # the newest durable step holds a copy of the very same chunk file
             kept_refs.append({**r, "in": again[0], "generation": again[1], MATERIALIZED_FROM: [folder, generation]})
@@ -145,7 +190,7 @@ def durable_record(local: Storage, local_path: str, durable: Storage, durable_pa
     if copies:
         log.info("replicating %s: %d referenced chunk(s) of local steps not on %s are copied into it", local_path,
                  len(copies), durable_parent)
-    return _format.dumps(raw), copies
+    return _format.dumps(raw), copies, bool(kept_refs)
 
 
 def _materialized(durable: Storage, parent: str, folders: dict[int, str], own: str, record_name: str) -> dict[tuple[str, str, str], tuple[str, str]]:
@@ -195,15 +240,14 @@ def write_verified(storage: Storage, path: str, data: bytes) -> int:
     return len(data)
 
 
-def with_every_reference(manifest: dict, durable: Storage, root: str, durable_path: str, process_count: int,
-                         incremental: bool = False) -> None:
+def with_every_reference(manifest: dict, durable: Storage, root: str, durable_path: str, referencing: Collection[int]) -> None:
     """Process 0 at the durable commit: the local manifest copy lists process 0's local
-    references; the durable one lists every process's durable references (from their
-    records in `root`, translated ones only), with `format_version` 2 when any and 1
-    otherwise. Checks that every referenced durable step still holds the generation.
-    Reads the records when process 0's copy has references or the manager saves
-    incrementally (`incremental`: another process may have references that process 0
-    has not); else nothing.
+    references; the durable one lists every process's durable references, read from the
+    durable records in `root` of the processes that reported references (`referencing`,
+    `_commit.Commit.referencing`: whatever process 0's own step or this job's
+    `incremental` option is, e.g. a restart without it resuming the replication of a
+    local step saved with it), with `format_version` 2 when any and 1 otherwise. Checks
+    that every referenced durable step still holds the generation.
 
     Raises:
       ReplicationError: a referenced durable step was removed or replaced meanwhile.
@@ -213,26 +257,30 @@ def with_every_reference(manifest: dict, durable: Storage, root: str, durable_pa
         return
     had = any(isinstance(e, dict) and e.get("references") for e in leaves.values())
     refs: dict[str, list[dict]] = {}
-    if had or incremental or manifest.get("format_version") == _format.FORMAT_VERSION_REFERENCES:
-        for i in range(process_count):
-            location = f"{root}/{_format.process_record_name(i)}"
-            record = _format.read_process_record(durable, location)
-            for r in record.references or ():
-                refs.setdefault(r["leaf"], []).append({k: v for k, v in r.items() if k not in ("leaf", MATERIALIZED_FROM)})
+    for i in sorted(referencing):
+        location = f"{root}/{_format.process_record_name(i)}"
+        record = _format.read_process_record(durable, location)
+        for r in record.references or ():
+            refs.setdefault(r["leaf"], []).append({k: v for k, v in r.items() if k not in ("leaf", MATERIALIZED_FROM)})
     for leaf, entry in leaves.items():
         if isinstance(entry, dict):
             entry.pop("references", None)
             if leaf in refs:
                 entry["references"] = sorted(refs[leaf], key=lambda r: r.get("chunk") or [])
-    wanted = {(r["in"], r["generation"]) for rs in refs.values() for r in rs}
-    for folder, generation in sorted(wanted):
+    wanted: dict[tuple[str, str], set[str]] = {}
+    for leaf, rs in refs.items():
+        for r in rs:
+            wanted.setdefault((r["in"], r["generation"]), set()).add(_format.chunk_key(leaf, r["chunk"]))
+    for (folder, generation), keys in sorted(wanted.items()):
         target = _format.sibling(durable_path, folder)
-        if durable_generation_of(durable, target) != generation:
+        missing = sorted(keys - set(durable.list_files(target))) if durable.exists(f"{target}/{_format.RETIRED}") else []
+        if durable_generation_of(durable, target) != generation or missing:
             raise ReplicationError(
                 f"replicating {durable_path}: the durable step {target} it references (generation {generation}) was "
-                "removed or replaced meanwhile; nothing committed. The local step is replicated again on restart"
+                f"removed, replaced or pruned meanwhile{f' ({missing[0]} is gone)' if missing else ''}; nothing "
+                "committed. The local step is replicated again on restart"
             )
-    if had or refs:
+    if had or refs or manifest.get("format_version") == _format.FORMAT_VERSION_REFERENCES:
         manifest["format_version"] = _format.FORMAT_VERSION_REFERENCES if refs else _format.FORMAT_VERSION
 
 

@@ -42,6 +42,7 @@ import crc32c
 from .. import _commit, _coord, _encoding, _format, _storage
 from .._errors import CheckpointError, CorruptCheckpointError, ReplicationError, RestoreAgreementError
 from .._format import ZARR_JSON, ProcessRecord
+from .._save import guard
 from .._storage import Reader, Storage, storage_for
 from . import _tier_references
 
@@ -195,8 +196,6 @@ class ReplicationTarget:
       attempt: the replication attempt of this step in this job (0, 1, ...): names the
         coordination keys, which must never be reused.
       overwrite: replace a committed durable step.
-      incremental: the manager saves incrementally (process 0 gathers every process's
-        references into the durable manifest).
     """
 
     step: int
@@ -205,7 +204,6 @@ class ReplicationTarget:
     generation: str
     attempt: int
     overwrite: bool
-    incremental: bool = False
 
 
 def _commit_of(target: ReplicationTarget, durable: Storage, commit_timeout_s: float) -> _commit.Commit:
@@ -287,12 +285,12 @@ def replicate(
             if not isinstance(raw, dict):
                 raise CorruptCheckpointError(f"{target.local_path}/{_format.MANIFEST} is not a JSON object")
             with_every_pack(raw, durable, root, _coord.process_count())
-            _tier_references.with_every_reference(raw, durable, root, target.durable_path, _coord.process_count(),
-                                                  target.incremental)
+            _tier_references.with_every_reference(raw, durable, root, target.durable_path, commit.referencing)
             return _format.dumps({**raw, "process_bytes_written": process_bytes} if len(process_bytes) > 1 else raw)
 
         try:
-            commit.run(copied, manifest, after_publish=after_publish)
+            commit.run(copied, manifest, after_publish=after_publish, references=rewritten is not None and rewritten[2],
+                       guard=guard(durable, parent))
         except Exception as e:
             if pidx != 0:
                 raise ReplicationError(f"step {target.step} was not committed on {target.durable_path}: {e}") from e
