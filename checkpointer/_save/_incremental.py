@@ -31,8 +31,9 @@ Packed small leaves (`_pack`) are deduplicated entry by entry (`split_packed`): 
 chunk whose crc32c and XXH3-128 equal the base's (compared with the base's bytes, read
 back from its pack, the first time) is not put into this save's pack; the manifest's
 `packed` list gains a record of the base's pack (`"in"`, `"generation"`) listing the
-chunks referenced there (docs/format.md). Not on a two-tier manager's local tier
-(`bases_beside`): replication and peer copies carry whole packs.
+chunks referenced there (docs/format.md). On a two-tier manager's local tier too
+(`bases_beside`): replication translates or materializes pack references
+(`_manage._tier_references`), peer copies carry the referenced packs.
 
 Not deduplicated: dtypes the byte-range reader does not decode
 (complex, sub-byte: read through TensorStore's array layer, which cannot follow a
@@ -133,7 +134,6 @@ class Base:
     crcs: dict[str, int]  # chunk key -> data_crc32c of the chunks the base holds itself
     same: dict[str, weakref.ref]  # leaf path -> the jax.Array the base saved (this process)
     own: str = ""  # the folder name of the save itself: a base's reference into it is not copied
-    packs: bool = True  # packed chunks are referenced too (not on a two-tier manager's local tier)
 
     @property
     def generation(self) -> str:
@@ -257,7 +257,7 @@ class Base:
         proven by XXH3-128, against the hash the base's reference kept, or else against
         the base's bytes read back from its pack (crc32c-checked)."""
         b = self.meta.arrays.get(meta.path)
-        if not self.packs or b is None or not b.packed or not meta.packed or (b.shape, b.dtype, b.chunk_shape) != (
+        if b is None or not b.packed or not meta.packed or (b.shape, b.dtype, b.chunk_shape) != (
                 meta.shape, meta.dtype, meta.chunk_shape):
             return list(chunks), []
         theirs = {pb.box: pb for pb in b.pack_boxes}
@@ -440,7 +440,7 @@ def find_base(storage: Storage, path: str) -> Base | None:
     with _IDENTITY_LOCK:
         known = _IDENTITY.get(f"{type(storage).__name__}:{parent}")
     same = known[2] if known is not None and known[0] == folder and known[1] == meta.generation else {}
-    return Base(storage, base_path, folder, meta, crcs, same, own=name, packs=at is None)
+    return Base(storage, base_path, folder, meta, crcs, same, own=name)
 
 
 def references_json(refs: Sequence[tuple[str, ChunkRef | PackedBox]]) -> list[dict]:
