@@ -148,3 +148,35 @@ def test_two_tiers_retire_referenced_steps_on_both_tiers_and_reference_retired_d
         tree = mgr.restore(7)
         np.testing.assert_array_equal(np.asarray(tree["base"]), np.asarray(base))
     _check_every_step(d, base, [5, 6, 7])
+
+
+def test_a_base_retired_and_pruned_before_the_commit_fails_the_save_never_dangles(tmp_path, sharding, monkeypatch):
+    # With saves in flight (max_saves_in_flight > 1, or another process that listed the
+    # directory before an earlier save published), retention may retire the base of a save
+    # being written and free the chunks only that save references. Its commit checks the
+    # referenced files of a retired step under the directory's guard: the save fails with a
+    # SaveError, nothing committed, instead of committing a dangling reference.
+    from checkpointer import _commit
+    from checkpointer._save import _incremental
+
+    d = str(tmp_path / "run")
+    base = jax.device_put(np.random.default_rng(4).standard_normal((N, N)).astype(np.float32), sharding)
+    adapter = jax.device_put(np.full((N, N), 1.0, np.float32), sharding)
+    real_gather = _incremental.gather
+
+    def retention_ran_meanwhile(storage, path, *args, **kwargs):  # as a concurrent retention would: retire 1, prune its adapter
+        _commit.retire_step(storage, d, 1, [])
+        for name in os.listdir(f"{d}/1/arrays/adapter/c"):
+            for root, _, files in os.walk(f"{d}/1/arrays/adapter/c/{name}"):
+                for f in files:
+                    os.remove(os.path.join(root, f))
+        return real_gather(storage, path, *args, **kwargs)
+
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(10), incremental=True, async_save=False) as mgr:
+        mgr.save(0, {"base": base, "adapter": jax.device_put(np.zeros((N, N), np.float32), sharding)})
+        mgr.save(1, {"base": base, "adapter": adapter})
+        monkeypatch.setattr(_incremental, "gather", retention_ran_meanwhile)
+        with pytest.raises(ckpt.SaveError, match="retired the referenced checkpoint"):
+            mgr.save(2, {"base": base, "adapter": adapter})  # references 1's adapter (the same array)
+        assert mgr.all_steps() == [0]
+    assert not os.path.exists(f"{d}/2")

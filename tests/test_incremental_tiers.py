@@ -258,3 +258,39 @@ def test_packs_of_local_only_steps_are_copied_into_a_durable_step_once(tmp_path)
         np.testing.assert_array_equal(out["frozen"]["norm3"], np.full(256, 3, np.float32))
         np.testing.assert_array_equal(out["lora"], np.full((64, 16), step, np.float32))
     assert os.path.exists(f"{d}/2/RETIRED")  # kept for its copy of local 1's pack
+
+
+def test_verify_and_gc_of_a_local_tier_follow_its_references(tmp_path, sharding, capsys):
+    # `checkpointer verify` and `checkpointer gc` run on a local tier's process folder as
+    # on any directory of steps: verify reads every referenced chunk and pack where it lies
+    # (an earlier local step), gc retires the step the kept one references and reports it.
+    from checkpointer import _cli
+
+    d, local = str(tmp_path / "run"), str(tmp_path / "local")
+    root = f"{local}/process-0"
+    base = _arr(sharding, seed=3)
+    with ckpt.CheckpointManager(d, local_directory=local, keep=ckpt.KeepLatest(2), keep_local=ckpt.KeepLatest(4),
+                                incremental=True, async_save=False) as mgr:
+        for step in range(4):
+            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step)), **_small_tree(step)})
+    assert _refs_in(f"{root}/3", "base") == {"0"} and _pack_refs(f"{root}/3") == {"packed/process-0/c/0": "0"}
+    capsys.readouterr()
+    assert _cli.main(["verify", f"{root}/3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # 8 base chunks read in local 0, 8 adapter chunks, 200 frozen packed leaves in local 0's pack, the lora.
+    assert report["ok"] and report["chunks_checked"] == 8 + 8 + 200 + 1, report
+    assert _cli.main(["gc", root, "--keep-latest", "1", "--json"]) == 0
+    gc = json.loads(capsys.readouterr().out)
+    assert gc["removed_steps"] == [1, 2] and gc["kept_steps"] == [3], gc
+    retired = gc["retired_steps"]["0"]
+    assert retired["referenced_by"] == [3] and retired["freed_bytes"] >= 8 * (N * N // 8) * 4  # local 0's adapter
+    assert retired["kept_bytes"] >= N * N * 4 + 200 * 1024  # the base and the frozen pack local 3 references
+    assert _chunk_files(f"{root}/0", "adapter") == 0 and _chunk_files(f"{root}/0", "base") == 8
+    assert _cli.main(["verify", f"{root}/3"]) == 0
+    with open(f"{root}/0/arrays/base/c/1/1", "r+b") as f:  # damage a chunk local 3 references
+        f.seek(100)
+        f.write(b"\xff\xff")
+    capsys.readouterr()
+    assert _cli.main(["verify", f"{root}/3", "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert any("process-0/0" in p and "base" in p for p in problems), problems

@@ -9,8 +9,9 @@ Replication keeps the durable tier self-consistent (a durable step's references 
 only into committed durable steps of the durable directory), reference by reference:
 
 - translated: the referenced local step `F` is committed on the durable tier with the
-  same generation (it was replicated): the durable step references durable `F`, whose
-  chunk file holds the same bytes (replication copies them, checked). Nothing is copied.
+  same generation (it was replicated; listed, or retired and still holding the file:
+  `DurableSteps`): the durable step references durable `F`, whose chunk file holds the
+  same bytes (replication copies them, checked). Nothing is copied.
 - re-referenced: otherwise, when the newest committed durable step holds a copy of the
   very same chunk file (it materialized it from local `F`, same generation: its record
   says so, `MATERIALIZED_FROM`), or references such a copy (its record's reference says
@@ -20,11 +21,16 @@ only into committed durable steps of the durable directory), reference by refere
   into the durable step, checked, and listed in the process's durable record as a chunk
   it wrote (with `MATERIALIZED_FROM`); the reference is dropped there.
 
+Pack references (unchanged packed chunks in the pack of local `F`) go the same three
+ways; a materialized one copies the whole local pack file as the durable step's own pack
+`<array>.from-<F>` (`materialized_pack`, record field `packed_materialized`).
+
 Never "replicate the referenced step": a step the schedule left local stays local, and a
 durable step never depends on the local tier. Process 0 rebuilds the durable manifest's
-references from every process's durable record (`with_every_reference`) and checks that
-each translated target is still the committed generation, or the commit fails
-(ReplicationError, nothing committed).
+references from the durable records of the processes that report references
+(`with_every_reference`) and checks that each target is still the committed generation
+(and, retired, still holds the files), or the commit fails (ReplicationError, nothing
+committed).
 
 Local retention retires a local step that a local step which stays references (only the
 files local steps reference kept, as on the durable tier: `_retirement`), and keeps the
