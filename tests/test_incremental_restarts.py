@@ -145,6 +145,10 @@ def test_two_tiers_retire_referenced_steps_on_both_tiers_and_reference_retired_d
             assert _chunk_files(f"{tier}/0", "base") == 8 and _chunk_files(f"{tier}/0", "adapter") == 0
             assert sorted(n for n in os.listdir(tier) if n.isdigit()) == (["0", "5", "6", "7"] if tier == d else ["0", "6", "7"])
         assert ckpt.verify(f"{root}/7").ok
+        from checkpointer._manage import local_listing
+
+        states = {r["step"]: r["state"] for r in local_listing(local, mgr.storage, mgr.directory)}
+        assert states == {0: "retired", 6: "durable", 7: "durable"}, states  # `checkpointer ls --local`
         tree = mgr.restore(7)
         np.testing.assert_array_equal(np.asarray(tree["base"]), np.asarray(base))
     _check_every_step(d, base, [5, 6, 7])

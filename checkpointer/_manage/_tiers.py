@@ -517,7 +517,8 @@ def local_restore_proposal(
 def local_listing(local_directory: str | os.PathLike, durable: Storage, directory: str) -> list[dict]:
     """Every step folder on a local tier, of every process folder in it (`checkpointer ls
     --local`): one dict per folder with `process`, `step`, `folder`, `state` ("durable":
-    committed locally and on `directory` with the same generation; "not durable":
+    committed locally and on `directory` with the same generation; "retired": kept only
+    for the chunks later local steps reference (incremental saves); "not durable":
     committed locally only; "partial": a local save in flight or crashed), `generation`
     and `size_bytes`. Reads only; takes no lock."""
     storage, root = storage_for(local_directory)
@@ -531,6 +532,8 @@ def local_listing(local_directory: str | os.PathLike, durable: Storage, director
             marker = read_marker(storage, f"{proc}/{e.name}") if e.committed else None
             if marker is None:
                 state = "partial"
+            elif e.retired:  # incremental saves: kept only for what later local steps reference
+                state = "retired"
             elif durable_generation(durable, directory, e.step, durable_folders) == marker.generation:
                 state = "durable"
             else:
