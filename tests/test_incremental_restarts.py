@@ -184,3 +184,49 @@ def test_a_base_retired_and_pruned_before_the_commit_fails_the_save_never_dangle
             mgr.save(2, {"base": base, "adapter": adapter})  # references 1's adapter (the same array)
         assert mgr.all_steps() == [0]
     assert not os.path.exists(f"{d}/2")
+
+
+# The hooks count both tiers' retention: the local tier retires and prunes first (after
+# each local commit), the durable tier after each replication.
+LOCAL_KILL_POINTS = ["retired:1", "pruned:1", "retention_renamed:2"]
+
+
+@pytest.mark.parametrize("kill_point", LOCAL_KILL_POINTS)
+def test_a_crash_at_any_point_of_retention_on_two_tiers_leaves_no_dangling_reference(tmp_path, kill_point):
+    # tests/incremental_crash_worker.py with a local tier: the kill lands in the retention
+    # of either tier (the local one retires too). Every committed step of both tiers still
+    # verifies, and the next run finishes the job.
+    import subprocess
+
+    from checkpointer import _commit
+    from checkpointer._storage import storage_for
+
+    worker = os.path.join(os.path.dirname(__file__), "incremental_crash_worker.py")
+    d, local = str(tmp_path / "run"), str(tmp_path / "local")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+
+    def every_step_verifies():
+        storage, root = storage_for(f"{local}/process-0")
+        for tier, steps in ((root, _commit.committed_folders(storage, root)), (d, ckpt.CheckpointManager(d, read_only=True).all_steps())):
+            assert steps, tier
+            for step in steps:
+                assert ckpt.verify(f"{tier}/{step}").ok, (tier, step)
+
+    res = subprocess.run([sys.executable, worker, d, kill_point, local], env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == -9, (res.returncode, res.stdout, res.stderr[-2000:])
+    every_step_verifies()
+    res = subprocess.run([sys.executable, worker, d, "none", local], env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    every_step_verifies()
+    # Retired local steps hold exactly the chunks the listed local steps reference.
+    root = f"{local}/process-0"
+    listed = [n for n in os.listdir(root) if n.isdigit() and not os.path.exists(f"{root}/{n}/RETIRED")]
+    wanted: dict[str, set] = {}
+    for n in listed:
+        for leaf in ("base", "adapter"):
+            for r in _manifest(f"{root}/{n}")["leaves"][leaf].get("references", []):
+                wanted.setdefault(r["in"], set()).add((leaf, tuple(r["chunk"])))
+    retired = [n for n in os.listdir(root) if os.path.exists(f"{root}/{n}/RETIRED")]
+    assert retired and set(retired) <= set(wanted), (retired, wanted)
+    for name in retired:
+        assert sum(_chunk_files(f"{root}/{name}", leaf) for leaf in ("base", "adapter")) == len(wanted[name]), name
