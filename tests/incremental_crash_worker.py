@@ -1,7 +1,9 @@
 """Incremental saves with retention, for the kill tests of retention (issue 30).
 
-Usage: python incremental_crash_worker.py DIR KILL_POINT
+Usage: python incremental_crash_worker.py DIR KILL_POINT [LOCAL]
   KILL_POINT is `<hook>:<n>`: SIGKILL this process the n-th time <hook> runs, or `none`.
+  LOCAL: a two-tier manager (`local_directory=LOCAL`, keep_local=KeepLatest(2)); the
+  hooks then count the retention of both tiers.
   Hooks: `refs_read` (retention read a step's references), `retention_renamed` (a step
   moved aside: unpublished), `retention_deleted` (its bytes removed); on object stores
   (DIR an `s3://` URL): `catalog` (its marker deleted, its catalog entry not yet removed),
@@ -37,6 +39,7 @@ from checkpointer._storage import (
 )
 
 directory, kill_point = sys.argv[1], sys.argv[2]
+tiers = {"local_directory": sys.argv[3], "keep_local": ckpt.KeepLatest(2)} if len(sys.argv) > 3 else {}
 hook, _, nth = kill_point.partition(":")
 counts: dict[str, int] = {}
 
@@ -130,7 +133,7 @@ mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
 sharding = NamedSharding(mesh, P("a", "b"))
 base = jax.device_put(np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32), sharding)
 with ckpt.CheckpointManager(directory, keep=ckpt.KeepLatest(2), incremental=True, async_save=False,
-                            pack_small_leaves_bytes=0) as mgr:
+                            pack_small_leaves_bytes=0, **tiers) as mgr:
     start = (mgr.latest_step() or -1) + 1
     for step in range(start, start + 8):
         if step == 4:

@@ -349,12 +349,14 @@ def test_two_processes_reference_their_own_chunks_and_process_0_gathers_them(tmp
     assert ckpt.verify(f"{d}/2").ok and os.path.exists(f"{d}/0/RETIRED")
 
 
-def test_two_processes_reference_their_packed_chunks_and_restore_them_cooperatively(tmp_path):
+@pytest.mark.parametrize("tiers", [False, True], ids=["one tier", "two tiers"])
+def test_two_processes_reference_their_packed_chunks_and_restore_them_cooperatively(tmp_path, tiers):
     sys.path.insert(0, os.path.dirname(__file__))
     from multiprocess import WORKERS, run_processes
 
     d = str(tmp_path / "run")
-    for r in run_processes(WORKERS / "incremental_packs_worker.py", 2, 4, {"directory": d}, timeout_s=120):
+    args = {"directory": d, "local": str(tmp_path / "local")} if tiers else {"directory": d}
+    for r in run_processes(WORKERS / "incremental_packs_worker.py", 2, 4, args, timeout_s=120):
         rec = r.record("saved")
         # The third save wrote each process's half of the adapter (8x64 float32 split over
         # the processes) and its pack's crc32c: no frozen small leaf.

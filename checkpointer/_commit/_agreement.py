@@ -18,7 +18,7 @@ final       after "details": "error:<message>"
 ack/<i>     process i has the verdict (process 0 then deletes the round's keys)
 ```
 That is O(P) keys per save. A difference (another path or step, another tree, another
-non-array value, a process that refused the save before the agreement) raises
+non-array value, another `incremental` option, a process that refused the save before the agreement) raises
 `SaveAgreementError` on every process within a poll interval of the last arrival; a
 process that does not arrive within `agreement_timeout_s` is named. Nothing is written
 before the verdict is "ok".
@@ -59,11 +59,15 @@ class Proposal:
       tree: `(leaf path or "(structure)", JSON description)` pairs, in tree order: the
         manifest entry of each leaf (array metadata or non-array value) and the
         structure. Per-process state is not part of it.
+      incremental: the save's `incremental` option: every process must pass the same
+        (a process without it would write chunks the others' references leave out, or
+        the other way round), else the save is refused naming the processes.
     """
 
     path: str
     step: int | None
     tree: tuple[tuple[str, str], ...]
+    incremental: bool = False
 
     @property
     def digest(self) -> str:
@@ -73,11 +77,11 @@ class Proposal:
         return h.hexdigest()[:32]
 
 
-def proposal(path: str, step: int | None, structure: dict, leaves: Mapping[str, dict]) -> Proposal:
+def proposal(path: str, step: int | None, structure: dict, leaves: Mapping[str, dict], *, incremental: bool = False) -> Proposal:
     """The proposal of a save: `leaves` maps leaf path to its manifest entry."""
     tree = [("(structure)", _coord.canonical(structure))]
     tree += [(p, _coord.canonical(entry)) for p, entry in leaves.items()]
-    return Proposal(path, step, tuple(tree))
+    return Proposal(path, step, tuple(tree), incremental)
 
 
 def _round(ticket: int, path: str, timeout_s: float) -> Round:
@@ -126,7 +130,8 @@ def agree(
         return _format.new_generation()
 
     return _round(ticket, mine.path, timeout_s).agree(
-        {"path": mine.path, "step": mine.step, "digest": mine.digest}, outcome=outcome, detail=lambda: list(mine.tree),
+        {"path": mine.path, "step": mine.step, "digest": mine.digest, "incremental": mine.incremental}, outcome=outcome,
+        detail=lambda: list(mine.tree),
     )
 
 
@@ -159,7 +164,7 @@ def _path_problem(ticket: int, got: Mapping[int, dict]) -> str | None:
         return _refusal_problem(ticket, got)
     targets = {i: (p.get("path"), p.get("step")) for i, p in got.items()}
     if len(set(targets.values())) <= 1:
-        return None
+        return _incremental_problem(ticket, got)
     lines = [f"processes save different checkpoints as their save #{ticket}; nothing was written:"]
     for ps, (path, step) in groups(targets)[:MAX_SHOWN]:
         lines.append(f"  {procs(ps)}: {path} (step {step})")
@@ -167,6 +172,20 @@ def _path_problem(ticket: int, got: Mapping[int, dict]) -> str | None:
         "Every process must save the same path (same directory and step) in the same order; derive the path from "
         "values every process shares (the step), not from the process, the host or the clock."
     )
+    return "\n".join(lines)
+
+
+def _incremental_problem(ticket: int, got: Mapping[int, dict]) -> str | None:
+    """Processes that disagree about `incremental` (e.g. a restarted job's processes
+    given different options): the save is refused, naming them."""
+    modes = {i: bool(p.get("incremental")) for i, p in got.items()}
+    if len(set(modes.values())) <= 1:
+        return None
+    lines = [f"processes disagree about incremental= for save #{ticket} of {next(iter(got.values())).get('path')}; "
+             "nothing was written:"]
+    lines += [f"  {procs(ps)}: incremental={mode}" for ps, mode in groups(modes)[:MAX_SHOWN]]
+    lines.append("Every process must pass the same incremental= (to save, save_async or CheckpointManager): a step's "
+                 "references are gathered from every process, and its retention follows them.")
     return "\n".join(lines)
 
 

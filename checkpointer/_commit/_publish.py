@@ -20,6 +20,7 @@ process alone (`round=None`): no report, no announcement.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -109,6 +110,9 @@ class Commit:
         self.process_index = process_index if process_index is not None else (round.index if round is not None else 0)
         self.strategy = strategy_for(storage)
         self.write_path = self.strategy.write_path(path, generation)
+        # Process 0, once every process reported: the processes whose records hold
+        # references (incremental saves), from their reports; the manifest gathers those.
+        self.referencing: list[int] = []
 
     def fail(self, error: BaseException | str) -> None:
         """This process could not write its files: tells the others (process 0 stops
@@ -126,16 +130,24 @@ class Commit:
         marker: Mapping | None = None,
         after_publish: Callable[[], object] | None = None,
         phases: dict[str, tuple[float, float]] | None = None,
+        references: bool = False,
+        guard: contextlib.AbstractContextManager | None = None,
     ) -> None:
         """This process's files are durable: commits (process 0) or waits for the commit.
 
         Args:
           bytes_written: this process's bytes, for the manifest.
-          manifest: the manifest's bytes from every process's bytes written.
+          manifest: the manifest's bytes from every process's bytes written; it may read
+            `self.referencing`, the processes that reported `references`.
           marker: the commit marker's content (default: generation and time).
           after_publish: process 0 runs it after publishing, before the others are
             told (retention), so when the commit returns anywhere it is done too.
           phases: process 0 records `wait` (its report to every report) and `commit`.
+          references: this process's record holds references (incremental saves): it
+            says so in its report, so process 0 gathers them whatever its own save did.
+          guard: process 0 holds it from the manifest to the publication (incremental
+            saves: the retention of the directory waits, so the referenced chunks it
+            checked stay until this step is listed).
         Raises:
           CommitTimeoutError: a process did not report in time; nothing was committed.
           SaveError: a process failed, or committing failed; nothing was committed.
@@ -143,8 +155,9 @@ class Commit:
         """
         reported = time.time()
         r = self.round
+        report = {"bytes": int(bytes_written or 0), **({"references": 1} if references else {})}
         if r is not None:
-            r.post({"bytes": int(bytes_written or 0)})
+            r.post(report)
             if r.index != 0:
                 try:
                     r.wait()
@@ -154,17 +167,19 @@ class Commit:
                     log.warning("%s was committed by process 0, whose verdict came after this process's timeout", self.path)
                 return
         try:
-            got = r.gather() if r is not None else {self.process_index: {"bytes": int(bytes_written or 0)}}
+            got = r.gather() if r is not None else {self.process_index: report}
         except BaseException as e:  # published by the round
             self.discard(timed_out=isinstance(e, CommitTimeoutError))
             raise
         all_durable = time.time()
         if phases is not None:
             phases["wait"] = (reported, all_durable)
+        self.referencing = [i for i in sorted(got) if got[i].get("references")]
         try:
             self._check_records(sorted(got))
             add_entry(self.storage, self.path, self.generation)  # before the marker
-            self._publish(manifest, [int(got[i].get("bytes", 0)) for i in sorted(got)], marker)
+            with guard if guard is not None else contextlib.nullcontext():
+                self._publish(manifest, [int(got[i].get("bytes", 0)) for i in sorted(got)], marker)
         except BaseException as e:
             if r is not None:
                 r.publish_error(f"process 0 could not commit {self.path}: {_coord.error_text(e)}")

@@ -219,25 +219,28 @@ def packs_of_save(
     packs, refs = [], []
     for i in range(process_count):
         if i == process_index:
-            pack, theirs = own, list(own_references)
+            mine, theirs = [own] if own is not None else [], list(own_references)
         else:
-            pack, theirs = _read_pack_index(storage, f"{root}/{_format.process_record_name(i)}")
-        if pack is not None:
-            packs.append(pack)
+            mine, theirs = _read_pack_index(storage, f"{root}/{_format.process_record_name(i)}")
+        packs += mine
         refs += theirs
     return packs + refs
 
 
-def _read_pack_index(storage: Storage, location: str) -> tuple[PackRecord | None, list[PackRecord]]:
-    """The `packed` and `packed_references` fields of a process record, parsed alone (its
-    `chunks` may be thousands of entries process 0 does not need here)."""
+def _read_pack_index(storage: Storage, location: str) -> tuple[list[PackRecord], list[PackRecord]]:
+    """The packs a process record indexes (`packed`, then `packed_materialized`: two
+    tiers) and its `packed_references`, parsed alone (its `chunks` may be thousands of
+    entries process 0 does not need here)."""
     raw = _format.loads(storage.read_file(location, max_bytes=_format.MAX_MANIFEST_BYTES), location)
     packed = raw.get("packed") if isinstance(raw, dict) else None
-    refs = raw.get("packed_references") if isinstance(raw, dict) else None
-    if refs is not None and not isinstance(refs, list):
-        raise CorruptCheckpointError(f"{location}: 'packed_references' is not a list")
-    return (None if packed is None else PackRecord.from_json(packed, f"{location}: packed"),
-            [PackRecord.from_json(r, f"{location}: packed_references[{i}]") for i, r in enumerate(refs or ())])
+    lists = {}
+    for name in ("packed_materialized", "packed_references"):
+        items = raw.get(name) if isinstance(raw, dict) else None
+        if items is not None and not isinstance(items, list):
+            raise CorruptCheckpointError(f"{location}: '{name}' is not a list")
+        lists[name] = [PackRecord.from_json(r, f"{location}: {name}[{i}]") for i, r in enumerate(items or ())]
+    own = ([] if packed is None else [PackRecord.from_json(packed, f"{location}: packed")]) + lists["packed_materialized"]
+    return own, lists["packed_references"]
 
 
 # --- reads ---------------------------------------------------------------------------------

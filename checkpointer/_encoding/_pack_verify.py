@@ -96,7 +96,7 @@ def verify_packs(storage: Storage, path: str, metas: Sequence[ArrayMetadata], ct
             by_key.setdefault(b.key, []).append((m.path, b))
     dtypes = {m.path: _format.dtype_name(m.dtype) for m in metas}
     names = {m.path: leaf_name(m.path, m.keystr) for m in metas}
-    record_packs = {r.packed.key: (name, r.packed) for name, r in sorted(ctx.records.items()) if r.packed is not None}
+    record_packs = {p.key: (name, p) for name, r in sorted(ctx.records.items()) for p in r.own_packs}
     problems = ctx.problems
     for key in sorted(record_packs.keys() - by_key.keys()):
         problems.append(f"pack {key}: processes/{record_packs[key][0]} holds an index of it, the manifest's 'packed' index "

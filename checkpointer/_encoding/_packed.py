@@ -294,9 +294,7 @@ class PackedEncoding(LeafEncoding):
         return read
 
     def replicated_files(self, record: ProcessRecord) -> list[str]:
-        if record.packed is None:
-            return []
-        return [record.packed.key, f"{record.packed.array}/{ZARR_JSON}"]
+        return [k for p in record.own_packs for k in (p.key, f"{p.array}/{ZARR_JSON}")]
 
     def start_write(self, storage: Storage, root: str, leaves: Sequence[LeafWrite], ctx: WriteContext) -> Callable[[], WriteResult]:
         """Writes this process's pack (`_pack.PackWriter`): one file, one write."""

@@ -380,8 +380,8 @@ class ZarrArrayEncoding(LeafEncoding):
         return _read.region_reader(storage, path, meta)
 
     def replicated_files(self, record: ProcessRecord) -> list[str]:
-        pack = record.packed.key if record.packed is not None else None
-        return list(dict.fromkeys(c.key for c in record.chunks if c.data_bytes != 0 and c.key != pack))
+        packs = {p.key for p in record.own_packs}
+        return list(dict.fromkeys(c.key for c in record.chunks if c.data_bytes != 0 and c.key not in packs))
 
     def start_write(self, storage: Storage, root: str, leaves: Sequence[LeafWrite], ctx: WriteContext) -> Callable[[], WriteResult]:
         return _write.start_zarr_writes(storage, root, leaves, ctx)

@@ -296,6 +296,11 @@ class ProcessRecord:
         (kept in `PackRecord.extra`), each listing the referenced boxes of one pack of
         an earlier checkpoint, copied into the manifest's `packed`; None (absent) when
         there are none.
+      packed_materialized: packs of this checkpoint besides `packed` (two tiers): the
+        pack of a local step that a local step referenced, copied whole into its durable
+        step (or its peer copy) as `packed/process-<i>.from-<step>`, listing the boxes
+        this checkpoint reads there, with `"materialized_from": [step, generation]`; their
+        files are also in `chunks`. None (absent) when there are none.
       extra: JSON fields this version does not know, kept as read.
     """
 
@@ -315,11 +320,24 @@ class ProcessRecord:
     references: tuple[dict, ...] | None = _json_field("references", _ref_list, list, default=None)
     packed_references: tuple[PackRecord, ...] | None = _json_field(
         "packed_references", _pack_list, lambda ps: [p.to_json() for p in ps], default=None)
+    packed_materialized: tuple[PackRecord, ...] | None = _json_field(
+        "packed_materialized", _pack_list, lambda ps: [p.to_json() for p in ps], default=None)
     extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         """The JSON object (fields in the order of format_version 1; None fields omitted)."""
         return _record_to_json(self)
+
+    @property
+    def own_packs(self) -> tuple[PackRecord, ...]:
+        """Every pack of this checkpoint this process's record indexes: `packed`, then
+        `packed_materialized`."""
+        return ((self.packed,) if self.packed is not None else ()) + tuple(self.packed_materialized or ())
+
+    @property
+    def has_references(self) -> bool:
+        """Whether it references chunks or packed chunks of earlier checkpoints."""
+        return bool(self.references or self.packed_references)
 
     @staticmethod
     def from_json(obj: object, where: str) -> ProcessRecord:

@@ -117,23 +117,6 @@ def users_among(steps: Collection[int], doomed: Collection[int], refs: Mapping[i
     return {c: users for c, users in out.items() if users}
 
 
-def hold_referenced(steps: Collection[int], doomed: Collection[int], refs: Mapping[int, set[int]]) -> tuple[set[int], dict[int, list[int]]]:
-    """Of the `doomed` steps, those that may go, and those that stay because a step that
-    stays references them (step -> the steps referencing it); `refs`: step -> the steps
-    it references (`referenced_steps`)."""
-    doomed_set, held = set(doomed), {}
-    changed = True
-    while changed:  # a step referenced by one that stays, stays (and so do the steps it references)
-        changed = False
-        for c in sorted(doomed_set):
-            users = sorted(s for s in steps if s not in doomed_set and c in refs.get(s, ()))
-            if users:
-                doomed_set.discard(c)
-                held[c] = users
-                changed = True
-    return doomed_set, held
-
-
 def referenced_steps(storage: Storage, directory: str, folder: str) -> set[int]:
     """The steps whose chunks the committed step in `folder` references (incremental
     saves); empty for a checkpoint without references or whose manifest cannot be read

@@ -17,7 +17,7 @@ from .. import _commit, _coord, _encoding, _storage, _tools
 from .._errors import CheckpointError, CheckpointExistsError, SaveError, UnsupportedValueError
 from .._format import metadata_json, metrics_json
 from .._memory import HostBufferPool
-from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
+from .._save import AsyncSave, SaveOptions, Snapshot, guard, run_background, take_snapshot
 from .._storage import storage_for
 from . import _events, _peers, _tier_manager
 from ._alerts import RunJournal
@@ -195,7 +195,6 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
                     durable_every_s, self.directory + "#durable", agreement_timeout_s,
                     first_unix_s=self._newest_created_unix_s),
             )
-            self._tiers.incremental = self._incremental
         elif peer_copies:
             raise ValueError("peer_copies needs local_directory: the copies are held in the peers' local tiers")
 
@@ -582,10 +581,12 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
                 return {s for s, _ in running} | set(protect) | bases_in_flight([snap for _, snap in running])
 
         # Removing the bytes of an unpublished step (a GiB takes a while) runs on the
-        # deleter thread, so it does not delay the commit being announced.
-        _, removed = maintain(self.storage, self.directory, recover=False, keep=self.keep, metrics=self._metrics,
-                              protect=in_flight, remove=lambda path: self._deleter.submit(self._remove, path),
-                              created=self._created_unix_s)
+        # deleter thread, so it does not delay the commit being announced. Under the
+        # directory's guard: an incremental commit's check of what it references holds it.
+        with guard(self.storage, self.directory):
+            _, removed = maintain(self.storage, self.directory, recover=False, keep=self.keep, metrics=self._metrics,
+                                  protect=in_flight, remove=lambda path: self._deleter.submit(self._remove, path),
+                                  created=self._created_unix_s)
         for s in removed:
             self._forget(s)
         return removed

@@ -24,7 +24,7 @@ from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import RestoreOptions, resolve_tree, restore_from
-from .._save import SaveResult, Snapshot, bases_beside, manifest_bytes, release_host, remember, write_snapshot
+from .._save import SaveResult, Snapshot, bases_beside, guard, manifest_bytes, release_host, remember, write_snapshot
 from .._storage import Storage
 from . import _alerts, _mesh_restart, _peer_delivery, _peers, _tier_references, _tiers
 from ._policies import KeepPolicy
@@ -109,7 +109,6 @@ class LocalTier:
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self._attempts: dict[int, int] = {}
         self._bases_in_flight: dict[int, int] = {}  # incremental local saves in flight: step -> its local base
-        self.incremental = False  # the manager's `incremental` (set by it): replication gathers references
         self.last_error: str | None = None
         self.waiting = False
         self._recovered = False
@@ -178,7 +177,8 @@ class LocalTier:
                 device_ids=_tiers.own_device_ids(), overwrite=snap.overwrite, committed_unix_s=time.time(),
             )
             # A local replacement (the same step saved again) is always atomic: overwrite=True.
-            commit.run(record.bytes_written, lambda _: manifest_bytes(snap, own, own_pack_only=True), marker=marker.to_json())
+            commit.run(record.bytes_written, lambda _: manifest_bytes(snap, own, own_pack_only=True), marker=marker.to_json(),
+                       guard=guard(self.storage, self.root) if snap.incremental else None)
             if snap.saved_arrays:  # the next incremental save's identity check
                 remember(snap.storage, snap.path, snap.generation, snap.saved_arrays)
         finally:
@@ -201,7 +201,7 @@ class LocalTier:
             attempt = self._attempts[step] = self._attempts.get(step, -1) + 1
             target = _tiers.ReplicationTarget(
                 step=step, local_path=f"{self.root}/{step}", durable_path=f"{self.directory}/{step}",
-                generation=generation, attempt=attempt, overwrite=overwrite, incremental=self.incremental,
+                generation=generation, attempt=attempt, overwrite=overwrite,
             )
             job = self._queue.submit(self._replicate, target, local_save)
             self._jobs[step] = job
@@ -310,7 +310,7 @@ class LocalTier:
         save thread after a local commit and the replication thread after a durable one
         both call it): the second waits for the first, then sees its deletions.
         """
-        with self._retention_mu:
+        with self._retention_mu, guard(self.storage, self.root):  # the guard: a local commit's check of its references
             return self._apply_retention_locked()
 
     def _apply_retention_locked(self) -> list[int]:

@@ -42,6 +42,7 @@ import crc32c
 from .. import _commit, _coord, _encoding, _format, _storage
 from .._errors import CheckpointError, CorruptCheckpointError, ReplicationError, RestoreAgreementError
 from .._format import ZARR_JSON, ProcessRecord
+from .._save import guard
 from .._storage import Reader, Storage, storage_for
 from . import _tier_references
 
@@ -195,8 +196,6 @@ class ReplicationTarget:
       attempt: the replication attempt of this step in this job (0, 1, ...): names the
         coordination keys, which must never be reused.
       overwrite: replace a committed durable step.
-      incremental: the manager saves incrementally (process 0 gathers every process's
-        references into the durable manifest).
     """
 
     step: int
@@ -205,7 +204,6 @@ class ReplicationTarget:
     generation: str
     attempt: int
     overwrite: bool
-    incremental: bool = False
 
 
 def _commit_of(target: ReplicationTarget, durable: Storage, commit_timeout_s: float) -> _commit.Commit:
@@ -259,15 +257,18 @@ def replicate(
             # Incremental saves: references to local steps not durable are materialized.
             rewritten = _tier_references.durable_record(local, target.local_path, durable, target.durable_path, record_name)
             sources = [(f"{target.local_path}/{k}", k) for k in keys]
+            writes = rewritten.writes if rewritten is not None else []
             if rewritten is not None:
-                sources += [(src, k) for src, k, _ in rewritten[1]]
-            for folder in sorted({f"{root}/{k}".rsplit("/", 1)[0] for k in [*(k for _, k in sources), record_name]}):
+                sources += [(src, k) for src, k, _ in rewritten.copies]
+            for folder in sorted({f"{root}/{k}".rsplit("/", 1)[0] for k in [*(k for _, k in sources), *(k for k, _ in writes), record_name]}):
                 durable.makedirs(folder)
             with concurrent.futures.ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="checkpointer-replicate") as pool:
                 futures = [pool.submit(_copy_verified, local, src, durable, f"{root}/{k}", limiter) for src, k in sources]
                 copied = sum(f.result() for f in futures)
+            for k, data in writes:  # a materialized pack's zarr.json
+                copied += _tier_references.write_verified(durable, f"{root}/{k}", data)
             if rewritten is not None:
-                copied += _tier_references.write_verified(durable, f"{root}/{record_name}", rewritten[0])
+                copied += _tier_references.write_verified(durable, f"{root}/{record_name}", rewritten.data)
             else:
                 copied += _copy_verified(local, f"{target.local_path}/{record_name}", durable, f"{root}/{record_name}", None)
         except BaseException as e:
@@ -287,12 +288,12 @@ def replicate(
             if not isinstance(raw, dict):
                 raise CorruptCheckpointError(f"{target.local_path}/{_format.MANIFEST} is not a JSON object")
             with_every_pack(raw, durable, root, _coord.process_count())
-            _tier_references.with_every_reference(raw, durable, root, target.durable_path, _coord.process_count(),
-                                                  target.incremental)
+            _tier_references.with_every_reference(raw, durable, root, target.durable_path, commit.referencing)
             return _format.dumps({**raw, "process_bytes_written": process_bytes} if len(process_bytes) > 1 else raw)
 
         try:
-            commit.run(copied, manifest, after_publish=after_publish)
+            commit.run(copied, manifest, after_publish=after_publish, references=rewritten is not None and rewritten.has_references,
+                       guard=guard(durable, parent))
         except Exception as e:
             if pidx != 0:
                 raise ReplicationError(f"step {target.step} was not committed on {target.durable_path}: {e}") from e
@@ -394,10 +395,11 @@ class TieredStorage(Storage):
             local_path = self.local_path + path[len(self.durable_path):]
             if self.local.exists(local_path):
                 return self.local, local_path, True
-        elif path.startswith(self._parent + "/"):  # a sibling step's file: a chunk an incremental save references
+        elif path.startswith(self._parent + "/"):  # a sibling step's file: a chunk or pack an incremental save references
             folder, _, rest = path[len(self._parent) + 1:].partition("/")
             sibling = self._local_sibling(folder)
-            if sibling is not None and rest and (not self.durable_committed or rest.startswith(_format.ARRAYS + "/")):
+            data = rest.startswith((_format.ARRAYS + "/", _encoding.PACKED + "/"))  # not its marker or manifest: the tier's own
+            if sibling is not None and rest and (not self.durable_committed or data):
                 local_path = f"{sibling}/{rest}"
                 if self.local.exists(local_path):
                     return self.local, local_path, True
@@ -415,8 +417,9 @@ class TieredStorage(Storage):
         if _format.is_step_name(folder):
             local = f"{self.local_path.rsplit('/', 1)[0]}/{folder}"
             marker = read_marker(self.local, local)
-            if marker is not None and (not self.durable_committed or marker.generation == durable_generation(
-                    self.durable, self._parent, int(folder))):
+            # (the durable step's own marker: a retired step, no longer listed, is still a reference target)
+            if marker is not None and (not self.durable_committed or marker.generation == _tier_references.durable_generation_of(
+                    self.durable, f"{self._parent}/{folder}")):
                 found = local
         with self._mu:
             self._siblings[folder] = found
@@ -514,7 +517,8 @@ def local_restore_proposal(
 def local_listing(local_directory: str | os.PathLike, durable: Storage, directory: str) -> list[dict]:
     """Every step folder on a local tier, of every process folder in it (`checkpointer ls
     --local`): one dict per folder with `process`, `step`, `folder`, `state` ("durable":
-    committed locally and on `directory` with the same generation; "not durable":
+    committed locally and on `directory` with the same generation; "retired": kept only
+    for the chunks later local steps reference (incremental saves); "not durable":
     committed locally only; "partial": a local save in flight or crashed), `generation`
     and `size_bytes`. Reads only; takes no lock."""
     storage, root = storage_for(local_directory)
@@ -528,6 +532,8 @@ def local_listing(local_directory: str | os.PathLike, durable: Storage, director
             marker = read_marker(storage, f"{proc}/{e.name}") if e.committed else None
             if marker is None:
                 state = "partial"
+            elif e.retired:  # incremental saves: kept only for what later local steps reference
+                state = "retired"
             elif durable_generation(durable, directory, e.step, durable_folders) == marker.generation:
                 state = "durable"
             else:

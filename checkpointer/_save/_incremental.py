@@ -31,8 +31,9 @@ Packed small leaves (`_pack`) are deduplicated entry by entry (`split_packed`): 
 chunk whose crc32c and XXH3-128 equal the base's (compared with the base's bytes, read
 back from its pack, the first time) is not put into this save's pack; the manifest's
 `packed` list gains a record of the base's pack (`"in"`, `"generation"`) listing the
-chunks referenced there (docs/format.md). Not on a two-tier manager's local tier
-(`bases_beside`): replication and peer copies carry whole packs.
+chunks referenced there (docs/format.md). On a two-tier manager's local tier too
+(`bases_beside`): replication translates or materializes pack references
+(`_manage._tier_references`), peer copies carry the referenced packs.
 
 Not deduplicated: dtypes the byte-range reader does not decode
 (complex, sub-byte: read through TensorStore's array layer, which cannot follow a
@@ -133,7 +134,6 @@ class Base:
     crcs: dict[str, int]  # chunk key -> data_crc32c of the chunks the base holds itself
     same: dict[str, weakref.ref]  # leaf path -> the jax.Array the base saved (this process)
     own: str = ""  # the folder name of the save itself: a base's reference into it is not copied
-    packs: bool = True  # packed chunks are referenced too (not on a two-tier manager's local tier)
 
     @property
     def generation(self) -> str:
@@ -257,7 +257,7 @@ class Base:
         proven by XXH3-128, against the hash the base's reference kept, or else against
         the base's bytes read back from its pack (crc32c-checked)."""
         b = self.meta.arrays.get(meta.path)
-        if not self.packs or b is None or not b.packed or not meta.packed or (b.shape, b.dtype, b.chunk_shape) != (
+        if b is None or not b.packed or not meta.packed or (b.shape, b.dtype, b.chunk_shape) != (
                 meta.shape, meta.dtype, meta.chunk_shape):
             return list(chunks), []
         theirs = {pb.box: pb for pb in b.pack_boxes}
@@ -440,7 +440,7 @@ def find_base(storage: Storage, path: str) -> Base | None:
     with _IDENTITY_LOCK:
         known = _IDENTITY.get(f"{type(storage).__name__}:{parent}")
     same = known[2] if known is not None and known[0] == folder and known[1] == meta.generation else {}
-    return Base(storage, base_path, folder, meta, crcs, same, own=name, packs=at is None)
+    return Base(storage, base_path, folder, meta, crcs, same, own=name)
 
 
 def references_json(refs: Sequence[tuple[str, ChunkRef | PackedBox]]) -> list[dict]:
@@ -448,47 +448,66 @@ def references_json(refs: Sequence[tuple[str, ChunkRef | PackedBox]]) -> list[di
     return [{"leaf": leaf} | r.to_json() for leaf, r in refs if isinstance(r, ChunkRef)]
 
 
-def gather(storage: Storage, root: str, own_index: int, own: Sequence[tuple[str, ChunkRef | PackedBox]], process_count: int,
-           base: Base | None) -> dict[str, dict[tuple[int, ...], ChunkRef]]:
-    """Process 0 at commit: every process's references (its own `own`, the others' from
-    their records in `root`), leaf path -> chunk -> reference; checks that the base is
-    still the committed checkpoint they reference.
+def gather(storage: Storage, path: str, root: str, own_index: int, own: Sequence[tuple[str, ChunkRef | PackedBox]],
+           referencing: Sequence[int]) -> dict[str, dict[tuple[int, ...], ChunkRef]]:
+    """Process 0 at commit: every process's references, leaf path -> chunk -> reference:
+    its own (`own`) and, from their records in `root`, those of the processes that
+    reported references (`referencing`, `_commit.Commit.referencing`: whatever this
+    process's own save did, e.g. it found no base); checks that every checkpoint beside
+    `path` they reference is still the committed generation referenced, and that a
+    retired one still holds every file referenced there (run under `guard`).
 
     Raises:
-      SaveError: the base was deleted or replaced meanwhile (nothing is committed).
+      SaveError: a referenced checkpoint was deleted, replaced or pruned meanwhile
+        (nothing is committed).
     """
     out: dict[str, dict[tuple[int, ...], ChunkRef]] = {}
     wanted: dict[str, set[str]] = {}  # referenced folder -> the generations referenced there
-    # `process_count` 1: this process's own alone (also a local tier's manifest copy,
-    # which process i > 0 writes without the others' records).
-    for i in ([own_index] if process_count == 1 else range(process_count)):
+    files: dict[str, set[str]] = {}  # referenced folder -> the chunk and pack files referenced there
+    for i in [own_index, *(i for i in referencing if i != own_index)]:
         if i == own_index:
             items = [(leaf, r) for leaf, r in own if isinstance(r, ChunkRef)]  # packed ones: `pack_references`
-            for _, pb in own:
-                if isinstance(pb, PackedBox) and pb.folder is not None:
-                    wanted.setdefault(pb.folder, set()).add(str(pb.generation))
+            packs = pack_references(own) or ()
         else:
             location = f"{root}/{_format.process_record_name(i)}"
             record = _format.read_process_record(storage, location)
-            items = []
-            for j, raw in enumerate(record.references or ()):
-                parsed = _format_refs(raw, location, j)
-                items.append((raw["leaf"], parsed))
-            for p in record.packed_references or ():
-                wanted.setdefault(str(p.extra.get("in")), set()).add(str(p.extra.get("generation")))
+            items = [(raw["leaf"], _format_refs(raw, location, j)) for j, raw in enumerate(record.references or ())]
+            packs = record.packed_references or ()
+        for p in packs:
+            folder = str(p.extra.get("in"))
+            wanted.setdefault(folder, set()).add(str(p.extra.get("generation")))
+            files.setdefault(folder, set()).add(p.key)
         for leaf, r in items:
             out.setdefault(leaf, {})[r.chunk] = r
             wanted.setdefault(r.folder, set()).add(r.generation)
-    if wanted and base is not None:
-        for folder in wanted:
-            target = _format.sibling(base.path, folder)
-            try:
-                generation = _format.read_metadata(storage, target, check_references=False).generation
-            except CheckpointError as e:
-                raise SaveError(f"incremental save into {root}: the referenced checkpoint {target} is gone ({e}); nothing committed") from e
-            if wanted[folder] != {generation}:
-                raise SaveError(f"incremental save into {root}: the referenced checkpoint {target} was replaced meanwhile; nothing committed")
+            files.setdefault(r.folder, set()).add(_format.chunk_key(leaf, r.chunk))
+    for folder in wanted:
+        target = _format.sibling(path, folder)
+        try:
+            generation = _format.read_metadata(storage, target, check_references=False).generation
+        except CheckpointError as e:
+            raise SaveError(f"incremental save into {root}: the referenced checkpoint {target} is gone ({e}); nothing committed") from e
+        if wanted[folder] != {generation}:
+            raise SaveError(f"incremental save into {root}: the referenced checkpoint {target} was replaced meanwhile; nothing committed")
+        if storage.exists(f"{target}/{_format.RETIRED}"):  # retention keeps only what listed steps reference there
+            missing = sorted(files[folder] - set(storage.list_files(target)))
+            if missing:
+                raise SaveError(
+                    f"incremental save into {root}: retention retired the referenced checkpoint {target} meanwhile and "
+                    f"removed {len(missing)} file(s) it references (e.g. {missing[0]}); nothing committed. Save again")
     return out
+
+
+_GUARDS: dict[str, threading.RLock] = {}
+
+
+def guard(storage: Storage, directory: str) -> threading.RLock:
+    """The lock of `directory` (in this process) that its retention holds while it runs
+    and an incremental save's commit holds from its check of the referenced checkpoints
+    (`gather`) to its publication: retention never prunes what a commit just checked."""
+    key = f"{type(storage).__name__}:{directory.rstrip('/')}"
+    with _IDENTITY_LOCK:
+        return _GUARDS.setdefault(key, threading.RLock())
 
 
 def _format_refs(raw: dict, location: str, j: int) -> ChunkRef:

@@ -145,6 +145,7 @@ class Snapshot:
     # Incremental saves: the checkpoint it may reference, the jax.Arrays it saves (weakly).
     base: _incremental.Base | None = None
     saved_arrays: Mapping[str, weakref.ref] = dataclasses.field(default_factory=dict)
+    incremental: bool = False  # `SaveOptions.incremental`
     result: SaveResult = dataclasses.field(default_factory=SaveResult)
 
     @property
@@ -348,9 +349,8 @@ def _take_snapshot(
     # Step 0: every process agrees on path, step and tree before anything is written.
     # Process 0 clears an object store's old step content only once all agreed.
     clear = (lambda: _commit.strategy_for(storage).prepare_overwrite(path)) if pidx == 0 else None
-    generation = _commit.agree(
-        ticket, _commit.proposal(path, step, structure, entries), timeout_s=options.agreement_timeout_s, before_verdict=clear,
-    )
+    generation = _commit.agree(ticket, _commit.proposal(path, step, structure, entries, incremental=options.incremental),
+                               timeout_s=options.agreement_timeout_s, before_verdict=clear)
     agreed.append(generation)
 
     arrays, copied_bytes, route_bytes = _copy_to_host(storage, options, planned, device_data, buffers)
@@ -359,7 +359,7 @@ def _take_snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
         overwrite=overwrite, commit_timeout_s=options.commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
-        base=base, saved_arrays=_incremental.weak_arrays(leaves) if options.incremental else {},
+        base=base, saved_arrays=_incremental.weak_arrays(leaves) if options.incremental else {}, incremental=options.incremental,
         write_limiter=write_limiter, direct_io=options.direct_io, copied_bytes=copied_bytes, copy_route_bytes=route_bytes,
         snapshot_s=time.perf_counter() - t0,  # the whole blocking call, the wait for the arrays included
         result=SaveResult(phases_unix_s={**snap_phases, "snapshot": (ready, time.time())}),
@@ -504,11 +504,12 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         raise SaveError(f"writing {root} failed (process {snap.process_index}): {type(e).__name__}: {e}") from e
 
 
-def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: bool = False) -> bytes:
+def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: bool = False,
+                   referencing: Sequence[int] = ()) -> bytes:
     """The manifest of `snap` (`process_bytes`: bytes written per process), encoded.
     `own_pack_only` (a local tier's copy, written before the other processes' records
     exist): its `packed` index holds this process's pack alone, and says so
-    (`packed_processes`)."""
+    (`packed_processes`). `referencing`: the processes whose records hold references."""
     with _memory.paused():
         if own_pack_only:
             packed = ([snap.result.pack_index] if snap.result.pack_index is not None else []) + list(
@@ -518,10 +519,9 @@ def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: b
                                              _incremental.pack_references(snap.result.references) or ()) if (
                 any(leaf.meta.packed for leaf in snap.arrays)) else []
         arrays = [leaf.meta for leaf in snap.arrays]
-        if snap.base is not None:  # every process's references, by leaf (format_version 2 when any)
+        if snap.base is not None or referencing:  # every process's references, by leaf (format_version 2 when any)
             arrays = _incremental.with_references(arrays, _incremental.gather(
-                snap.storage, snap.write_path, snap.process_index, snap.result.references,
-                1 if own_pack_only else snap.process_count, snap.base))
+                snap.storage, snap.path, snap.write_path, snap.process_index, snap.result.references, referencing))
         return _format.dumps_large(manifest_json(
             step=snap.step, generation=snap.generation, process_count=snap.process_count,
             process_bytes_written=process_bytes, structure=snap.structure, arrays=arrays,
@@ -582,8 +582,9 @@ def run_background(
         release_host(snap)  # the bytes are durable: free (or recycle) host memory
         t0 = time.perf_counter()
         commit.run(
-            record.bytes_written, lambda process_bytes: manifest_bytes(snap, process_bytes), after_publish=after_publish,
-            phases=snap.result.phases_unix_s,
+            record.bytes_written, lambda process_bytes: manifest_bytes(snap, process_bytes, referencing=commit.referencing),
+            after_publish=after_publish, phases=snap.result.phases_unix_s, references=record.has_references,
+            guard=_incremental.guard(snap.storage, snap.path.rsplit("/", 1)[0]) if snap.incremental else None,
         )
         snap.result.commit_s = time.perf_counter() - t0
         if snap.saved_arrays:  # the next incremental save's identity check

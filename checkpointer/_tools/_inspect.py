@@ -312,8 +312,8 @@ def _chunks_of(meta: CheckpointMetadata, records: Mapping[int, ProcessRecord], l
     out = []
     for pidx, rec in sorted(records.items()):
         found: list[tuple[Box, bool, str, int | None]] = []
-        if rec.packed is not None:
-            found += [(b.box, True, rec.packed.key, b.data_bytes) for b in rec.packed.boxes if b.leaf == leaf_path]
+        for pack in rec.own_packs:  # its pack, and packs of local steps copied into a durable step (two tiers)
+            found += [(b.box, True, pack.key, b.data_bytes) for b in pack.boxes if b.leaf == leaf_path]
         found += [(c.box, False, c.key, c.data_bytes) for c in rec.chunks if c.leaf == leaf_path and c.box is not None]
         refs = [r for r in rec.references or () if r.get("leaf") == leaf_path]
         for box, packed, key, nbytes in found:

@@ -2,8 +2,9 @@
 over the processes, and replicated), small adapters that change, three saves; then a
 replicated restore (cooperative: the processes read parts and exchange them).
 
-args: {"directory": a directory}
-emits: {"event": "saved", "written": bytes written per process of the third save,
+args: {"directory": a directory, "local": a local_directory (two tiers: a manager) or absent}
+emits: {"event": "saved", "written": bytes of chunk files written per process by the third save (its records'
+        bytes_written: on two tiers, the durable copy's: what replication wrote besides metadata),
         "refs": packed boxes the third save references per process's pack, "ok": bool,
         "cooperative": bool, "sources": the plan's read sources}
 """
@@ -32,8 +33,13 @@ def tree(step):
 
 
 d = args["directory"]
-for step in range(3):
-    ckpt.save(f"{d}/{step}", tree(step), incremental=True)
+if args.get("local"):  # two tiers: every local step replicated
+    with ckpt.CheckpointManager(d, local_directory=args["local"], incremental=True, async_save=False) as mgr:
+        for step in range(3):
+            mgr.save(step, tree(step))
+else:
+    for step in range(3):
+        ckpt.save(f"{d}/{step}", tree(step), incremental=True)
 m = ckpt.metadata(f"{d}/2")
 target = jax.tree.map(lambda _: replicated, tree(2))
 out = ckpt.restore(f"{d}/2", target)
@@ -46,5 +52,9 @@ import json  # noqa: E402
 
 with open(f"{d}/2/manifest.json") as f:
     packed = json.load(f)["packed"]
-_common.emit(event="saved", written=list(m.process_bytes_written), ok=ok, cooperative=plan.cooperative,
+written = []
+for i in range(jax.process_count()):
+    with open(f"{d}/2/processes/{i}.json") as f:
+        written.append(json.load(f)["bytes_written"])
+_common.emit(event="saved", written=written, ok=ok, cooperative=plan.cooperative,
              refs=sum(len(p["boxes"]) for p in packed if "in" in p), sources=sorted(str(k) for k in plan.bytes_read_by_source))
