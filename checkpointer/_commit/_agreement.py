@@ -76,7 +76,12 @@ class Proposal:
 def proposal(path: str, step: int | None, structure: dict, leaves: Mapping[str, dict]) -> Proposal:
     """The proposal of a save: `leaves` maps leaf path to its manifest entry."""
     tree = [("(structure)", _coord.canonical(structure))]
-    tree += [(p, _coord.canonical(entry)) for p, entry in leaves.items()]
+    texts: dict[int, str] = {}  # id(entry) -> its text: leaves of one layout share one entry object
+    for p, entry in leaves.items():
+        text = texts.get(id(entry))
+        if text is None:
+            text = texts[id(entry)] = _coord.canonical(entry)
+        tree.append((p, text))
     return Proposal(path, step, tuple(tree))
 
 

@@ -80,8 +80,17 @@ def manifest_json(
     """
     import jax
 
-    leaves = {m.path: m.to_json() | ({"references": [r.to_json() for r in m.references.values()]} if m.references else {})
-              for m in arrays}
+    leaves: dict[str, dict] = {}
+    entries: dict[tuple, dict] = {}  # leaves of one layout share one entry object (encoded once)
+    for m in arrays:
+        if m.references:
+            leaves[m.path] = m.to_json() | {"references": [r.to_json() for r in m.references.values()]}
+            continue
+        key = (m.shape, m.dtype, m.chunk_shape, m.inner_chunk_shape, id(m.saved_sharding), m.key_impl, m.kind, m.packed)
+        entry = entries.get(key)
+        if entry is None:
+            entry = entries[key] = m.to_json()
+        leaves[m.path] = entry
     leaves.update({p: {"type": "value", "value": v} for p, v in values.items()})
     out: dict[str, object] = {
         # Additive: a checkpoint with references (incremental saves) has the version older

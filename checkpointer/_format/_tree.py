@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import keyword
+import re
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -55,7 +56,13 @@ def _is_none(x: object) -> bool:
     return x is None
 
 
+# What `urllib.parse.quote(key, safe="")` leaves as it is: such a key (not only dots) is its own escape.
+_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]+")
+
+
 def _escape_str(key: str) -> str:
+    if _UNRESERVED.fullmatch(key) and key.strip("."):
+        return key
     if key and set(key) == {"."}:
         return "%2E" * len(key)
     if key == "":
@@ -83,7 +90,7 @@ def escape_key(entry: KeyEntry) -> str:
 
 def leaf_path(key_path: Sequence[KeyEntry]) -> str:
     """Returns the escaped leaf path of a `jax.tree_util` key path; `""` names a root leaf."""
-    return "/".join(escape_key(k) for k in key_path)
+    return "/".join([escape_key(k) for k in key_path])
 
 
 def check_leaf_path(path: object, *, where: str = "") -> str:
@@ -125,11 +132,12 @@ def flatten(tree: object, is_leaf: Callable[[object], bool] = _is_none) -> list[
             "(JAX sorts them); use keys of one type."
         ) from e
     out = [(leaf_path(kp), leaf) for kp, leaf in pairs]
-    seen: dict[str, int] = {}
-    for i, (p, _) in enumerate(out):
-        if p in seen:
-            raise StructureMismatchError(f"two leaves share the leaf path {p!r}; rename one of the keys")
-        seen[p] = i
+    if len({p for p, _ in out}) != len(out):
+        seen: set[str] = set()
+        for p, _ in out:
+            if p in seen:
+                raise StructureMismatchError(f"two leaves share the leaf path {p!r}; rename one of the keys")
+            seen.add(p)
     return out
 
 
