@@ -125,6 +125,51 @@ def zarr_metadata(nbytes: int, attributes: dict) -> dict:
     }
 
 
+def buffer_bytes(nbytes: int) -> int:
+    """Bytes of a pack's write buffer for `nbytes` of packed data: the data and its
+    crc32c, rounded up to `DIRECT_ALIGN` (one direct write)."""
+    return -(-(nbytes + CRC_BYTES) // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+class PackSlab:
+    """The snapshot's one copy of a process's packed chunks, laid out as its pack:
+    their C-order little-endian bytes back to back in plan order, in one buffer aligned
+    and long enough for the pack's direct write (`buffer_bytes`). `views[k]` is the
+    k-th chunk's box, a view of the buffer (the snapshot's host array of that chunk).
+
+    `PackWriter` writes the buffer as it is when it packs exactly these views in this
+    order; otherwise (an incremental save leaves out unchanged chunks) it copies them.
+    """
+
+    def __init__(self, buffer: np.ndarray, views: list[np.ndarray], nbytes: int):
+        self.buffer: np.ndarray | None = buffer  # uint8, DIRECT_ALIGN-aligned, at least buffer_bytes(nbytes) long
+        self.views = views
+        self.nbytes = nbytes
+
+    def release(self) -> np.ndarray | None:
+        """Forgets the buffer and its views (the bytes are durable) and returns the
+        buffer, once (then None)."""
+        buffer, self.buffer, self.views = self.buffer, None, []
+        return buffer
+
+    @staticmethod
+    def fill(sources: Sequence[np.ndarray], take: Callable[[int], np.ndarray]) -> PackSlab:
+        """Copies `sources` (host arrays of native byte order, e.g. views of CPU shards)
+        into a new slab whose buffer is `take(buffer_bytes(nbytes))` (a `DIRECT_ALIGN`-
+        aligned uint8 array); one copy each."""
+        nbytes = sum(s.nbytes for s in sources)
+        buf = take(buffer_bytes(nbytes))
+        assert buf.nbytes >= buffer_bytes(nbytes) and buf.ctypes.data % DIRECT_ALIGN == 0
+        views: list[np.ndarray] = []
+        offset = 0
+        for src in sources:
+            view = np.ndarray(src.shape, src.dtype, buffer=buf, offset=offset)
+            view[...] = src
+            views.append(view)
+            offset += view.nbytes
+        return PackSlab(buf, views, nbytes)
+
+
 class PackWriter:
     """One process's pack of a save: built from the host copies, written through TensorStore.
 
@@ -132,9 +177,16 @@ class PackWriter:
     (waits; returns the records).
     """
 
-    def __init__(self, process_index: int):
+    def __init__(self, process_index: int, slab: PackSlab | None = None):
         self.process_index = process_index
         self._parts: list[tuple[ArrayMetadata, Box, np.ndarray]] = []
+        self._slab = slab  # where the snapshot laid the chunks out already, if it did
+
+    def _slab_holds_parts(self) -> bool:
+        """Whether the parts are the slab's views, all of them, in order (the buffer is the pack)."""
+        slab = self._slab
+        return slab is not None and slab.buffer is not None and len(slab.views) == len(self._parts) and all(
+            h is v for (_, _, h), v in zip(self._parts, slab.views))
 
     def add(self, meta: ArrayMetadata, box: Box, host: np.ndarray) -> None:
         self._parts.append((meta, box, host))
@@ -159,17 +211,25 @@ class PackWriter:
           OSError, ValueError: from TensorStore or the file system (the caller names the path).
         """
         nbytes = self.nbytes
+        laid_out = self._slab_holds_parts()
         # Aligned and long enough for a direct write of the data and the codec's crc32c.
-        buf = aligned_empty((-(-(nbytes + CRC_BYTES) // DIRECT_ALIGN) * DIRECT_ALIGN,), np.dtype(np.uint8), DIRECT_ALIGN)
+        slab_buffer = self._slab.buffer if laid_out and self._slab is not None else None
+        buf = slab_buffer if slab_buffer is not None else aligned_empty(
+            (buffer_bytes(nbytes),), np.dtype(np.uint8), DIRECT_ALIGN)
+        whole = buf.data
         boxes, attrs = [], []
         offset = 0
         for meta, box, host in self._parts:
-            raw = _little_endian_bytes(host)
-            buf[offset : offset + raw.size] = raw
-            crc = crc32c.crc32c(raw.data)
-            boxes.append(PackedBoxRecord(leaf=meta.path, box=box, offset=offset, data_bytes=raw.size, data_crc32c=crc))
-            attrs.append(boxes[-1].to_json() | {"dtype": _format.dtype_name(meta.dtype)})
-            offset += raw.size
+            size = host.nbytes
+            if not laid_out:
+                buf[offset : offset + size] = _little_endian_bytes(host)
+            crc = crc32c.crc32c(whole[offset : offset + size])
+            box_record = PackedBoxRecord(leaf=meta.path, box=box, offset=offset, data_bytes=size, data_crc32c=crc)
+            boxes.append(box_record)
+            entry = box_record.to_json()
+            entry["dtype"] = _format.dtype_name(meta.dtype)
+            attrs.append(entry)
+            offset += size
         data = buf[:nbytes]
         data_crc = crc32c.crc32c(data.data)
         name = array_name(self.process_index)
