@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import crc32c
@@ -190,6 +190,12 @@ class PackWriter:
 
     def add(self, meta: ArrayMetadata, box: Box, host: np.ndarray) -> None:
         self._parts.append((meta, box, host))
+
+    def add_all(self, parts: Iterable[tuple[ArrayMetadata, Box, Any]]) -> None:
+        """`add` of each `(meta, box, host array)`, in order (packed leaves are never shard files)."""
+        start = len(self._parts)
+        self._parts.extend(parts)
+        assert all(isinstance(h, np.ndarray) for _, _, h in self._parts[start:])
 
     def __bool__(self) -> bool:
         return bool(self._parts)

@@ -302,10 +302,7 @@ class PackedEncoding(LeafEncoding):
         """Writes this process's pack (`_pack.PackWriter`): one file, one write."""
         pack = _pack.PackWriter(ctx.process_index, ctx.pack_slab)
         with _memory.paused():  # many small objects: no full collections over the heap meanwhile
-            for lw in leaves:
-                for _, box, host in lw.chunks:
-                    assert isinstance(host, np.ndarray)  # packed leaves are never shard files (`ShardImage`)
-                    pack.add(lw.meta, box, host)
+            pack.add_all((lw.meta, box, host) for lw in leaves for _, box, host in lw.chunks)
         if not pack:
             return lambda: WriteResult()
         acquire(ctx.limiter, pack.nbytes)  # the pack is one write

@@ -40,13 +40,33 @@ def dumps(obj: object) -> bytes:
 
 def _expands(obj: object, depth: int) -> bool:
     if isinstance(obj, dict):
-        return bool(obj) and (depth < 2 or any(isinstance(v, list) and v and isinstance(v[0], dict) for v in obj.values()))
+        return bool(obj) and (depth < 2 or _has_object_list(obj))
     if isinstance(obj, list):
         return bool(obj) and (depth < 1 or all(isinstance(v, dict) for v in obj))
     return False
 
 
+def _has_object_list(obj: dict) -> bool:
+    for v in obj.values():
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            return True
+    return False
+
+
 _ENCODER = json.JSONEncoder(allow_nan=False)  # one instance: `json.dumps(..., allow_nan=False)` builds one per call
+# `_ENCODER.encode` builds a C encoder per call; one built once encodes an entry in half the time. Without
+# the circular check (`markers=None`): what the format's files hold is built by the library or was
+# checked by a JSON round trip (user metadata, per-process state).
+_C_ENCODER = (json.encoder.c_make_encoder(None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ": ", ", ",
+                                          False, False, False)
+              if json.encoder.c_make_encoder is not None else None)
+
+
+def _encode(obj: object) -> str:
+    """`_ENCODER.encode(obj)` (compact, ASCII, no NaN), on the C encoder built once."""
+    if _C_ENCODER is None or isinstance(obj, str):
+        return _ENCODER.encode(obj)
+    return "".join(_C_ENCODER(obj, 0))
 
 
 def _dump_lines(obj: object, depth: int, out: list[str], memo: dict[int, str]) -> None:
@@ -59,20 +79,28 @@ def _dump_lines(obj: object, depth: int, out: list[str], memo: dict[int, str]) -
             out.append(text)
             return
     if not _expands(obj, depth):
-        text = _ENCODER.encode(obj)
+        text = _encode(obj)
         if memoized:
             memo[id(obj)] = text
         out.append(text)
         return
-    pad = " " * (depth + 1)
-    items: list[tuple[object, object]] = list(obj.items()) if isinstance(obj, dict) else [(None, v) for v in obj]  # type: ignore[attr-defined]
-    out.append("{" if isinstance(obj, dict) else "[")
-    for i, (k, v) in enumerate(items):
-        out.append("\n" + pad + (_ENCODER.encode(k) + ": " if k is not None else ""))
-        _dump_lines(v, depth + 1, out, memo)
-        if i + 1 < len(items):
-            out.append(",")
-    out.append("\n" + " " * depth + ("}" if isinstance(obj, dict) else "]"))
+    pad = "\n" + " " * (depth + 1)
+    if isinstance(obj, dict):
+        out.append("{")
+        for i, (k, v) in enumerate(obj.items()):
+            out.append(("," if i else "") + pad + _encode(k) + ": ")
+            _dump_lines(v, depth + 1, out, memo)
+        out.append("\n" + " " * depth + "}")
+        return
+    assert isinstance(obj, list)
+    out.append("[")
+    for i, v in enumerate(obj):
+        out.append(("," if i else "") + pad)
+        if depth >= 1 and not _has_object_list(v):  # an entry of a list of objects (a chunk, a packed box): compact
+            out.append(_encode(v))
+        else:
+            _dump_lines(v, depth + 1, out, memo)
+    out.append("\n" + " " * depth + "]")
 
 
 def dumps_large(obj: object) -> bytes:

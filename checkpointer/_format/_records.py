@@ -219,8 +219,15 @@ class PackRecord:
     extra: Mapping[str, object] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
-        """The JSON object (`array`, `key`, `bytes`, `boxes`)."""
-        return _record_to_json(self)
+        """The JSON object (`array`, `key`, `bytes`, `boxes`): a new dict each call, built
+        once (a save writes it into its process record and the manifest, one entry per
+        small chunk); its `boxes` list and their objects are shared between calls, not to
+        be changed."""
+        cached = self.__dict__.get("_json")
+        if cached is None:
+            cached = _record_to_json(self)
+            object.__setattr__(self, "_json", cached)  # frozen: a cache, not a field (not compared, not replaced)
+        return dict(cached)
 
     @staticmethod
     def from_json(obj: object, where: str) -> PackRecord:

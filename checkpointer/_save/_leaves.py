@@ -101,7 +101,9 @@ class ArrayLeaf:
     key_impl: str | None
     kind: str
     by_device: dict  # device id -> the shard's data (jax.Array or numpy)
-    plan_key: tuple  # (leaf path, sharding or None, shape, itemsize): what the plan depends on
+    # (sharding or None, shape, itemsize): with the leaf path, what the plan depends on (one
+    # object for the leaves of one layout).
+    layout_key: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +123,8 @@ class _Layout:
     # (stored) data is its only shard (no `addressable_shards`, which builds a new array).
     single_device: int | None
     multi_device: bool
+    key: tuple  # `ArrayLeaf.layout_key`
+
 
 
 def _layout_of(leaf_path: str, arr: jax.Array, path: str, cache: dict) -> _Layout:
@@ -143,7 +147,7 @@ def _layout_of(leaf_path: str, arr: jax.Array, path: str, cache: dict) -> _Layou
         if sharding.is_fully_addressable:
             single = device.id
     return _Layout(saved, key_impl, dtype, shape, sharding, tuple(sharding.shard_shape(shape)), cache[key], single,
-                   len(devices) > 1)
+                   len(devices) > 1, (sharding, shape, dtype.itemsize))
 
 
 def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: str, cache: dict) -> ArrayLeaf:
@@ -156,13 +160,15 @@ def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path:
         shape = arr.shape
         # A host array is process 0's (processes may hold different values).
         spec = LeafShards(leaf_path, shape, arr.dtype.itemsize, shape, (ShardInfo(Box.whole(shape), -1, 0, 0),))
-        return ArrayLeaf(spec, arr.dtype, None, None, "numpy", {-1: arr}, (leaf_path, None, shape, arr.dtype.itemsize))
+        return ArrayLeaf(spec, arr.dtype, None, None, "numpy", {-1: arr}, (None, shape, arr.dtype.itemsize))
     if arr.is_deleted():
         raise UnsupportedValueError(
             f"{where(leaf=leaf_path, path=path, process=pidx)}: the array was deleted (donated to a jitted "
             "function?); save the state before donating it"
         )
-    lkey = ("layout", arr.sharding, arr.shape, arr.dtype)
+    # By the sharding object's id (hashing a sharding costs more than the rest of this
+    # function): the leaves, so their shardings, stay alive while `cache` is used.
+    lkey = ("layout", id(arr.sharding), arr.shape, arr.dtype)
     layout = cache.get(lkey)
     if layout is None:
         layout = cache[lkey] = _layout_of(leaf_path, arr, path, cache)
@@ -176,8 +182,7 @@ def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path:
     else:  # one device of another process
         by_device = {}
     spec = LeafShards(leaf_path, layout.shape, layout.dtype.itemsize, layout.shard_shape, layout.shards)
-    return ArrayLeaf(spec, layout.dtype, layout.saved, layout.key_impl, "jax", by_device,
-                     (leaf_path, layout.sharding, layout.shape, layout.dtype.itemsize))
+    return ArrayLeaf(spec, layout.dtype, layout.saved, layout.key_impl, "jax", by_device, layout.key)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))

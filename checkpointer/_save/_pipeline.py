@@ -156,7 +156,14 @@ _PLAN_CACHE_LOCK = threading.Lock()
 def _plan_tree(described: list[ArrayLeaf]) -> tuple[LeafAssignment, ...]:
     """`plan_writes` of the tree, reused while the leaf paths, shardings, shapes and
     dtypes stay the same (the plan depends on nothing else)."""
-    key = tuple(d.plan_key for d in described)
+    # The key: the leaf paths, each leaf's layout as a position in the list of distinct
+    # layouts, and that list (hashing a sharding per leaf would cost more than planning).
+    position: dict[int, int] = {}  # id(layout key) -> its position
+    distinct: dict[tuple, int] = {}
+    for d in described:
+        if id(d.layout_key) not in position:
+            position[id(d.layout_key)] = distinct.setdefault(d.layout_key, len(distinct))
+    key = (tuple(d.shards.leaf_path for d in described), tuple(position[id(d.layout_key)] for d in described), tuple(distinct))
     with _PLAN_CACHE_LOCK:
         hit = _PLAN_CACHE.get(key)
         if hit is not None:
