@@ -57,9 +57,9 @@ _ENCODER = json.JSONEncoder(allow_nan=False)  # one instance: `json.dumps(..., a
 # `_ENCODER.encode` builds a C encoder per call; one built once encodes an entry in half the time. Without
 # the circular check (`markers=None`): what the format's files hold is built by the library or was
 # checked by a JSON round trip (user metadata, per-process state).
-_C_ENCODER = (json.encoder.c_make_encoder(None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ": ", ", ",
-                                          False, False, False)
-              if json.encoder.c_make_encoder is not None else None)
+_MAKE_C_ENCODER = getattr(json.encoder, "c_make_encoder", None)  # CPython's _json accelerator (not in the stubs)
+_C_ENCODER = (_MAKE_C_ENCODER(None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ": ", ", ", False, False, False)
+              if _MAKE_C_ENCODER is not None else None)
 
 
 def _encode(obj: object) -> str:
