@@ -38,9 +38,11 @@ tiers) are `_packed.PackedEncoding`'s.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from json.encoder import encode_basestring
 from typing import Any
 
 import crc32c
@@ -110,6 +112,32 @@ def _little_endian_bytes(host: np.ndarray) -> np.ndarray:
     if data.dtype.byteorder == ">":
         data = data.astype(data.dtype.newbyteorder("<"))
     return data.reshape(-1).view(np.uint8)
+
+
+LAYOUT = "C-order little-endian bytes of each box at offset"  # the pack's `attributes.checkpointer.layout`
+
+
+def zarr_json(nbytes: int, boxes: Sequence[PackedBoxRecord], dtypes: Sequence[np.dtype]) -> bytes:
+    """The pack's `zarr.json` (`zarr_metadata` with its index, each box with its leaf's
+    dtype) byte for byte as TensorStore writes it when it creates the array: compact,
+    keys sorted, UTF-8 (`tests/test_pack.py` compares the two). Each box is formatted
+    directly (a dict per small chunk, then TensorStore's conversion of them, cost
+    ~5 µs a chunk)."""
+    names = {d: encode_basestring(_format.dtype_name(d)) for d in set(dtypes)}
+    entries = []
+    for b, d in zip(boxes, dtypes):
+        if b.extra:  # never for a pack this process writes; kept exact anyway
+            entries.append(json.dumps(b.to_json() | {"dtype": _format.dtype_name(d)}, sort_keys=True, separators=(",", ":"),
+                                      ensure_ascii=False))
+            continue
+        origin, shape = ",".join(map(str, b.box.origin)), ",".join(map(str, b.box.shape))
+        entries.append(f'{{"box":[[{origin}],[{shape}]],"data_bytes":{b.data_bytes},"data_crc32c":{b.data_crc32c},'
+                       f'"dtype":{names[d]},"leaf":{encode_basestring(b.leaf)},"offset":{b.offset}}}')
+    mark = "packed index goes here"
+    meta = zarr_metadata(nbytes, {"checkpointer": {"packed_index": mark, "layout": LAYOUT}}) | {"node_type": "array", "zarr_format": 3}
+    text = json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    head, tail = text.split(json.dumps(mark), 1)
+    return (head + "[" + ",".join(entries) + "]" + tail).encode()
 
 
 def zarr_metadata(nbytes: int, attributes: dict) -> dict:
@@ -223,48 +251,46 @@ class PackWriter:
         buf = slab_buffer if slab_buffer is not None else aligned_empty(
             (buffer_bytes(nbytes),), np.dtype(np.uint8), DIRECT_ALIGN)
         whole = buf.data
-        boxes, attrs = [], []
+        boxes, dtypes = [], []
         offset = 0
         for meta, box, host in self._parts:
             size = host.nbytes
             if not laid_out:
                 buf[offset : offset + size] = _little_endian_bytes(host)
             crc = crc32c.crc32c(whole[offset : offset + size])
-            box_record = PackedBoxRecord(leaf=meta.path, box=box, offset=offset, data_bytes=size, data_crc32c=crc)
-            boxes.append(box_record)
-            entry = box_record.to_json()
-            entry["dtype"] = _format.dtype_name(meta.dtype)
-            attrs.append(entry)
+            boxes.append(PackedBoxRecord(leaf=meta.path, box=box, offset=offset, data_bytes=size, data_crc32c=crc))
+            dtypes.append(meta.dtype)
             offset += size
         data = buf[:nbytes]
         data_crc = crc32c.crc32c(data.data)
         name = array_name(self.process_index)
         record = PackRecord(array=name, key=chunk_key(self.process_index), file_bytes=nbytes + CRC_BYTES, boxes=tuple(boxes))
-        attributes = {"checkpointer": {"packed_index": attrs, "layout": "C-order little-endian bytes of each box at offset"}}
-        spec = {
-            "driver": "zarr3",
-            "kvstore": storage.kvstore_spec(f"{root}/{name}"),
-            "metadata": zarr_metadata(nbytes, attributes),
-            "create": True,
-            "store_data_equal_to_fill_value": True,
-        }
-        import tensorstore as ts  # lazily: a restore of local files never needs it
-
-        store = ts.open(spec, context=ts_context()).result()
-        future: Any
+        futures: list[Any]
         if direct is None:
-            future = store.write(data)
-        else:
+            attrs = [b.to_json() | {"dtype": _format.dtype_name(d)} for b, d in zip(boxes, dtypes)]
+            spec = {
+                "driver": "zarr3",
+                "kvstore": storage.kvstore_spec(f"{root}/{name}"),
+                "metadata": zarr_metadata(nbytes, {"checkpointer": {"packed_index": attrs, "layout": LAYOUT}}),
+                "create": True,
+                "store_data_equal_to_fill_value": True,
+            }
+            import tensorstore as ts  # lazily: a restore of local files never needs it
+
+            futures = [ts.open(spec, context=ts_context()).result().write(data)]
+        else:  # local files: the pack's zarr.json as TensorStore writes it, and its chunk file, by the direct writer
             buf[nbytes : nbytes + CRC_BYTES] = np.frombuffer(data_crc.to_bytes(CRC_BYTES, "little"), np.uint8)
             path = f"{root}/{record.key}"
             direct.makedirs(path.rsplit("/", 1)[0])
-            future = direct.submit(write_direct_file, path, buf, nbytes + CRC_BYTES)
+            futures = [direct.submit(write_direct_file, path, buf, nbytes + CRC_BYTES),
+                       direct.submit(storage.write_file, f"{root}/{name}/{_format.ZARR_JSON}", zarr_json(nbytes, boxes, dtypes))]
         chunk = ChunkRecord(
             key=record.key, box=Box((0,), (nbytes,)), file_bytes=record.file_bytes, data_bytes=nbytes, data_crc32c=data_crc,
         )
 
         def finish() -> tuple[PackRecord, ChunkRecord]:
-            future.result()
+            for future in futures:
+                future.result()
             return record, chunk
 
         return finish
@@ -395,15 +421,22 @@ def read_runs(
     return out
 
 
-def assemble_box(meta: ArrayMetadata, box_read: BoxRead, data: dict[tuple[str, int], memoryview]) -> np.ndarray:
-    """One target box of a packed leaf, from the packed chunks read (a new array)."""
+def assemble_box(meta: ArrayMetadata, box_read: BoxRead, data: dict[tuple[str, int], memoryview], *,
+                 adoptable: bool = False) -> np.ndarray:
+    """One target box of a packed leaf, from the packed chunks read (a new array): in a
+    buffer JAX cannot adopt (`unadoptable`), unless `adoptable` (the box goes to one
+    device only, so nothing can alias it)."""
     dtype = meta.dtype.newbyteorder("<") if meta.dtype.itemsize > 1 else meta.dtype
     reads = box_read.packed
-    out = _empty_unadoptable(box_read.box.shape, meta.dtype)
     if len(reads) == 1 and reads[0].box == reads[0].chunk_box == box_read.box:
         r = reads[0]
-        out[...] = np.frombuffer(data[(r.key, r.offset)], dtype).reshape(box_read.box.shape)
+        whole = np.frombuffer(data[(r.key, r.offset)], dtype).reshape(box_read.box.shape)
+        if adoptable:
+            return whole.copy()
+        out = _empty_unadoptable(box_read.box.shape, meta.dtype)
+        out[...] = whole
         return out
+    out = np.empty(box_read.box.shape, meta.dtype) if adoptable else _empty_unadoptable(box_read.box.shape, meta.dtype)
     for r in reads:
         chunk = np.frombuffer(data[(r.key, r.offset)], dtype).reshape(r.chunk_box.shape)
         src = r.local_box.slices()
