@@ -67,10 +67,9 @@ class Proposal:
 
     @property
     def digest(self) -> str:
-        h = hashlib.sha256()
-        for name, desc in self.tree:
-            h.update(name.encode("utf-8", "surrogatepass") + b"\0" + desc.encode("utf-8", "surrogatepass") + b"\0")
-        return h.hexdigest()[:32]
+        # sha256 of every `name \0 description \0`, in order (encoded at once: one leaf's is ~100 bytes).
+        text = "".join(f"{name}\0{desc}\0" for name, desc in self.tree)
+        return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def proposal(path: str, step: int | None, structure: dict, leaves: Mapping[str, dict]) -> Proposal:

@@ -102,12 +102,12 @@ def check_leaf_path(path: object, *, where: str = "") -> str:
     Returns:
       `path`, unchanged.
     """
+    # A component "", "." or "..": "//", "/./" or "/../" in "/" + path + "/" (a leading "/" too).
     if (
         not isinstance(path, str)
         or "\x00" in path
         or "\\" in path
-        or path.startswith("/")
-        or (path != "" and any(c in ("", ".", "..") for c in path.split("/")))
+        or (path != "" and ("//" in (p := f"/{path}/") or "/./" in p or "/../" in p))
     ):
         raise CorruptCheckpointError(
             f"unsafe leaf path {path!r} {where}: leaf paths must be relative, without '..', "

@@ -73,12 +73,13 @@ def as_images(storage: Storage, options: SaveOptions, meta: ArrayMetadata, datas
 
 
 def _all_in_place(datas: list) -> bool:
-    """`_memory.reads_in_place` of every one of `datas`, asked once per sharding."""
-    seen: dict = {}
+    """`_memory.reads_in_place` of every one of `datas`, asked once per sharding object
+    (by id: `datas` keeps the arrays, so their shardings, alive meanwhile)."""
+    seen: dict[int, bool] = {}
     for d in datas:
         if isinstance(d, np.ndarray):
             continue
-        key = d.sharding
+        key = id(d.sharding)
         known = seen.get(key)
         if known is None:
             known = seen[key] = _memory.reads_in_place(d)
@@ -109,7 +110,9 @@ def copy_leaves(
         for j, d in enumerate(datas):
             (images if as_image and np.prod(d.shape) else boxes).append((i, j))
     slab_sources = [device_data[i][j] for i, j in packed]
-    if not _all_in_place(slab_sources):  # an accelerator's shards: their own host copies (its routes), packed by the writer
+    if _all_in_place(slab_sources):  # views of the shards (CPU) or the numpy leaves themselves
+        slab_sources = [np.asarray(d) for d in slab_sources]
+    else:  # an accelerator's shards: their own host copies (its routes), packed by the writer
         boxes, packed, slab_sources = boxes + packed, [], []
     slab_bytes = _encoding.pack_buffer_bytes(sum(d.nbytes for d in slab_sources)) if slab_sources else 0
     if buffers is not None and (images or slab_sources):  # the pool's bound: the whole snapshot, shard files and boxes
@@ -130,7 +133,7 @@ def copy_leaves(
         route_bytes[IMAGE] = sum(image.data_bytes for image in made)
     slab = None
     if slab_sources:  # views of the slab: not pool buffers themselves (the slab's buffer is)
-        slab = _encoding.PackSlab.fill([np.asarray(d) for d in slab_sources], take)
+        slab = _encoding.PackSlab.fill(slab_sources, take)
         for (i, j), view in zip(packed, slab.views):
             hosts[i][j] = view
         route_bytes[POOL] = route_bytes.get(POOL, 0) + slab.nbytes
