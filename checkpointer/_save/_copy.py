@@ -73,13 +73,12 @@ def as_images(storage: Storage, options: SaveOptions, meta: ArrayMetadata, datas
 
 
 def _all_in_place(datas: list) -> bool:
-    """`_memory.reads_in_place` of every one of `datas`, asked once per sharding object
-    (by id: `datas` keeps the arrays, so their shardings, alive meanwhile)."""
-    seen: dict[int, bool] = {}
+    """`_memory.reads_in_place` of every one of `datas`, asked once per sharding."""
+    seen: dict = {}
     for d in datas:
         if isinstance(d, np.ndarray):
             continue
-        key = id(d.sharding)
+        key = d.sharding
         known = seen.get(key)
         if known is None:
             known = seen[key] = _memory.reads_in_place(d)

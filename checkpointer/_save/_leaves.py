@@ -166,9 +166,7 @@ def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path:
             f"{where(leaf=leaf_path, path=path, process=pidx)}: the array was deleted (donated to a jitted "
             "function?); save the state before donating it"
         )
-    # By the sharding object's id (hashing a sharding costs more than the rest of this
-    # function): the leaves, so their shardings, stay alive while `cache` is used.
-    lkey = ("layout", id(arr.sharding), arr.shape, arr.dtype)
+    lkey = ("layout", arr.sharding, arr.shape, arr.dtype)  # (arrays of one device have a sharding object each)
     layout = cache.get(lkey)
     if layout is None:
         layout = cache[lkey] = _layout_of(leaf_path, arr, path, cache)
