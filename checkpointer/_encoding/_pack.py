@@ -258,7 +258,7 @@ class PackWriter:
             if not laid_out:
                 buf[offset : offset + size] = _little_endian_bytes(host)
             crc = crc32c.crc32c(whole[offset : offset + size])
-            boxes.append(PackedBoxRecord(leaf=meta.path, box=box, offset=offset, data_bytes=size, data_crc32c=crc))
+            boxes.append(PackedBoxRecord.new(meta.path, box, offset, size, crc))
             dtypes.append(meta.dtype)
             offset += size
         data = buf[:nbytes]

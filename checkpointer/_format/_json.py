@@ -62,11 +62,29 @@ _C_ENCODER = (_MAKE_C_ENCODER(None, _ENCODER.default, json.encoder.encode_basest
               if _MAKE_C_ENCODER is not None else None)
 
 
-def _encode(obj: object) -> str:
-    """`_ENCODER.encode(obj)` (compact, ASCII, no NaN), on the C encoder built once."""
+def encode(obj: object) -> str:
+    """`_ENCODER.encode(obj)` (compact, ASCII, no NaN), on the C encoder built once: an
+    entry of `dumps_large`."""
     if _C_ENCODER is None or isinstance(obj, str):
         return _ENCODER.encode(obj)
     return "".join(_C_ENCODER(obj, 0))
+
+
+encode_ascii = json.encoder.encode_basestring_ascii  # a str as `encode` writes it (C)
+_encode = encode
+
+
+class EncodedObjects(list):
+    """A list of JSON objects that also carries each one's compact text (`texts`, as
+    `dumps_large` would encode it), made once by its owner: `dumps_large` writes those
+    texts instead of encoding the objects again (a pack index goes into the process
+    record and the manifest, one object per small chunk); every other reader sees the
+    list of objects. Never changed after it is made."""
+
+    def __init__(self, objects: list[dict], texts: list[str]):
+        super().__init__(objects)
+        assert len(texts) == len(objects)
+        self.texts = texts
 
 
 def _dump_lines(obj: object, depth: int, out: list[str], memo: dict[int, str]) -> None:
@@ -94,6 +112,10 @@ def _dump_lines(obj: object, depth: int, out: list[str], memo: dict[int, str]) -
         return
     assert isinstance(obj, list)
     out.append("[")
+    if depth >= 1 and isinstance(obj, EncodedObjects) and len(obj.texts) == len(obj):
+        out.append(",".join(pad + text for text in obj.texts))
+        out.append("\n" + " " * depth + "]")
+        return
     for i, v in enumerate(obj):
         out.append(("," if i else "") + pad)
         if depth >= 1 and not _has_object_list(v):  # an entry of a list of objects (a chunk, a packed box): compact

@@ -179,7 +179,7 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     _require(len(ordered) == len(leaves) and set(ordered) == leaves.keys(), "the tree structure and the leaves disagree", where)
     boxes = _pack_boxes(raw.get("packed", []), leaves, where, complete="packed_processes" not in raw, version=version)
     names = keystrs(structure)
-    leaves = {p: _leaves.with_fields(m, keystr=names[p], pack_boxes=boxes.get(p, m.pack_boxes)) if isinstance(m, ArrayMetadata)
+    leaves = {p: _leaves.with_fields(m, keystr=names[p], pack_boxes=boxes.get(p, m.pack_boxes), references=m.references) if isinstance(m, ArrayMetadata)
               else dataclasses.replace(m, keystr=names[p]) for p, m in ((p, leaves[p]) for p in ordered)}
     tree = rebuild(structure, lambda p: leaves[p], where=where)
     return CheckpointMetadata(

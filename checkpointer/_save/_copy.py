@@ -103,7 +103,10 @@ def copy_leaves(
         if not datas:
             continue
         if meta.packed:
-            packed += [(i, j) for j in range(len(datas))]
+            if len(datas) == 1:
+                packed.append((i, 0))
+            else:
+                packed += [(i, j) for j in range(len(datas))]
             continue
         as_image = as_images(storage, options, meta, datas)
         for j, d in enumerate(datas):
@@ -136,5 +139,9 @@ def copy_leaves(
         for (i, j), view in zip(packed, slab.views):
             hosts[i][j] = view
         route_bytes[POOL] = route_bytes.get(POOL, 0) + slab.nbytes
-    leaves = [LeafSnapshot(meta, plan, host, tuple(p)) for (meta, plan), host, p in zip(planned, hosts, pooled)]
+    leaves: list[LeafSnapshot] = []
+    if planned:
+        one = LeafSnapshot(planned[0][0], planned[0][1], [], ())  # copied per leaf: `with_fields`
+        leaves = [_format.with_fields(one, meta=meta, plan=plan, host=host, pooled=tuple(p))
+                  for (meta, plan), host, p in zip(planned, hosts, pooled)]
     return Copies(leaves, sum(route_bytes.values()), route_bytes, slab, slab is not None and buffers is not None)

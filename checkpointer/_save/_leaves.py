@@ -124,6 +124,7 @@ class _Layout:
     single_device: int | None
     multi_device: bool
     key: tuple  # `ArrayLeaf.layout_key`
+    spec: LeafShards  # the first leaf's (each leaf's differs in its path only)
 
 
 
@@ -146,8 +147,9 @@ def _layout_of(leaf_path: str, arr: jax.Array, path: str, cache: dict) -> _Layou
         (device,) = devices
         if sharding.is_fully_addressable:
             single = device.id
-    return _Layout(saved, key_impl, dtype, shape, sharding, tuple(sharding.shard_shape(shape)), cache[key], single,
-                   len(devices) > 1, (sharding, shape, dtype.itemsize))
+    shard_shape = tuple(sharding.shard_shape(shape))
+    return _Layout(saved, key_impl, dtype, shape, sharding, shard_shape, cache[key], single, len(devices) > 1,
+                   (sharding, shape, dtype.itemsize), LeafShards(leaf_path, shape, dtype.itemsize, shard_shape, cache[key]))
 
 
 def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: str, cache: dict) -> ArrayLeaf:
@@ -179,7 +181,7 @@ def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path:
         by_device = {s.device.id: s.data for s in arr.addressable_shards}
     else:  # one device of another process
         by_device = {}
-    spec = LeafShards(leaf_path, layout.shape, layout.dtype.itemsize, layout.shard_shape, layout.shards)
+    spec = _format.with_fields(layout.spec, leaf_path=leaf_path)
     return ArrayLeaf(spec, layout.dtype, layout.saved, layout.key_impl, "jax", by_device, layout.key)
 
 

@@ -323,30 +323,26 @@ def _take_snapshot(
     identical: list[tuple[_format.ChunkRef, ...] | None] = []  # per leaf: its references if unchanged by identity
     planned: list[tuple[ArrayMetadata, LeafWritePlan]] = []
     device_data = []
-    # Leaves of one layout share their writes, packing and manifest entry (one object:
-    # the agreement encodes each distinct entry once).
-    mine: dict[int, tuple] = {}  # id(assignment.writes) -> this process's writes
-    shared: dict[tuple, tuple[bool, dict]] = {}  # layout -> (packed, manifest entry)
+    # Leaves of one layout and one assignment of writes share their plan and metadata but
+    # for the path, and their manifest entry (one object: the agreement encodes each
+    # distinct entry once). Keyed by ids: `described` and `assignments` keep them alive.
+    shared: dict[tuple[int, int], tuple[LeafWritePlan, ArrayMetadata, dict]] = {}
     for d, assignment in zip(described, assignments):
-        writes = mine.get(id(assignment.writes))
-        if writes is None:
-            writes = mine[id(assignment.writes)] = tuple(w for p, w in assignment.writes if p == pidx)
-        plan = LeafWritePlan(assignment.leaf_path, assignment.shape, assignment.chunk_shape, assignment.inner_chunk_shape,
-                             writes, assignment.split_dim, assignment.split_factor)
-        skey = (d.shards.shape, d.dtype, plan.chunk_shape, plan.inner_chunk_shape, id(d.saved), d.key_impl, d.kind)
-        packed_entry = shared.get(skey)
-        if packed_entry is None:
-            packed = _encoding.packs_leaf(d.shards.shape, plan.chunk_shape, d.dtype, pack_bytes)
-            meta = ArrayMetadata(d.shards.leaf_path, d.shards.shape, d.dtype, plan.chunk_shape, plan.inner_chunk_shape, d.saved,
-                                 d.key_impl, d.kind, packed=packed)
-            packed_entry = shared[skey] = (packed, meta.to_json())
+        path_ = d.shards.leaf_path
+        template = shared.get((id(d.layout_key), id(assignment.writes)))
+        if template is None:
+            plan = assignment.for_process(pidx)
+            meta = ArrayMetadata(path_, d.shards.shape, d.dtype, plan.chunk_shape, plan.inner_chunk_shape, d.saved, d.key_impl,
+                                 d.kind, packed=_encoding.packs_leaf(d.shards.shape, plan.chunk_shape, d.dtype, pack_bytes))
+            template = shared[(id(d.layout_key), id(assignment.writes))] = (plan, meta, meta.to_json())
         else:
-            meta = ArrayMetadata(d.shards.leaf_path, d.shards.shape, d.dtype, plan.chunk_shape, plan.inner_chunk_shape, d.saved,
-                                 d.key_impl, d.kind, packed=packed_entry[0])
+            plan = _format.with_fields(template[0], leaf_path=path_)
+            meta = _format.with_fields(template[1], path=path_, references={})
         planned.append((meta, plan))
-        identical.append(base.identical(meta, by_path.get(meta.path), [w.chunk_index for w in plan.writes]) if base else None)
-        device_data.append([] if identical[-1] is not None else [chunk_data(d, w) for w in plan.writes])  # nothing to copy
-        entries[meta.path] = packed_entry[1]
+        identical.append(base.identical(meta, by_path.get(path_), [w.chunk_index for w in plan.writes]) if base else None)
+        device_data.append([] if identical[-1] is not None else  # nothing to copy
+                           [d.by_device[w.device_id] if w.shard_box is None else chunk_data(d, w) for w in plan.writes])
+        entries[path_] = template[2]
     structure = describe(tree, is_array)
     # Wait for the computations that produce the leaves (JAX dispatches asynchronously: a
     # save right after training steps waits for them here), so that the timeline's
@@ -442,9 +438,11 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         if snap.base is not None and ctx.image_writer is not None:  # the check reads the images' crc32c: on the writer's threads
             _encoding.checksum_all([h for leaf in snap.arrays for h in leaf.host], ctx.image_writer.submit)
         with _memory.paused():  # a LeafWrite per leaf: no full collections over the heap meanwhile
-            leaves = [_encoding.LeafWrite(leaf.meta, _incremental.chunks_to_write(  # all, unless incremental
-                snap.base, leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)], leaf.references,
-                result.references, result.incremental)) for leaf in snap.arrays]
+            leaves = [_encoding.LeafWrite(leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)])
+                      for leaf in snap.arrays] if snap.base is None else [
+                _encoding.LeafWrite(leaf.meta, _incremental.chunks_to_write(  # all but the unchanged chunks
+                    snap.base, leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)],
+                    leaf.references, result.references, result.incremental)) for leaf in snap.arrays]
         finish = _encoding.start_write(snap.storage, root, leaves, ctx)
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays if not leaf.meta.packed])
