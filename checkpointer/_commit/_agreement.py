@@ -72,9 +72,11 @@ class Proposal:
         return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
-def proposal(path: str, step: int | None, structure: dict, leaves: Mapping[str, dict]) -> Proposal:
-    """The proposal of a save: `leaves` maps leaf path to its manifest entry."""
-    tree = [("(structure)", _coord.canonical(structure))]
+def proposal(path: str, step: int | None, structure: dict, leaves: Mapping[str, dict], *, describe_structure: bool = True) -> Proposal:
+    """The proposal of a save: `leaves` maps leaf path to its manifest entry;
+    `describe_structure=False` leaves the structure out (a job of one process compares
+    its proposal with nothing)."""
+    tree = [("(structure)", _coord.canonical(structure) if describe_structure else "")]
     texts: dict[int, str] = {}  # id(entry) -> its text: leaves of one layout share one entry object
     for p, entry in leaves.items():
         text = texts.get(id(entry))

@@ -354,7 +354,10 @@ def _take_snapshot(
     # Process 0 clears an object store's old step content only once all agreed.
     clear = (lambda: _commit.strategy_for(storage).prepare_overwrite(path)) if pidx == 0 else None
     generation = _commit.agree(
-        ticket, _commit.proposal(path, step, structure, entries), timeout_s=options.agreement_timeout_s, before_verdict=clear,
+        ticket,
+        # One process agrees with itself: its tree's description (a text per leaf) would be compared with nothing.
+        _commit.proposal(path, step, structure, entries if pcount > 1 else {}, describe_structure=pcount > 1),
+        timeout_s=options.agreement_timeout_s, before_verdict=clear,
     )
     agreed.append(generation)
 
