@@ -172,18 +172,19 @@ def _key_kind(entry: KeyEntry) -> str:
 def describe(tree: object, is_array_leaf: Callable[[object], bool]) -> JsonNode:
     """Returns the JSON node describing `tree`'s structure (see module docstring)."""
 
-    def go(node: object, path: tuple) -> JsonNode:
+    def go(node: object, path: str) -> JsonNode:  # path: the node's leaf path (escaped, "/"-joined)
         if node is None:
-            return {"kind": "leaf", "path": leaf_path(path)}
+            return {"kind": "leaf", "path": path}
         if is_array_leaf(node):
-            return {"kind": "leaf", "path": leaf_path(path)}
+            return {"kind": "leaf", "path": path}
         children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
         if len(children) == 1 and children[0][0] == () and children[0][1] is node:
-            return {"kind": "leaf", "path": leaf_path(path)}
+            return {"kind": "leaf", "path": path}
         keys = [kp[0] for kp, _ in children]
+        prefix = f"{path}/" if path else ""  # only the root's path is empty (no key escapes to "")
         out: JsonNode = {
             "keys": [_key_json(k) for k in keys],
-            "children": [go(child, path + (k,)) for k, (_, child) in zip(keys, children)],
+            "children": [go(child, prefix + escape_key(k)) for k, (_, child) in zip(keys, children)],
         }
         if isinstance(node, dict):
             out["kind"] = "dict"
@@ -200,7 +201,7 @@ def describe(tree: object, is_array_leaf: Callable[[object], bool]) -> JsonNode:
             out["key_kinds"] = [_key_kind(k) for k in keys]
         return out
 
-    return go(tree, ())
+    return go(tree, "")
 
 
 def _key_from_json(k: object, where: str) -> object:

@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 
 from .._errors import UnsupportedValueError, leaf_name
-from .._format import Box, ShardFileLayout, grid_cells, inner_chunk_shape
+from .._format import Box, ShardFileLayout, grid_cells, inner_chunk_shape, with_fields
 
 # Smallest chunk a replica-parallel split may produce, bytes: below it a box is written
 # whole by one of its holders (restores keep reading few, large files).
@@ -323,6 +323,7 @@ def plan_writes(
     # Leaves sharing one shard tuple, shape and itemsize share everything but their path
     # (a tree of thousands of small leaves has a handful of such groups): planned once.
     groups_of: dict[tuple, _Group] = {}
+    shared_leaves: dict[int, list] = {}  # id(group) -> [group, leaves of it whose writes are the group's]
     for li, spec in enumerate(leaves):
         gkey = (id(spec.shards), spec.shape, spec.shard_shape, spec.itemsize)
         g = groups_of.get(gkey)
@@ -330,9 +331,8 @@ def plan_writes(
             g = groups_of[gkey] = _plan_group(spec, split_floor_bytes)
         leaf = _Leaf(spec, g, [] if g.single_writes is None else None)
         planned.append(leaf)
-        if g.single_writes is not None:  # every chunk has one holder: the group's writes, shared
-            for p, nbytes in g.single_loads:
-                loads[p] = loads.get(p, 0) + nbytes
+        if g.single_writes is not None:  # every chunk has one holder: the group's writes, shared (loads added below)
+            shared_leaves.setdefault(id(g), [g, 0])[1] += 1
             continue
         assert leaf.writes is not None
         itemsize = spec.itemsize
@@ -343,6 +343,9 @@ def plan_writes(
             ((p, s),) = holders.items()
             leaf.writes.append((p, ChunkWrite(cell, part, s.device_id, None if part is box or part == box else box)))
             loads[p] = loads.get(p, 0) + size * itemsize
+    for g, count in shared_leaves.values():
+        for p, nbytes in g.single_loads:
+            loads[p] = loads.get(p, 0) + count * nbytes
     # One lazy min-heap of (load, process) per holder set: loads only grow, so an entry
     # whose load is stale is pushed back with the current load until the top is exact
     # (the same choice as min over the holders, in O(log R) instead of O(R)).
@@ -371,9 +374,13 @@ def plan_writes(
         assert writes is not None
         writes.append((p, ChunkWrite(cell, part, holders[p].device_id, None if part is box or part == box else box)))
     inners: dict[int, tuple[int, ...]] = {}
+    templates: dict[int, LeafAssignment] = {}  # id(group) -> the assignment of its shared writes, copied per leaf
     out = []
     for leaf in planned:
         spec, g = leaf.spec, leaf.group
+        if leaf.writes is None and id(g) in templates:
+            out.append(with_fields(templates[id(g)], leaf_path=spec.leaf_path))
+            continue
         inner = inners.get(id(g))
         if inner is None:
             inner = inners[id(g)] = inner_chunk_shape(g.chunk, spec.itemsize, inner_target_bytes)
@@ -385,6 +392,8 @@ def plan_writes(
         out.append(
             LeafAssignment(spec.leaf_path, g.shape, spec.itemsize, g.chunk, inner, g.split_dim, g.k, g.replicas, ordered)
         )
+        if leaf.writes is None:
+            templates[id(g)] = out[-1]
     return tuple(out)
 
 
