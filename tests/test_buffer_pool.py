@@ -79,8 +79,14 @@ def empty_shared_pool():
 
 
 def _hosts(handle):
-    """Weak references to a save's host buffers (a strong one would keep them out of the pool)."""
-    return [weakref.ref(h) for leaf in handle.snapshot.arrays for h in leaf.host]
+    """Weak references to a save's host buffers (a strong one would keep them out of the
+    pool): the leaves' own, and the one its packed chunks share (`Snapshot.pack_slab`,
+    of which their host copies are views)."""
+    snap = handle.snapshot
+    buffers = [h for leaf in snap.arrays for h in leaf.host if not leaf.meta.packed]
+    if snap.pack_slab is not None:
+        buffers.append(snap.pack_slab.buffer)
+    return [weakref.ref(b) for b in buffers]
 
 
 def test_save_async_reuses_its_buffers_and_two_saves_in_flight_share_none(tmp_path, monkeypatch, empty_shared_pool):

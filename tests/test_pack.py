@@ -646,3 +646,44 @@ def test_crc32c_combines_alike_for_a_length_combined_often():
     # The first few combinations of a length run the product loop, the later ones its byte tables.
     assert _crc.combine_all(pieces) == crc32c.crc32c(data)
     assert all(_crc.combine_all(pieces[:k]) == crc32c.crc32c(data[: k * 4099]) for k in range(1, 12))
+
+
+def test_the_pack_zarr_json_is_the_one_tensorstore_writes(tmp_path):
+    # The direct writer writes the pack's zarr.json itself: byte for byte TensorStore's.
+    import tensorstore as ts
+
+    from checkpointer._format import PackedBoxRecord
+
+    dtypes = [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.complex64)]
+    boxes = [PackedBoxRecord(leaf="a/%C3%A9t%C3%A9", box=Box((0, 8), (4, 8)), offset=0, data_bytes=128, data_crc32c=0),
+             PackedBoxRecord(leaf="b/@int:3/0", box=Box((), ()), offset=128, data_bytes=2, data_crc32c=4294967295),
+             PackedBoxRecord(leaf="", box=Box((7,), (1,)), offset=130, data_bytes=1, data_crc32c=17),
+             PackedBoxRecord(leaf="c.d~e_f-g", box=Box((0,), (3,)), offset=131, data_bytes=24, data_crc32c=5),
+             PackedBoxRecord(leaf="x", box=Box((0, 0, 0), (1, 1, 1)), offset=155, data_bytes=8, data_crc32c=6)]
+    nbytes = 163
+    attrs = [b.to_json() | {"dtype": d.name} for b, d in zip(boxes, dtypes)]
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "ts") + "/"}, "create": True,
+            "metadata": _pack.zarr_metadata(nbytes, {"checkpointer": {"packed_index": attrs, "layout": _pack.LAYOUT}})}
+    ts.open(spec).result()
+    assert _pack.zarr_json(nbytes, boxes, dtypes) == (tmp_path / "ts" / "zarr.json").read_bytes()
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_save_s_pack_zarr_json_does_not_depend_on_the_writer(tmp_path, direct_io):
+    state = {"w": np.arange(10, dtype=np.float32), "b": jnp.ones((3, 2), jnp.bfloat16), "s": np.int32(4), "f": np.bool_(True)}
+    path = str(tmp_path / "c")
+    try:
+        ckpt.save(path, state, direct_io=direct_io)
+    except ckpt.SaveError:
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
+    written = (tmp_path / "c" / "packed" / "process-0" / "zarr.json").read_bytes()
+    index = json.loads(written)["attributes"]["checkpointer"]["packed_index"]
+    record = json.loads((tmp_path / "c" / "processes" / "0.json").read_text())["packed"]["boxes"]
+    assert [{k: v for k, v in e.items() if k != "dtype"} for e in index] == record
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "ts") + "/"}, "create": True,
+            "metadata": {k: v for k, v in json.loads(written).items() if k not in ("node_type", "zarr_format")}}
+    import tensorstore as ts
+
+    ts.open(spec).result()
+    assert written == (tmp_path / "ts" / "zarr.json").read_bytes()
+    np.testing.assert_array_equal(ckpt.restore(path)["w"], state["w"])

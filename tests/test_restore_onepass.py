@@ -229,3 +229,43 @@ def test_no_cyclic_collection_runs_while_chunks_are_read(tmp_path, monkeypatch):
     assert enabled and not any(enabled)
     assert gc.isenabled()
     assert np.asarray(out["w"]).tobytes() == host.tobytes()
+
+
+class _Node:
+    """A GC-tracked object (instances of plain classes are)."""
+
+
+def test_a_pause_promotes_its_survivors_untraversed_and_leaves_the_program_gc_on():
+    # The objects a pause made that are still alive go to the oldest generation as it
+    # ends (no collection over them), and the young generation starts empty again.
+    import gc
+
+    from checkpointer import _memory
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with _memory.paused():
+        assert not gc.isenabled()
+        kept = [_Node() for _ in range(5000)]
+        assert gc.get_count()[0] >= 5000
+    assert gc.isenabled()
+    assert gc.get_freeze_count() == 0
+    assert gc.get_count()[0] < 700  # no collection is due for them
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert all(id(o) in oldest for o in kept)
+
+
+def test_a_pause_leaves_a_program_s_frozen_objects_frozen():
+    import gc
+
+    from checkpointer import _memory
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with _memory.paused():
+            _ = [_Node() for _ in range(100)]
+        assert gc.get_freeze_count() == frozen
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()

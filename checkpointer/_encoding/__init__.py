@@ -9,7 +9,16 @@ from ._base import LeafEncoding, ReadContext, VerifyContext
 from ._crc import check_pieces, piece_values
 from ._image import ShardImage, checksum_all, fill_images, image_bytes, image_data
 from ._leaf_plan import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan, SharedChunk
-from ._pack import PACKED, PackWriter, array_name, check_threshold, packs_leaf, packs_of_save
+from ._pack import (
+    PACKED,
+    PackSlab,
+    PackWriter,
+    array_name,
+    buffer_bytes as pack_buffer_bytes,
+    check_threshold,
+    packs_leaf,
+    packs_of_save,
+)
 from ._read import RestoreStats, fast_path_supported
 from ._registry import (
     ENCODINGS,
@@ -35,4 +44,4 @@ from ._write import (
     write_context,
 )
 
-__all__ = ['BUFFERED', 'BoxRead', 'ChunkRead', 'DIRECT', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'LeafWrite', 'PACKED', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'ShardImage', 'SharedChunk', 'VerifyContext', 'WriteContext', 'WriteResult', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'checksum_all', 'chunk_record', 'direct_supported', 'encoding_of', 'fast_path_supported', 'files', 'fill_images', 'image_bytes', 'image_data', 'lower_workers', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'region_reader', 'replicated_files', 'start_restore', 'start_write', 'write_context']
+__all__ = ['BUFFERED', 'BoxRead', 'ChunkRead', 'DIRECT', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'LeafWrite', 'PACKED', 'PackSlab', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'ShardImage', 'SharedChunk', 'VerifyContext', 'WriteContext', 'WriteResult', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'checksum_all', 'chunk_record', 'direct_supported', 'encoding_of', 'fast_path_supported', 'files', 'fill_images', 'image_bytes', 'image_data', 'lower_workers', 'pack_buffer_bytes', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'region_reader', 'replicated_files', 'start_restore', 'start_write', 'write_context']

@@ -38,9 +38,11 @@ tiers) are `_packed.PackedEncoding`'s.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from json.encoder import encode_basestring
 from typing import Any
 
 import crc32c
@@ -112,6 +114,32 @@ def _little_endian_bytes(host: np.ndarray) -> np.ndarray:
     return data.reshape(-1).view(np.uint8)
 
 
+LAYOUT = "C-order little-endian bytes of each box at offset"  # the pack's `attributes.checkpointer.layout`
+
+
+def zarr_json(nbytes: int, boxes: Sequence[PackedBoxRecord], dtypes: Sequence[np.dtype]) -> bytes:
+    """The pack's `zarr.json` (`zarr_metadata` with its index, each box with its leaf's
+    dtype) byte for byte as TensorStore writes it when it creates the array: compact,
+    keys sorted, UTF-8 (`tests/test_pack.py` compares the two). Each box is formatted
+    directly (a dict per small chunk, then TensorStore's conversion of them, cost
+    ~5 µs a chunk)."""
+    names = {d: encode_basestring(_format.dtype_name(d)) for d in set(dtypes)}
+    entries = []
+    for b, d in zip(boxes, dtypes):
+        if b.extra:  # never for a pack this process writes; kept exact anyway
+            entries.append(json.dumps(b.to_json() | {"dtype": _format.dtype_name(d)}, sort_keys=True, separators=(",", ":"),
+                                      ensure_ascii=False))
+            continue
+        origin, shape = ",".join(map(str, b.box.origin)), ",".join(map(str, b.box.shape))
+        entries.append(f'{{"box":[[{origin}],[{shape}]],"data_bytes":{b.data_bytes},"data_crc32c":{b.data_crc32c},'
+                       f'"dtype":{names[d]},"leaf":{encode_basestring(b.leaf)},"offset":{b.offset}}}')
+    mark = "packed index goes here"
+    meta = zarr_metadata(nbytes, {"checkpointer": {"packed_index": mark, "layout": LAYOUT}}) | {"node_type": "array", "zarr_format": 3}
+    text = json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    head, tail = text.split(json.dumps(mark), 1)
+    return (head + "[" + ",".join(entries) + "]" + tail).encode()
+
+
 def zarr_metadata(nbytes: int, attributes: dict) -> dict:
     """The pack's `zarr.json`: uint8 [nbytes], one chunk, raw bytes + crc32c."""
     return {
@@ -125,6 +153,51 @@ def zarr_metadata(nbytes: int, attributes: dict) -> dict:
     }
 
 
+def buffer_bytes(nbytes: int) -> int:
+    """Bytes of a pack's write buffer for `nbytes` of packed data: the data and its
+    crc32c, rounded up to `DIRECT_ALIGN` (one direct write)."""
+    return -(-(nbytes + CRC_BYTES) // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
+class PackSlab:
+    """The snapshot's one copy of a process's packed chunks, laid out as its pack:
+    their C-order little-endian bytes back to back in plan order, in one buffer aligned
+    and long enough for the pack's direct write (`buffer_bytes`). `views[k]` is the
+    k-th chunk's box, a view of the buffer (the snapshot's host array of that chunk).
+
+    `PackWriter` writes the buffer as it is when it packs exactly these views in this
+    order; otherwise (an incremental save leaves out unchanged chunks) it copies them.
+    """
+
+    def __init__(self, buffer: np.ndarray, views: list[np.ndarray], nbytes: int):
+        self.buffer: np.ndarray | None = buffer  # uint8, DIRECT_ALIGN-aligned, at least buffer_bytes(nbytes) long
+        self.views = views
+        self.nbytes = nbytes
+
+    def release(self) -> np.ndarray | None:
+        """Forgets the buffer and its views (the bytes are durable) and returns the
+        buffer, once (then None)."""
+        buffer, self.buffer, self.views = self.buffer, None, []
+        return buffer
+
+    @staticmethod
+    def fill(sources: Sequence[np.ndarray], take: Callable[[int], np.ndarray]) -> PackSlab:
+        """Copies `sources` (host arrays of native byte order, e.g. views of CPU shards)
+        into a new slab whose buffer is `take(buffer_bytes(nbytes))` (a `DIRECT_ALIGN`-
+        aligned uint8 array); one copy each."""
+        nbytes = sum(s.nbytes for s in sources)
+        buf = take(buffer_bytes(nbytes))
+        assert buf.nbytes >= buffer_bytes(nbytes) and buf.ctypes.data % DIRECT_ALIGN == 0
+        views: list[np.ndarray] = []
+        offset = 0
+        for src in sources:
+            view = np.ndarray(src.shape, src.dtype, buffer=buf, offset=offset)
+            view[...] = src
+            views.append(view)
+            offset += view.nbytes
+        return PackSlab(buf, views, nbytes)
+
+
 class PackWriter:
     """One process's pack of a save: built from the host copies, written through TensorStore.
 
@@ -132,12 +205,25 @@ class PackWriter:
     (waits; returns the records).
     """
 
-    def __init__(self, process_index: int):
+    def __init__(self, process_index: int, slab: PackSlab | None = None):
         self.process_index = process_index
         self._parts: list[tuple[ArrayMetadata, Box, np.ndarray]] = []
+        self._slab = slab  # where the snapshot laid the chunks out already, if it did
+
+    def _slab_holds_parts(self) -> bool:
+        """Whether the parts are the slab's views, all of them, in order (the buffer is the pack)."""
+        slab = self._slab
+        return slab is not None and slab.buffer is not None and len(slab.views) == len(self._parts) and all(
+            h is v for (_, _, h), v in zip(self._parts, slab.views))
 
     def add(self, meta: ArrayMetadata, box: Box, host: np.ndarray) -> None:
         self._parts.append((meta, box, host))
+
+    def add_all(self, parts: Iterable[tuple[ArrayMetadata, Box, Any]]) -> None:
+        """`add` of each `(meta, box, host array)`, in order (packed leaves are never shard files)."""
+        start = len(self._parts)
+        self._parts.extend(parts)
+        assert all(isinstance(h, np.ndarray) for _, _, h in self._parts[start:])
 
     def __bool__(self) -> bool:
         return bool(self._parts)
@@ -159,46 +245,52 @@ class PackWriter:
           OSError, ValueError: from TensorStore or the file system (the caller names the path).
         """
         nbytes = self.nbytes
+        laid_out = self._slab_holds_parts()
         # Aligned and long enough for a direct write of the data and the codec's crc32c.
-        buf = aligned_empty((-(-(nbytes + CRC_BYTES) // DIRECT_ALIGN) * DIRECT_ALIGN,), np.dtype(np.uint8), DIRECT_ALIGN)
-        boxes, attrs = [], []
+        slab_buffer = self._slab.buffer if laid_out and self._slab is not None else None
+        buf = slab_buffer if slab_buffer is not None else aligned_empty(
+            (buffer_bytes(nbytes),), np.dtype(np.uint8), DIRECT_ALIGN)
+        whole = buf.data
+        boxes, dtypes = [], []
         offset = 0
         for meta, box, host in self._parts:
-            raw = _little_endian_bytes(host)
-            buf[offset : offset + raw.size] = raw
-            crc = crc32c.crc32c(raw.data)
-            boxes.append(PackedBoxRecord(leaf=meta.path, box=box, offset=offset, data_bytes=raw.size, data_crc32c=crc))
-            attrs.append(boxes[-1].to_json() | {"dtype": _format.dtype_name(meta.dtype)})
-            offset += raw.size
+            size = host.nbytes
+            if not laid_out:
+                buf[offset : offset + size] = _little_endian_bytes(host)
+            crc = crc32c.crc32c(whole[offset : offset + size])
+            boxes.append(PackedBoxRecord.new(meta.path, box, offset, size, crc))
+            dtypes.append(meta.dtype)
+            offset += size
         data = buf[:nbytes]
         data_crc = crc32c.crc32c(data.data)
         name = array_name(self.process_index)
         record = PackRecord(array=name, key=chunk_key(self.process_index), file_bytes=nbytes + CRC_BYTES, boxes=tuple(boxes))
-        attributes = {"checkpointer": {"packed_index": attrs, "layout": "C-order little-endian bytes of each box at offset"}}
-        spec = {
-            "driver": "zarr3",
-            "kvstore": storage.kvstore_spec(f"{root}/{name}"),
-            "metadata": zarr_metadata(nbytes, attributes),
-            "create": True,
-            "store_data_equal_to_fill_value": True,
-        }
-        import tensorstore as ts  # lazily: a restore of local files never needs it
-
-        store = ts.open(spec, context=ts_context()).result()
-        future: Any
+        futures: list[Any]
         if direct is None:
-            future = store.write(data)
-        else:
+            attrs = [b.to_json() | {"dtype": _format.dtype_name(d)} for b, d in zip(boxes, dtypes)]
+            spec = {
+                "driver": "zarr3",
+                "kvstore": storage.kvstore_spec(f"{root}/{name}"),
+                "metadata": zarr_metadata(nbytes, {"checkpointer": {"packed_index": attrs, "layout": LAYOUT}}),
+                "create": True,
+                "store_data_equal_to_fill_value": True,
+            }
+            import tensorstore as ts  # lazily: a restore of local files never needs it
+
+            futures = [ts.open(spec, context=ts_context()).result().write(data)]
+        else:  # local files: the pack's zarr.json as TensorStore writes it, and its chunk file, by the direct writer
             buf[nbytes : nbytes + CRC_BYTES] = np.frombuffer(data_crc.to_bytes(CRC_BYTES, "little"), np.uint8)
             path = f"{root}/{record.key}"
             direct.makedirs(path.rsplit("/", 1)[0])
-            future = direct.submit(write_direct_file, path, buf, nbytes + CRC_BYTES)
+            futures = [direct.submit(write_direct_file, path, buf, nbytes + CRC_BYTES),
+                       direct.submit(storage.write_file, f"{root}/{name}/{_format.ZARR_JSON}", zarr_json(nbytes, boxes, dtypes))]
         chunk = ChunkRecord(
             key=record.key, box=Box((0,), (nbytes,)), file_bytes=record.file_bytes, data_bytes=nbytes, data_crc32c=data_crc,
         )
 
         def finish() -> tuple[PackRecord, ChunkRecord]:
-            future.result()
+            for future in futures:
+                future.result()
             return record, chunk
 
         return finish
@@ -332,15 +424,22 @@ def read_runs(
     return out
 
 
-def assemble_box(meta: ArrayMetadata, box_read: BoxRead, data: dict[tuple[str, int], memoryview]) -> np.ndarray:
-    """One target box of a packed leaf, from the packed chunks read (a new array)."""
+def assemble_box(meta: ArrayMetadata, box_read: BoxRead, data: dict[tuple[str, int], memoryview], *,
+                 adoptable: bool = False) -> np.ndarray:
+    """One target box of a packed leaf, from the packed chunks read (a new array): in a
+    buffer JAX cannot adopt (`unadoptable`), unless `adoptable` (the box goes to one
+    device only, so nothing can alias it)."""
     dtype = meta.dtype.newbyteorder("<") if meta.dtype.itemsize > 1 else meta.dtype
     reads = box_read.packed
-    out = _empty_unadoptable(box_read.box.shape, meta.dtype)
     if len(reads) == 1 and reads[0].box == reads[0].chunk_box == box_read.box:
         r = reads[0]
-        out[...] = np.frombuffer(data[(r.key, r.offset)], dtype).reshape(box_read.box.shape)
+        whole = np.frombuffer(data[(r.key, r.offset)], dtype).reshape(box_read.box.shape)
+        if adoptable:
+            return whole.copy()
+        out = _empty_unadoptable(box_read.box.shape, meta.dtype)
+        out[...] = whole
         return out
+    out = np.empty(box_read.box.shape, meta.dtype) if adoptable else _empty_unadoptable(box_read.box.shape, meta.dtype)
     for r in reads:
         chunk = np.frombuffer(data[(r.key, r.offset)], dtype).reshape(r.chunk_box.shape)
         src = r.local_box.slices()

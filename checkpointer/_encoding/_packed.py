@@ -113,6 +113,65 @@ def _place_per_device(meta: ArrayMetadata, sharding: jax.sharding.Sharding, host
     return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
 
 
+try:  # what `jax.make_array_from_callback` ends in, for a one-device target (`_Placer`)
+    from jax._src import core as _jax_core
+    from jax._src.interpreters import pxla as _pxla
+
+    _PUT: Any = _pxla.batched_device_put
+    _AVAL: Any = _jax_core.update_aval_with_sharding
+    _SHAPED: Any = _jax_core.ShapedArray
+except (ImportError, AttributeError):  # another jax: `make_array_from_callback` for every leaf
+    _PUT = None
+
+
+class _Placer:
+    """Puts the host boxes of a batch's leaves on their target devices.
+
+    A leaf whose target puts it whole on one local device (its device memory, a dtype JAX
+    keeps as it is) is put with the one call `jax.make_array_from_callback` ends in, its
+    aval made once per (shape, dtype, sharding): a fifth of that function's cost per leaf
+    (its argument checks, done once here). Any other target, and any failure of that call
+    (another jax), goes through `place`."""
+
+    def __init__(self) -> None:
+        self._devices: dict[int, Any] = {}  # id(sharding) -> its one device, or None (the batch keeps them alive)
+        self._avals: dict[tuple, Any] = {}
+        self._dtypes: dict[np.dtype, bool] = {}
+
+    def single_device(self, sharding: jax.sharding.Sharding | None) -> Any:
+        """The one local device `sharding` puts a whole array on (device memory), else None."""
+        if sharding is None or _PUT is None:
+            return None
+        key = id(sharding)
+        if key not in self._devices:
+            device = None
+            if sharding.memory_kind in (None, "device") and sharding.is_fully_addressable and len(sharding.device_set) == 1:
+                (device,) = sharding.device_set
+            self._devices[key] = device
+        return self._devices[key]
+
+    def put(self, meta: ArrayMetadata, sharding: jax.sharding.Sharding, device: Any, host: np.ndarray) -> jax.Array:
+        """`host` (the whole leaf, its own buffer) on `device`, the one device of `sharding`."""
+        global _PUT
+        dtype = host.dtype
+        kept = self._dtypes.get(dtype)
+        if kept is None:
+            kept = self._dtypes[dtype] = bool(jax.dtypes.canonicalize_dtype(dtype) == dtype)
+        if kept and _PUT is not None:
+            key = (host.shape, dtype, id(sharding))
+            try:
+                aval = self._avals.get(key)
+                if aval is None:
+                    aval = self._avals[key] = _AVAL(_SHAPED(host.shape, dtype), sharding)
+                out = _PUT(aval, sharding, [host], [device])
+                if isinstance(out, jax.Array) and out.shape == host.shape and out.dtype == dtype:
+                    return out
+            except Exception as e:  # not the function it was in the jax this was written for
+                log.debug("one-device put of %s failed (%s: %s); using jax.make_array_from_callback", meta.path, type(e).__name__, e)
+            _PUT = None
+        return place(meta, sharding, {Box.whole(meta.shape): host})
+
+
 def place(meta: ArrayMetadata, sharding: jax.sharding.Sharding, hosts: dict[Box, np.ndarray]) -> jax.Array:
     """The global array of one leaf on `sharding` from its host boxes (one per unique
     target box of this process's devices), in one `jax.make_array_from_callback`.
@@ -137,10 +196,12 @@ def _restore_batch(storage: Storage, path: str, batch: Sequence[Item], cost: int
     try:
         runs = coalesce_packed((lp.name, p) for _, _, lp in batch for b in lp.boxes for p in b.packed)  # named for messages
         data = _pack.read_runs(storage, path, runs, ctx.stats, ctx.piece_crcs)
+        placer = _Placer()
         for meta, lt, lp in batch:
+            device = placer.single_device(lt.sharding) if lp.exchange_spec is None else None
             hosts: dict[Box, np.ndarray] = {}
             for b in lp.boxes:
-                host = _pack.assemble_box(meta, b, data)
+                host = _pack.assemble_box(meta, b, data, adoptable=device is not None or lt.sharding is None)
                 if lt.dtype is not None:
                     with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
                         host = host.astype(lt.dtype)
@@ -151,6 +212,8 @@ def _restore_batch(storage: Storage, path: str, batch: Sequence[Item], cost: int
                 s = lt.sharding
                 out[meta.path] = place(meta, NamedSharding(s.mesh, lp.exchange_spec, memory_kind=s.memory_kind), hosts)
                 continue
+            elif device is not None and len(hosts) == 1:
+                arr = placer.put(meta, lt.sharding, device, next(iter(hosts.values())))
             else:
                 arr = place(meta, lt.sharding, hosts)
             out[meta.path] = jax.random.wrap_key_data(arr, impl=meta.key_impl) if meta.key_impl is not None else arr
@@ -172,9 +235,17 @@ class PackedEncoding(LeafEncoding):
         return self._plan(meta, by_box, {})
 
     def _plan(self, meta: ArrayMetadata, by_box: Mapping[Box, Sequence[int]], split: Mapping[tuple[int, ...], SharedChunk]) -> LeafRestorePlan:
-        chunks = {b.box.origin: b for b in meta.pack_boxes}  # by origin: a tuple hashes faster than a Box
         itemsize = meta.dtype.itemsize
         zeros = (0,) * len(meta.shape)
+        if len(by_box) == 1 and len(meta.pack_boxes) == 1 and not split:  # one box, one chunk (a small leaf on one device)
+            ((box, ids),) = by_box.items()
+            only = meta.pack_boxes[0]
+            if only.box == box:  # the target box is the saved chunk: one read, no cutting
+                read = PackedRead(only.key, only.file_bytes, only.offset, only.nbytes, only.crc32c, box, box, Box(zeros, box.shape),
+                                  zeros)
+                return LeafRestorePlan(meta.path, meta.shape, meta.dtype, (BoxRead(box, tuple(sorted(ids)), (), box.size * itemsize,
+                                                                                    packed=(read,)),), keystr=meta.keystr)
+        chunks = {b.box.origin: b for b in meta.pack_boxes}  # by origin: a tuple hashes faster than a Box
         boxes = []
         for box in sorted(by_box):
             devices = tuple(sorted(by_box[box]))
@@ -209,6 +280,8 @@ class PackedEncoding(LeafEncoding):
         return self._plan(meta, by_box, shared_chunks(meta, holders))
 
     def _needed(self, meta: ArrayMetadata, boxes: Iterable[Box]) -> list[PackedBox]:
+        if len(meta.pack_boxes) == 1 and all(c >= n for n, c in zip(meta.shape, meta.chunk_shape)):
+            return list(meta.pack_boxes) if any(b.size for b in boxes) else []  # the leaf's one chunk
         chunks = {b.box.origin: b for b in meta.pack_boxes}
         seen: dict[tuple[int, ...], PackedBox] = {}
         for box in sorted(set(boxes)):
@@ -225,10 +298,10 @@ class PackedEncoding(LeafEncoding):
         leaves in it are read, each chunk checked by its own crc32c."""
         if not storage.cheap_size:
             return
-        needed: dict[str, tuple[int, list[tuple[int, int, str]]]] = {}
+        needed: dict[str, tuple[int, list[tuple[int, int, ArrayMetadata]]]] = {}
         for meta, boxes in leaves:
             for pb in self._needed(meta, boxes):
-                needed.setdefault(pb.key, (pb.file_bytes, []))[1].append((pb.offset, pb.nbytes, leaf_name(meta.path, meta.keystr)))
+                needed.setdefault(pb.key, (pb.file_bytes, []))[1].append((pb.offset, pb.nbytes, meta))
         process = _errors.this_process()
         for key, (expected, ranges) in needed.items():
             try:
@@ -238,8 +311,8 @@ class PackedEncoding(LeafEncoding):
                 size = None
             if size == expected:
                 continue
-            ranges.sort()
-            gone = _pack.gone_leaves(ranges, size)
+            ranges.sort(key=lambda r: (r[0], r[1]))
+            gone = _pack.gone_leaves([(o, n, leaf_name(m.path, m.keystr)) for o, n, m in ranges], size)
             if not gone:  # what this restore needs is there; each chunk's crc32c checks it
                 log.warning("%s: pack file %s has %s bytes, expected %d: the packed bytes this restore needs are within it "
                             "and each is checked by its crc32c; run `checkpointer verify %s`", where(path=path, process=process),
@@ -298,11 +371,9 @@ class PackedEncoding(LeafEncoding):
 
     def start_write(self, storage: Storage, root: str, leaves: Sequence[LeafWrite], ctx: WriteContext) -> Callable[[], WriteResult]:
         """Writes this process's pack (`_pack.PackWriter`): one file, one write."""
-        pack = _pack.PackWriter(ctx.process_index)
-        for lw in leaves:
-            for _, box, host in lw.chunks:
-                assert isinstance(host, np.ndarray)  # packed leaves are never shard files (`ShardImage`)
-                pack.add(lw.meta, box, host)
+        pack = _pack.PackWriter(ctx.process_index, ctx.pack_slab)
+        with _memory.paused():  # many small objects: no full collections over the heap meanwhile
+            pack.add_all((lw.meta, box, host) for lw in leaves for _, box, host in lw.chunks)
         if not pack:
             return lambda: WriteResult()
         acquire(ctx.limiter, pack.nbytes)  # the pack is one write

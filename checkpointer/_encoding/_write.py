@@ -186,6 +186,8 @@ class WriteContext:
       files: the writer of shard images in mode "buffered" on local files (their
         bytes are the file's already: written through the page cache, not by
         TensorStore); None elsewhere.
+      pack_slab: the snapshot's `_pack.PackSlab` where it laid this process's packed
+        chunks out as the pack already (the pack writer then copies nothing), or None.
     """
 
     process_index: int
@@ -195,6 +197,7 @@ class WriteContext:
     mode_reason: str = "direct_io=False"
     direct: DirectWriter | None = None
     files: DirectWriter | None = None
+    pack_slab: Any = None  # `_pack.PackSlab` (that module imports this one)
 
     @property
     def image_writer(self) -> DirectWriter | None:
@@ -235,7 +238,7 @@ def choose_mode(storage: Storage, root: str, direct_io: str | bool, process_inde
 
 def write_context(
     storage: Storage, root: str, direct_io: str | bool, *, process_index: int, writes_array_metadata: bool,
-    limiter: TokenBucket | None = None,
+    limiter: TokenBucket | None = None, pack_slab: Any = None,
 ) -> WriteContext:
     """The `WriteContext` of one save's writes into `root`: the mode `choose_mode` gives,
     with a direct writer in mode "direct" (`start_write`'s function stops it).
@@ -247,6 +250,7 @@ def write_context(
     files = DirectWriter(root, direct=False) if mode == BUFFERED and isinstance(storage, LocalStorage) else None
     return WriteContext(
         process_index, writes_array_metadata, limiter, mode, reason, DirectWriter(root) if mode == DIRECT else None, files,
+        pack_slab,
     )
 
 

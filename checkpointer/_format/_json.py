@@ -40,28 +40,89 @@ def dumps(obj: object) -> bytes:
 
 def _expands(obj: object, depth: int) -> bool:
     if isinstance(obj, dict):
-        return bool(obj) and (depth < 2 or any(isinstance(v, list) and v and isinstance(v[0], dict) for v in obj.values()))
+        return bool(obj) and (depth < 2 or _has_object_list(obj))
     if isinstance(obj, list):
         return bool(obj) and (depth < 1 or all(isinstance(v, dict) for v in obj))
     return False
 
 
+def _has_object_list(obj: dict) -> bool:
+    for v in obj.values():
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            return True
+    return False
+
+
 _ENCODER = json.JSONEncoder(allow_nan=False)  # one instance: `json.dumps(..., allow_nan=False)` builds one per call
+# `_ENCODER.encode` builds a C encoder per call; one built once encodes an entry in half the time. Without
+# the circular check (`markers=None`): what the format's files hold is built by the library or was
+# checked by a JSON round trip (user metadata, per-process state).
+_MAKE_C_ENCODER = getattr(json.encoder, "c_make_encoder", None)  # CPython's _json accelerator (not in the stubs)
+_C_ENCODER = (_MAKE_C_ENCODER(None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ": ", ", ", False, False, False)
+              if _MAKE_C_ENCODER is not None else None)
 
 
-def _dump_lines(obj: object, depth: int, out: list[str]) -> None:
+def encode(obj: object) -> str:
+    """`_ENCODER.encode(obj)` (compact, ASCII, no NaN), on the C encoder built once: an
+    entry of `dumps_large`."""
+    if _C_ENCODER is None or isinstance(obj, str):
+        return _ENCODER.encode(obj)
+    return "".join(_C_ENCODER(obj, 0))
+
+
+encode_ascii = json.encoder.encode_basestring_ascii  # a str as `encode` writes it (C)
+_encode = encode
+
+
+class EncodedObjects(list):
+    """A list of JSON objects that also carries each one's compact text (`texts`, as
+    `dumps_large` would encode it), made once by its owner: `dumps_large` writes those
+    texts instead of encoding the objects again (a pack index goes into the process
+    record and the manifest, one object per small chunk); every other reader sees the
+    list of objects. Never changed after it is made."""
+
+    def __init__(self, objects: list[dict], texts: list[str]):
+        super().__init__(objects)
+        assert len(texts) == len(objects)
+        self.texts = texts
+
+
+def _dump_lines(obj: object, depth: int, out: list[str], memo: dict[int, str]) -> None:
+    # From depth 2 on whether a dict expands depends on its contents alone: a compact one
+    # met again (leaves of one layout share their manifest entry) reuses its text.
+    memoized = depth >= 2 and isinstance(obj, dict)
+    if memoized:
+        text = memo.get(id(obj))
+        if text is not None:
+            out.append(text)
+            return
     if not _expands(obj, depth):
-        out.append(_ENCODER.encode(obj))
+        text = _encode(obj)
+        if memoized:
+            memo[id(obj)] = text
+        out.append(text)
         return
-    pad = " " * (depth + 1)
-    items: list[tuple[object, object]] = list(obj.items()) if isinstance(obj, dict) else [(None, v) for v in obj]  # type: ignore[attr-defined]
-    out.append("{" if isinstance(obj, dict) else "[")
-    for i, (k, v) in enumerate(items):
-        out.append("\n" + pad + (_ENCODER.encode(k) + ": " if k is not None else ""))
-        _dump_lines(v, depth + 1, out)
-        if i + 1 < len(items):
-            out.append(",")
-    out.append("\n" + " " * depth + ("}" if isinstance(obj, dict) else "]"))
+    pad = "\n" + " " * (depth + 1)
+    if isinstance(obj, dict):
+        out.append("{")
+        for i, (k, v) in enumerate(obj.items()):
+            out.append(("," if i else "") + pad + _encode(k) + ": ")
+            _dump_lines(v, depth + 1, out, memo)
+        out.append("\n" + " " * depth + "}")
+        return
+    assert isinstance(obj, list)
+    out.append("[")
+    if depth >= 1 and isinstance(obj, EncodedObjects) and len(obj.texts) == len(obj):
+        out.append(",".join(pad + text for text in obj.texts))
+        out.append("\n" + " " * depth + "]")
+        return
+    for i, v in enumerate(obj):
+        out.append(("," if i else "") + pad)
+        if depth >= 1 and not _has_object_list(v):  # an entry of a list of objects (a chunk, a packed box): compact
+            out.append(_encode(v))
+        else:
+            _dump_lines(v, depth + 1, out, memo)
+    out.append("\n" + " " * depth + "]")
 
 
 def dumps_large(obj: object) -> bytes:
@@ -69,9 +130,11 @@ def dumps_large(obj: object) -> bytes:
     top levels one entry per line and every list of objects one object per line (a
     leaf, a chunk, a packed box), each entry compact. Same JSON as `dumps`, other
     whitespace: it runs on the C encoder (`indent=` forces Python's, ~10 µs per
-    value: 0.3 s for a record of 5,000 chunks)."""
+    value: 0.3 s for a record of 5,000 chunks). An object that appears several times
+    (leaves of one layout share their manifest entry) is encoded once."""
     out: list[str] = []
-    _dump_lines(obj, 0, out)
+    # id -> text of the compact objects met so far; they stay alive (in `obj`) meanwhile.
+    _dump_lines(obj, 0, out, {})
     return "".join(out).encode()
 
 

@@ -80,8 +80,17 @@ def manifest_json(
     """
     import jax
 
-    leaves = {m.path: m.to_json() | ({"references": [r.to_json() for r in m.references.values()]} if m.references else {})
-              for m in arrays}
+    leaves: dict[str, dict] = {}
+    entries: dict[tuple, dict] = {}  # leaves of one layout share one entry object (encoded once)
+    for m in arrays:
+        if m.references:
+            leaves[m.path] = m.to_json() | {"references": [r.to_json() for r in m.references.values()]}
+            continue
+        key = (m.shape, m.dtype, m.chunk_shape, m.inner_chunk_shape, id(m.saved_sharding), m.key_impl, m.kind, m.packed)
+        entry = entries.get(key)
+        if entry is None:
+            entry = entries[key] = m.to_json()
+        leaves[m.path] = entry
     leaves.update({p: {"type": "value", "value": v} for p, v in values.items()})
     out: dict[str, object] = {
         # Additive: a checkpoint with references (incremental saves) has the version older
@@ -155,7 +164,8 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     leaves: dict[str, ArrayMetadata | ValueMetadata] = {}
     for path, entry in leaves_raw.items():
         check_leaf_path(path, where=where)
-        _require(isinstance(entry, dict), f"leaf {path!r} is not an object", where)
+        if not isinstance(entry, dict):
+            _require(False, f"leaf {path!r} is not an object", where)
         if entry.get("type") == "array":
             am = _leaves.array_metadata_from_json(path, entry, where)
             if entry.get("references") is not None:
@@ -166,10 +176,11 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
         else:
             raise CorruptCheckpointError(f"leaf {path!r} in {where} has unknown type {entry.get('type')!r}")
     ordered = leaf_paths_of(structure)
-    _require(sorted(ordered) == sorted(leaves), "the tree structure and the leaves disagree", where)
-    _attach_pack_boxes(raw.get("packed", []), leaves, where, complete="packed_processes" not in raw, version=version)
+    _require(len(ordered) == len(leaves) and set(ordered) == leaves.keys(), "the tree structure and the leaves disagree", where)
+    boxes = _pack_boxes(raw.get("packed", []), leaves, where, complete="packed_processes" not in raw, version=version)
     names = keystrs(structure)
-    leaves = {p: dataclasses.replace(leaves[p], keystr=names[p]) for p in ordered}
+    leaves = {p: _leaves.with_fields(m, keystr=names[p], pack_boxes=boxes.get(p, m.pack_boxes), references=m.references) if isinstance(m, ArrayMetadata)
+              else dataclasses.replace(m, keystr=names[p]) for p, m in ((p, leaves[p]) for p in ordered)}
     tree = rebuild(structure, lambda p: leaves[p], where=where)
     return CheckpointMetadata(
         path=where, step=step, format_version=version, tree=tree, leaves=leaves, user_metadata=user_metadata,
@@ -194,11 +205,11 @@ def _attach_references(m: ArrayMetadata, raw: object, version: int, where: str) 
     return dataclasses.replace(m, references=_references.by_chunk(refs))
 
 
-def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetadata], where: str, complete: bool = True,
-                       version: int = _layout.FORMAT_VERSION) -> None:
-    """Parses the manifest's `packed` section and sets each packed leaf's `pack_boxes`
-    (in place); every chunk of a packed leaf must be in exactly one pack, in bounds
-    (`complete=False`, a local tier's copy indexing its own process's pack: at most one).
+def _pack_boxes(raw: object, leaves: Mapping[str, ArrayMetadata | ValueMetadata], where: str, complete: bool = True,
+                version: int = _layout.FORMAT_VERSION) -> dict[str, tuple[_leaves.PackedBox, ...]]:
+    """Parses the manifest's `packed` section: each packed leaf's `pack_boxes`, by leaf
+    path, in chunk order; every chunk of a packed leaf must be in exactly one pack, in
+    bounds (`complete=False`, a local tier's copy indexing its own process's pack: at most one).
 
     A hand-rolled parse (not `PackRecord.from_json`): it runs on every restore, over
     one entry per small chunk (5,000 for issue 15's 2,000 leaves)."""
@@ -227,7 +238,8 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
             except (KeyError, TypeError, ValueError, OverflowError) as e:
                 raise CorruptCheckpointError(f"manifest of {where}: {loc} box {j} is malformed ({e})") from e
             m = leaves.get(leaf) if isinstance(leaf, str) else None
-            _require(isinstance(m, ArrayMetadata) and m.packed, f"{loc} box {j}: {leaf!r:.100} is not a packed array leaf", where)
+            if not (isinstance(m, ArrayMetadata) and m.packed):  # (messages formatted only when raised: one box per small leaf)
+                _require(False, f"{loc} box {j}: {leaf!r:.100} is not a packed array leaf", where)
             assert isinstance(m, ArrayMetadata)
             ok = type(offset) is int and type(nbytes) is int and type(crc) is int and offset >= 0 and crc >= 0
             ok = ok and len(box.origin) == len(box.shape) == len(m.shape) and offset + nbytes <= file_bytes - 4
@@ -235,17 +247,24 @@ def _attach_pack_boxes(raw: object, leaves: dict[str, ArrayMetadata | ValueMetad
             for o, s, c, n in zip(box.origin, box.shape, m.chunk_shape, m.shape):
                 ok = ok and type(o) is int and type(s) is int and 0 <= o < n and o % c == 0 and s == min(c, n - o)
                 size = size * s if ok else -1  # never `*=` a str or list from a hostile manifest
-            _require(ok and nbytes == size, f"{loc} box {j} of leaf {leaf!r} does not fit the leaf's chunk grid or the pack's size", where)
+            if not (ok and nbytes == size):
+                _require(False, f"{loc} box {j} of leaf {leaf!r} does not fit the leaf's chunk grid or the pack's size", where)
             h = b.get("xxh3_128") if folder is not None else None
-            _require(h is None or isinstance(h, str) and len(h) == 32, f"{loc} box {j}: malformed xxh3_128", where)
+            if not (h is None or isinstance(h, str) and len(h) == 32):
+                _require(False, f"{loc} box {j}: malformed xxh3_128", where)
             found.setdefault(leaf, []).append(_leaves.PackedBox(key, file_bytes, box, offset, nbytes, crc, folder, generation, h))
+    out: dict[str, tuple[_leaves.PackedBox, ...]] = {}
     for path, m in leaves.items():
         if isinstance(m, ArrayMetadata) and m.packed:
             boxes = found.get(path, [])
+            if len(boxes) == 1 and all(c >= s for s, c in zip(m.shape, m.chunk_shape)):  # one chunk, the leaf's only one
+                out[path] = (boxes[0],)
+                continue
             n_chunks = math.prod(-(-s // c) for s, c in zip(m.shape, m.chunk_shape)) if math.prod(m.shape) else 0
             _require(len({b.box for b in boxes}) == len(boxes) and (len(boxes) == n_chunks or not complete and len(boxes) <= n_chunks),
                      f"packed leaf {path!r} has {len(boxes)} boxes in the packs, expected one per chunk ({n_chunks})", where)
-            leaves[path] = dataclasses.replace(m, pack_boxes=tuple(sorted(boxes, key=lambda b: b.box.origin)))
+            out[path] = tuple(sorted(boxes, key=lambda b: b.box.origin))
+    return out
 
 
 def read_metadata(storage: Storage, path: str, *, check_references: bool = True) -> CheckpointMetadata:

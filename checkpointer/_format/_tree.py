@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import keyword
+import re
 import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -55,7 +56,13 @@ def _is_none(x: object) -> bool:
     return x is None
 
 
+# What `urllib.parse.quote(key, safe="")` leaves as it is: such a key (not only dots) is its own escape.
+_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]+")
+
+
 def _escape_str(key: str) -> str:
+    if _UNRESERVED.fullmatch(key) and key.strip("."):
+        return key
     if key and set(key) == {"."}:
         return "%2E" * len(key)
     if key == "":
@@ -83,7 +90,7 @@ def escape_key(entry: KeyEntry) -> str:
 
 def leaf_path(key_path: Sequence[KeyEntry]) -> str:
     """Returns the escaped leaf path of a `jax.tree_util` key path; `""` names a root leaf."""
-    return "/".join(escape_key(k) for k in key_path)
+    return "/".join([escape_key(k) for k in key_path])
 
 
 def check_leaf_path(path: object, *, where: str = "") -> str:
@@ -95,12 +102,12 @@ def check_leaf_path(path: object, *, where: str = "") -> str:
     Returns:
       `path`, unchanged.
     """
+    # A component "", "." or "..": "//", "/./" or "/../" in "/" + path + "/" (a leading "/" too).
     if (
         not isinstance(path, str)
         or "\x00" in path
         or "\\" in path
-        or path.startswith("/")
-        or (path != "" and any(c in ("", ".", "..") for c in path.split("/")))
+        or (path != "" and ("//" in (p := f"/{path}/") or "/./" in p or "/../" in p))
     ):
         raise CorruptCheckpointError(
             f"unsafe leaf path {path!r} {where}: leaf paths must be relative, without '..', "
@@ -125,11 +132,12 @@ def flatten(tree: object, is_leaf: Callable[[object], bool] = _is_none) -> list[
             "(JAX sorts them); use keys of one type."
         ) from e
     out = [(leaf_path(kp), leaf) for kp, leaf in pairs]
-    seen: dict[str, int] = {}
-    for i, (p, _) in enumerate(out):
-        if p in seen:
-            raise StructureMismatchError(f"two leaves share the leaf path {p!r}; rename one of the keys")
-        seen[p] = i
+    if len({p for p, _ in out}) != len(out):
+        seen: set[str] = set()
+        for p, _ in out:
+            if p in seen:
+                raise StructureMismatchError(f"two leaves share the leaf path {p!r}; rename one of the keys")
+            seen.add(p)
     return out
 
 
@@ -164,18 +172,19 @@ def _key_kind(entry: KeyEntry) -> str:
 def describe(tree: object, is_array_leaf: Callable[[object], bool]) -> JsonNode:
     """Returns the JSON node describing `tree`'s structure (see module docstring)."""
 
-    def go(node: object, path: tuple) -> JsonNode:
+    def go(node: object, path: str) -> JsonNode:  # path: the node's leaf path (escaped, "/"-joined)
         if node is None:
-            return {"kind": "leaf", "path": leaf_path(path)}
+            return {"kind": "leaf", "path": path}
         if is_array_leaf(node):
-            return {"kind": "leaf", "path": leaf_path(path)}
+            return {"kind": "leaf", "path": path}
         children, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
         if len(children) == 1 and children[0][0] == () and children[0][1] is node:
-            return {"kind": "leaf", "path": leaf_path(path)}
+            return {"kind": "leaf", "path": path}
         keys = [kp[0] for kp, _ in children]
+        prefix = f"{path}/" if path else ""  # only the root's path is empty (no key escapes to "")
         out: JsonNode = {
             "keys": [_key_json(k) for k in keys],
-            "children": [go(child, path + (k,)) for k, (_, child) in zip(keys, children)],
+            "children": [go(child, prefix + escape_key(k)) for k, (_, child) in zip(keys, children)],
         }
         if isinstance(node, dict):
             out["kind"] = "dict"
@@ -192,7 +201,7 @@ def describe(tree: object, is_array_leaf: Callable[[object], bool]) -> JsonNode:
             out["key_kinds"] = [_key_kind(k) for k in keys]
         return out
 
-    return go(tree, ())
+    return go(tree, "")
 
 
 def _key_from_json(k: object, where: str) -> object:

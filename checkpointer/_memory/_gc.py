@@ -7,6 +7,16 @@ which in a JAX program is large: measured on issue 15's 2,000 leaves, about 0.25
 0.6 s save and of a 0.6 s restore were such collections. Reference counting frees all of
 the library's objects without the collector (none form cycles that matter), so the
 collector is paused over those stretches (never over waits for I/O of unbounded length).
+
+A pause alone only defers the work: every object made during it is still young when it
+ends, so the first allocation after it runs a collection over all of them, then another
+as they are promoted, and the promotion itself can set off a full collection (measured at
+100,000 small leaves: 12 µs a leaf of a save, 27 of a restore). So when the last pause
+ends, the objects still alive are moved to the oldest generation without being traversed
+(`gc.freeze()` then `gc.unfreeze()`: two list splices), which also resets the young
+generation's count. They are collected with the program's next full collection; objects
+moved this way do not count towards starting one. Not done when the program froze objects
+itself (`gc.get_freeze_count()`): unfreezing would release its permanent generation.
 """
 
 from __future__ import annotations
@@ -38,5 +48,9 @@ def paused() -> Iterator[None]:
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0 and _was_enabled:
-                gc.enable()
+            if _depth == 0:
+                if gc.get_freeze_count() == 0:  # promote the survivors untraversed (module docstring)
+                    gc.freeze()
+                    gc.unfreeze()
+                if _was_enabled:
+                    gc.enable()

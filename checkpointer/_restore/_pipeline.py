@@ -358,10 +358,13 @@ def _prepare_paused(
 
 
 def _restore_once(storage: Storage, path: str, target: object, options: RestoreOptions, stats: RestoreStats) -> PyTree:
-    meta, resolved, plan, budget = _prepare(storage, path, target, options, stats)
-    stats.plan = plan
-    results, _ = _read_all(storage, path, resolved, plan, budget, stats, options)
-    return _finish(meta, resolved, path, results)
+    # One pause over planning, reading and the tree (no waits on other processes here):
+    # the plan's objects die with it, uncollected, and only the restored tree survives.
+    with _memory.paused():
+        meta, resolved, plan, budget = _prepare(storage, path, target, options, stats)
+        stats.plan = plan
+        results, _ = _read_all(storage, path, resolved, plan, budget, stats, options)
+        return _finish(meta, resolved, path, results)
 
 
 def _finish(meta: CheckpointMetadata, resolved: ResolvedTarget, path: str, results: dict[str, object]) -> PyTree:

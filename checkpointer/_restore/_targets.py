@@ -431,12 +431,25 @@ def resolve_tree(
     """
     matched = match(meta, target, partial=partial, path=meta.path, missing=missing)
     leaves = []
+    # Leaves of one (stored layout, target shape, dtype and sharding) resolve alike: once
+    # (a tree of many small leaves has a few such). Keyed by the sharding's id: the target
+    # keeps its shardings alive meanwhile.
+    resolved: dict[tuple, tuple[LeafTarget, tuple[tuple[int, Box], ...]]] = {}
     for p, m, t in matched.pairs:
         if isinstance(m, ValueMetadata):
             leaves.append(ResolvedLeaf(p, m, None, ()))
             continue
+        key = None
+        if type(t) is jax.ShapeDtypeStruct or isinstance(t, jax.Array):
+            key = (type(t), id(t.sharding), tuple(t.shape), t.dtype, m.shape, m.dtype, m.key_impl)
+        hit = resolved.get(key) if key is not None else None
+        if hit is not None and not cooperative:
+            leaves.append(ResolvedLeaf(p, m, hit[0], hit[1]))
+            continue
         lt = resolve_target(m, t, meta.path, concrete=processes is None)
         mine = device_boxes(lt, m, process_index, processes=processes, path=meta.path)
+        if key is not None:
+            resolved[key] = (lt, mine)
         every: tuple[tuple[int, int, Box], ...] = ()
         if cooperative and isinstance(lt.sharding, NamedSharding):
             every = all_device_boxes(lt, m, processes=processes, path=meta.path)

@@ -44,6 +44,11 @@ _MAX_NAME_BYTES = 255
 def check_storable(leaf_path: str, dtype: np.dtype, path: str) -> None:
     """Raises UnsupportedValueError unless the format can hold an array leaf of `dtype`."""
     dtype = np.dtype(dtype)
+    _check_dtype(leaf_path, dtype, path)
+    _check_name_lengths(leaf_path, path)
+
+
+def _check_dtype(leaf_path: str, dtype: np.dtype, path: str) -> None:
     if not _format.is_numeric_dtype(dtype) or dtype.hasobject:
         raise UnsupportedValueError(
             f"{where(leaf=leaf_path, path=path)}: dtype {dtype} cannot be stored; convert it to a numeric or bool array"
@@ -57,6 +62,11 @@ def check_storable(leaf_path: str, dtype: np.dtype, path: str) -> None:
             f"{where(leaf=leaf_path, path=path)}: dtype {dtype} has no zarr v3 data type in TensorStore, so it "
             f"cannot be stored. Save it as a wider dtype (x.astype(jnp.{wider})) and convert it back after restoring"
         )
+
+
+def _check_name_lengths(leaf_path: str, path: str) -> None:
+    if len(leaf_path) * 4 <= _MAX_NAME_BYTES:  # no component can be longer (UTF-8: at most 4 bytes a character)
+        return
     for part in _format.array_dir(leaf_path).split("/"):
         if len(part.encode()) > _MAX_NAME_BYTES:
             raise UnsupportedValueError(
@@ -91,11 +101,60 @@ class ArrayLeaf:
     key_impl: str | None
     kind: str
     by_device: dict  # device id -> the shard's data (jax.Array or numpy)
-    plan_key: tuple  # (leaf path, sharding or None, shape, itemsize): what the plan depends on
+    # (sharding or None, shape, itemsize): with the leaf path, what the plan depends on (one
+    # object for the leaves of one layout).
+    layout_key: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """What `describe_array` derives from a jax.Array's (sharding, shape, dtype) alone,
+    shared by every leaf that has the same three (a tree of thousands of small leaves
+    has a handful)."""
+
+    saved: SavedSharding
+    key_impl: str | None
+    dtype: np.dtype  # stored (a PRNG key's data dtype)
+    shape: tuple[int, ...]  # stored (a PRNG key's data shape)
+    sharding: jax.sharding.Sharding  # of the stored data
+    shard_shape: tuple[int, ...]
+    shards: tuple[ShardInfo, ...]
+    # The one device of a single-device sharding, when it is this process's: the leaf's
+    # (stored) data is its only shard (no `addressable_shards`, which builds a new array).
+    single_device: int | None
+    multi_device: bool
+    key: tuple  # `ArrayLeaf.layout_key`
+    spec: LeafShards  # the first leaf's (each leaf's differs in its path only)
+
+
+
+def _layout_of(leaf_path: str, arr: jax.Array, path: str, cache: dict) -> _Layout:
+    key_impl = None
+    saved = _saved_sharding(arr)
+    if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
+        key_impl = str(jax.random.key_impl(arr))
+        arr = jax.random.key_data(arr)
+    dtype = np.dtype(arr.dtype)
+    _check_dtype(leaf_path, dtype, path)
+    sharding, shape = arr.sharding, tuple(arr.shape)
+    key = (sharding, shape)
+    if key not in cache:
+        cache[key] = _global_shards(sharding, shape)
+    devices = sharding.device_set
+    single = None
+    if len(devices) == 1:
+        device: Any  # no Device stubs
+        (device,) = devices
+        if sharding.is_fully_addressable:
+            single = device.id
+    shard_shape = tuple(sharding.shard_shape(shape))
+    return _Layout(saved, key_impl, dtype, shape, sharding, shard_shape, cache[key], single, len(devices) > 1,
+                   (sharding, shape, dtype.itemsize), LeafShards(leaf_path, shape, dtype.itemsize, shard_shape, cache[key]))
 
 
 def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path: str, cache: dict) -> ArrayLeaf:
-    """The planner's input for one array leaf; `cache` holds global shards by (sharding, shape)."""
+    """The planner's input for one array leaf; `cache` holds what leaves of one
+    (sharding, shape, dtype) share (global shards, saved sharding, checked dtype)."""
     if isinstance(arr, np.ndarray):
         check_storable(leaf_path, arr.dtype, path)
         if not arr.dtype.isnative:  # e.g. '>f4': store (and checksum) the native-order bytes
@@ -103,26 +162,27 @@ def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path:
         shape = arr.shape
         # A host array is process 0's (processes may hold different values).
         spec = LeafShards(leaf_path, shape, arr.dtype.itemsize, shape, (ShardInfo(Box.whole(shape), -1, 0, 0),))
-        return ArrayLeaf(spec, arr.dtype, None, None, "numpy", {-1: arr}, (leaf_path, None, shape, arr.dtype.itemsize))
+        return ArrayLeaf(spec, arr.dtype, None, None, "numpy", {-1: arr}, (None, shape, arr.dtype.itemsize))
     if arr.is_deleted():
         raise UnsupportedValueError(
             f"{where(leaf=leaf_path, path=path, process=pidx)}: the array was deleted (donated to a jitted "
             "function?); save the state before donating it"
         )
-    key_impl = None
-    saved = _saved_sharding(arr)
-    if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.prng_key):
-        key_impl = str(jax.random.key_impl(arr))
+    lkey = ("layout", arr.sharding, arr.shape, arr.dtype)  # (arrays of one device have a sharding object each)
+    layout = cache.get(lkey)
+    if layout is None:
+        layout = cache[lkey] = _layout_of(leaf_path, arr, path, cache)
+    _check_name_lengths(leaf_path, path)
+    if layout.key_impl is not None:
         arr = jax.random.key_data(arr)
-    dtype = np.dtype(arr.dtype)
-    check_storable(leaf_path, dtype, path)
-    shape = tuple(arr.shape)
-    key = (arr.sharding, shape)
-    if key not in cache:
-        cache[key] = _global_shards(arr.sharding, shape)
-    spec = LeafShards(leaf_path, shape, dtype.itemsize, tuple(arr.sharding.shard_shape(shape)), cache[key])
-    by_device = {s.device.id: s.data for s in arr.addressable_shards}
-    return ArrayLeaf(spec, dtype, saved, key_impl, "jax", by_device, (leaf_path, arr.sharding, shape, dtype.itemsize))
+    if layout.single_device is not None:
+        by_device = {layout.single_device: arr}
+    elif layout.multi_device:
+        by_device = {s.device.id: s.data for s in arr.addressable_shards}
+    else:  # one device of another process
+        by_device = {}
+    spec = _format.with_fields(layout.spec, leaf_path=leaf_path)
+    return ArrayLeaf(spec, layout.dtype, layout.saved, layout.key_impl, "jax", by_device, layout.key)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))

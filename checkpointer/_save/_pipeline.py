@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import tensorstore as ts
 
 from .. import _commit, _coord, _encoding, _format, _memory, _storage
@@ -48,31 +47,16 @@ from .._format import (
     metadata_json,
     write_group_nodes,
 )
-from .._memory import HostBufferPool, snapshot_to_host
-from .._storage import FileLock, LocalStorage, Storage, storage_for, ts_context
+from .._memory import HostBufferPool
+from .._storage import FileLock, Storage, storage_for, ts_context
 from . import _incremental
+from ._copy import LeafSnapshot, copy_leaves
 from ._leaves import ArrayLeaf, chunk_data, describe_array, is_array
 from ._options import SaveOptions
 from ._plan import LeafAssignment, LeafWritePlan, plan_writes
 
 _DEFAULT_OPTIONS = SaveOptions()
-IMAGE = "shard_file"  # `copy_route_bytes`: copied straight into shard files (`_encoding.fill_images`)
 log = logging.getLogger("checkpointer")
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafSnapshot:
-    """One array leaf's plan, metadata and this process's host copies (one per write).
-
-    `host` is the one list a snapshot changes after it is taken: `release_host` empties
-    it once the bytes are durable (the buffers go back to the pool or are freed)."""
-
-    meta: ArrayMetadata
-    plan: LeafWritePlan
-    host: list[np.ndarray | _encoding.ShardImage]  # per write: a host array of its box, or its shard file
-    pooled: tuple[bool, ...] = ()  # per host copy: a buffer of `Snapshot.buffers`
-    # Incremental saves: every chunk unchanged by identity (`_incremental`), nothing copied.
-    references: tuple[_format.ChunkRef, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -146,6 +130,10 @@ class Snapshot:
     base: _incremental.Base | None = None
     saved_arrays: Mapping[str, weakref.ref] = dataclasses.field(default_factory=dict)
     incremental: bool = False  # `SaveOptions.incremental`
+    # The packed chunks laid out as this process's pack (`_copy`): the leaves' host copies
+    # of them are its views; its buffer is the pool's when `pack_slab_pooled`.
+    pack_slab: _encoding.PackSlab | None = None
+    pack_slab_pooled: bool = False
     result: SaveResult = dataclasses.field(default_factory=SaveResult)
 
     @property
@@ -169,7 +157,14 @@ _PLAN_CACHE_LOCK = threading.Lock()
 def _plan_tree(described: list[ArrayLeaf]) -> tuple[LeafAssignment, ...]:
     """`plan_writes` of the tree, reused while the leaf paths, shardings, shapes and
     dtypes stay the same (the plan depends on nothing else)."""
-    key = tuple(d.plan_key for d in described)
+    # The key: the leaf paths, each leaf's layout as a position in the list of distinct
+    # layouts, and that list (hashing a sharding per leaf would cost more than planning).
+    position: dict[int, int] = {}  # id(layout key) -> its position
+    distinct: dict[tuple, int] = {}
+    for d in described:
+        if id(d.layout_key) not in position:
+            position[id(d.layout_key)] = distinct.setdefault(d.layout_key, len(distinct))
+    key = (tuple(d.shards.leaf_path for d in described), tuple(position[id(d.layout_key)] for d in described), tuple(distinct))
     with _PLAN_CACHE_LOCK:
         hit = _PLAN_CACHE.get(key)
         if hit is not None:
@@ -329,16 +324,26 @@ def _take_snapshot(
     identical: list[tuple[_format.ChunkRef, ...] | None] = []  # per leaf: its references if unchanged by identity
     planned: list[tuple[ArrayMetadata, LeafWritePlan]] = []
     device_data = []
+    # Leaves of one layout and one assignment of writes share their plan and metadata but
+    # for the path, and their manifest entry (one object: the agreement encodes each
+    # distinct entry once). Keyed by ids: `described` and `assignments` keep them alive.
+    shared: dict[tuple[int, int], tuple[LeafWritePlan, ArrayMetadata, dict]] = {}
     for d, assignment in zip(described, assignments):
-        plan = assignment.for_process(pidx)
-        meta = ArrayMetadata(
-            d.shards.leaf_path, d.shards.shape, d.dtype, plan.chunk_shape, plan.inner_chunk_shape, d.saved, d.key_impl,
-            d.kind, packed=_encoding.packs_leaf(d.shards.shape, plan.chunk_shape, d.dtype, pack_bytes),
-        )
+        path_ = d.shards.leaf_path
+        template = shared.get((id(d.layout_key), id(assignment.writes)))
+        if template is None:
+            plan = assignment.for_process(pidx)
+            meta = ArrayMetadata(path_, d.shards.shape, d.dtype, plan.chunk_shape, plan.inner_chunk_shape, d.saved, d.key_impl,
+                                 d.kind, packed=_encoding.packs_leaf(d.shards.shape, plan.chunk_shape, d.dtype, pack_bytes))
+            template = shared[(id(d.layout_key), id(assignment.writes))] = (plan, meta, meta.to_json())
+        else:
+            plan = _format.with_fields(template[0], leaf_path=path_)
+            meta = _format.with_fields(template[1], path=path_, references={})
         planned.append((meta, plan))
-        identical.append(base.identical(meta, by_path.get(meta.path), [w.chunk_index for w in plan.writes]) if base else None)
-        device_data.append([] if identical[-1] is not None else [chunk_data(d, w) for w in plan.writes])  # nothing to copy
-        entries[meta.path] = meta.to_json()
+        identical.append(base.identical(meta, by_path.get(path_), [w.chunk_index for w in plan.writes]) if base else None)
+        device_data.append([] if identical[-1] is not None else  # nothing to copy
+                           [d.by_device[w.device_id] if w.shard_box is None else chunk_data(d, w) for w in plan.writes])
+        entries[path_] = template[2]
     structure = describe(tree, is_array)
     # Wait for the computations that produce the leaves (JAX dispatches asynchronously: a
     # save right after training steps waits for them here), so that the timeline's
@@ -349,68 +354,27 @@ def _take_snapshot(
     # Step 0: every process agrees on path, step and tree before anything is written.
     # Process 0 clears an object store's old step content only once all agreed.
     clear = (lambda: _commit.strategy_for(storage).prepare_overwrite(path)) if pidx == 0 else None
-    generation = _commit.agree(ticket, _commit.proposal(path, step, structure, entries, incremental=options.incremental),
-                               timeout_s=options.agreement_timeout_s, before_verdict=clear)
+    generation = _commit.agree(
+        ticket,
+        # One process agrees with itself: its tree's description (a text per leaf) would be compared with nothing.
+        _commit.proposal(path, step, structure, entries if pcount > 1 else {}, incremental=options.incremental,
+                         describe_structure=pcount > 1),
+        timeout_s=options.agreement_timeout_s, before_verdict=clear,
+    )
     agreed.append(generation)
 
-    arrays, copied_bytes, route_bytes = _copy_to_host(storage, options, planned, device_data, buffers)
-    arrays = [dataclasses.replace(leaf, references=refs) if refs is not None else leaf for leaf, refs in zip(arrays, identical)]
+    copies = copy_leaves(storage, options, planned, device_data, buffers)
+    arrays = [dataclasses.replace(leaf, references=refs) if refs is not None else leaf for leaf, refs in zip(copies.leaves, identical)]
     return Snapshot(
         storage=storage, path=path, generation=generation, process_index=pidx, process_count=pcount,
         structure=structure, arrays=arrays, values=values, user_metadata=user_metadata, step=step,
         overwrite=overwrite, commit_timeout_s=options.commit_timeout_s, buffers=buffers, per_process_state=per_process_state,
         base=base, saved_arrays=_incremental.weak_arrays(leaves) if options.incremental else {}, incremental=options.incremental,
-        write_limiter=write_limiter, direct_io=options.direct_io, copied_bytes=copied_bytes, copy_route_bytes=route_bytes,
+        write_limiter=write_limiter, direct_io=options.direct_io, copied_bytes=copies.copied_bytes,
+        copy_route_bytes=copies.route_bytes, pack_slab=copies.pack_slab, pack_slab_pooled=copies.pack_slab_pooled,
         snapshot_s=time.perf_counter() - t0,  # the whole blocking call, the wait for the arrays included
         result=SaveResult(phases_unix_s={**snap_phases, "snapshot": (ready, time.time())}),
     )
-
-
-def _as_images(storage: Storage, options: SaveOptions, meta: ArrayMetadata, datas: list) -> bool:
-    """Whether the snapshot copies this leaf's chunks straight into their shard files
-    (`_encoding.fill_images`): local files the direct writer may write (or, where the
-    file system refuses `O_DIRECT`, written through the page cache), a dtype it lays out,
-    a leaf of its own zarr array, every shard read in place (`_memory.reads_in_place`)."""
-    return (
-        isinstance(storage, LocalStorage) and options.direct_io is not False and not meta.packed
-        and _encoding.direct_supported(meta.dtype) and any(np.prod(d.shape) for d in datas)
-        and all(_memory.reads_in_place(d) for d in datas)
-    )
-
-
-def _copy_to_host(
-    storage: Storage, options: SaveOptions, planned: list[tuple[ArrayMetadata, LeafWritePlan]], device_data: list[list],
-    buffers: HostBufferPool | None,
-) -> tuple[list[LeafSnapshot], int, dict[str, int]]:
-    """The snapshot's one copy of every chunk this process writes: into its shard file
-    (`_as_images`), else into a host array of its box (`_memory.snapshot_to_host`).
-    Returns the leaves with their host copies, and the bytes copied, in all and by route."""
-    hosts: list[list] = [[None] * len(datas) for datas in device_data]
-    pooled: list[list[bool]] = [[False] * len(datas) for datas in device_data]
-    images: list[tuple[int, int]] = []  # (leaf, chunk) copied into shard files
-    boxes: list[tuple[int, int]] = []  # the others
-    for i, ((meta, _), datas) in enumerate(zip(planned, device_data)):
-        as_images = _as_images(storage, options, meta, datas)
-        for j, d in enumerate(datas):
-            (images if as_images and np.prod(d.shape) else boxes).append((i, j))
-    if buffers is not None and images:  # the pool's bound: the whole snapshot, shard files and boxes
-        buffers.note_snapshot(
-            sum(_encoding.image_bytes(planned[i][0].layout, tuple(device_data[i][j].shape)) for i, j in images)
-            + sum(np.dtype(device_data[i][j].dtype).itemsize * int(np.prod(device_data[i][j].shape)) for i, j in boxes)
-        )
-    copies = snapshot_to_host([device_data[i][j] for i, j in boxes], buffers)
-    for (i, j), host, pool_buffer in zip(boxes, copies.arrays, copies.pooled):
-        hosts[i][j], pooled[i][j] = host, pool_buffer
-    route_bytes = dict(copies.route_bytes)
-    if images:
-        take = (lambda n: buffers.take((n,), np.dtype(np.uint8), _memory.PAGE_ALIGN)) if buffers is not None else (
-            lambda n: _memory.page_aligned_empty((n,), np.dtype(np.uint8)))
-        made = _encoding.fill_images([(planned[i][0].layout, np.asarray(device_data[i][j])) for i, j in images], take)
-        for (i, j), image in zip(images, made):
-            hosts[i][j], pooled[i][j] = image, buffers is not None
-        route_bytes[IMAGE] = sum(image.data_bytes for image in made)
-    leaves = [LeafSnapshot(meta, plan, host, tuple(p)) for (meta, plan), host, p in zip(planned, hosts, pooled)]
-    return leaves, sum(route_bytes.values()), route_bytes
 
 
 def open_for_write(snap: Snapshot, meta: ArrayMetadata, create: bool) -> Any:
@@ -472,15 +436,18 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         meta_writer = snap.process_index == 0 if snap.writes_array_metadata is None else snap.writes_array_metadata
         ctx = _encoding.write_context(
             snap.storage, root, snap.direct_io, process_index=snap.process_index, writes_array_metadata=meta_writer,
-            limiter=snap.write_limiter,
+            limiter=snap.write_limiter, pack_slab=snap.pack_slab,
         )
         result = snap.result
         result.write_mode, result.write_mode_reason = ctx.mode, ctx.mode_reason
         if snap.base is not None and ctx.image_writer is not None:  # the check reads the images' crc32c: on the writer's threads
             _encoding.checksum_all([h for leaf in snap.arrays for h in leaf.host], ctx.image_writer.submit)
-        leaves = [_encoding.LeafWrite(leaf.meta, _incremental.chunks_to_write(  # all, unless incremental
-            snap.base, leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)], leaf.references,
-            result.references, result.incremental)) for leaf in snap.arrays]
+        with _memory.paused():  # a LeafWrite per leaf: no full collections over the heap meanwhile
+            leaves = [_encoding.LeafWrite(leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)])
+                      for leaf in snap.arrays] if snap.base is None else [
+                _encoding.LeafWrite(leaf.meta, _incremental.chunks_to_write(  # all but the unchanged chunks
+                    snap.base, leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)],
+                    leaf.references, result.references, result.incremental)) for leaf in snap.arrays]
         finish = _encoding.start_write(snap.storage, root, leaves, ctx)
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays if not leaf.meta.packed])
@@ -557,6 +524,9 @@ def release_host(snap: Snapshot) -> None:
                     for h, pooled in zip(host, leaf.pooled or [True] * len(host)) if pooled]
             del host  # `give_back` pools only buffers that nothing else references
             snap.buffers.give_back(mine)
+    freed = [b for b in [snap.pack_slab.release() if snap.pack_slab is not None else None] if b is not None]
+    if freed and snap.pack_slab_pooled and snap.buffers is not None:  # its views went with the host lists
+        snap.buffers.give_back(freed)  # the list's is the only reference left: pooled
 
 
 def run_background(

@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 
 from .._errors import UnsupportedValueError, leaf_name
-from .._format import Box, ShardFileLayout, grid_cells, inner_chunk_shape
+from .._format import Box, ShardFileLayout, grid_cells, inner_chunk_shape, with_fields
 
 # Smallest chunk a replica-parallel split may produce, bytes: below it a box is written
 # whole by one of its holders (restores keep reading few, large files).
@@ -215,13 +215,61 @@ def split_rule(shard_shape: Sequence[int], itemsize: int, replicas: int, floor_b
 
 
 @dataclasses.dataclass
-class _Leaf:
-    spec: LeafShards
+class _Group:
+    """What the leaves of one (shard tuple, shape, shard shape, itemsize) share: the chunk
+    grid, the split, and each chunk's box and holders; with `single_writes` when every
+    chunk has one holder (then the writes and the bytes per process are the same for
+    every leaf of the group)."""
+
+    shape: tuple[int, ...]
     chunk: tuple[int, ...]
     split_dim: int | None
     k: int
     replicas: int
-    writes: list[tuple[int, ChunkWrite]]
+    layout: list[tuple[int, tuple[int, ...], Box, int, Box, dict[int, ShardInfo]]]
+    single_writes: tuple[tuple[int, ChunkWrite], ...] | None
+    single_loads: tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass
+class _Leaf:
+    spec: LeafShards
+    group: _Group
+    writes: list[tuple[int, ChunkWrite]] | None  # None: the group's `single_writes`
+
+
+def _plan_group(spec: LeafShards, split_floor_bytes: int) -> _Group:
+    """The chunk grid, split and chunk layout of a leaf (and of every leaf of its group)."""
+    shard_chunk = chunk_shape_for(spec.shape, spec.shard_shape)
+    groups = _group(spec, shard_chunk)
+    replicas = max((len(h) for h in groups.values()), default=1)
+    split_dim, k = split_rule(spec.shard_shape, spec.itemsize, 1 if _ONE_WRITER else replicas, split_floor_bytes)
+    chunk = shard_chunk
+    if split_dim is not None:
+        chunk = chunk[:split_dim] + (chunk[split_dim] // k,) + chunk[split_dim + 1 :]
+    # (box ordinal, chunk index, chunk box, its elements, shard box, holders)
+    layout: list[tuple[int, tuple[int, ...], Box, int, Box, dict[int, ShardInfo]]] = []
+    for b, box in enumerate(sorted(groups)):
+        if chunk == shard_chunk:  # no split: the chunk is the shard
+            cell = tuple(o // c for o, c in zip(box.origin, chunk))
+            layout.append((b, cell, box, box.size, box, groups[box]))
+            continue
+        for cell in grid_cells(box, chunk):
+            part = Box(
+                tuple(c * n for c, n in zip(cell, chunk)),
+                tuple(min(n, e - c * n) for c, n, e in zip(cell, chunk, box.stop)),
+            )
+            layout.append((b, cell, part, part.size, box, groups[box]))
+    single_writes = None
+    loads: dict[int, int] = {}
+    if all(len(holders) == 1 for *_, holders in layout):
+        writes = []
+        for _, cell, part, size, box, holders in layout:
+            ((p, s),) = holders.items()
+            writes.append((p, ChunkWrite(cell, part, s.device_id, None if part is box or part == box else box)))
+            loads[p] = loads.get(p, 0) + size * spec.itemsize
+        single_writes = tuple(sorted(writes, key=lambda pw: pw[1].chunk_index))
+    return _Group(tuple(spec.shape), chunk, split_dim, k, replicas, layout, single_writes, tuple(loads.items()))
 
 
 def _group(spec: LeafShards, shard_chunk: tuple[int, ...]) -> dict[Box, dict[int, ShardInfo]]:
@@ -272,44 +320,32 @@ def plan_writes(
     planned: list[_Leaf] = []
     # Chunks with several holders: (-bytes, leaf, box ordinal, chunk index, chunk box, shard box, holders).
     pending: list[tuple[int, int, int, tuple[int, ...], Box, Box, dict[int, ShardInfo]]] = []
-    grouped: dict[tuple, dict[Box, dict[int, ShardInfo]]] = {}  # leaves sharing one shard tuple are grouped once
-    layouts: dict[tuple, list[tuple[int, tuple[int, ...], Box, int, Box, dict[int, ShardInfo]]]] = {}
+    # Leaves sharing one shard tuple, shape and itemsize share everything but their path
+    # (a tree of thousands of small leaves has a handful of such groups): planned once.
+    groups_of: dict[tuple, _Group] = {}
+    shared_leaves: dict[int, list] = {}  # id(group) -> [group, leaves of it whose writes are the group's]
     for li, spec in enumerate(leaves):
-        shard_chunk = chunk_shape_for(spec.shape, spec.shard_shape)
-        gkey = (id(spec.shards), spec.shape, shard_chunk)
-        if gkey not in grouped:
-            grouped[gkey] = _group(spec, shard_chunk)
-        groups = grouped[gkey]
-        replicas = max((len(h) for h in groups.values()), default=1)
-        split_dim, k = split_rule(spec.shard_shape, spec.itemsize, 1 if _ONE_WRITER else replicas, split_floor_bytes)
-        chunk = shard_chunk
-        if split_dim is not None:
-            chunk = chunk[:split_dim] + (chunk[split_dim] // k,) + chunk[split_dim + 1 :]
-        leaf = _Leaf(spec, chunk, split_dim, k, replicas, [])
+        gkey = (id(spec.shards), spec.shape, spec.shard_shape, spec.itemsize)
+        g = groups_of.get(gkey)
+        if g is None:
+            g = groups_of[gkey] = _plan_group(spec, split_floor_bytes)
+        leaf = _Leaf(spec, g, [] if g.single_writes is None else None)
         planned.append(leaf)
-        lkey = (*gkey, chunk)
-        layout = layouts.get(lkey)
-        if layout is None:  # (box ordinal, chunk index, chunk box, its elements, shard box, holders)
-            layout = layouts[lkey] = []
-            for b, box in enumerate(sorted(groups)):
-                if chunk == shard_chunk:  # no split: the chunk is the shard
-                    cell = tuple(o // c for o, c in zip(box.origin, chunk))
-                    layout.append((b, cell, box, box.size, box, groups[box]))
-                    continue
-                for cell in grid_cells(box, chunk):
-                    part = Box(
-                        tuple(c * n for c, n in zip(cell, chunk)),
-                        tuple(min(n, e - c * n) for c, n, e in zip(cell, chunk, box.stop)),
-                    )
-                    layout.append((b, cell, part, part.size, box, groups[box]))
+        if g.single_writes is not None:  # every chunk has one holder: the group's writes, shared (loads added below)
+            shared_leaves.setdefault(id(g), [g, 0])[1] += 1
+            continue
+        assert leaf.writes is not None
         itemsize = spec.itemsize
-        for b, cell, part, size, box, holders in layout:
+        for b, cell, part, size, box, holders in g.layout:
             if len(holders) > 1:
                 pending.append((-size * itemsize, li, b, cell, part, box, holders))
                 continue
             ((p, s),) = holders.items()
             leaf.writes.append((p, ChunkWrite(cell, part, s.device_id, None if part is box or part == box else box)))
             loads[p] = loads.get(p, 0) + size * itemsize
+    for g, count in shared_leaves.values():
+        for p, nbytes in g.single_loads:
+            loads[p] = loads.get(p, 0) + count * nbytes
     # One lazy min-heap of (load, process) per holder set: loads only grow, so an entry
     # whose load is stale is pushed back with the current load until the top is exact
     # (the same choice as min over the holders, in O(log R) instead of O(R)).
@@ -334,18 +370,30 @@ def plan_writes(
                 heapq.heappush(heap, (loads.get(p, 0), p))
             loads[p] = load - neg_bytes
             heapq.heappush(heap, (loads[p], p))
-        planned[li].writes.append((p, ChunkWrite(cell, part, holders[p].device_id, None if part is box or part == box else box)))
+        writes = planned[li].writes
+        assert writes is not None
+        writes.append((p, ChunkWrite(cell, part, holders[p].device_id, None if part is box or part == box else box)))
+    inners: dict[int, tuple[int, ...]] = {}
+    templates: dict[int, LeafAssignment] = {}  # id(group) -> the assignment of its shared writes, copied per leaf
     out = []
     for leaf in planned:
-        spec = leaf.spec
-        inner = inner_chunk_shape(leaf.chunk, spec.itemsize, inner_target_bytes)
-        writes = tuple(sorted(leaf.writes, key=lambda pw: pw[1].chunk_index))
+        spec, g = leaf.spec, leaf.group
+        if leaf.writes is None and id(g) in templates:
+            out.append(with_fields(templates[id(g)], leaf_path=spec.leaf_path))
+            continue
+        inner = inners.get(id(g))
+        if inner is None:
+            inner = inners[id(g)] = inner_chunk_shape(g.chunk, spec.itemsize, inner_target_bytes)
+        if leaf.writes is None:
+            assert g.single_writes is not None
+            ordered = g.single_writes
+        else:
+            ordered = tuple(sorted(leaf.writes, key=lambda pw: pw[1].chunk_index))
         out.append(
-            LeafAssignment(
-                spec.leaf_path, tuple(spec.shape), spec.itemsize, leaf.chunk, inner, leaf.split_dim, leaf.k,
-                leaf.replicas, writes,
-            )
+            LeafAssignment(spec.leaf_path, g.shape, spec.itemsize, g.chunk, inner, g.split_dim, g.k, g.replicas, ordered)
         )
+        if leaf.writes is None:
+            templates[id(g)] = out[-1]
     return tuple(out)
 
 
