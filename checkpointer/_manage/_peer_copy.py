@@ -8,6 +8,7 @@ Every message is a 4-byte big-endian length and a JSON object (at most
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -44,20 +45,50 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
         pass
 
 
+def block_with_timeout(sock: socket.socket, timeout_s: float) -> None:
+    """Puts `sock` in blocking mode with the kernel's send and receive timeouts
+    (`SO_SNDTIMEO`/`SO_RCVTIMEO`, Linux) instead of Python's (elsewhere: `settimeout`).
+
+    Python's timeout makes the socket non-blocking and polls before each system call, so a
+    `recv_into(..., MSG_WAITALL)` returns whatever has arrived (a few skbs) and `sendall`
+    polls between partial sends: per block, tens of calls and as many trips through the
+    interpreter on a loaded machine. In blocking mode one call moves a whole block; the
+    kernel's timeout still bounds each call (a stalled peer: OSError, EAGAIN)."""
+    if sys.platform != "linux":
+        sock.settimeout(timeout_s)
+        return
+    usec = max(1, round(timeout_s * 1e6))  # 0 would mean no timeout
+    tv = struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)  # struct timeval
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+@contextlib.contextmanager
+def timeouts_named():
+    """A kernel timeout (`block_with_timeout`: EAGAIN on a blocking socket) as TimeoutError."""
+    try:
+        yield
+    except BlockingIOError as e:
+        raise TimeoutError(errno.ETIMEDOUT, "the peer moved no bytes within the timeout") from e
+
+
 def send_json(sock: socket.socket, obj: object) -> None:
     """Sends one message: its length (4 bytes, big-endian) and `obj` as JSON."""
     data = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
+    with timeouts_named():
+        sock.sendall(_LEN.pack(len(data)) + data)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     """The next `n` bytes, or ConnectionError when the peer closes first."""
     buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(min(n - len(buf), CHUNK_BYTES))
-        if not part:
-            raise ConnectionError(f"the peer closed the connection after {len(buf)} of {n} bytes")
-        buf += part
+    with timeouts_named():
+        while len(buf) < n:
+            part = sock.recv(min(n - len(buf), CHUNK_BYTES))
+            if not part:
+                raise ConnectionError(f"the peer closed the connection after {len(buf)} of {n} bytes")
+            buf += part
     return bytes(buf)
 
 
@@ -152,28 +183,36 @@ def send_copy(sock: socket.socket, folder: str, files: Sequence[dict],
         try:
             offset, crc = 0, 0
             while offset < size:
-                n, fd, direct = _read_block(fd, direct, path, view, offset)
+                # Only the blocks that hold the file: a direct read past the end fills the
+                # rest of the buffer with zeros (iomap), a copy for nothing.
+                want = min(BLOCK_BYTES, -(-(size - offset) // DIRECT_ALIGN) * DIRECT_ALIGN)
+                n, fd, direct = _read_block(fd, direct, path, view[:want], offset)
                 n = min(n, size - offset)
                 if n <= 0:
                     raise OSError(errno.EIO, f"{path} is shorter than {size} bytes ({offset})")
                 crc = crc32c.crc32c(view[:n], crc)
                 if damage is not None:
                     damage(key, view[:n])
-                sock.sendall(view[:n])
+                with timeouts_named():
+                    sock.sendall(view[:n])
                 offset += n
         finally:
             os.close(fd)
-        sock.sendall(_CRC.pack(crc))
+        with timeouts_named():
+            sock.sendall(_CRC.pack(crc))
 
 
 class _CopyFile:
-    """One received file: `O_DIRECT` (aligned blocks, the tail padded then truncated),
-    or through the page cache where the holder's file system refuses it; fsynced."""
+    """One received file: `O_DIRECT` for its whole aligned blocks, its unaligned tail (the
+    last `size % DIRECT_ALIGN` bytes) through the page cache, so the file ends at its size
+    without a truncation (ext4 reads the padded block back from disk to truncate it);
+    or all through the page cache where the holder's file system refuses `O_DIRECT`.
+    `finish` fsyncs the file (its data, the tail's page and its size) and closes it."""
 
     def __init__(self, path: str, direct: bool) -> None:
         self.path, self.direct = path, direct
         self._direct: DirectFile | None = None
-        self._fd: int | None = None
+        self._fd: int | None = None  # buffered: the whole file, or the tail of a direct one
         if direct:
             try:
                 self._direct = DirectFile(path)
@@ -185,24 +224,33 @@ class _CopyFile:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
     def write_at(self, offset: int, buf: np.ndarray, n: int) -> None:
+        """Writes `buf[:n]` at `offset` (a multiple of `DIRECT_ALIGN`; `n` too, but for a
+        file's last block)."""
         if self._direct is not None:
+            aligned = n - n % DIRECT_ALIGN
             try:
-                self._direct.write_at(offset, buf[: -(-n // DIRECT_ALIGN) * DIRECT_ALIGN])
-                return
+                if aligned:
+                    self._direct.write_at(offset, buf[:aligned])
             except OSError as e:  # a file system that refuses direct writes only when written
                 if offset or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
-            self._direct.close()
-            self._direct, self.direct = None, False
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                self._direct.close()
+                self._direct, self.direct = None, False
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            else:
+                if aligned == n:
+                    return
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)  # the tail, buffered
+                offset, buf, n = offset + aligned, buf[aligned:], n - aligned
         assert self._fd is not None
         view, done = memoryview(buf.data).cast("B")[:n], 0
         while done < n:
             done += os.pwrite(self._fd, view[done:], offset + done)
 
     def finish(self, size: int) -> None:
-        if self._direct is not None:
+        if self._direct is not None:  # its fsync covers the tail's page too (one inode)
             self._direct.finish(size)
+            self.close()
             return
         fd, self._fd = self._fd, None
         assert fd is not None
@@ -234,23 +282,27 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
     buf, view = _block()
     direct = True
     out = []
+    made: set[str] = set()  # the folders created so far (one system call per folder, not per file)
     for f in files:
         key, size = str(f["key"]), int(f["size"])
         if key.startswith("/") or ".." in key.split("/") or size < 0:
             raise ConnectionError(f"a peer sent the file {key!r} of {size} bytes")
         path = received_path(folder, key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if (parent := os.path.dirname(path)) not in made:
+            os.makedirs(parent, exist_ok=True)
+            made.add(parent)
         copy = _CopyFile(path, direct)
         direct = copy.direct  # a refusal holds for the rest of the folder
         try:
             offset, crc = 0, 0
             while offset < size:
                 want, got = min(BLOCK_BYTES, size - offset), 0
-                while got < want:  # a full block, so every direct write is aligned
-                    n = sock.recv_into(view[got:want], want - got, socket.MSG_WAITALL)
-                    if not n:
-                        raise ConnectionError(f"the peer closed the connection in {key} ({offset + got} of {size} bytes)")
-                    got += n
+                with timeouts_named():
+                    while got < want:  # a full block, so every direct write is aligned
+                        n = sock.recv_into(view[got:want], want - got, socket.MSG_WAITALL)
+                        if not n:
+                            raise ConnectionError(f"the peer closed the connection in {key} ({offset + got} of {size} bytes)")
+                        got += n
                 crc = crc32c.crc32c(view[:want], crc)
                 copy.write_at(offset, buf, want)
                 offset += want

@@ -59,10 +59,12 @@ from ._peer_copy import (
     CHUNK_BYTES,
     COPY_RECORD,
     MAX_HEADER_BYTES,
+    block_with_timeout,
     lower_thread_priority,
     recv_json as _recv_json,
     send_json as _send_json,
     step_files,
+    timeouts_named,
 )
 from ._tier import PEER_COPIES_DIR, PeerCopyTier
 
@@ -84,7 +86,7 @@ def _receive_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> N
         path = _received_path(folder, key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         left, crc = size, 0
-        with open(path, "wb", buffering=0) as out:
+        with open(path, "wb", buffering=0) as out, timeouts_named():
             while left:
                 n = sock.recv_into(view, min(left, CHUNK_BYTES), socket.MSG_WAITALL)
                 if not n:
@@ -213,7 +215,7 @@ class PeerService:
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 lower_thread_priority()
-                self.request.settimeout(service.timeout_s)
+                block_with_timeout(self.request, service.timeout_s)
                 cpu_s = time.thread_time()
                 try:
                     request = _recv_json(self.request)
@@ -382,6 +384,7 @@ class PeerService:
     def _put(self, holder: int, step: int, generation: str, files: list[dict], keep: list[int]) -> None:
         address = self.address(holder)
         with socket.create_connection((address.host, address.port), timeout=self.timeout_s) as sock:
+            block_with_timeout(sock, self.timeout_s)
             _send_json(sock, {"op": "put", "owner": self.process_index, "step": step, "generation": generation,
                               "keep": keep, "files": files})
             try:
@@ -472,6 +475,7 @@ class PeerService:
             try:
                 address = self.address(source)
                 with socket.create_connection((address.host, address.port), timeout=self.timeout_s) as sock:
+                    block_with_timeout(sock, self.timeout_s)
                     _send_json(sock, {"op": "get", "owner": self.process_index, "step": step, "generation": generation})
                     record = _recv_json(sock)
                     if "error" in record:
