@@ -9,7 +9,9 @@ Every message is a 4-byte big-endian length and a JSON object (at most
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import functools
 import json
 import os
 import socket
@@ -22,10 +24,11 @@ import crc32c
 import numpy as np
 
 from .. import _format
-from .._errors import CorruptCheckpointError
-from .._memory import aligned_empty
+from .._encoding import combine_crc32c
+from .._errors import CheckpointError, CorruptCheckpointError
+from .._memory import aligned_empty, host_buffer
 from .._save import BACKGROUND_NICE
-from .._storage import DIRECT_ALIGN, DirectFile
+from .._storage import DIRECT_ALIGN, DirectFile, LocalStorage
 
 CHUNK_BYTES = 4 << 20  # bytes of a file in memory at once, per transfer (a restore's fetch)
 MAX_HEADER_BYTES = 64 << 20  # a header lists the files of one step
@@ -120,22 +123,112 @@ def step_files(folder: str) -> list[dict]:
 
 # --- one copy: the owner's sending and the holder's receiving ------------------------------
 #
-# After the put's header, each file travels as its `size` bytes and then the crc32c of those
-# bytes as the sender read them (`_CRC`, 4 bytes): the sender takes it in the pass that
-# sends, the holder in the pass that receives; the holder refuses a file whose length or
-# crc32c differ. Both sides move the bytes through one `BLOCK_BYTES` buffer, aligned for
-# `O_DIRECT`: the sender reads its committed files past the page cache (they were written
-# past it), the holder writes its copy past it and fsyncs each file. Per byte, the CPU of
-# the copy is one copy into the socket, one out of it and two crc32c passes
+# After the put's header, each file travels as its `size` bytes and then the crc32c the
+# owner claims for them (`_CRC`, 4 bytes); the holder takes the crc32c of the bytes as they
+# arrive and refuses a file whose length or crc32c differ. The owner's claim: for a chunk
+# file (a zarr shard file, a pack), the crc32c it has when intact, from its layout alone
+# (`intact_crc32c`; its own index checked as it passes); for any other file, the crc32c of
+# the bytes it read, in the pass that sends them. Both sides move the bytes through one
+# `BLOCK_BYTES` buffer (huge pages where the kernel gives them), aligned for `O_DIRECT`:
+# the sender reads its committed files past the page cache (they were written past it),
+# the holder writes its copy past it and fsyncs each file. Per byte, the CPU of the copy is
+# one copy into the socket, one out of it and the holder's crc32c pass
 # (docs/DESIGN-decisions.md, "Peer copies: the copy's CPU").
 
 BLOCK_BYTES = 4 << 20  # each transfer's one buffer, a multiple of DIRECT_ALIGN
 _CRC = struct.Struct(">I")
+# crc32c of any bytes followed by their own crc32c (u32, little-endian): a constant.
+_RESIDUE = 0x48674BC7
 
 
 def _block() -> tuple[np.ndarray, memoryview]:
-    buf = aligned_empty((BLOCK_BYTES,), np.dtype(np.uint8), DIRECT_ALIGN)
+    """The one buffer of a transfer: 2 MiB huge pages where the kernel gives them (a
+    direct read or write pins one page per 2 MiB instead of per 4 KiB), else 4 KiB."""
+    buf = host_buffer((BLOCK_BYTES,), np.dtype(np.uint8))
+    if buf.ctypes.data % DIRECT_ALIGN:
+        buf = aligned_empty((BLOCK_BYTES,), np.dtype(np.uint8), DIRECT_ALIGN)
     return buf, memoryview(buf.data).cast("B")
+
+
+# --- what an intact chunk file's crc32c is ------------------------------------------------
+#
+# A zarr shard file of this format is its inner chunks, each its bytes then their crc32c
+# (u32 LE), then the index and its crc32c: segments that each end in their own crc32c.
+# The crc32c of such a segment is `_RESIDUE` whatever its bytes, so the file's crc32c
+# follows from the segments' lengths (`combine_crc32c`), without reading a byte; a pack
+# (`packed/process-<i>/c/0`: its bytes then their crc32c) is one segment. A file whose
+# bytes were damaged anywhere has another crc32c (with the usual 2^-32 chance of a miss),
+# so the holder's check catches damage on the way and on the owner's disk alike.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Intact:
+    """What the owner claims for one chunk file: its crc32c when intact; for a shard
+    file also its index, which the sender checks as it passes (`index_ok`)."""
+
+    crc: int
+    segment: int = 0  # bytes of each inner chunk with its crc32c (shard files)
+    inner: int = 0  # inner chunks (shard files; 0: a pack, no index)
+
+    @property
+    def index_bytes(self) -> int:
+        return 16 * self.inner + 4 if self.inner else 0
+
+    def index_ok(self, tail: memoryview) -> bool:
+        """Whether `tail` (the file's last `index_bytes`) is an intact index of
+        `inner` stored inner chunks of `segment` bytes that tile the file's start."""
+        index, stored = tail[:-4], int.from_bytes(tail[-4:], "little")
+        if crc32c.crc32c(index) != stored:
+            return False
+        entries = np.frombuffer(index, "<u8").reshape(-1, 2)
+        return bool((entries[:, 1] == self.segment).all()) and bool(
+            (np.sort(entries[:, 0]) == np.arange(self.inner, dtype=np.uint64) * self.segment).all())
+
+
+@functools.lru_cache(maxsize=256)
+def _segments_crc(segment: int, count: int, tail: int) -> int:
+    """crc32c of `count` segments of `segment` bytes, then one of `tail` bytes (0: none),
+    each ending in the crc32c of its other bytes (doubling: O(log count) combines)."""
+    out, run, run_bytes = 0, _RESIDUE, segment  # `run`: crc32c of 2^k segments
+    while count:
+        if count & 1:
+            out = combine_crc32c(out, run, run_bytes)
+        run, run_bytes, count = combine_crc32c(run, run, run_bytes), 2 * run_bytes, count >> 1
+    return combine_crc32c(out, _RESIDUE, tail) if tail else out
+
+
+def intact_crc32c(folder: str, files: Sequence[dict]) -> dict[str, _Intact]:
+    """The chunk files of the committed step `folder` whose crc32c when intact follows
+    from the step's manifest (their size the layout's): zarr shard files of arrays (not
+    packed) and this step's packs. Others (JSON files, a file of another size, a step
+    whose manifest does not parse) are absent: the sender reads them for their crc32c."""
+    try:
+        meta = _format.read_metadata(LocalStorage(), folder, check_references=False)
+    except (CheckpointError, OSError, ValueError):
+        return {}
+    shards: dict[str, _format.ShardFileLayout] = {}
+    packs: dict[str, int] = {}
+    for leaf in meta.leaves.values():
+        if isinstance(leaf, _format.ArrayMetadata):
+            if not leaf.packed:
+                shards[f"{_format.array_dir(leaf.path)}/c"] = leaf.layout
+            for box in leaf.pack_boxes:
+                if box.folder is None:
+                    packs[box.key] = box.file_bytes
+    out: dict[str, _Intact] = {}
+    for f in files:
+        key, size = str(f["key"]), int(f["size"])
+        if key in packs:
+            if size == packs[key]:
+                out[key] = _Intact(_RESIDUE)
+            continue
+        head, _, cell = key.rpartition("/c/")
+        layout = shards.get(f"{head}/c") if cell.replace("/", "").isdigit() else shards.get(key)
+        if layout is not None and size == layout.file_bytes and layout.inner_chunks:
+            segment = layout.inner_bytes_with_crc
+            out[key] = _Intact(_segments_crc(segment, layout.inner_chunks, layout.index_bytes), segment,
+                               layout.inner_chunks)
+    return out
 
 
 def _open_for_reading(path: str) -> tuple[int, bool]:
@@ -167,39 +260,76 @@ def _read_block(fd: int, direct: bool, path: str, view: memoryview, offset: int)
 def send_copy(sock: socket.socket, folder: str, files: Sequence[dict],
               damage: Callable[[str, memoryview], None] | None = None) -> None:
     """Streams the first `size` bytes of each of `files` (`step_files`) of `folder`, each
-    followed by the crc32c of the bytes read (one pass: read, crc32c, send).
+    followed by the owner's crc32c of them: a chunk file's crc32c when intact
+    (`intact_crc32c`, its index checked as it passes), else the crc32c of the bytes read,
+    taken in the pass that sends them.
 
     Args:
-      damage: tests only: called with (key, block) after the crc32c of each block is
-        taken and before it is sent (a copy damaged on the way).
+      damage: tests only: called with (key, block) after the block is read (and its
+        crc32c taken) and before it is sent (a copy damaged on the way).
     Raises:
       OSError: a file is shorter than its `size`, or the socket failed.
     """
     _, view = _block()
+    intact = intact_crc32c(folder, files)
     for f in files:
         key, size = str(f["key"]), int(f["size"])
         path = f"{folder}/{key}"
+        claim = intact.get(key)
+        index_room = -(-claim.index_bytes // DIRECT_ALIGN) * DIRECT_ALIGN if claim is not None else 0
+        if index_room * 2 > BLOCK_BYTES:
+            claim = None  # an index too large to keep whole in the last block: read for the crc32c
         fd, direct = _open_for_reading(path)
         try:
             offset, crc = 0, 0
             while offset < size:
                 # Only the blocks that hold the file: a direct read past the end fills the
-                # rest of the buffer with zeros (iomap), a copy for nothing.
-                want = min(BLOCK_BYTES, -(-(size - offset) // DIRECT_ALIGN) * DIRECT_ALIGN)
+                # rest of the buffer with zeros (iomap), a copy for nothing. A shard file's
+                # index arrives whole in its last block.
+                left = size - offset
+                want = min(BLOCK_BYTES, -(-left // DIRECT_ALIGN) * DIRECT_ALIGN)
+                if claim is not None and 0 < left - want < claim.index_bytes:
+                    want -= index_room
                 n, fd, direct = _read_block(fd, direct, path, view[:want], offset)
-                n = min(n, size - offset)
+                n = min(n, left)
                 if n <= 0:
                     raise OSError(errno.EIO, f"{path} is shorter than {size} bytes ({offset})")
-                crc = crc32c.crc32c(view[:n], crc)
+                if claim is None:
+                    crc = crc32c.crc32c(view[:n], crc)
+                elif offset + n == size and claim.inner and (
+                        n < claim.index_bytes or not claim.index_ok(view[n - claim.index_bytes:n])):
+                    claim = _UNCLAIMED  # not the layout the manifest says: read it again for the crc32c
                 if damage is not None:
                     damage(key, view[:n])
                 with timeouts_named():
                     sock.sendall(view[:n])
                 offset += n
+            if claim is _UNCLAIMED:
+                crc, fd, direct = _file_crc32c(fd, direct, path, view, size)
+            elif claim is not None:
+                crc = claim.crc
         finally:
             os.close(fd)
         with timeouts_named():
             sock.sendall(_CRC.pack(crc))
+
+
+_UNCLAIMED = _Intact(0)
+
+
+def _file_crc32c(fd: int, direct: bool, path: str, view: memoryview, size: int) -> tuple[int, int, bool]:
+    """crc32c of the first `size` bytes of the file open at `fd`, read again through
+    `view`. Returns (crc32c, fd, direct)."""
+    offset, crc = 0, 0
+    while offset < size:
+        want = min(len(view), -(-(size - offset) // DIRECT_ALIGN) * DIRECT_ALIGN)
+        n, fd, direct = _read_block(fd, direct, path, view[:want], offset)
+        n = min(n, size - offset)
+        if n <= 0:
+            raise OSError(errno.EIO, f"{path} is shorter than {size} bytes ({offset})")
+        crc = crc32c.crc32c(view[:n], crc)
+        offset += n
+    return crc, fd, direct
 
 
 class _CopyFile:
@@ -279,18 +409,24 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
       ConnectionError: the sender closed the connection early, or sent a name outside `folder`.
       OSError: the holder's file system (ENOSPC on a full memory tier).
     """
-    buf, view = _block()
-    direct = True
-    out = []
-    made: set[str] = set()  # the folders created so far (one system call per folder, not per file)
     for f in files:
         key, size = str(f["key"]), int(f["size"])
         if key.startswith("/") or ".." in key.split("/") or size < 0:
             raise ConnectionError(f"a peer sent the file {key!r} of {size} bytes")
-        path = received_path(folder, key)
-        if (parent := os.path.dirname(path)) not in made:
+    # Every folder once, parents first: one mkdir each (`makedirs` tries the deepest first).
+    for parent in sorted({os.path.dirname(received_path(folder, str(f["key"]))) for f in files}, key=len):
+        try:
+            os.mkdir(parent)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
             os.makedirs(parent, exist_ok=True)
-            made.add(parent)
+    buf, view = _block()
+    direct = True
+    out = []
+    for f in files:
+        key, size = str(f["key"]), int(f["size"])
+        path = received_path(folder, key)
         copy = _CopyFile(path, direct)
         direct = copy.direct  # a refusal holds for the rest of the folder
         try:
@@ -313,6 +449,6 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
         if crc != expected:
             raise CorruptCheckpointError(
                 f"the copy {path} has crc32c {crc:#010x}, expected {expected:#010x} ({size} bytes): the bytes were "
-                "damaged on the way")
+                "damaged on the way, or on the owner's disk")
         out.append({"key": key, "size": size, "crc32c": crc})
     return out

@@ -122,7 +122,7 @@ def _stream_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> No
 def _commit_folder(partial: str, final: str, record: dict) -> None:
     """Writes the copy's record and renames `partial` to `final` (replacing an old one)."""
     with open(f"{partial}/{COPY_RECORD}", "w") as f:
-        json.dump(record, f)
+        f.write(json.dumps(record))  # one write (`json.dump` writes each token)
         f.flush()
         os.fsync(f.fileno())
     os.rename(f"{partial}/{_format.COMMITTED}.received", f"{partial}/{_format.COMMITTED}")
