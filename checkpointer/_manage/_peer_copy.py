@@ -175,14 +175,20 @@ class _Intact:
         return 16 * self.inner + 4 if self.inner else 0
 
     def index_ok(self, tail: memoryview) -> bool:
-        """Whether `tail` (the file's last `index_bytes`) is an intact index of
-        `inner` stored inner chunks of `segment` bytes that tile the file's start."""
-        index, stored = tail[:-4], int.from_bytes(tail[-4:], "little")
-        if crc32c.crc32c(index) != stored:
-            return False
-        entries = np.frombuffer(index, "<u8").reshape(-1, 2)
-        return bool((entries[:, 1] == self.segment).all()) and bool(
-            (np.sort(entries[:, 0]) == np.arange(self.inner, dtype=np.uint64) * self.segment).all())
+        """Whether `tail` (the file's last `index_bytes`) is the index this format's
+        writers write: the inner chunks back to back in C order, then its crc32c."""
+        return tail == _expected_index(self.segment, self.inner)
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_index(segment: int, inner: int) -> bytes:
+    """The index and its crc32c of a shard file of `inner` inner chunks of `segment`
+    bytes each (with their crc32c), stored back to back in C order."""
+    entries = np.empty((inner, 2), "<u8")
+    entries[:, 0] = np.arange(inner, dtype=np.uint64) * segment
+    entries[:, 1] = segment
+    index = entries.tobytes()
+    return index + crc32c.crc32c(index).to_bytes(4, "little")
 
 
 @functools.lru_cache(maxsize=256)
@@ -270,6 +276,12 @@ def send_copy(sock: socket.socket, folder: str, files: Sequence[dict],
     Raises:
       OSError: a file is shorter than its `size`, or the socket failed.
     """
+    with timeouts_named():
+        _send_files(sock, folder, files, damage)
+
+
+def _send_files(sock: socket.socket, folder: str, files: Sequence[dict],
+                damage: Callable[[str, memoryview], None] | None) -> None:
     _, view = _block()
     intact = intact_crc32c(folder, files)
     for f in files:
@@ -301,8 +313,7 @@ def send_copy(sock: socket.socket, folder: str, files: Sequence[dict],
                     claim = _UNCLAIMED  # not the layout the manifest says: read it again for the crc32c
                 if damage is not None:
                     damage(key, view[:n])
-                with timeouts_named():
-                    sock.sendall(view[:n])
+                sock.sendall(view[:n])
                 offset += n
             if claim is _UNCLAIMED:
                 crc, fd, direct = _file_crc32c(fd, direct, path, view, size)
@@ -310,8 +321,7 @@ def send_copy(sock: socket.socket, folder: str, files: Sequence[dict],
                 crc = claim.crc
         finally:
             os.close(fd)
-        with timeouts_named():
-            sock.sendall(_CRC.pack(crc))
+        sock.sendall(_CRC.pack(crc))
 
 
 _UNCLAIMED = _Intact(0)
@@ -424,31 +434,31 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
     buf, view = _block()
     direct = True
     out = []
-    for f in files:
-        key, size = str(f["key"]), int(f["size"])
-        path = received_path(folder, key)
-        copy = _CopyFile(path, direct)
-        direct = copy.direct  # a refusal holds for the rest of the folder
-        try:
-            offset, crc = 0, 0
-            while offset < size:
-                want, got = min(BLOCK_BYTES, size - offset), 0
-                with timeouts_named():
+    with timeouts_named():
+        for f in files:
+            key, size = str(f["key"]), int(f["size"])
+            path = received_path(folder, key)
+            copy = _CopyFile(path, direct)
+            direct = copy.direct  # a refusal holds for the rest of the folder
+            try:
+                offset, crc = 0, 0
+                while offset < size:
+                    want, got = min(BLOCK_BYTES, size - offset), 0
                     while got < want:  # a full block, so every direct write is aligned
                         n = sock.recv_into(view[got:want], want - got, socket.MSG_WAITALL)
                         if not n:
                             raise ConnectionError(f"the peer closed the connection in {key} ({offset + got} of {size} bytes)")
                         got += n
-                crc = crc32c.crc32c(view[:want], crc)
-                copy.write_at(offset, buf, want)
-                offset += want
-            copy.finish(size)
-        finally:
-            copy.close()
-        (expected,) = _CRC.unpack(recv_exact(sock, _CRC.size))
-        if crc != expected:
-            raise CorruptCheckpointError(
-                f"the copy {path} has crc32c {crc:#010x}, expected {expected:#010x} ({size} bytes): the bytes were "
-                "damaged on the way, or on the owner's disk")
-        out.append({"key": key, "size": size, "crc32c": crc})
+                    crc = crc32c.crc32c(view[:want], crc)
+                    copy.write_at(offset, buf, want)
+                    offset += want
+                copy.finish(size)
+            finally:
+                copy.close()
+            (expected,) = _CRC.unpack(recv_exact(sock, _CRC.size))
+            if crc != expected:
+                raise CorruptCheckpointError(
+                    f"the copy {path} has crc32c {crc:#010x}, expected {expected:#010x} ({size} bytes): the bytes were "
+                    "damaged on the way, or on the owner's disk")
+            out.append({"key": key, "size": size, "crc32c": crc})
     return out
