@@ -14,8 +14,9 @@ a JSON object; file bytes travel raw, in `CHUNK_BYTES` pieces, so memory stays b
 ```
 put   owner → holder   {"op": "put", "owner", "step", "generation", "keep": [steps],
                         "files": [{"key", "size"}, ...]}  then each file's bytes and the
-                       crc32c the owner took of them as it read them (4 bytes; the
-                       marker `COMMITTED` last; `_peer_copy.send_copy`).  The holder
+                       owner's crc32c of them (4 bytes: a chunk file's crc32c when
+                       intact, from its layout; any other file's, taken as it read it;
+                       the marker `COMMITTED` last; `_peer_copy.send_copy`).  The holder
                        writes them into process-<h>/peer-copies/process-<owner>/<step>.partial-<g>/
                        (past the page cache, fsynced, `_peer_copy.receive_copy`), taking
                        the crc32c of the bytes as they arrive: each file's length and
@@ -285,6 +286,7 @@ class PeerService:
             _send_json(sock, {"error": f"process {self.process_index} holds no copy of step {step} of process {owner}: {e}"})
             return
         _send_json(sock, record)
+        sock.settimeout(self.timeout_s)  # `socket.sendfile` waits on a blocking socket with no timeout
         _stream_files(sock, folder, record["files"])
 
     # --- addresses and holders ----------------------------------------------------------
