@@ -424,7 +424,13 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
         if key.startswith("/") or ".." in key.split("/") or size < 0:
             raise ConnectionError(f"a peer sent the file {key!r} of {size} bytes")
     # Every folder once, parents first: one mkdir each (`makedirs` tries the deepest first).
-    for parent in sorted({os.path.dirname(received_path(folder, str(f["key"]))) for f in files}, key=len):
+    folders: set[str] = set()
+    for f in files:
+        parent = os.path.dirname(received_path(folder, str(f["key"])))
+        while len(parent) > len(folder) and parent not in folders:
+            folders.add(parent)
+            parent = os.path.dirname(parent)
+    for parent in sorted(folders, key=len):
         try:
             os.mkdir(parent)
         except FileExistsError:
