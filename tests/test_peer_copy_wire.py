@@ -167,3 +167,31 @@ def test_a_peer_that_sends_nothing_times_out_on_the_kernels_timeout():
         with pytest.raises(TimeoutError):
             with _peer_copy.timeouts_named():
                 b.recv_into(view, 8, socket.MSG_WAITALL)
+
+
+@pytest.mark.parametrize("when", ["open", "write"])
+def test_a_holder_whose_file_system_refuses_direct_io_writes_through_the_page_cache(step, tmp_path, monkeypatch, when):
+    import fcntl
+
+    real_open, real_pwrite, refusals = os.open, os.pwrite, []
+
+    def refusing_open(path, flags, *a):
+        if flags & os.O_DIRECT and "/holder/" in str(path) and when == "open":
+            refusals.append(path)
+            raise OSError(22, "Invalid argument", path)
+        return real_open(path, flags, *a)
+
+    def refusing_pwrite(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refusals.append(fd)
+            raise OSError(22, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(_peer_copy.os, "open", refusing_open)
+    monkeypatch.setattr(_peer_copy.os, "pwrite", refusing_pwrite)
+    files, out = _copy(step, str(tmp_path / "holder"))
+    monkeypatch.undo()
+    assert "error" not in out, out
+    assert len(refusals) == 1  # the first refusal holds for the rest of the copy
+    for f in files:
+        assert _read(f"{step}/{f['key']}") == _read(_received_path(str(tmp_path / "holder"), f["key"])), f["key"]

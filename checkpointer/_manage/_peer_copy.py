@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import functools
 import json
 import os
@@ -28,7 +29,7 @@ from .._encoding import combine_crc32c
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._memory import aligned_empty, host_buffer
 from .._save import BACKGROUND_NICE
-from .._storage import DIRECT_ALIGN, DirectFile, LocalStorage
+from .._storage import DIRECT_ALIGN, LocalStorage
 
 CHUNK_BYTES = 4 << 20  # bytes of a file in memory at once, per transfer (a restore's fetch)
 MAX_HEADER_BYTES = 64 << 20  # a header lists the files of one step
@@ -342,69 +343,68 @@ def _file_crc32c(fd: int, direct: bool, path: str, view: memoryview, size: int) 
     return crc, fd, direct
 
 
+_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
 class _CopyFile:
-    """One received file: `O_DIRECT` for its whole aligned blocks, its unaligned tail (the
-    last `size % DIRECT_ALIGN` bytes) through the page cache, so the file ends at its size
-    without a truncation (ext4 reads the padded block back from disk to truncate it);
-    or all through the page cache where the holder's file system refuses `O_DIRECT`.
-    `finish` fsyncs the file (its data, the tail's page and its size) and closes it."""
+    """One received file, one descriptor: `O_DIRECT` for its whole aligned blocks, then
+    its unaligned tail (the last `size % DIRECT_ALIGN` bytes) through the page cache
+    (`O_DIRECT` cleared on the same descriptor), so the file ends at its size without a
+    truncation (ext4 reads a padded block back from disk to truncate it); or all through
+    the page cache where the holder's file system refuses `O_DIRECT` (EINVAL/EOPNOTSUPP,
+    at open or at the first write). `finish` fsyncs the file (its data, the tail's page
+    and its size) and closes it."""
 
     def __init__(self, path: str, direct: bool) -> None:
-        self.path, self.direct = path, direct
-        self._direct: DirectFile | None = None
-        self._fd: int | None = None  # buffered: the whole file, or the tail of a direct one
-        if direct:
+        self.path, self.direct = path, direct and _O_DIRECT != 0
+        self.refused = False  # the file system refused O_DIRECT (at open or first write)
+        if self.direct:
             try:
-                self._direct = DirectFile(path)
+                self._fd = os.open(path, _WRITE | _O_DIRECT, 0o644)
                 return
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
-                self.direct = False
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                self.direct, self.refused = False, True
+        self._fd = os.open(path, _WRITE, 0o644)
 
-    def write_at(self, offset: int, buf: np.ndarray, n: int) -> None:
-        """Writes `buf[:n]` at `offset` (a multiple of `DIRECT_ALIGN`; `n` too, but for a
-        file's last block)."""
-        if self._direct is not None:
+    def write_at(self, offset: int, view: memoryview, n: int) -> None:
+        """Writes `view[:n]` at `offset` (a multiple of `DIRECT_ALIGN`; `n` too, but for a
+        file's last block; `view` aligned for `O_DIRECT`)."""
+        if self.direct:
             aligned = n - n % DIRECT_ALIGN
             try:
-                if aligned:
-                    self._direct.write_at(offset, buf[:aligned])
+                done = 0
+                while done < aligned:  # a direct write may take fewer bytes, a multiple of the block size
+                    done += os.pwrite(self._fd, view[done:aligned], offset + done)
             except OSError as e:  # a file system that refuses direct writes only when written
-                if offset or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                if offset or done or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
-                self._direct.close()
-                self._direct, self.direct = None, False
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                os.close(self._fd)
+                self._fd, self.direct, self.refused = -1, False, True
+                self._fd = os.open(self.path, _WRITE, 0o644)
             else:
                 if aligned == n:
                     return
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)  # the tail, buffered
-                offset, buf, n = offset + aligned, buf[aligned:], n - aligned
-        assert self._fd is not None
-        view, done = memoryview(buf.data).cast("B")[:n], 0
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                self.direct = False  # the tail, through the page cache
+                view, offset, n = view[aligned:], offset + aligned, n - aligned
+        done = 0
         while done < n:
-            done += os.pwrite(self._fd, view[done:], offset + done)
+            done += os.pwrite(self._fd, view[done:n], offset + done)
 
-    def finish(self, size: int) -> None:
-        if self._direct is not None:  # its fsync covers the tail's page too (one inode)
-            self._direct.finish(size)
-            self.close()
-            return
-        fd, self._fd = self._fd, None
-        assert fd is not None
+    def finish(self) -> None:
+        fd, self._fd = self._fd, -1
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
     def close(self) -> None:
-        if self._direct is not None:
-            self._direct.close()
-        if self._fd is not None:
+        if self._fd >= 0:
             os.close(self._fd)
-            self._fd = None
+            self._fd = -1
 
 
 def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], received_path: Callable[[str, str], str]) -> list[dict]:
@@ -437,7 +437,8 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
             pass
         except FileNotFoundError:
             os.makedirs(parent, exist_ok=True)
-    buf, view = _block()
+    _, view = _block()
+    trailer = memoryview(bytearray(_CRC.size))
     direct = True
     out = []
     with timeouts_named():
@@ -445,7 +446,6 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
             key, size = str(f["key"]), int(f["size"])
             path = received_path(folder, key)
             copy = _CopyFile(path, direct)
-            direct = copy.direct  # a refusal holds for the rest of the folder
             try:
                 offset, crc = 0, 0
                 while offset < size:
@@ -456,12 +456,19 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
                             raise ConnectionError(f"the peer closed the connection in {key} ({offset + got} of {size} bytes)")
                         got += n
                     crc = crc32c.crc32c(view[:want], crc)
-                    copy.write_at(offset, buf, want)
+                    copy.write_at(offset, view, want)
                     offset += want
-                copy.finish(size)
+                copy.finish()
             finally:
                 copy.close()
-            (expected,) = _CRC.unpack(recv_exact(sock, _CRC.size))
+            direct = direct and not copy.refused  # a refusal holds for the rest of the folder
+            got = 0
+            while got < _CRC.size:  # the owner's crc32c of the file
+                n = sock.recv_into(trailer[got:], _CRC.size - got, socket.MSG_WAITALL)
+                if not n:
+                    raise ConnectionError(f"the peer closed the connection before the crc32c of {key}")
+                got += n
+            (expected,) = _CRC.unpack(trailer)
             if crc != expected:
                 raise CorruptCheckpointError(
                     f"the copy {path} has crc32c {crc:#010x}, expected {expected:#010x} ({size} bytes): the bytes were "
