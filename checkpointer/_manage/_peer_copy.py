@@ -8,23 +8,28 @@ Every message is a 4-byte big-endian length and a JSON object (at most
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
+import fcntl
+import functools
 import json
 import os
 import socket
 import struct
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import crc32c
 import numpy as np
 
 from .. import _format
-from .._errors import CorruptCheckpointError
-from .._memory import aligned_empty
+from .._encoding import combine_crc32c
+from .._errors import CheckpointError, CorruptCheckpointError
+from .._memory import aligned_empty, host_buffer
 from .._save import BACKGROUND_NICE
-from .._storage import DIRECT_ALIGN, DirectFile
+from .._storage import DIRECT_ALIGN, LocalStorage
 
 CHUNK_BYTES = 4 << 20  # bytes of a file in memory at once, per transfer (a restore's fetch)
 MAX_HEADER_BYTES = 64 << 20  # a header lists the files of one step
@@ -44,20 +49,50 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> None:
         pass
 
 
+def block_with_timeout(sock: socket.socket, timeout_s: float) -> None:
+    """Puts `sock` in blocking mode with the kernel's send and receive timeouts
+    (`SO_SNDTIMEO`/`SO_RCVTIMEO`, Linux) instead of Python's (elsewhere: `settimeout`).
+
+    Python's timeout makes the socket non-blocking and polls before each system call, so a
+    `recv_into(..., MSG_WAITALL)` returns whatever has arrived (a few skbs) and `sendall`
+    polls between partial sends: per block, tens of calls and as many trips through the
+    interpreter on a loaded machine. In blocking mode one call moves a whole block; the
+    kernel's timeout still bounds each call (a stalled peer: OSError, EAGAIN)."""
+    if sys.platform != "linux":
+        sock.settimeout(timeout_s)
+        return
+    usec = max(1, round(timeout_s * 1e6))  # 0 would mean no timeout
+    tv = struct.pack("@ll", usec // 1_000_000, usec % 1_000_000)  # struct timeval
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+@contextlib.contextmanager
+def timeouts_named():
+    """A kernel timeout (`block_with_timeout`: EAGAIN on a blocking socket) as TimeoutError."""
+    try:
+        yield
+    except BlockingIOError as e:
+        raise TimeoutError(errno.ETIMEDOUT, "the peer moved no bytes within the timeout") from e
+
+
 def send_json(sock: socket.socket, obj: object) -> None:
     """Sends one message: its length (4 bytes, big-endian) and `obj` as JSON."""
     data = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
+    with timeouts_named():
+        sock.sendall(_LEN.pack(len(data)) + data)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     """The next `n` bytes, or ConnectionError when the peer closes first."""
     buf = bytearray()
-    while len(buf) < n:
-        part = sock.recv(min(n - len(buf), CHUNK_BYTES))
-        if not part:
-            raise ConnectionError(f"the peer closed the connection after {len(buf)} of {n} bytes")
-        buf += part
+    with timeouts_named():
+        while len(buf) < n:
+            part = sock.recv(min(n - len(buf), CHUNK_BYTES))
+            if not part:
+                raise ConnectionError(f"the peer closed the connection after {len(buf)} of {n} bytes")
+            buf += part
     return bytes(buf)
 
 
@@ -89,22 +124,135 @@ def step_files(folder: str) -> list[dict]:
 
 # --- one copy: the owner's sending and the holder's receiving ------------------------------
 #
-# After the put's header, each file travels as its `size` bytes and then the crc32c of those
-# bytes as the sender read them (`_CRC`, 4 bytes): the sender takes it in the pass that
-# sends, the holder in the pass that receives; the holder refuses a file whose length or
-# crc32c differ. Both sides move the bytes through one `BLOCK_BYTES` buffer, aligned for
-# `O_DIRECT`: the sender reads its committed files past the page cache (they were written
-# past it), the holder writes its copy past it and fsyncs each file. Per byte, the CPU of
-# the copy is one copy into the socket, one out of it and two crc32c passes
+# After the put's header, each file travels as its `size` bytes and then the crc32c the
+# owner claims for them (`_CRC`, 4 bytes); the holder takes the crc32c of the bytes as they
+# arrive and refuses a file whose length or crc32c differ. The owner's claim: for a chunk
+# file (a zarr shard file, a pack), the crc32c it has when intact, from its layout alone
+# (`intact_crc32c`; its own index checked as it passes); for any other file, the crc32c of
+# the bytes it read, in the pass that sends them. Both sides move the bytes through one
+# `BLOCK_BYTES` buffer (huge pages where the kernel gives them), aligned for `O_DIRECT`:
+# the sender reads its committed files past the page cache (they were written past it),
+# the holder writes its copy past it and fsyncs each file. Per byte, the CPU of the copy is
+# one copy into the socket, one out of it and the holder's crc32c pass
 # (docs/DESIGN-decisions.md, "Peer copies: the copy's CPU").
 
 BLOCK_BYTES = 4 << 20  # each transfer's one buffer, a multiple of DIRECT_ALIGN
 _CRC = struct.Struct(">I")
+# crc32c of any bytes followed by their own crc32c (u32, little-endian): a constant.
+_RESIDUE = 0x48674BC7
 
 
-def _block() -> tuple[np.ndarray, memoryview]:
-    buf = aligned_empty((BLOCK_BYTES,), np.dtype(np.uint8), DIRECT_ALIGN)
-    return buf, memoryview(buf.data).cast("B")
+_IDLE_BLOCKS = 2  # transfer buffers kept for the next transfers (8 MiB), beyond them freed
+_idle: list[memoryview] = []
+_idle_mu = threading.Lock()
+
+
+@contextlib.contextmanager
+def _block() -> Iterator[memoryview]:
+    """The one buffer of a transfer, `BLOCK_BYTES`: a buffer an earlier transfer used (in
+    this VM, fresh memory costs a page fault and a zeroed page, 4.7 ms per 4 MiB here),
+    or a new one on 2 MiB huge pages where the kernel gives them (a direct read or write
+    pins one page per 2 MiB instead of per 4 KiB), else 4 KiB."""
+    with _idle_mu:
+        view = _idle.pop() if _idle else None
+    if view is None:
+        buf = host_buffer((BLOCK_BYTES,), np.dtype(np.uint8))
+        if buf.ctypes.data % DIRECT_ALIGN:
+            buf = aligned_empty((BLOCK_BYTES,), np.dtype(np.uint8), DIRECT_ALIGN)
+        view = memoryview(buf.data).cast("B")  # keeps `buf` alive
+    try:
+        yield view
+    finally:
+        with _idle_mu:
+            if len(_idle) < _IDLE_BLOCKS:
+                _idle.append(view)
+
+
+# --- what an intact chunk file's crc32c is ------------------------------------------------
+#
+# A zarr shard file of this format is its inner chunks, each its bytes then their crc32c
+# (u32 LE), then the index and its crc32c: segments that each end in their own crc32c.
+# The crc32c of such a segment is `_RESIDUE` whatever its bytes, so the file's crc32c
+# follows from the segments' lengths (`combine_crc32c`), without reading a byte; a pack
+# (`packed/process-<i>/c/0`: its bytes then their crc32c) is one segment. A file whose
+# bytes were damaged anywhere has another crc32c (with the usual 2^-32 chance of a miss),
+# so the holder's check catches damage on the way and on the owner's disk alike.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Intact:
+    """What the owner claims for one chunk file: its crc32c when intact; for a shard
+    file also its index, which the sender checks as it passes (`index_ok`)."""
+
+    crc: int
+    segment: int = 0  # bytes of each inner chunk with its crc32c (shard files)
+    inner: int = 0  # inner chunks (shard files; 0: a pack, no index)
+
+    @property
+    def index_bytes(self) -> int:
+        return 16 * self.inner + 4 if self.inner else 0
+
+    def index_ok(self, tail: memoryview) -> bool:
+        """Whether `tail` (the file's last `index_bytes`) is the index this format's
+        writers write: the inner chunks back to back in C order, then its crc32c."""
+        return tail == _expected_index(self.segment, self.inner)
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_index(segment: int, inner: int) -> bytes:
+    """The index and its crc32c of a shard file of `inner` inner chunks of `segment`
+    bytes each (with their crc32c), stored back to back in C order."""
+    entries = np.empty((inner, 2), "<u8")
+    entries[:, 0] = np.arange(inner, dtype=np.uint64) * segment
+    entries[:, 1] = segment
+    index = entries.tobytes()
+    return index + crc32c.crc32c(index).to_bytes(4, "little")
+
+
+@functools.lru_cache(maxsize=256)
+def _segments_crc(segment: int, count: int, tail: int) -> int:
+    """crc32c of `count` segments of `segment` bytes, then one of `tail` bytes (0: none),
+    each ending in the crc32c of its other bytes (doubling: O(log count) combines)."""
+    out, run, run_bytes = 0, _RESIDUE, segment  # `run`: crc32c of 2^k segments
+    while count:
+        if count & 1:
+            out = combine_crc32c(out, run, run_bytes)
+        run, run_bytes, count = combine_crc32c(run, run, run_bytes), 2 * run_bytes, count >> 1
+    return combine_crc32c(out, _RESIDUE, tail) if tail else out
+
+
+def intact_crc32c(folder: str, files: Sequence[dict]) -> dict[str, _Intact]:
+    """The chunk files of the committed step `folder` whose crc32c when intact follows
+    from the step's manifest (their size the layout's): zarr shard files of arrays (not
+    packed) and this step's packs. Others (JSON files, a file of another size, a step
+    whose manifest does not parse) are absent: the sender reads them for their crc32c."""
+    try:
+        meta = _format.read_metadata(LocalStorage(), folder, check_references=False)
+    except (CheckpointError, OSError, ValueError):
+        return {}
+    shards: dict[str, _format.ShardFileLayout] = {}
+    packs: dict[str, int] = {}
+    for leaf in meta.leaves.values():
+        if isinstance(leaf, _format.ArrayMetadata):
+            if not leaf.packed:
+                shards[f"{_format.array_dir(leaf.path)}/c"] = leaf.layout
+            for box in leaf.pack_boxes:
+                if box.folder is None:
+                    packs[box.key] = box.file_bytes
+    out: dict[str, _Intact] = {}
+    for f in files:
+        key, size = str(f["key"]), int(f["size"])
+        if key in packs:
+            if size == packs[key]:
+                out[key] = _Intact(_RESIDUE)
+            continue
+        head, _, cell = key.rpartition("/c/")
+        layout = shards.get(f"{head}/c") if cell.replace("/", "").isdigit() else shards.get(key)
+        if layout is not None and size == layout.file_bytes and layout.inner_chunks:
+            segment = layout.inner_bytes_with_crc
+            out[key] = _Intact(_segments_crc(segment, layout.inner_chunks, layout.index_bytes), segment,
+                               layout.inner_chunks)
+    return out
 
 
 def _open_for_reading(path: str) -> tuple[int, bool]:
@@ -136,87 +284,143 @@ def _read_block(fd: int, direct: bool, path: str, view: memoryview, offset: int)
 def send_copy(sock: socket.socket, folder: str, files: Sequence[dict],
               damage: Callable[[str, memoryview], None] | None = None) -> None:
     """Streams the first `size` bytes of each of `files` (`step_files`) of `folder`, each
-    followed by the crc32c of the bytes read (one pass: read, crc32c, send).
+    followed by the owner's crc32c of them: a chunk file's crc32c when intact
+    (`intact_crc32c`, its index checked as it passes), else the crc32c of the bytes read,
+    taken in the pass that sends them.
 
     Args:
-      damage: tests only: called with (key, block) after the crc32c of each block is
-        taken and before it is sent (a copy damaged on the way).
+      damage: tests only: called with (key, block) after the block is read (and its
+        crc32c taken) and before it is sent (a copy damaged on the way).
     Raises:
       OSError: a file is shorter than its `size`, or the socket failed.
     """
-    _, view = _block()
+    with timeouts_named(), _block() as view:
+        _send_files(sock, folder, files, damage, view)
+
+
+def _send_files(sock: socket.socket, folder: str, files: Sequence[dict],
+                damage: Callable[[str, memoryview], None] | None, view: memoryview) -> None:
+    intact = intact_crc32c(folder, files)
     for f in files:
         key, size = str(f["key"]), int(f["size"])
         path = f"{folder}/{key}"
+        claim = intact.get(key)
+        index_room = -(-claim.index_bytes // DIRECT_ALIGN) * DIRECT_ALIGN if claim is not None else 0
+        if index_room * 2 > BLOCK_BYTES:
+            claim = None  # an index too large to keep whole in the last block: read for the crc32c
         fd, direct = _open_for_reading(path)
         try:
             offset, crc = 0, 0
             while offset < size:
-                n, fd, direct = _read_block(fd, direct, path, view, offset)
-                n = min(n, size - offset)
+                # Only the blocks that hold the file: a direct read past the end fills the
+                # rest of the buffer with zeros (iomap), a copy for nothing. A shard file's
+                # index arrives whole in its last block.
+                left = size - offset
+                want = min(BLOCK_BYTES, -(-left // DIRECT_ALIGN) * DIRECT_ALIGN)
+                if claim is not None and 0 < left - want < claim.index_bytes:
+                    want -= index_room
+                n, fd, direct = _read_block(fd, direct, path, view[:want], offset)
+                n = min(n, left)
                 if n <= 0:
                     raise OSError(errno.EIO, f"{path} is shorter than {size} bytes ({offset})")
-                crc = crc32c.crc32c(view[:n], crc)
+                if claim is None:
+                    crc = crc32c.crc32c(view[:n], crc)
+                elif offset + n == size and claim.inner and (
+                        n < claim.index_bytes or not claim.index_ok(view[n - claim.index_bytes:n])):
+                    claim = _UNCLAIMED  # not the layout the manifest says: read it again for the crc32c
                 if damage is not None:
                     damage(key, view[:n])
                 sock.sendall(view[:n])
                 offset += n
+            if claim is _UNCLAIMED:
+                crc, fd, direct = _file_crc32c(fd, direct, path, view, size)
+            elif claim is not None:
+                crc = claim.crc
         finally:
             os.close(fd)
         sock.sendall(_CRC.pack(crc))
 
 
+_UNCLAIMED = _Intact(0)
+
+
+def _file_crc32c(fd: int, direct: bool, path: str, view: memoryview, size: int) -> tuple[int, int, bool]:
+    """crc32c of the first `size` bytes of the file open at `fd`, read again through
+    `view`. Returns (crc32c, fd, direct)."""
+    offset, crc = 0, 0
+    while offset < size:
+        want = min(len(view), -(-(size - offset) // DIRECT_ALIGN) * DIRECT_ALIGN)
+        n, fd, direct = _read_block(fd, direct, path, view[:want], offset)
+        n = min(n, size - offset)
+        if n <= 0:
+            raise OSError(errno.EIO, f"{path} is shorter than {size} bytes ({offset})")
+        crc = crc32c.crc32c(view[:n], crc)
+        offset += n
+    return crc, fd, direct
+
+
+_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
 class _CopyFile:
-    """One received file: `O_DIRECT` (aligned blocks, the tail padded then truncated),
-    or through the page cache where the holder's file system refuses it; fsynced."""
+    """One received file, one descriptor: `O_DIRECT` for its whole aligned blocks, then
+    its unaligned tail (the last `size % DIRECT_ALIGN` bytes) through the page cache
+    (`O_DIRECT` cleared on the same descriptor), so the file ends at its size without a
+    truncation (ext4 reads a padded block back from disk to truncate it); or all through
+    the page cache where the holder's file system refuses `O_DIRECT` (EINVAL/EOPNOTSUPP,
+    at open or at the first write). `finish` fsyncs the file (its data, the tail's page
+    and its size) and closes it."""
 
     def __init__(self, path: str, direct: bool) -> None:
-        self.path, self.direct = path, direct
-        self._direct: DirectFile | None = None
-        self._fd: int | None = None
-        if direct:
+        self.path, self.direct = path, direct and _O_DIRECT != 0
+        self.refused = False  # the file system refused O_DIRECT (at open or first write)
+        if self.direct:
             try:
-                self._direct = DirectFile(path)
+                self._fd = os.open(path, _WRITE | _O_DIRECT, 0o644)
                 return
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
-                self.direct = False
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+                self.direct, self.refused = False, True
+        self._fd = os.open(path, _WRITE, 0o644)
 
-    def write_at(self, offset: int, buf: np.ndarray, n: int) -> None:
-        if self._direct is not None:
+    def write_at(self, offset: int, view: memoryview, n: int) -> None:
+        """Writes `view[:n]` at `offset` (a multiple of `DIRECT_ALIGN`; `n` too, but for a
+        file's last block; `view` aligned for `O_DIRECT`)."""
+        if self.direct:
+            aligned = n - n % DIRECT_ALIGN
             try:
-                self._direct.write_at(offset, buf[: -(-n // DIRECT_ALIGN) * DIRECT_ALIGN])
-                return
+                done = 0
+                while done < aligned:  # a direct write may take fewer bytes, a multiple of the block size
+                    done += os.pwrite(self._fd, view[done:aligned], offset + done)
             except OSError as e:  # a file system that refuses direct writes only when written
-                if offset or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                if offset or done or e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
-            self._direct.close()
-            self._direct, self.direct = None, False
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        assert self._fd is not None
-        view, done = memoryview(buf.data).cast("B")[:n], 0
+                os.close(self._fd)
+                self._fd, self.direct, self.refused = -1, False, True
+                self._fd = os.open(self.path, _WRITE, 0o644)
+            else:
+                if aligned == n:
+                    return
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
+                self.direct = False  # the tail, through the page cache
+                view, offset, n = view[aligned:], offset + aligned, n - aligned
+        done = 0
         while done < n:
-            done += os.pwrite(self._fd, view[done:], offset + done)
+            done += os.pwrite(self._fd, view[done:n], offset + done)
 
-    def finish(self, size: int) -> None:
-        if self._direct is not None:
-            self._direct.finish(size)
-            return
-        fd, self._fd = self._fd, None
-        assert fd is not None
+    def finish(self) -> None:
+        fd, self._fd = self._fd, -1
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
 
     def close(self) -> None:
-        if self._direct is not None:
-            self._direct.close()
-        if self._fd is not None:
+        if self._fd >= 0:
             os.close(self._fd)
-            self._fd = None
+            self._fd = -1
 
 
 def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], received_path: Callable[[str, str], str]) -> list[dict]:
@@ -231,36 +435,58 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
       ConnectionError: the sender closed the connection early, or sent a name outside `folder`.
       OSError: the holder's file system (ENOSPC on a full memory tier).
     """
-    buf, view = _block()
-    direct = True
-    out = []
     for f in files:
         key, size = str(f["key"]), int(f["size"])
         if key.startswith("/") or ".." in key.split("/") or size < 0:
             raise ConnectionError(f"a peer sent the file {key!r} of {size} bytes")
-        path = received_path(folder, key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        copy = _CopyFile(path, direct)
-        direct = copy.direct  # a refusal holds for the rest of the folder
+    # Every folder once, parents first: one mkdir each (`makedirs` tries the deepest first).
+    folders: set[str] = set()
+    for f in files:
+        parent = os.path.dirname(received_path(folder, str(f["key"])))
+        while len(parent) > len(folder) and parent not in folders:
+            folders.add(parent)
+            parent = os.path.dirname(parent)
+    for parent in sorted(folders, key=len):
         try:
-            offset, crc = 0, 0
-            while offset < size:
-                want, got = min(BLOCK_BYTES, size - offset), 0
-                while got < want:  # a full block, so every direct write is aligned
-                    n = sock.recv_into(view[got:want], want - got, socket.MSG_WAITALL)
-                    if not n:
-                        raise ConnectionError(f"the peer closed the connection in {key} ({offset + got} of {size} bytes)")
-                    got += n
-                crc = crc32c.crc32c(view[:want], crc)
-                copy.write_at(offset, buf, want)
-                offset += want
-            copy.finish(size)
-        finally:
-            copy.close()
-        (expected,) = _CRC.unpack(recv_exact(sock, _CRC.size))
-        if crc != expected:
-            raise CorruptCheckpointError(
-                f"the copy {path} has crc32c {crc:#010x}, expected {expected:#010x} ({size} bytes): the bytes were "
-                "damaged on the way")
-        out.append({"key": key, "size": size, "crc32c": crc})
+            os.mkdir(parent)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(parent, exist_ok=True)
+    trailer = memoryview(bytearray(_CRC.size))
+    direct = True
+    out = []
+    with timeouts_named(), _block() as view:
+        for f in files:
+            key, size = str(f["key"]), int(f["size"])
+            path = received_path(folder, key)
+            copy = _CopyFile(path, direct)
+            try:
+                offset, crc = 0, 0
+                while offset < size:
+                    want, got = min(BLOCK_BYTES, size - offset), 0
+                    while got < want:  # a full block, so every direct write is aligned
+                        n = sock.recv_into(view[got:want], want - got, socket.MSG_WAITALL)
+                        if not n:
+                            raise ConnectionError(f"the peer closed the connection in {key} ({offset + got} of {size} bytes)")
+                        got += n
+                    crc = crc32c.crc32c(view[:want], crc)
+                    copy.write_at(offset, view, want)
+                    offset += want
+                copy.finish()
+            finally:
+                copy.close()
+            direct = direct and not copy.refused  # a refusal holds for the rest of the folder
+            got = 0
+            while got < _CRC.size:  # the owner's crc32c of the file
+                n = sock.recv_into(trailer[got:], _CRC.size - got, socket.MSG_WAITALL)
+                if not n:
+                    raise ConnectionError(f"the peer closed the connection before the crc32c of {key}")
+                got += n
+            (expected,) = _CRC.unpack(trailer)
+            if crc != expected:
+                raise CorruptCheckpointError(
+                    f"the copy {path} has crc32c {crc:#010x}, expected {expected:#010x} ({size} bytes): the bytes were "
+                    "damaged on the way, or on the owner's disk")
+            out.append({"key": key, "size": size, "crc32c": crc})
     return out

@@ -14,8 +14,9 @@ a JSON object; file bytes travel raw, in `CHUNK_BYTES` pieces, so memory stays b
 ```
 put   owner → holder   {"op": "put", "owner", "step", "generation", "keep": [steps],
                         "files": [{"key", "size"}, ...]}  then each file's bytes and the
-                       crc32c the owner took of them as it read them (4 bytes; the
-                       marker `COMMITTED` last; `_peer_copy.send_copy`).  The holder
+                       owner's crc32c of them (4 bytes: a chunk file's crc32c when
+                       intact, from its layout; any other file's, taken as it read it;
+                       the marker `COMMITTED` last; `_peer_copy.send_copy`).  The holder
                        writes them into process-<h>/peer-copies/process-<owner>/<step>.partial-<g>/
                        (past the page cache, fsynced, `_peer_copy.receive_copy`), taking
                        the crc32c of the bytes as they arrive: each file's length and
@@ -59,10 +60,12 @@ from ._peer_copy import (
     CHUNK_BYTES,
     COPY_RECORD,
     MAX_HEADER_BYTES,
+    block_with_timeout,
     lower_thread_priority,
     recv_json as _recv_json,
     send_json as _send_json,
     step_files,
+    timeouts_named,
 )
 from ._tier import PEER_COPIES_DIR, PeerCopyTier
 
@@ -84,7 +87,7 @@ def _receive_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> N
         path = _received_path(folder, key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         left, crc = size, 0
-        with open(path, "wb", buffering=0) as out:
+        with open(path, "wb", buffering=0) as out, timeouts_named():
             while left:
                 n = sock.recv_into(view, min(left, CHUNK_BYTES), socket.MSG_WAITALL)
                 if not n:
@@ -120,7 +123,7 @@ def _stream_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> No
 def _commit_folder(partial: str, final: str, record: dict) -> None:
     """Writes the copy's record and renames `partial` to `final` (replacing an old one)."""
     with open(f"{partial}/{COPY_RECORD}", "w") as f:
-        json.dump(record, f)
+        f.write(json.dumps(record))  # one write (`json.dump` writes each token)
         f.flush()
         os.fsync(f.fileno())
     os.rename(f"{partial}/{_format.COMMITTED}.received", f"{partial}/{_format.COMMITTED}")
@@ -213,7 +216,7 @@ class PeerService:
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
                 lower_thread_priority()
-                self.request.settimeout(service.timeout_s)
+                block_with_timeout(self.request, service.timeout_s)
                 cpu_s = time.thread_time()
                 try:
                     request = _recv_json(self.request)
@@ -283,6 +286,7 @@ class PeerService:
             _send_json(sock, {"error": f"process {self.process_index} holds no copy of step {step} of process {owner}: {e}"})
             return
         _send_json(sock, record)
+        sock.settimeout(self.timeout_s)  # `socket.sendfile` waits on a blocking socket with no timeout
         _stream_files(sock, folder, record["files"])
 
     # --- addresses and holders ----------------------------------------------------------
@@ -382,6 +386,7 @@ class PeerService:
     def _put(self, holder: int, step: int, generation: str, files: list[dict], keep: list[int]) -> None:
         address = self.address(holder)
         with socket.create_connection((address.host, address.port), timeout=self.timeout_s) as sock:
+            block_with_timeout(sock, self.timeout_s)
             _send_json(sock, {"op": "put", "owner": self.process_index, "step": step, "generation": generation,
                               "keep": keep, "files": files})
             try:
@@ -472,6 +477,7 @@ class PeerService:
             try:
                 address = self.address(source)
                 with socket.create_connection((address.host, address.port), timeout=self.timeout_s) as sock:
+                    block_with_timeout(sock, self.timeout_s)
                     _send_json(sock, {"op": "get", "owner": self.process_index, "step": step, "generation": generation})
                     record = _recv_json(sock)
                     if "error" in record:

@@ -1,0 +1,197 @@
+"""The peer copies' wire (`_manage/_peer_copy`): one copy sent and received over a local
+socket pair, the owner's crc32c of its chunk files from their layout (no read for it),
+the holder's checks, the files' exact bytes, the sockets' kernel timeouts."""
+
+import os
+import socket
+import threading
+
+import crc32c
+import numpy as np
+import pytest
+
+import checkpointer as ckpt
+from checkpointer._errors import CorruptCheckpointError
+from checkpointer._manage import _peer_copy
+from checkpointer._manage._peers import _received_path, step_files
+
+
+def _tree():
+    rng = np.random.default_rng(0)
+    return {
+        "big": rng.standard_normal((2048, 1024), dtype=np.float32),  # 8 MiB: a shard file of 2 blocks + its tail
+        "odd": rng.integers(0, 255, (333, 77), dtype=np.uint8),
+        "half": rng.standard_normal((100, 60)).astype(np.float16),
+        "scalar": np.float64(3.5),
+        "norms": [np.full(7, i, np.float32) for i in range(5)],  # small leaves: packed
+        "step": 4,
+    }
+
+
+@pytest.fixture
+def step(tmp_path):
+    folder = str(tmp_path / "owner" / "4")
+    ckpt.save(folder, _tree())
+    return folder
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _chunk_files(files):
+    return [f["key"] for f in files if "/c/" in f["key"] or f["key"].endswith("/c")]
+
+
+def _copy(folder, dst, damage=None):
+    """Sends `folder` with `send_copy` and receives it into `dst` with `receive_copy`
+    (a socket pair, the holder on a thread); returns the holder's records or its error."""
+    files = step_files(folder)
+    a, b = socket.socketpair()
+    for s in (a, b):
+        _peer_copy.block_with_timeout(s, 30)
+    out: dict = {}
+
+    def hold():
+        try:
+            os.makedirs(dst)
+            out["files"] = _peer_copy.receive_copy(b, dst, files, _received_path)
+        except Exception as e:
+            out["error"] = e
+            b.close()  # the owner's next send fails, as when a holder refuses
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        _peer_copy.send_copy(a, folder, files, damage)
+    except OSError:
+        pass
+    t.join()
+    a.close()
+    b.close()
+    return files, out
+
+
+def test_the_owner_claims_each_chunk_files_true_crc32c_from_the_manifest_alone(step):
+    files = step_files(step)
+    claims = _peer_copy.intact_crc32c(step, files)
+    chunks = _chunk_files(files)
+    assert any(k.startswith("packed/") for k in chunks) and any(k.startswith("arrays/big/") for k in chunks)
+    assert sorted(claims) == sorted(chunks)  # every chunk file, no JSON file
+    for key, claim in claims.items():
+        assert claim.crc == crc32c.crc32c(_read(f"{step}/{key}")), key
+
+
+def test_a_copy_is_byte_for_byte_and_the_owner_reads_only_the_unclaimed_files_for_their_crc32c(step, tmp_path, monkeypatch):
+    summed: list[int] = []
+    real = _peer_copy.crc32c.crc32c
+    owner = threading.get_ident()
+
+    def counting(data, crc=0):
+        if threading.get_ident() == owner:
+            summed.append(len(data))
+        return real(data, crc)
+
+    monkeypatch.setattr(_peer_copy.crc32c, "crc32c", counting)
+    files, out = _copy(step, str(tmp_path / "holder"))
+    owner_summed = sum(summed)
+    monkeypatch.undo()
+    assert "error" not in out
+    dst = str(tmp_path / "holder")
+    for f in files:
+        assert _read(f"{step}/{f['key']}") == _read(_received_path(dst, f["key"])), f["key"]
+    assert {r["key"]: r["crc32c"] for r in out["files"]} == {f["key"]: crc32c.crc32c(_read(f"{step}/{f['key']}")) for f in files}
+    chunks = set(_chunk_files(files))
+    unclaimed = sum(f["size"] for f in files if f["key"] not in chunks)
+    # The owner read no chunk file for a crc32c (at most the expected index of its layout, once).
+    assert unclaimed <= owner_summed <= unclaimed + 16 * 16
+
+
+def test_a_chunk_file_damaged_on_the_owners_disk_is_refused_by_the_holder(step, tmp_path):
+    key = next(k for k in _chunk_files(step_files(step)) if k.startswith("arrays/big/"))
+    with open(f"{step}/{key}", "r+b") as f:  # a data byte of its second block
+        f.seek(5 << 20)
+        byte = f.read(1)
+        f.seek(5 << 20)
+        f.write(bytes([byte[0] ^ 0x40]))
+    _, out = _copy(step, str(tmp_path / "holder"))
+    assert isinstance(out.get("error"), CorruptCheckpointError)
+    assert key in str(out["error"]) and "owner's disk" in str(out["error"])
+
+
+def test_a_chunk_file_whose_index_is_not_its_layouts_is_read_again_for_its_crc32c(step, tmp_path):
+    key = next(k for k in _chunk_files(step_files(step)) if k.startswith("arrays/big/"))
+    size = os.path.getsize(f"{step}/{key}")
+    with open(f"{step}/{key}", "r+b") as f:  # an index entry's offset: the index's crc32c no longer holds
+        f.seek(size - 260)
+        f.write(b"\x01")
+    files, out = _copy(step, str(tmp_path / "holder"))
+    assert "error" not in out  # the owner's crc32c of the bytes it read: a byte-for-byte copy
+    assert _read(f"{step}/{key}") == _read(str(tmp_path / "holder" / key))
+
+
+def test_a_copy_damaged_on_the_way_is_refused_naming_the_file(step, tmp_path):
+    key = next(k for k in _chunk_files(step_files(step)) if k.startswith("arrays/big/"))
+
+    def flip(k, block):
+        if k == key:
+            block[len(block) // 2] ^= 1
+
+    _, out = _copy(step, str(tmp_path / "holder"), damage=flip)
+    assert isinstance(out.get("error"), CorruptCheckpointError) and key in str(out["error"])
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, (4 << 20) + 68, (8 << 20) - 1])
+def test_files_of_any_size_arrive_whole_without_padding(tmp_path, size):
+    folder = str(tmp_path / "owner")
+    os.makedirs(f"{folder}/d")
+    data = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8).tobytes()
+    with open(f"{folder}/d/f", "wb") as f:
+        f.write(data)
+    with open(f"{folder}/COMMITTED", "w") as f:
+        f.write("{}")
+    files, out = _copy(folder, str(tmp_path / "holder"))
+    assert "error" not in out and out["files"][0] == {"key": "d/f", "size": size, "crc32c": crc32c.crc32c(data)}
+    assert _read(str(tmp_path / "holder" / "d" / "f")) == data
+
+
+def test_a_peer_that_sends_nothing_times_out_on_the_kernels_timeout():
+    a, b = socket.socketpair()
+    with a, b:
+        _peer_copy.block_with_timeout(b, 0.2)
+        assert b.gettimeout() is None or not hasattr(socket, "SO_RCVTIMEO")
+        with pytest.raises(TimeoutError, match="no bytes"):
+            _peer_copy.recv_exact(b, 4)
+        view = memoryview(bytearray(8))
+        with pytest.raises(TimeoutError):
+            with _peer_copy.timeouts_named():
+                b.recv_into(view, 8, socket.MSG_WAITALL)
+
+
+@pytest.mark.parametrize("when", ["open", "write"])
+def test_a_holder_whose_file_system_refuses_direct_io_writes_through_the_page_cache(step, tmp_path, monkeypatch, when):
+    import fcntl
+
+    real_open, real_pwrite, refusals = os.open, os.pwrite, []
+
+    def refusing_open(path, flags, *a):
+        if flags & os.O_DIRECT and "/holder/" in str(path) and when == "open":
+            refusals.append(path)
+            raise OSError(22, "Invalid argument", path)
+        return real_open(path, flags, *a)
+
+    def refusing_pwrite(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refusals.append(fd)
+            raise OSError(22, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(_peer_copy.os, "open", refusing_open)
+    monkeypatch.setattr(_peer_copy.os, "pwrite", refusing_pwrite)
+    files, out = _copy(step, str(tmp_path / "holder"))
+    monkeypatch.undo()
+    assert "error" not in out, out
+    assert len(refusals) == 1  # the first refusal holds for the rest of the copy
+    for f in files:
+        assert _read(f"{step}/{f['key']}") == _read(_received_path(str(tmp_path / "holder"), f["key"])), f["key"]
