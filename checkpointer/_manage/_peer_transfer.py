@@ -1,0 +1,400 @@
+"""The boxes of a lost node's share over the device interconnect (`_peer_delivery`'s
+transport): which device sends which box, the holder's reads of the boxes it sends, the
+programs that move them, and the replaced process's arrays from what it received.
+
+- `plan`: a replaced process's devices (by id) take its holder's devices in turn: its
+  k-th device receives from the holder's (k mod n)-th, in round k // n (after the rounds
+  of any other replaced process the same holder serves). In a round every device sends
+  at most one box of a leaf and receives at most one.
+- `programs`: per round, every leaf whose boxes go between the same device pairs is one
+  operand of one program (`jax.lax.ppermute` under `shard_map` over a one-dimensional
+  mesh of those devices; each box a block along the first axis, so what a device
+  receives is its box, no copy). Processes with as many devices each: one program in all,
+  not one per leaf (on gloo, 16 programs of 8 MiB blocks took 2-5x the time of one
+  program with 16 operands).
+- `HeldReads`: the holder reads the boxes it sends from the copy it holds on a background
+  thread (no collective in it), straight into the buffers the program sends (XLA-owned
+  on CPU, `device_destinations`; host buffers put on the device elsewhere), every inner
+  chunk's crc32c checked in the same pass (`_encoding.read_into`).
+- `compile_programs` (ahead: while the reads go on, before the round that lets them
+  run), then `run`: waits for the reads and runs them; on the calling thread only (the
+  restore call), never on a background one.
+- `assemble`: the replaced process's tree from the boxes it received.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from .. import _encoding, _memory
+from .._errors import CheckpointError
+from .._format import ArrayMetadata, Box, PyTree, ValueMetadata, read_metadata, rebuild
+from .._storage import LocalStorage
+
+_AXIS = "peers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One box of one leaf: from a device of its holder to one of the replaced process's."""
+
+    leaf: str
+    box: Box
+    src: int  # device id
+    dst: int  # device id
+    round: int
+
+    @property
+    def block(self) -> tuple[int, ...]:
+        """The box's block in its operand (a scalar box travels as one element)."""
+        return self.box.shape or (1,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """The boxes of one leaf (of one block shape) that travel in one program."""
+
+    leaf: str
+    block: tuple[int, ...]
+    dtype: np.dtype  # as the devices hold it (canonical)
+    transfers: tuple[Transfer, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One program: `ppermute` of every operand along `pairs` over the mesh `ids`."""
+
+    ids: tuple[int, ...]  # device ids, ascending
+    pairs: tuple[tuple[int, int], ...]  # (src, dst) device ids
+    operands: tuple[Operand, ...]
+
+
+def devices_by_process() -> dict[int, list[int]]:
+    """Every process's device ids, ascending."""
+    out: dict[int, list[int]] = {}
+    for d in jax.devices():
+        out.setdefault(d.process_index, []).append(d.id)
+    for ids in out.values():
+        ids.sort()
+    return out
+
+
+def unsupported(meta: ArrayMetadata, lt: Any) -> str | None:
+    """Why this path does not carry a leaf (None: it does)."""
+    if lt is None or lt.sharding is None:
+        return "a host target"
+    if not isinstance(lt.sharding, NamedSharding) or lt.sharding.memory_kind not in (None, "device"):
+        return "not a NamedSharding on devices"
+    if meta.key_impl is not None:
+        return "PRNG keys"
+    return None
+
+
+def plan(resolved_by_replaced: Mapping[int, Any], holder_of: Mapping[int, int],
+         by_process: Mapping[int, Sequence[int]] | None = None) -> tuple[list[Transfer], str | None]:
+    """The transfers of every replaced process's unique boxes (to its first device
+    holding each; empty boxes are made on the device instead), or why this path does
+    not cover the target. The same on every process (a pure function of the resolved
+    targets and `by_process`, default `devices_by_process()`)."""
+    by_process = devices_by_process() if by_process is None else by_process
+    transfers: list[Transfer] = []
+    next_round: dict[int, int] = {}  # holder → its first round still free
+    for r in sorted(resolved_by_replaced):
+        h = holder_of[r]
+        senders, slot = list(by_process.get(h, ())), {d: k for k, d in enumerate(by_process.get(r, ()))}
+        if not senders:
+            return [], f"process {h} has no device"
+        base, rounds = next_round.get(h, 0), 0
+        for leaf in resolved_by_replaced[r].leaves:
+            meta, lt = leaf.meta, leaf.target
+            if isinstance(meta, ValueMetadata):
+                continue
+            why = unsupported(meta, lt)
+            if why:
+                return [], f"{meta.keystr or meta.path}: {why}"
+            first: dict[Box, int] = {}
+            for device, box in leaf.device_boxes:
+                first.setdefault(box, device)
+            for box, device in first.items():
+                if device not in slot:
+                    return [], f"{meta.keystr or meta.path}: device {device} is not one of process {r}'s"
+                if not box.size:
+                    continue
+                k = slot[device]
+                transfers.append(Transfer(leaf.path, box, senders[k % len(senders)], device, base + k // len(senders)))
+                rounds = max(rounds, k // len(senders) + 1)
+        next_round[h] = base + rounds
+    return transfers, None
+
+
+def programs(transfers: Sequence[Transfer], dtypes: Mapping[str, np.dtype]) -> list[Program]:
+    """The programs that carry `transfers`, in the order every process runs them."""
+    operands: dict[tuple[int, str, tuple[int, ...]], list[Transfer]] = {}
+    for t in transfers:
+        operands.setdefault((t.round, t.leaf, t.block), []).append(t)
+    grouped: dict[tuple[int, tuple[tuple[int, int], ...]], list[Operand]] = {}
+    for (rnd, leaf, block), ts in sorted(operands.items()):
+        ts.sort(key=lambda t: t.src)
+        dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtypes[leaf]))
+        grouped.setdefault((rnd, tuple((t.src, t.dst) for t in ts)), []).append(Operand(leaf, block, dtype, tuple(ts)))
+    return [Program(tuple(sorted({i for p in pairs for i in p})), pairs, tuple(ops))
+            for (_, pairs), ops in sorted(grouped.items())]
+
+
+Key = tuple[int, int, int]  # (program, operand, device id): one block of one operand
+
+
+def _local(program: Program) -> list[jax.Device]:
+    devices = {d.id: d for d in jax.local_devices()}
+    return [devices[i] for i in program.ids if i in devices]
+
+
+def allocate(progs: Sequence[Program]) -> dict[Key, tuple[jax.Array, np.ndarray] | None]:
+    """Every block this process puts into a program: XLA-owned device buffers, each with
+    a writable view (`_memory.device_destinations`: untouched, one allocating program
+    for all), or None where that does not apply (not a CPU device, a dtype XLA gives
+    otherwise): the block is then made otherwise (`HeldReads`, `_zeros`)."""
+    keys, requests = [], []
+    for p, prog in enumerate(progs):
+        for d in _local(prog):
+            sharding = SingleDeviceSharding(d)
+            if not _memory.device_destination_supported(sharding):
+                continue
+            for o, op in enumerate(prog.operands):
+                keys.append((p, o, d.id))
+                requests.append((op.block, op.dtype, sharding))
+    made = _memory.device_destinations(requests, populate=False) if requests else []
+    return dict(zip(keys, made, strict=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype: np.dtype, device_id: int) -> Callable[[], jax.Array]:
+    """A compiled program making zeros on one device (made there, not copied from the host)."""
+    device = next(d for d in jax.local_devices() if d.id == device_id)
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=SingleDeviceSharding(device))
+
+
+class HeldReads:
+    """Reads, on a background thread, every box this process sends (from the copy it
+    holds of the replaced process's step, `folders`: replaced process → that copy), into
+    its block's buffer (`allocate`), cast to the target dtype; `result()` waits for it.
+
+    A read that fails (a damaged or missing file) stops the reading; the blocks not read
+    are zeros (they travel and are discarded: the failure is this process's outcome in
+    the round after the transfers). The reader holds the arrays whose views it fills.
+    """
+
+    def __init__(self, progs: Sequence[Program], buffers: Mapping[Key, tuple[jax.Array, np.ndarray] | None],
+                 folders: Mapping[int, str], process_of: Mapping[int, int]) -> None:
+        local = {d.id: d for d in jax.local_devices()}
+        self._jobs: dict[int, list[tuple[str, list[tuple[Key, Box, jax.Device]]]]] = {}  # by replaced process
+        for p, prog in enumerate(progs):
+            for o, op in enumerate(prog.operands):
+                for t in op.transfers:
+                    if t.src in local:
+                        leaves = self._jobs.setdefault(process_of[t.dst], [])
+                        if not leaves or leaves[-1][0] != op.leaf:
+                            leaves.append((op.leaf, []))
+                        leaves[-1][1].append(((p, o, t.src), t.box, local[t.src]))
+        self._dtypes = {(p, o): op.dtype for p, prog in enumerate(progs) for o, op in enumerate(prog.operands)}
+        self._sends = {key for leaves in self._jobs.values() for _, blocks in leaves for key, _, _ in blocks}
+        self._buffers = {k: v for k, v in buffers.items() if k in self._sends}
+        self._folders = dict(folders)
+        self._done: dict[Key, jax.Array] = {}
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]  # the reader places arrays with the caller's
+        self._thread = threading.Thread(target=self._run, name="checkpointer-peer-held", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops reading at the next leaf and waits (the transfers will not run)."""
+        self._stop.set()
+        self._thread.join()
+
+    def result(self) -> tuple[dict[Key, jax.Array], str | None]:
+        """Waits for the reads: every block this process sends → its array (a block
+        missing: make zeros), and the error that stopped the reads (None: every box read
+        and checked)."""
+        self._thread.join()
+        return dict(self._done), self.error
+
+    def _run(self) -> None:
+        workers = max(1, os.cpu_count() or 1)
+        with jax.enable_x64(self._x64), _memory.paused(), \
+                concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="checkpointer-peer-read") as pool:
+            try:
+                for r, leaves in self._jobs.items():
+                    folder = self._folders[r]
+                    held = read_metadata(LocalStorage(), folder)
+                    for leaf, blocks in leaves:
+                        if self._stop.is_set():
+                            return
+                        m = held.leaves.get(leaf)
+                        if not isinstance(m, ArrayMetadata):
+                            raise CheckpointError(f"the copy {folder} has no array leaf {leaf}")
+                        self._read_leaf(folder, m, blocks, pool)
+            except (CheckpointError, OSError, ValueError, RuntimeError) as e:  # a damaged copy, a file gone
+                self.error = f"{type(e).__name__}: {e}"
+                for key, dest in self._buffers.items():  # nothing unread travels as it was
+                    if dest is not None and key not in self._done:
+                        dest[1][...] = 0
+                        self._done[key] = dest[0]
+
+    def _read_leaf(self, folder: str, m: ArrayMetadata, blocks: list[tuple[Key, Box, jax.Device]],
+                   pool: concurrent.futures.Executor) -> None:
+        """Reads one leaf's boxes (straight into their device buffers where the stored
+        dtype is the one sent), casts, places what was read on the host."""
+        into: list[tuple[Box, np.ndarray]] = []
+        after: list[tuple[Key, np.ndarray, jax.Device]] = []  # read on the host: cast into the buffer, or put
+        for key, box, device in blocks:
+            dest = self._buffers.get(key)
+            if dest is not None and self._dtypes[key[:2]] == m.dtype:
+                into.append((box, dest[1].reshape(box.shape)))
+            else:
+                host = _memory.host_buffer(box.shape, m.dtype)
+                into.append((box, host))
+                after.append((key, host, device))
+        _encoding.read_into(LocalStorage(), folder, m, into, pool)
+        with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
+            for key, host, device in after:
+                dest = self._buffers.get(key)
+                if dest is not None:
+                    np.copyto(dest[1], host.reshape(dest[1].shape), casting="unsafe")
+                else:
+                    self._done[key] = jax.device_put(host.astype(self._dtypes[key[:2]]).reshape(host.shape or (1,)), device)
+        for key, _, _ in blocks:
+            dest = self._buffers.get(key)
+            if dest is not None:
+                self._done[key] = dest[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A program this process runs, compiled (`compile_programs`)."""
+
+    index: int  # in the programs' order
+    program: Program
+    local: tuple[jax.Device, ...]  # this process's devices in it, in mesh order
+    sharding: NamedSharding
+    executable: Any
+
+
+def compile_programs(progs: Sequence[Program]) -> list[Compiled]:
+    """The programs this process has a device in, compiled ahead of their inputs (an
+    executable per set of device pairs and operand shapes, kept for the process's life):
+    no collective, so before the round that lets them run, while the reads go on."""
+    out = []
+    for p, prog in enumerate(progs):
+        local = _local(prog)
+        if local:
+            pos = {i: k for k, i in enumerate(prog.ids)}
+            perm = tuple((pos[s], pos[d]) for s, d in prog.pairs)
+            shapes = tuple(((len(prog.ids) * op.block[0], *op.block[1:]), op.dtype) for op in prog.operands)
+            mesh, exe = _executable(prog.ids, perm, shapes)
+            out.append(Compiled(p, prog, tuple(local), NamedSharding(mesh, PartitionSpec(_AXIS)), exe))
+    return out
+
+
+def run(compiled: Sequence[Compiled], buffers: Mapping[Key, tuple[jax.Array, np.ndarray] | None],
+        held: HeldReads | None) -> tuple[dict[tuple[str, int], jax.Array], str | None]:
+    """Waits for `held`'s reads, then runs every compiled program, in order, each with its
+    blocks (`held`'s for the boxes this process sends; `buffers`, else zeros, for the
+    others: ppermute overwrites them).
+
+    Returns:
+      (leaf, destination device id) → the box received there (a single-device array),
+      for this process's destination devices; and `held`'s error (None: every box this
+      process sent was read and checked; else what it sent is not to be used).
+
+    Multi-process: every process with a device in a program runs it, in the programs'
+    order; on the calling thread only (the restore call).
+    """
+    sent, error = held.result() if held is not None else ({}, None)
+    received: dict[tuple[str, int], jax.Array] = {}
+    for c in compiled:
+        prog = c.program
+        inputs = []
+        for o, op in enumerate(prog.operands):
+            srcs = {t.src for t in op.transfers}
+            blocks = []
+            for d in c.local:
+                key = (c.index, o, d.id)
+                arr = sent.get(key) if d.id in srcs else None
+                if arr is None:
+                    dest = buffers.get(key)
+                    arr = dest[0] if dest is not None and d.id not in srcs else _zeros(op.block, op.dtype, d.id)()
+                blocks.append(arr)
+            inputs.append(jax.make_array_from_single_device_arrays((len(prog.ids) * op.block[0], *op.block[1:]), c.sharding, blocks))
+        outs = c.executable(*inputs)
+        del inputs
+        for op, out in zip(prog.operands, outs, strict=True):
+            dsts = {t.dst: t for t in op.transfers}
+            for shard in out.addressable_shards:
+                t = dsts.get(shard.device.id)
+                if t is not None:
+                    received[(op.leaf, t.dst)] = shard.data if t.box.shape else shard.data.reshape(())
+        del outs
+    return received, error
+
+
+@functools.lru_cache(maxsize=64)
+def _executable(device_ids: tuple[int, ...], perm: tuple[tuple[int, int], ...],
+                shapes: tuple[tuple[tuple[int, ...], np.dtype], ...]) -> tuple[jax.sharding.Mesh, Any]:
+    mesh, fn = _program(device_ids, perm)
+    sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
+    return mesh, fn.lower(*[jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in shapes]).compile()
+
+
+@functools.lru_cache(maxsize=64)
+def _program(device_ids: tuple[int, ...], perm: tuple[tuple[int, int], ...]) -> tuple[jax.sharding.Mesh, Any]:
+    from jax import shard_map
+
+    devices = {d.id: d for d in jax.devices()}
+    mesh = jax.sharding.Mesh(np.array([devices[i] for i in device_ids]), (_AXIS,))
+
+    def move(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(jax.lax.ppermute(x, _AXIS, perm=list(perm)) for x in xs)
+
+    return mesh, jax.jit(shard_map(move, mesh=mesh, in_specs=PartitionSpec(_AXIS), out_specs=PartitionSpec(_AXIS)))
+
+
+def assemble(meta: Any, resolved: Any, received: Mapping[tuple[str, int], jax.Array]) -> PyTree:
+    """The replaced process's tree from the boxes it received (a box two of its devices
+    hold is received once and copied; an empty box is made on its device)."""
+    results: dict[str, object] = {}
+    devices = {d.id: d for d in jax.local_devices()}
+    for leaf in resolved.leaves:
+        m, lt = leaf.meta, leaf.target
+        if isinstance(m, ValueMetadata):
+            results[leaf.path] = m.value
+            continue
+        by_box: dict[Box, jax.Array] = {}
+        for device, box in leaf.device_boxes:
+            if (leaf.path, device) in received:
+                by_box.setdefault(box, received[(leaf.path, device)])
+        dtype = lt.dtype if lt.dtype is not None else m.dtype
+        boxes = dict(leaf.device_boxes)
+        shards = []
+        for d in lt.sharding.addressable_devices_indices_map(tuple(lt.shape)):
+            box = boxes[d.id]
+            if box not in by_box:  # an empty box: nothing travels
+                by_box[box] = _zeros(box.shape, np.dtype(jax.dtypes.canonicalize_dtype(dtype)), d.id)()
+            arr = by_box[box]
+            shards.append(arr if arr.devices() == {d} else jax.device_put(arr, devices[d.id]))
+        results[leaf.path] = jax.make_array_from_single_device_arrays(tuple(lt.shape), lt.sharding, shards)
+    if resolved.treedef is None:
+        return rebuild(meta.structure, lambda p: results[p], where="a peer copy")
+    results.update(resolved.kept)
+    return jax.tree_util.tree_unflatten(resolved.treedef, [results[p] for p in resolved.order])
