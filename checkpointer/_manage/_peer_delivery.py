@@ -133,7 +133,6 @@ def deliver(
     tree: PyTree | None = None
     progs: list[_peer_transfer.Program] = []
     compiled: list[_peer_transfer.Compiled] = []
-    buffers: dict[_peer_transfer.Key, Any] = {}
     held: _peer_transfer.HeldReads | None = None
     resolved_mine = None
     meta = None
@@ -163,11 +162,10 @@ def deliver(
                       for leaf in next(iter(resolved_by.values())).leaves
                       if isinstance(leaf.meta, ArrayMetadata) and leaf.target is not None}
             progs = _peer_transfer.programs(transfers, dtypes)
-            buffers = _peer_transfer.allocate(progs)
             folders = {r: f"{peers.held(r).root}/{step}" for r, h in holder_of.items() if h == pidx}
-            if folders:  # the boxes this process sends are read in the background, straight into their buffers
+            if folders:  # the boxes this process sends are read in the background
                 process_of = {d.id: d.process_index for d in jax.devices()}
-                held = _peer_transfer.HeldReads(progs, buffers, folders, process_of)
+                held = _peer_transfer.HeldReads(progs, folders, process_of)
             if pidx not in holder_of:  # the own read goes on beside the transfers (no collective in it)
                 own = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-peer-own")
                 own_read = own.submit(read_own)
@@ -187,8 +185,7 @@ def deliver(
             held.stop()
         _drop(own_read)
         return None, "; ".join(dict.fromkeys(bad))
-    received, failed = _peer_transfer.run(compiled, buffers, held)
-    buffers.clear()
+    received, failed = _peer_transfer.run(compiled, held)
     outcome = "ok" if failed is None else f"process {pidx}: {failed}"
     if own_read is not None:
         try:

@@ -13,9 +13,9 @@ programs that move them, and the replaced process's arrays from what it received
   not one per leaf (on gloo, 16 programs of 8 MiB blocks took 2-5x the time of one
   program with 16 operands).
 - `HeldReads`: the holder reads the boxes it sends from the copy it holds on a background
-  thread (no collective in it), straight into the buffers the program sends (XLA-owned
-  on CPU, `device_destinations`; host buffers put on the device elsewhere), every inner
-  chunk's crc32c checked in the same pass (`_encoding.read_into`).
+  thread (no collective in it), into the host buffers the program sends (a CPU device
+  adopts them, no copy), every inner chunk's crc32c checked in the same pass
+  (`_encoding.read_into`).
 - `compile_programs` (ahead: while the reads go on, before the round that lets them
   run), then `run`: waits for the reads and runs them; on the calling thread only (the
   restore call), never on a background one.
@@ -160,24 +160,6 @@ def _local(program: Program) -> list[jax.Device]:
     return [devices[i] for i in program.ids if i in devices]
 
 
-def allocate(progs: Sequence[Program]) -> dict[Key, tuple[jax.Array, np.ndarray] | None]:
-    """Every block this process puts into a program: XLA-owned device buffers, each with
-    a writable view (`_memory.device_destinations`: untouched, one allocating program
-    for all), or None where that does not apply (not a CPU device, a dtype XLA gives
-    otherwise): the block is then made otherwise (`HeldReads`, `_zeros`)."""
-    keys, requests = [], []
-    for p, prog in enumerate(progs):
-        for d in _local(prog):
-            sharding = SingleDeviceSharding(d)
-            if not _memory.device_destination_supported(sharding):
-                continue
-            for o, op in enumerate(prog.operands):
-                keys.append((p, o, d.id))
-                requests.append((op.block, op.dtype, sharding))
-    made = _memory.device_destinations(requests, populate=False) if requests else []
-    return dict(zip(keys, made, strict=True))
-
-
 @functools.lru_cache(maxsize=64)
 def _zeros(shape: tuple[int, ...], dtype: np.dtype, device_id: int) -> Callable[[], jax.Array]:
     """A compiled program making zeros on one device (made there, not copied from the host)."""
@@ -185,18 +167,27 @@ def _zeros(shape: tuple[int, ...], dtype: np.dtype, device_id: int) -> Callable[
     return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=SingleDeviceSharding(device))
 
 
+def _placeholder(block: tuple[int, ...], dtype: np.dtype, device: jax.Device) -> jax.Array:
+    """A receiving device's block of an operand (ppermute overwrites it; never read): on a
+    CPU device an untouched host buffer it adopts (no copy, no page touched), elsewhere
+    zeros made on the device."""
+    if device.platform == "cpu":
+        return jax.device_put(_memory.host_buffer(block, dtype), device)
+    return _zeros(block, dtype, device.id)()
+
+
 class HeldReads:
     """Reads, on a background thread, every box this process sends (from the copy it
-    holds of the replaced process's step, `folders`: replaced process → that copy), into
-    its block's buffer (`allocate`), cast to the target dtype; `result()` waits for it.
+    holds of the replaced process's step, `folders`: replaced process → that copy), cast
+    to the target dtype, and puts each on its sending device (a CPU device adopts the
+    host buffer the box was read into: no copy); `result()` waits for it.
 
     A read that fails (a damaged or missing file) stops the reading; the blocks not read
-    are zeros (they travel and are discarded: the failure is this process's outcome in
-    the round after the transfers). The reader holds the arrays whose views it fills.
+    travel as zeros and are discarded (the failure is this process's outcome in the round
+    after the transfers).
     """
 
-    def __init__(self, progs: Sequence[Program], buffers: Mapping[Key, tuple[jax.Array, np.ndarray] | None],
-                 folders: Mapping[int, str], process_of: Mapping[int, int]) -> None:
+    def __init__(self, progs: Sequence[Program], folders: Mapping[int, str], process_of: Mapping[int, int]) -> None:
         local = {d.id: d for d in jax.local_devices()}
         self._jobs: dict[int, list[tuple[str, list[tuple[Key, Box, jax.Device]]]]] = {}  # by replaced process
         for p, prog in enumerate(progs):
@@ -208,8 +199,6 @@ class HeldReads:
                             leaves.append((op.leaf, []))
                         leaves[-1][1].append(((p, o, t.src), t.box, local[t.src]))
         self._dtypes = {(p, o): op.dtype for p, prog in enumerate(progs) for o, op in enumerate(prog.operands)}
-        self._sends = {key for leaves in self._jobs.values() for _, blocks in leaves for key, _, _ in blocks}
-        self._buffers = {k: v for k, v in buffers.items() if k in self._sends}
         self._folders = dict(folders)
         self._done: dict[Key, jax.Array] = {}
         self.error: str | None = None
@@ -225,59 +214,48 @@ class HeldReads:
 
     def result(self) -> tuple[dict[Key, jax.Array], str | None]:
         """Waits for the reads: every block this process sends → its array (a block
-        missing: make zeros), and the error that stopped the reads (None: every box read
-        and checked)."""
+        missing: it travels as zeros), and the error that stopped the reads (None: every
+        box read and checked)."""
         self._thread.join()
         return dict(self._done), self.error
 
     def _run(self) -> None:
-        workers = max(1, os.cpu_count() or 1)
-        with jax.enable_x64(self._x64), _memory.paused(), \
+        # Leaves on a pool (each leaf's boxes read together by one worker, as the restore's
+        # leaf pool does): no barrier between leaves, so a worker the scheduler holds back
+        # holds back its own leaf only.
+        workers = max(4, 2 * (os.cpu_count() or 1))
+        with _memory.paused(), \
                 concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="checkpointer-peer-read") as pool:
+            futures = []
             try:
                 for r, leaves in self._jobs.items():
                     folder = self._folders[r]
                     held = read_metadata(LocalStorage(), folder)
                     for leaf, blocks in leaves:
-                        if self._stop.is_set():
-                            return
                         m = held.leaves.get(leaf)
                         if not isinstance(m, ArrayMetadata):
                             raise CheckpointError(f"the copy {folder} has no array leaf {leaf}")
-                        self._read_leaf(folder, m, blocks, pool)
+                        futures.append(pool.submit(self._read_leaf, folder, m, blocks))
+                for f in futures:
+                    f.result()
             except (CheckpointError, OSError, ValueError, RuntimeError) as e:  # a damaged copy, a file gone
                 self.error = f"{type(e).__name__}: {e}"
-                for key, dest in self._buffers.items():  # nothing unread travels as it was
-                    if dest is not None and key not in self._done:
-                        dest[1][...] = 0
-                        self._done[key] = dest[0]
+                self._stop.set()  # the leaves not started are not read
+                concurrent.futures.wait(futures)
 
-    def _read_leaf(self, folder: str, m: ArrayMetadata, blocks: list[tuple[Key, Box, jax.Device]],
-                   pool: concurrent.futures.Executor) -> None:
-        """Reads one leaf's boxes (straight into their device buffers where the stored
-        dtype is the one sent), casts, places what was read on the host."""
-        into: list[tuple[Box, np.ndarray]] = []
-        after: list[tuple[Key, np.ndarray, jax.Device]] = []  # read on the host: cast into the buffer, or put
-        for key, box, device in blocks:
-            dest = self._buffers.get(key)
-            if dest is not None and self._dtypes[key[:2]] == m.dtype:
-                into.append((box, dest[1].reshape(box.shape)))
-            else:
-                host = _memory.host_buffer(box.shape, m.dtype)
-                into.append((box, host))
-                after.append((key, host, device))
-        _encoding.read_into(LocalStorage(), folder, m, into, pool)
-        with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
-            for key, host, device in after:
-                dest = self._buffers.get(key)
-                if dest is not None:
-                    np.copyto(dest[1], host.reshape(dest[1].shape), casting="unsafe")
-                else:
-                    self._done[key] = jax.device_put(host.astype(self._dtypes[key[:2]]).reshape(host.shape or (1,)), device)
-        for key, _, _ in blocks:
-            dest = self._buffers.get(key)
-            if dest is not None:
-                self._done[key] = dest[0]
+    def _read_leaf(self, folder: str, m: ArrayMetadata, blocks: list[tuple[Key, Box, jax.Device]]) -> None:
+        """Reads one leaf's boxes together (`_encoding.read_into`), casts, places each."""
+        if self._stop.is_set():
+            return
+        hosts = [_memory.host_buffer(box.shape, m.dtype) for _, box, _ in blocks]
+        _encoding.read_into(LocalStorage(), folder, m, [(box, h) for (_, box, _), h in zip(blocks, hosts)])
+        with jax.enable_x64(self._x64):  # a worker thread: the caller's setting
+            for (key, _, device), host in zip(blocks, hosts):
+                dtype = self._dtypes[key[:2]]
+                if host.dtype != dtype:
+                    with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
+                        host = host.astype(dtype)
+                self._done[key] = jax.device_put(host.reshape(host.shape or (1,)), device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,11 +285,10 @@ def compile_programs(progs: Sequence[Program]) -> list[Compiled]:
     return out
 
 
-def run(compiled: Sequence[Compiled], buffers: Mapping[Key, tuple[jax.Array, np.ndarray] | None],
-        held: HeldReads | None) -> tuple[dict[tuple[str, int], jax.Array], str | None]:
+def run(compiled: Sequence[Compiled], held: HeldReads | None) -> tuple[dict[tuple[str, int], jax.Array], str | None]:
     """Waits for `held`'s reads, then runs every compiled program, in order, each with its
-    blocks (`held`'s for the boxes this process sends; `buffers`, else zeros, for the
-    others: ppermute overwrites them).
+    blocks (`held`'s for the boxes this process sends, zeros where a read failed;
+    placeholders for the others: ppermute overwrites them).
 
     Returns:
       (leaf, destination device id) → the box received there (a single-device array),
@@ -330,11 +307,9 @@ def run(compiled: Sequence[Compiled], buffers: Mapping[Key, tuple[jax.Array, np.
             srcs = {t.src for t in op.transfers}
             blocks = []
             for d in c.local:
-                key = (c.index, o, d.id)
-                arr = sent.get(key) if d.id in srcs else None
+                arr = sent.get((c.index, o, d.id)) if d.id in srcs else None
                 if arr is None:
-                    dest = buffers.get(key)
-                    arr = dest[0] if dest is not None and d.id not in srcs else _zeros(op.block, op.dtype, d.id)()
+                    arr = _zeros(op.block, op.dtype, d.id)() if d.id in srcs else _placeholder(op.block, op.dtype, d)
                 blocks.append(arr)
             inputs.append(jax.make_array_from_single_device_arrays((len(prog.ids) * op.block[0], *op.block[1:]), c.sharding, blocks))
         outs = c.executable(*inputs)
