@@ -213,15 +213,24 @@ def _drop(read: concurrent.futures.Future | None) -> None:
 class Refetch(threading.Thread):
     """Fetches this process's copy of a step into its local tier in the background (TCP,
     no device collective), so the step is whole on every local tier again; `join()` and
-    `error` as an `AsyncSave` has them (the replication of the step waits for it)."""
+    `error` as an `AsyncSave` has them (the replication of the step waits for it). It
+    starts once `after` (the arrays the restore received) is in place: the fetch does not
+    compete with the transfer still in flight."""
 
-    def __init__(self, peers: PeerService, step: int, generation: str, sources: Sequence[int]) -> None:
+    def __init__(self, peers: PeerService, step: int, generation: str, sources: Sequence[int],
+                 after: object = None) -> None:
         super().__init__(name="checkpointer-peer-refetch", daemon=True)
         self.peers, self.step, self.generation, self.sources = peers, step, generation, list(sources)
         self.error: BaseException | None = None
+        self._after = after
         self.start()
 
     def run(self) -> None:
+        try:
+            jax.block_until_ready(self._after)
+        except Exception:  # e.g. the caller already donated the arrays: they were in place
+            pass
+        self._after = None
         failed = self.peers.fetch(self.step, self.generation, self.sources)
         if failed is not None:
             self.error = CheckpointError(f"process {self.peers.process_index} could not fetch its copy of step "
@@ -298,7 +307,7 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
         log.warning("restored step %d from the local tiers: processes %s received their boxes from the processes "
                     "holding their copies (newest durable step: %s)", step,
                     [r for r, s in enumerate(sources) if s], latest_durable)
-        refetch = Refetch(peers, step, generation, mine) if mine else None
+        refetch = Refetch(peers, step, generation, mine, after=tree) if mine else None
         if resume is not None:
             resume(step, generation, False, local_save=refetch)
         return (tree, "local", 0), None, None
