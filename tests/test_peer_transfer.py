@@ -139,6 +139,17 @@ def test_the_boxes_are_cast_to_the_target_dtype(saved):
         np.testing.assert_array_equal(np.asarray(got), state["c"][t.box.slices()].astype(np.float32))
 
 
+def test_a_scalar_travels_as_one_element_and_arrives_as_a_scalar(tmp_path):
+    path = str(tmp_path / "1")
+    mesh = make_mesh((8,), ("x",))
+    ckpt.save(path, {"s": jax.device_put(np.float32(3.5), NamedSharding(mesh, P()))})
+    transfers = [T.Transfer("s", Box((), ()), 1, 6, 0)]
+    progs = T.programs(transfers, {"s": np.dtype(np.float32)})
+    assert progs[0].operands[0].block == (1,)
+    received, error = T.run(T.compile_programs(progs), T.HeldReads(progs, {9: path}, {6: 9}))
+    assert error is None and received[("s", 6)].shape == () and float(received[("s", 6)]) == 3.5
+
+
 def test_a_damaged_box_stops_the_reads_reports_it_and_nothing_unread_travels(saved, tmp_path):
     path, state = saved
     copy = str(tmp_path / "1")
@@ -153,3 +164,31 @@ def test_a_damaged_box_stops_the_reads_reports_it_and_nothing_unread_travels(sav
     assert error is not None and error.startswith("CorruptCheckpointError") and "crc32c" in error, error
     for d in (4, 5):  # the damaged leaf's boxes (one of them read whole, the other not): zeros travel
         assert not np.asarray(received[("b", d)]).astype(np.float32).any(), d
+
+
+def test_assemble_places_a_box_received_once_on_every_device_that_holds_it_and_makes_empty_boxes(tmp_path):
+    from checkpointer._format import read_metadata
+    from checkpointer._restore import resolve_tree
+    from checkpointer._storage import LocalStorage
+
+    path = str(tmp_path / "1")
+    mesh = make_mesh((4, 2), ("data", "model"))
+    state = {"rows": np.arange(64, dtype=np.float32).reshape(8, 8), "empty": np.zeros((0, 8), np.float32)}
+    specs = {"rows": P("data"), "empty": P(None, "model")}
+    ckpt.save(path, {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in state.items()})
+    meta = read_metadata(LocalStorage(), path)
+    target = {k: NamedSharding(mesh, specs[k]) for k in state}
+    resolved = resolve_tree(meta, target, partial=False, process_index=0)
+    received = {}  # "rows": each box of two devices received by the first of them only
+    for leaf in resolved.leaves:
+        if leaf.path == "rows":
+            first = {}
+            for device, box in leaf.device_boxes:
+                first.setdefault(box, device)
+            received.update({("rows", d): jax.device_put(state["rows"][b.slices()], jax.devices()[d]) for b, d in first.items()})
+    assert len(received) == 4
+    out = T.assemble(meta, resolved, received)
+    for name, value in state.items():
+        assert out[name].sharding == target[name] and out[name].shape == value.shape
+        for shard in out[name].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])

@@ -10,24 +10,29 @@ The step and the holders are chosen from every process's inventory (one round,
    `zarr.json` nodes, process records: `META_NAMES`) in the coordination service's
    key-value store; the replacement reads them (it needs the tree's structure, shapes
    and values), into a temporary folder.
-2. Each holder reads the replacement's boxes (as the target places them on the
-   replacement's devices) from the copy it holds (`region_reader`: the chunks' crc32c
-   are checked); every process with its own copy reads its boxes from it meanwhile
-   (`restore_from`, not cooperative, no collective: on a thread, beside the transfers).
-   One round of the rendezvous on the holders' reads before the transfers, one on the
-   own reads after them. A damaged
-   copy, or a target this path does not cover (host leaves, PRNG keys, a sharding that
-   is not a `NamedSharding` on devices, a box that differs in shape between devices),
-   makes every process fall back, the same way, to fetching the copy over TCP
-   (`PeerService.fetch`, the next holder when a copy fails its crc32c).
-3. The boxes travel in rounds of one JAX program each (`jax.lax.ppermute` under
-   `shard_map`, over a one-dimensional mesh of the devices that send or receive in the
-   round; every process with a device in it runs it): a device sends at most one box
-   and receives at most one per round. Nothing else moves: the processes that read
-   their own copy run no program.
-4. The replacement assembles its arrays from the boxes received, and in the background
-   fetches its copy over TCP into its local tier, so the step is whole on every local
-   tier again (and can be replicated to the durable tier).
+2. Every process plans the transfers (`_peer_transfer.plan`: which of the holder's
+   devices sends which box to which of the replacement's) and compiles the programs it
+   runs; each holder starts reading the boxes it sends from the copy it holds, on a
+   background thread (`_encoding.read_into`: every inner chunk's crc32c checked in the
+   pass that reads it); every process with its own copy starts reading its boxes from it
+   (`restore_from`, not cooperative, no collective: on a thread). Then one round of the
+   rendezvous: every process has the same programs to run (it does not wait for the
+   reads). A target this path does not cover (host leaves, PRNG keys, a sharding that is
+   not a `NamedSharding` on devices), or a failure before that round (the small files,
+   a compile), makes every process fall back, the same way, to fetching the copy over
+   TCP (`PeerService.fetch`, the next holder when a copy fails its crc32c).
+3. The boxes travel once the holder's reads are over: per round of device pairs, one
+   JAX program (`jax.lax.ppermute` under `shard_map`, over a one-dimensional mesh of the
+   devices that send or receive, every leaf whose boxes go between the same pairs an
+   operand of it; one program in all when processes have as many devices each); every
+   process with a device in it runs it, the processes that read their own copy run
+   none. A holder whose read failed sends zeros for what it did not read.
+4. One round of the rendezvous on every read (the holders' and the own): if any failed
+   (a damaged copy), what was received is dropped and every process falls back the same
+   way as in 2 (a step is never assembled from two steps). Else the replacement
+   assembles its arrays from the boxes received, and in the background (once they are
+   in place) fetches its copy over TCP into its local tier, so the step is whole on
+   every local tier again (and can be replicated to the durable tier).
 
 Device collectives run on the calling thread only (the restore call), never on a
 background thread.

@@ -238,7 +238,7 @@ class HeldReads:
                         futures.append(pool.submit(self._read_leaf, folder, m, blocks))
                 for f in futures:
                     f.result()
-            except (CheckpointError, OSError, ValueError, RuntimeError) as e:  # a damaged copy, a file gone
+            except Exception as e:  # a damaged copy, a file gone; anything else too: never send what was not read
                 self.error = f"{type(e).__name__}: {e}"
                 self._stop.set()  # the leaves not started are not read
                 concurrent.futures.wait(futures)
@@ -271,8 +271,8 @@ class Compiled:
 
 def compile_programs(progs: Sequence[Program]) -> list[Compiled]:
     """The programs this process has a device in, compiled ahead of their inputs (an
-    executable per set of device pairs and operand shapes, kept for the process's life):
-    no collective, so before the round that lets them run, while the reads go on."""
+    executable per set of device pairs and operand shapes, cached): no collective in a
+    compile, so before the round that lets them run, while the reads go on."""
     out = []
     for p, prog in enumerate(progs):
         local = _local(prog)
