@@ -8,6 +8,7 @@ method of `LeafEncoding` to the test that runs it, so a new method without a tes
 fails `test_every_method_of_the_interface_has_a_test`.
 """
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -21,7 +22,7 @@ from conftest import make_mesh
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-from checkpointer import _format
+from checkpointer import _encoding, _format
 from checkpointer._encoding import ENCODINGS, LeafEncoding, encoding_of
 from checkpointer._format._box import Box
 from checkpointer._storage._kvstore import storage_for
@@ -176,6 +177,16 @@ def test_export_and_region_reads_are_bit_exact(saved, tmp_path):
     storage, p = storage_for(path)
     read = enc.region_reader(storage, p, meta.arrays["w"])
     np.testing.assert_array_equal(read(Box((3, 10), (40, 100))), np.asarray(state["w"])[3:43, 10:110])
+    # The same regions straight into the caller's buffers (two boxes, one of them twice; an empty one).
+    boxes = [Box((3, 10), (40, 100)), Box((0, 0), (8, 128)), Box((3, 10), (40, 100)), Box((5, 5), (0, 7))]
+    outs = [np.full(b.shape, -1, meta.arrays["w"].dtype) for b in boxes]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        _encoding.read_into(storage, p, meta.arrays["w"], list(zip(boxes, outs)), pool)
+    for b, out in zip(boxes, outs):
+        np.testing.assert_array_equal(out, np.asarray(state["w"])[b.slices()])
+    bf = np.zeros(20, ml_dtypes.bfloat16)
+    _encoding.read_into(storage, p, meta.arrays["bf"], [(Box((3,), (20,)), bf)])
+    np.testing.assert_array_equal(bf.view(np.uint16), np.asarray(state["bf"])[3:23].view(np.uint16))
 
 
 def test_two_tier_replication_copies_the_files_the_encoding_names(saved, tmp_path):

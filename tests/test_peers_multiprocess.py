@@ -27,8 +27,8 @@ def _save(tmp_path, k, **extra):
     return args, results
 
 
-def _restore(args, **extra):
-    return run_processes(WORKER, 4, 2, dict(args, phase="restore", **extra), timeout_s=240)
+def _restore(args, processes=4, devices=2, **extra):
+    return run_processes(WORKER, processes, devices, dict(args, phase="restore", **extra), timeout_s=240)
 
 
 def _copy(args, tmp_path, name):
@@ -144,6 +144,37 @@ def test_with_two_peer_copies_a_damaged_copy_is_skipped_for_the_next_one_and_a_l
 
 
 @pytest.mark.slow
+def test_a_holder_whose_copy_fails_its_crc32c_after_some_boxes_were_read_makes_every_process_fall_back_alike(saved_k2):
+    # The first holder's copy of process 1's step 120 is whole but for the leaf it reads
+    # last ("w": leaves go in path order): its reads of the other leaves succeed, then
+    # one fails its crc32c. The boxes already sent are dropped on every process, every
+    # process falls back the same way (process 1 fetches the next holder's copy over TCP),
+    # and the step restored is whole: nothing from the damaged copy, nothing of another step.
+    tmp, args = saved_k2
+    run = _copy(args, tmp, "damaged-mid-stream")
+    shutil.rmtree(f"{run['local']}/process-1")
+    held = f"{run['local']}/process-2/peer-copies/process-1/120"
+    arrays = ckpt.metadata(held).arrays
+    assert sorted(arrays)[-1] == "w" and len(arrays) > 1, sorted(arrays)
+    (b, *_) = arrays["w"].pack_boxes  # the small leaves are packed: a byte inside w's entry of the pack
+    with open(f"{held}/{b.key}", "r+b") as f:
+        f.seek(b.offset + b.nbytes // 2)
+        byte = f.read(1)
+        f.seek(b.offset + b.nbytes // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    reasons = set()
+    for r in _restore(run):
+        rec = r.record("restored")
+        assert rec["step"] == 120 and rec["mismatches"] == [], r.describe()
+        assert rec["durable_bytes"] == 0 and rec["source"] == "local", r.describe()
+        assert "received their boxes from the processes holding their copies" not in r.stderr, r.describe()
+        line = next(x for x in r.stderr.splitlines() if "fetch their copies of step 120 over TCP instead" in x)
+        reasons.add(line.split("instead of receiving their boxes in the restore: ", 1)[1])
+    (reason,) = reasons  # the same on every process
+    assert reason.startswith("process 2: CorruptCheckpointError") and "crc32c" in reason, reason
+
+
+@pytest.mark.slow
 def test_a_process_killed_while_sending_its_copy_leaves_no_copy_that_counts(tmp_path):
     durable, local = str(tmp_path / "durable"), str(tmp_path / "local")
     args = {"directory": durable, "local": local, "phase": "save", "steps": STEPS, "peer_copies": 1,
@@ -194,6 +225,57 @@ def test_a_replaced_process_receives_its_boxes_from_its_holder_inside_the_restor
         # the step again, fetched in the background.
         assert r.stderr.find("fetched its copy of step 120") in (-1, *range(received, len(r.stderr))), r.describe()
     assert os.path.exists(f"{local}/process-1/120/COMMITTED")
+
+
+@pytest.fixture(scope="module")
+def saved_two_zarr(tmp_path_factory):
+    # As above, every leaf in a zarr array of its own (the holder reads each box straight
+    # into the device buffer it sends).
+    tmp = tmp_path_factory.mktemp("two-zarr")
+    args = {"directory": str(tmp / "durable"), "local": str(tmp / "local"), "phase": "save", "steps": STEPS,
+            "peer_copies": 1, "durable_every_steps": 100, "mesh": [2, 2], "pack_small_leaves_bytes": 0}
+    for r in run_processes(WORKER, 2, 2, args, timeout_s=240):
+        assert r.record("saved")["survives"].get("120") == 1, r.describe()
+    assert not glob.glob(f"{args['local']}/process-0/peer-copies/process-1/120/packed")
+    return tmp, args
+
+
+@pytest.mark.slow
+def test_a_replaced_process_receives_its_boxes_of_leaves_in_their_own_zarr_arrays(saved_two_zarr):
+    tmp, args = saved_two_zarr
+    run = _copy(args, tmp, "zarr-received")
+    shutil.rmtree(f"{run['local']}/process-1")
+    for r in _restore(run, processes=2, devices=2):
+        rec = r.record("restored")
+        assert rec["step"] == 120 and rec["mismatches"] == [] and rec["durable_bytes"] == 0, r.describe()
+        assert "received their boxes from the processes holding their copies" in r.stderr, r.describe()
+
+
+@pytest.mark.slow
+def test_a_holder_whose_zarr_copy_fails_its_crc32c_in_the_last_leaf_makes_every_process_fall_back_alike(saved_two_zarr):
+    # The holder reads "bf" and "ids" into the buffers it sends, then a chunk of "w" fails
+    # its crc32c: what was sent is dropped on both processes, the TCP fetch of the only
+    # copy fails too, and both restore the durable step, whole.
+    tmp, args = saved_two_zarr
+    run = _copy(args, tmp, "zarr-damaged")
+    shutil.rmtree(f"{run['local']}/process-1")
+    held = f"{run['local']}/process-0/peer-copies/process-1/120"
+    assert sorted(ckpt.metadata(held).arrays)[-1] == "w"
+    (chunk, *_) = sorted(p for p in glob.glob(f"{held}/arrays/w/c/**", recursive=True) if os.path.isfile(p))
+    with open(chunk, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0x01]))
+    reasons = set()
+    for r in _restore(run, processes=2, devices=2):
+        rec = r.record("restored")
+        assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
+        line = next(x for x in r.stderr.splitlines() if "fetch their copies of step 120 over TCP instead" in x)
+        reasons.add(line.split("instead of receiving their boxes in the restore: ", 1)[1])
+    (reason,) = reasons  # the same on every process
+    assert reason.startswith("process 0: CorruptCheckpointError") and "crc32c" in reason and "'w'" in reason, reason
+
+
 @pytest.mark.slow
 def test_a_holder_whose_tier_is_full_refuses_the_copy_clearly_keeps_the_older_one_and_the_next_copy_counts(tmp_path):
     """ENOSPC injected by the fault harness (tests/faults, point `peer_copy`) in process 2

@@ -27,6 +27,7 @@ from ._registry import (
     encoding_of,
     files,
     plan_leaf,
+    read_into,
     region_reader,
     replicated_files,
     start_restore,
@@ -44,4 +45,4 @@ from ._write import (
     write_context,
 )
 
-__all__ = ['BUFFERED', 'BoxRead', 'ChunkRead', 'DIRECT', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'LeafWrite', 'PACKED', 'PackSlab', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'ShardImage', 'SharedChunk', 'VerifyContext', 'WriteContext', 'WriteResult', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'checksum_all', 'chunk_record', 'combine_crc32c', 'direct_supported', 'encoding_of', 'fast_path_supported', 'files', 'fill_images', 'image_bytes', 'image_data', 'lower_workers', 'pack_buffer_bytes', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'region_reader', 'replicated_files', 'start_restore', 'start_write', 'write_context']
+__all__ = ['BUFFERED', 'BoxRead', 'ChunkRead', 'DIRECT', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'LeafWrite', 'PACKED', 'PackSlab', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'ShardImage', 'SharedChunk', 'VerifyContext', 'WriteContext', 'WriteResult', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'checksum_all', 'chunk_record', 'combine_crc32c', 'direct_supported', 'encoding_of', 'fast_path_supported', 'files', 'fill_images', 'image_bytes', 'image_data', 'lower_workers', 'pack_buffer_bytes', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'read_into', 'region_reader', 'replicated_files', 'start_restore', 'start_write', 'write_context']

@@ -17,6 +17,8 @@ Who calls what, where:
                     exchange that follows, which is the caller's).
   verify            `verify`, any process alone; reads everything.
   region_reader     export (and any reader walking a leaf region by region), any process.
+  read_into         the same into the caller's buffers (a restart's holder reading a lost
+                    node's boxes, `_manage/_peer_transfer`), any process.
   replicated_files  the two tiers' replication, each process, from its own record.
   start_write       a save, each process, its own chunks (the write path's files; the
                     direct or the buffered way, `_write.WriteContext`).
@@ -249,6 +251,24 @@ class LeafEncoding(abc.ABC):
         Raises (from `read`):
           CorruptCheckpointError: stored bytes are missing, cut off or fail a checksum.
         """
+
+    def read_into(self, storage: Storage, path: str, meta: ArrayMetadata, boxes: Sequence[tuple[Box, np.ndarray]],
+                  pool: concurrent.futures.Executor | None = None) -> None:
+        """Reads regions of the leaf, unplanned, into the caller's buffers: each `(box,
+        out)` with `out` C-contiguous, of the box's shape and the stored dtype; every byte
+        checked. This default reads each box with `region_reader` and copies it; an
+        encoding that can reads straight into `out` (one pass: read, check, place).
+
+        Args:
+          pool: worker threads for the reads of a box (never a pool one of whose workers
+            calls this: they would wait on each other); None: this thread alone.
+        Raises:
+          CorruptCheckpointError: stored bytes are missing, cut off or fail a checksum.
+        """
+        read = self.region_reader(storage, path, meta)
+        for box, out in boxes:
+            if box.size:
+                np.copyto(out, read(box))
 
     # --- two tiers ------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ leaves by encoding, in registry order, and calls the encoding's method.
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -102,6 +103,19 @@ def region_reader(storage: Storage, path: str, meta: ArrayMetadata) -> Callable[
         names the leaf and the checkpoint path.
     """
     return encoding_of(meta).region_reader(storage, path, meta)
+
+
+def read_into(storage: Storage, path: str, meta: ArrayMetadata, boxes: Sequence[tuple[Box, np.ndarray]],
+              pool: concurrent.futures.Executor | None = None) -> None:
+    """Reads regions of a leaf into the caller's buffers (`LeafEncoding.read_into`): each
+    `(box, out)`, `out` C-contiguous, of the box's shape and the stored dtype; every byte
+    checked. `pool`: worker threads for the reads (never one whose worker calls this).
+
+    Raises:
+      CorruptCheckpointError: stored bytes are missing, truncated or fail a checksum;
+        names the leaf and the checkpoint path.
+    """
+    encoding_of(meta).read_into(storage, path, meta, boxes, pool)
 
 
 def replicated_files(record: ProcessRecord) -> list[str]:

@@ -10,24 +10,29 @@ The step and the holders are chosen from every process's inventory (one round,
    `zarr.json` nodes, process records: `META_NAMES`) in the coordination service's
    key-value store; the replacement reads them (it needs the tree's structure, shapes
    and values), into a temporary folder.
-2. Each holder reads the replacement's boxes (as the target places them on the
-   replacement's devices) from the copy it holds (`region_reader`: the chunks' crc32c
-   are checked); every process with its own copy reads its boxes from it meanwhile
-   (`restore_from`, not cooperative, no collective: on a thread, beside the transfers).
-   One round of the rendezvous on the holders' reads before the transfers, one on the
-   own reads after them. A damaged
-   copy, or a target this path does not cover (host leaves, PRNG keys, a sharding that
-   is not a `NamedSharding` on devices, a box that differs in shape between devices),
-   makes every process fall back, the same way, to fetching the copy over TCP
-   (`PeerService.fetch`, the next holder when a copy fails its crc32c).
-3. The boxes travel in rounds of one JAX program each (`jax.lax.ppermute` under
-   `shard_map`, over a one-dimensional mesh of the devices that send or receive in the
-   round; every process with a device in it runs it): a device sends at most one box
-   and receives at most one per round. Nothing else moves: the processes that read
-   their own copy run no program.
-4. The replacement assembles its arrays from the boxes received, and in the background
-   fetches its copy over TCP into its local tier, so the step is whole on every local
-   tier again (and can be replicated to the durable tier).
+2. Every process plans the transfers (`_peer_transfer.plan`: which of the holder's
+   devices sends which box to which of the replacement's) and compiles the programs it
+   runs; each holder starts reading the boxes it sends from the copy it holds, on a
+   background thread (`_encoding.read_into`: every inner chunk's crc32c checked in the
+   pass that reads it); every process with its own copy starts reading its boxes from it
+   (`restore_from`, not cooperative, no collective: on a thread). Then one round of the
+   rendezvous: every process has the same programs to run (it does not wait for the
+   reads). A target this path does not cover (host leaves, PRNG keys, a sharding that is
+   not a `NamedSharding` on devices), or a failure before that round (the small files,
+   a compile), makes every process fall back, the same way, to fetching the copy over
+   TCP (`PeerService.fetch`, the next holder when a copy fails its crc32c).
+3. The boxes travel once the holder's reads are over: per round of device pairs, one
+   JAX program (`jax.lax.ppermute` under `shard_map`, over a one-dimensional mesh of the
+   devices that send or receive, every leaf whose boxes go between the same pairs an
+   operand of it; one program in all when processes have as many devices each); every
+   process with a device in it runs it, the processes that read their own copy run
+   none. A holder whose read failed sends zeros for what it did not read.
+4. One round of the rendezvous on every read (the holders' and the own): if any failed
+   (a damaged copy), what was received is dropped and every process falls back the same
+   way as in 2 (a step is never assembled from two steps). Else the replacement
+   assembles its arrays from the boxes received, and in the background (once they are
+   in place) fetches its copy over TCP into its local tier, so the step is whole on
+   every local tier again (and can be replicated to the durable tier).
 
 Device collectives run on the calling thread only (the restore call), never on a
 background thread.
@@ -37,34 +42,29 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import dataclasses
-import functools
 import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from .. import _coord, _encoding, _format
+from .. import _coord, _format
 from .._errors import CheckpointError
-from .._format import ArrayMetadata, Box, PyTree, ValueMetadata, read_metadata, rebuild
+from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import RestoreOptions, resolve_tree
 from .._storage import LocalStorage
-from . import _mesh_restart, _peers, _tiers
+from . import _mesh_restart, _peer_transfer, _peers, _tiers
 from ._peers import PeerService
 
 log = logging.getLogger("checkpointer")
 
 MAX_META_BYTES = 2 << 20  # the small files of one copy, as the key-value store carries them
-_AXIS = "peers"
 
 
 def is_meta_name(key: str) -> bool:
@@ -108,140 +108,6 @@ def _write_meta(files: dict[str, str], folder: str) -> None:
             f.write(base64.b64decode(data))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Transfer:
-    """One box of one leaf: from a device of its holder to one of the replacement's."""
-
-    leaf: str
-    box: Box
-    src: int  # device id
-    dst: int  # device id
-    round: int
-
-
-def _plan(resolved_by_replaced: Mapping[int, Any], holder_of: dict[int, int]) -> tuple[list[_Transfer], str | None]:
-    """The transfers of every replaced process's unique boxes (its first device holding
-    each), their senders' devices taken in turn, each device sending and receiving at
-    most one box per round; or why this path does not cover the target."""
-    by_process: dict[int, list[jax.Device]] = {}
-    for d in jax.devices():
-        by_process.setdefault(d.process_index, []).append(d)
-    for devices in by_process.values():
-        devices.sort(key=lambda d: d.id)
-    transfers: list[_Transfer] = []
-    busy: dict[tuple[int, str], set[int]] = {}  # (round, "src"|"dst") → devices in use
-    for r in sorted(resolved_by_replaced):
-        resolved = resolved_by_replaced[r]
-        senders = by_process.get(holder_of[r], [])
-        if not senders:
-            return [], f"process {holder_of[r]} has no device"
-        turn = 0
-        for leaf in resolved.leaves:
-            meta, lt = leaf.meta, leaf.target
-            if isinstance(meta, ValueMetadata):
-                continue
-            why = _unsupported(meta, lt)
-            if why:
-                return [], f"{meta.keystr or meta.path}: {why}"
-            first: dict[Box, int] = {}
-            for device, box in leaf.device_boxes:
-                first.setdefault(box, device)
-            if len({b.shape for b in first}) > 1:
-                return [], f"{meta.keystr or meta.path}: its boxes differ in shape"
-            for box, device in sorted(first.items(), key=lambda kv: kv[1]):
-                rnd, src = 0, -1
-                while src < 0:
-                    used, taken = busy.setdefault((rnd, "src"), set()), busy.setdefault((rnd, "dst"), set())
-                    free = [s.id for s in senders[turn % len(senders):] + senders[:turn % len(senders)] if s.id not in used]
-                    if free and device not in taken:
-                        src = free[0]
-                    else:
-                        rnd += 1
-                busy[(rnd, "src")].add(src)
-                busy[(rnd, "dst")].add(device)
-                transfers.append(_Transfer(leaf.path, box, src, device, rnd))
-                turn += 1
-    return transfers, None
-
-
-def _unsupported(meta: ArrayMetadata, lt) -> str | None:
-    if lt is None or lt.sharding is None:
-        return "a host target"
-    if not isinstance(lt.sharding, NamedSharding) or lt.sharding.memory_kind not in (None, "device"):
-        return "not a NamedSharding on devices"
-    if meta.key_impl is not None:
-        return "PRNG keys"
-    return None
-
-
-@functools.lru_cache(maxsize=64)
-def _zeros(shape: tuple[int, ...], dtype: str, device_id: int) -> Callable[[], jax.Array]:
-    """A compiled program making zeros on one device (made there, not copied from the host)."""
-    device = next(d for d in jax.local_devices() if d.id == device_id)
-    return jax.jit(functools.partial(jnp.zeros, shape, np.dtype(dtype)), out_shardings=SingleDeviceSharding(device))
-
-
-@functools.lru_cache(maxsize=64)
-def _program(device_ids: tuple[int, ...], perm: tuple[tuple[int, int], ...]):
-    from jax import shard_map
-
-    devices = {d.id: d for d in jax.devices()}
-    mesh = jax.sharding.Mesh(np.array([devices[i] for i in device_ids]), (_AXIS,))
-
-    def move(*xs):
-        return tuple(jax.lax.ppermute(x, _AXIS, perm=list(perm)) for x in xs)
-
-    return mesh, jax.jit(shard_map(move, mesh=mesh, in_specs=PartitionSpec(_AXIS), out_specs=PartitionSpec(_AXIS)))
-
-
-def _run_rounds(transfers: Sequence[_Transfer], sending: dict[tuple[str, Box], np.ndarray],
-                dtypes: dict[str, np.dtype]) -> dict[tuple[str, int], jax.Array]:
-    """Runs every round; returns (leaf, destination device id) → the box received there
-    (a single-device array), for this process's destination devices."""
-    pidx = jax.process_index()
-    devices = {d.id: d for d in jax.devices()}
-    received: dict[tuple[str, int], jax.Array] = {}
-    for rnd in sorted({t.round for t in transfers}):
-        group = [t for t in transfers if t.round == rnd]
-        # One program per set of device pairs: the leaves whose boxes go the same way.
-        by_pairs: dict[tuple[tuple[int, int], ...], list[_Transfer]] = {}
-        pairs_of: dict[str, list[_Transfer]] = {}
-        for t in group:
-            pairs_of.setdefault(t.leaf, []).append(t)
-        for ts in pairs_of.values():
-            by_pairs.setdefault(tuple(sorted((t.src, t.dst) for t in ts)), []).extend(ts)
-        for pairs, ts in sorted(by_pairs.items()):
-            ids = tuple(sorted({i for p in pairs for i in p}))
-            if not any(devices[i].process_index == pidx for i in ids):
-                continue
-            pos = {i: k for k, i in enumerate(ids)}
-            mesh, program = _program(ids, tuple((pos[s], pos[d]) for s, d in pairs))
-            sharding = NamedSharding(mesh, PartitionSpec(_AXIS))
-            leaves = sorted({t.leaf for t in ts})
-            inputs = []
-            for leaf in leaves:
-                mine = {t.src: t for t in ts if t.leaf == leaf}
-                shape = next(t.box.shape for t in ts if t.leaf == leaf)
-                bufs = []
-                for i in ids:
-                    d = devices[i]
-                    if d.process_index != pidx:
-                        continue
-                    if i in mine:
-                        bufs.append(jax.device_put(sending.pop((leaf, mine[i].box))[None], d))
-                    else:  # a receiver's input: ppermute overwrites it
-                        bufs.append(_zeros((1, *shape), str(dtypes[leaf]), d.id)())
-                inputs.append(jax.make_array_from_single_device_arrays((len(ids), *shape), sharding, bufs))
-            outs = program(*inputs)
-            for leaf, out in zip(leaves, outs):
-                dsts = {t.dst for t in ts if t.leaf == leaf}
-                for shard in out.addressable_shards:
-                    if shard.device.id in dsts:
-                        received[(leaf, shard.device.id)] = shard.data[0]
-            del inputs, outs
-    return received
-
-
 def deliver(
     peers: PeerService,
     step: int,
@@ -270,9 +136,9 @@ def deliver(
     client = _coord.client()
     tmp: str | None = None
     tree: PyTree | None = None
-    sending: dict[tuple[str, Box], np.ndarray] = {}
-    transfers: list[_Transfer] = []
-    dtypes: dict[str, np.dtype] = {}
+    progs: list[_peer_transfer.Program] = []
+    compiled: list[_peer_transfer.Compiled] = []
+    held: _peer_transfer.HeldReads | None = None
     resolved_mine = None
     meta = None
     own_read: concurrent.futures.Future | None = None
@@ -294,45 +160,53 @@ def deliver(
             meta = read_metadata(LocalStorage(), f"{peers.local_root}/{step}")
         resolved_by = {r: resolve_tree(meta, target, partial=options.partial, process_index=r, missing=options.missing)
                        for r in holder_of}
-        transfers, why = _plan(resolved_by, holder_of)
+        transfers, why = _peer_transfer.plan(resolved_by, holder_of)
         outcome = "ok" if why is None else f"the target is not covered by this path ({why})"
         if why is None:
-            reads = _start_held_reads(peers, step, holder_of, resolved_by, transfers)
+            dtypes = {leaf.path: np.dtype(leaf.target.dtype if leaf.target.dtype is not None else leaf.meta.dtype)
+                      for leaf in next(iter(resolved_by.values())).leaves
+                      if isinstance(leaf.meta, ArrayMetadata) and leaf.target is not None}
+            progs = _peer_transfer.programs(transfers, dtypes)
+            folders = {r: f"{peers.held(r).root}/{step}" for r, h in holder_of.items() if h == pidx}
+            if folders:  # the boxes this process sends are read in the background
+                process_of = {d.id: d.process_index for d in jax.devices()}
+                held = _peer_transfer.HeldReads(progs, folders, process_of)
             if pidx not in holder_of:  # the own read goes on beside the transfers (no collective in it)
                 own = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-peer-own")
                 own_read = own.submit(read_own)
                 own.shutdown(wait=False)
-            sending = {k: f.result() for k, f in reads.items()}
-            for leaf in next(iter(resolved_by.values())).leaves:
-                if isinstance(leaf.meta, ArrayMetadata) and leaf.target is not None:
-                    dtypes[leaf.path] = np.dtype(leaf.target.dtype if leaf.target.dtype is not None else leaf.meta.dtype)
-            if pidx in holder_of:
+            else:
                 resolved_mine = resolved_by[pidx]
-    except (CheckpointError, OSError, ValueError, RuntimeError) as e:  # a damaged copy, a file gone, the key-value store
+            compiled = _peer_transfer.compile_programs(progs)  # meanwhile: no collective in a compile
+    except Exception as e:  # the key-value store, a copy's small files, a compile: every process falls back alike
         outcome = f"process {pidx}: {type(e).__name__}: {e}"
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    outcomes = agree(lambda: outcome)  # the boxes to send are read
+    outcomes = agree(lambda: outcome)  # every process has the same programs to run (the reads go on)
     bad = [o for o in outcomes if o != "ok"]
     if bad:
+        if held is not None:
+            held.stop()
         _drop(own_read)
         return None, "; ".join(dict.fromkeys(bad))
-    received = _run_rounds(transfers, sending, dtypes)
+    received, failed = _peer_transfer.run(compiled, held)
+    outcome = "ok" if failed is None else f"process {pidx}: {failed}"
     if own_read is not None:
         try:
-            tree, outcome = own_read.result(), "ok"
+            tree = own_read.result()
         except (CheckpointError, OSError, ValueError, RuntimeError) as e:  # a damaged own copy
             outcome = f"process {pidx}: {type(e).__name__}: {e}"
-    outcomes = agree(lambda: outcome)  # every own copy is read
+    # Every box sent was read and checked, every own copy is read: else what was received
+    # is dropped and every process falls back the same way.
+    outcomes = agree(lambda: outcome)
     bad = [o for o in outcomes if o != "ok"]
     if bad:
         return None, "; ".join(dict.fromkeys(bad))
     if pidx not in holder_of:
         return tree, None
     assert resolved_mine is not None and meta is not None
-    tree = _assemble(meta, resolved_mine, received)
-    return tree, None
+    return _peer_transfer.assemble(meta, resolved_mine, received), None
 
 
 def _drop(read: concurrent.futures.Future | None) -> None:
@@ -341,74 +215,27 @@ def _drop(read: concurrent.futures.Future | None) -> None:
         concurrent.futures.wait([read])
 
 
-def _start_held_reads(peers: PeerService, step: int, holder_of: Mapping[int, int], resolved_by: Mapping[int, Any],
-                      transfers: Sequence[_Transfer]) -> dict[tuple[str, Box], concurrent.futures.Future]:
-    """Starts reading, on a pool of threads, every box this process sends: from the copy
-    it holds of the replaced process's step (its chunks' crc32c checked), cast to the
-    target dtype."""
-    local = {d.id for d in jax.local_devices()}
-    out: dict[tuple[str, Box], concurrent.futures.Future] = {}
-    pool = concurrent.futures.ThreadPoolExecutor(max(4, os.cpu_count() or 2), thread_name_prefix="checkpointer-peer-read")
-    for r, h in holder_of.items():
-        if h != _coord.process_index():
-            continue
-        folder = f"{peers.held(r).root}/{step}"
-        held_meta = read_metadata(LocalStorage(), folder)
-        by_path = {leaf.path: leaf for leaf in resolved_by[r].leaves}
-        readers: dict[str, Callable[[Box], np.ndarray]] = {}
-        for t in transfers:
-            if t.src not in local or (t.leaf, t.box) in out:
-                continue
-            leaf, m = by_path[t.leaf], held_meta.leaves[t.leaf]
-            assert isinstance(m, ArrayMetadata) and leaf.target is not None and isinstance(leaf.meta, ArrayMetadata)
-            if t.leaf not in readers:
-                readers[t.leaf] = _encoding.region_reader(LocalStorage(), folder, m)
-            dtype = np.dtype(leaf.target.dtype if leaf.target.dtype is not None else leaf.meta.dtype)
-            out[(t.leaf, t.box)] = pool.submit(lambda read, box, dt: np.ascontiguousarray(read(box).astype(dt, copy=False)),
-                                               readers[t.leaf], t.box, dtype)
-    pool.shutdown(wait=False)
-    return out
-
-
-def _assemble(meta, resolved, received: dict[tuple[str, int], jax.Array]) -> PyTree:
-    """The replaced process's tree from the boxes it received (a box two of its devices
-    hold is received once and copied)."""
-    results: dict[str, object] = {}
-    for leaf in resolved.leaves:
-        m, lt = leaf.meta, leaf.target
-        if isinstance(m, ValueMetadata):
-            results[leaf.path] = m.value
-            continue
-        by_box: dict[Box, jax.Array] = {}
-        for device, box in leaf.device_boxes:
-            if (leaf.path, device) in received:
-                by_box.setdefault(box, received[(leaf.path, device)])
-        devices = {d.id: d for d in jax.local_devices()}
-        shards = []
-        index = lt.sharding.addressable_devices_indices_map(tuple(lt.shape))
-        boxes = dict(leaf.device_boxes)
-        for d in index:
-            arr = by_box[boxes[d.id]]
-            shards.append(arr if arr.devices() == {d} else jax.device_put(arr, devices[d.id]))
-        results[leaf.path] = jax.make_array_from_single_device_arrays(tuple(lt.shape), lt.sharding, shards)
-    if resolved.treedef is None:
-        return rebuild(meta.structure, lambda p: results[p], where="a peer copy")
-    results.update(resolved.kept)
-    return jax.tree_util.tree_unflatten(resolved.treedef, [results[p] for p in resolved.order])
-
-
 class Refetch(threading.Thread):
     """Fetches this process's copy of a step into its local tier in the background (TCP,
     no device collective), so the step is whole on every local tier again; `join()` and
-    `error` as an `AsyncSave` has them (the replication of the step waits for it)."""
+    `error` as an `AsyncSave` has them (the replication of the step waits for it). It
+    starts once `after` (the arrays the restore received) is in place: the fetch does not
+    compete with the transfer still in flight."""
 
-    def __init__(self, peers: PeerService, step: int, generation: str, sources: Sequence[int]) -> None:
+    def __init__(self, peers: PeerService, step: int, generation: str, sources: Sequence[int],
+                 after: object = None) -> None:
         super().__init__(name="checkpointer-peer-refetch", daemon=True)
         self.peers, self.step, self.generation, self.sources = peers, step, generation, list(sources)
         self.error: BaseException | None = None
+        self._after = after
         self.start()
 
     def run(self) -> None:
+        try:
+            jax.block_until_ready(self._after)
+        except Exception:  # e.g. the caller already donated the arrays: they were in place
+            pass
+        self._after = None
         failed = self.peers.fetch(self.step, self.generation, self.sources)
         if failed is not None:
             self.error = CheckpointError(f"process {self.peers.process_index} could not fetch its copy of step "
@@ -495,7 +322,7 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
         log.warning("restored step %d from the local tiers: processes %s received their boxes from the processes "
                     "holding their copies (newest durable step: %s)", step,
                     [r for r, s in enumerate(sources) if s], latest_durable)
-        refetch = Refetch(peers, step, generation, mine) if mine else None
+        refetch = Refetch(peers, step, generation, mine, after=tree) if mine else None
         if resume is not None:
             resume(step, generation, False, local_save=refetch)
         return (tree, "local", 0), None, None
