@@ -47,10 +47,14 @@ def test_save_async_snapshot_survives_donation_and_deletion(ckpt_dir):
 def test_save_async_background_error_surfaces_in_wait(ckpt_dir, monkeypatch):
     ckpt.save(f"{ckpt_dir}/0", _state(0.5))
 
-    def disk_full(self, path, data):
-        raise OSError(errno.ENOSPC, "No space left on device", path)
+    write_file = _storage.LocalStorage.write_file
 
-    # The chunks are written, then the per-process record hits a full disk.
+    def disk_full(self, path, data):
+        if path.endswith("processes/0.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return write_file(self, path, data)
+
+    # The chunks and the pack's zarr.json are written, then the per-process record hits a full disk.
     monkeypatch.setattr(_storage.LocalStorage, "write_file", disk_full)
     handle = ckpt.save_async(f"{ckpt_dir}/1", _state())
     with pytest.raises(ckpt.SaveError, match=r"No space left on device.*processes/0.json") as e:
