@@ -21,6 +21,7 @@ Prints one line per round and library, then the means; writes nothing else.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -105,7 +106,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         share, scratch, copies = args.worker
-        print(copy_cpu(share, scratch, int(copies)))
+        print(json.dumps(copy_cpu(share, scratch, int(copies))))
         return
     libs = {"this checkout": str(HERE)} | ({f"baseline {args.baseline}": args.baseline} if args.baseline else {})
     per: dict[str, list[tuple[float, float]]] = {name: [] for name in libs}
@@ -116,7 +117,7 @@ def main() -> None:
                 env = dict(os.environ, PYTHONPATH=lib)
                 out = subprocess.run([sys.executable, __file__, "--worker", f"{d}/share", f"{d}/scratch-{r}", str(args.copies)],
                                      env=env, cwd=lib, check=True, capture_output=True, text=True).stdout
-                got = eval(out.strip().splitlines()[-1])  # the worker's dict
+                got = json.loads(out.strip().splitlines()[-1])  # the worker's figures
                 shutil.rmtree(f"{d}/scratch-{r}", ignore_errors=True)
                 gib = got["bytes"] / 2**30
                 per[name].append((got["send"] / gib, got["receive"] / gib))
