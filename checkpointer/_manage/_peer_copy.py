@@ -1,6 +1,7 @@
-"""The copy wire of peer copies: framing of the peers' messages, the sender's side of a
-copy (the files of a committed step, their lengths and crc32c), and the priority of the
-threads that move the bytes (`_peers` runs the service; this module holds no state).
+"""The copy wire of peer copies: framing of the peers' messages, both sides of one copy
+(the files of a committed step, their lengths and crc32c), the sockets' timeouts and the
+priority of the threads that move the bytes (`_peers` runs the service; this module holds
+no state but up to `_IDLE_BLOCKS` idle transfer buffers).
 
 Every message is a 4-byte big-endian length and a JSON object (at most
 `MAX_HEADER_BYTES`); file bytes travel raw between messages.
