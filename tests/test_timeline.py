@@ -128,7 +128,7 @@ def test_waiting_for_a_slow_computation_is_its_own_phase_before_the_snapshot(tmp
     # JAX dispatches asynchronously: the save is called while a leaf is still being
     # computed. The wait is recorded apart; the snapshot (what blocks training) starts
     # once the leaves are ready, before their host copy.
-    from checkpointer._save import _pipeline as _save
+    from checkpointer._save import _copy as _save  # where the save calls the host copy
 
     copies = []
 
