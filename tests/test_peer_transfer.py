@@ -83,6 +83,14 @@ def test_plan_pairs_the_replaced_devices_with_the_holders_in_turn_one_box_per_de
         ((2, 4), ((4, 2),), ["b"]), ((0, 2, 3, 4, 5, 6), ((4, 2), (5, 3), (6, 0)), ["a"]), ((1, 4, 6), ((4, 6), (6, 1)), ["a"])]
 
 
+def test_many_leaves_go_in_programs_of_at_most_max_operands_grouped_by_shape():
+    transfers = [T.Transfer(f"l{i:03d}", Box((0,), (8 + i % 3,)), 0, 4, 0) for i in range(300)]
+    progs = T.programs(transfers, {t.leaf: np.dtype(np.float32) for t in transfers})
+    assert [len(p.operands) for p in progs] == [128, 128, 44]
+    assert sorted(o.leaf for p in progs for o in p.operands) == sorted(t.leaf for t in transfers)
+    assert [o.block for o in progs[0].operands] == [(8,)] * 100 + [(9,)] * 28  # by shape: programs repeat shapes
+
+
 def test_plan_says_why_a_target_is_not_covered():
     by_process = {0: [0, 1], 1: [2, 3]}
     r = _resolved({"a": [(2, _rows(0))]})
@@ -116,7 +124,7 @@ def test_the_holder_reads_the_boxes_it_sends_and_each_device_receives_its_box(sa
     path, state = saved
     transfers = _transfers(state)
     progs = T.programs(transfers, {k: np.dtype(v.dtype) for k, v in state.items()})
-    assert len(progs) == 1 and [o.leaf for o in progs[0].operands] == ["a", "b", "c"]
+    assert len(progs) == 1 and [o.leaf for o in progs[0].operands] == ["b", "a", "c"]  # by dtype, shape, leaf
     held = T.HeldReads(progs, {9: path}, {4: 9, 5: 9})
     received, error = T.run(T.compile_programs(progs), held)
     assert error is None

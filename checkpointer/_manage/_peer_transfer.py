@@ -138,8 +138,15 @@ def plan(resolved_by_replaced: Mapping[int, Any], holder_of: Mapping[int, int],
     return transfers, None
 
 
+# Operands of one program at most: XLA's compile time grows faster than the operands (on
+# CPU: 16 operands 0.14 s, 256 0.26 s, 1,024 1.7 s, 4,096 23 s).
+MAX_OPERANDS = 128
+
+
 def programs(transfers: Sequence[Transfer], dtypes: Mapping[str, np.dtype]) -> list[Program]:
-    """The programs that carry `transfers`, in the order every process runs them."""
+    """The programs that carry `transfers`, in the order every process runs them: per
+    round and set of device pairs, the operands by dtype, block shape and leaf, at most
+    `MAX_OPERANDS` to a program (programs of the same operand shapes share a compile)."""
     operands: dict[tuple[int, str, tuple[int, ...]], list[Transfer]] = {}
     for t in transfers:
         operands.setdefault((t.round, t.leaf, t.block), []).append(t)
@@ -148,8 +155,12 @@ def programs(transfers: Sequence[Transfer], dtypes: Mapping[str, np.dtype]) -> l
         ts.sort(key=lambda t: t.src)
         dtype = np.dtype(jax.dtypes.canonicalize_dtype(dtypes[leaf]))
         grouped.setdefault((rnd, tuple((t.src, t.dst) for t in ts)), []).append(Operand(leaf, block, dtype, tuple(ts)))
-    return [Program(tuple(sorted({i for p in pairs for i in p})), pairs, tuple(ops))
-            for (_, pairs), ops in sorted(grouped.items())]
+    out = []
+    for (_, pairs), ops in sorted(grouped.items()):
+        ops.sort(key=lambda op: (op.dtype.name, op.block, op.leaf))
+        ids = tuple(sorted({i for p in pairs for i in p}))
+        out += [Program(ids, pairs, tuple(ops[k : k + MAX_OPERANDS])) for k in range(0, len(ops), MAX_OPERANDS)]
+    return out
 
 
 Key = tuple[int, int, int]  # (program, operand, device id): one block of one operand
