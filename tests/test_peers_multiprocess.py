@@ -5,6 +5,7 @@ A node loss is its local folder wiped (`LOCAL/process-<i>/`: its own steps and t
 it held of others'). Holders of process p's copies (k = 1): process p+1 (mod 4); k = 2:
 p+1 and p+2."""
 
+import collections
 import glob
 import json
 import os
@@ -47,7 +48,7 @@ def _copy(args, tmp_path, name, lost=()):
 @pytest.fixture(scope="module")
 def saved_k1(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("k1")
-    args, results = _save(tmp, 1)
+    args, results = _save(tmp, 1, count_retention=True)
     return tmp, args, results
 
 
@@ -73,6 +74,21 @@ def test_with_one_peer_copy_a_lost_node_resumes_from_the_newest_local_step_readi
         rec = r.record("restored")
         assert rec["step"] == 120 and rec["mismatches"] == [], r.describe()
         assert rec["durable_bytes"] == 0 and rec["source"] == "local", r.describe()
+
+
+@pytest.mark.slow
+def test_with_peer_copies_local_retention_runs_once_per_event_that_can_free_a_step(saved_k1):
+    # Local saves 100 (durable), 110 and 120, one peer copy each. The local tier's retention
+    # runs after each local commit (it drops what is durable already before the new step's
+    # copy goes out, so the holders drop their copies too), after each step's copies are
+    # checked (a local-only step goes only once a newer one survives as many node losses,
+    # which only that run knows) and after each durable commit: twice per local-only save.
+    _, _, results = saved_k1
+    for r in results:
+        runs = r.record("saved")["retention_runs"]
+        assert collections.Counter(run["after"] for run in runs) == {"run_local": 3, "_peer_copied": 3, "_replicate": 1}, runs
+        removed_by = {s: run["after"] for run in runs for s in run["removed"]}
+        assert set(removed_by) == {100, 110} and removed_by[110] == "_peer_copied", runs
 
 
 @pytest.mark.slow
