@@ -96,9 +96,9 @@ def running_s3_server() -> Iterator[S3Server]:
                 try:
                     urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).close()
                     break
-                except OSError:
+                except OSError as e:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"moto S3 server on {endpoint} did not come up")
+                        raise RuntimeError(f"moto S3 server on {endpoint} did not come up") from e
                     time.sleep(0.05)
             for k in ENV_KEYS:
                 os.environ.pop(k, None)

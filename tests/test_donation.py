@@ -80,7 +80,7 @@ def test_device_destinations_are_xla_buffers_filled_through_their_views(shape):
     devices = jax.devices()[:2]
     made = device_destinations([(shape, np.dtype(np.float32), jax.sharding.SingleDeviceSharding(d)) for d in devices])
     want = []
-    for k, (array, view) in enumerate(made):
+    for k, (_array, view) in enumerate(made):
         assert view.shape == shape and view.dtype == np.float32 and view.flags.writeable
         want.append(np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + k)
         view[...] = want[-1]

@@ -11,30 +11,16 @@ import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+from incremental_steps import N, arr, chunk_files, manifest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
 from checkpointer import _cli, _format
 
-N = 1024  # 1024x1024 float32 = 4 MiB per leaf, 8 chunks of 512 KiB: not packed
-
 
 @pytest.fixture(scope="module")
 def sharding():
     return NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b"))
-
-
-def _arr(sharding, value=0.0, seed=None):
-    if seed is not None:
-        host = np.random.default_rng(seed).standard_normal((N, N)).astype(np.float32)
-    else:
-        host = np.full((N, N), value, np.float32)
-    return jax.device_put(host, sharding)
-
-
-def _manifest(path):
-    with open(os.path.join(path, "manifest.json")) as f:
-        return json.load(f)
 
 
 def _write_manifest(path, m):
@@ -43,25 +29,20 @@ def _write_manifest(path, m):
 
 
 def _refs(path, leaf):
-    return _manifest(path)["leaves"][leaf].get("references", [])
-
-
-def _chunk_files(path, leaf):
-    root = os.path.join(path, "arrays", leaf, "c")
-    return sum(len(files) for _, _, files in os.walk(root)) if os.path.isdir(root) else 0
+    return manifest(path)["leaves"][leaf].get("references", [])
 
 
 def test_unchanged_chunks_are_references_and_every_reader_follows_them(tmp_path, sharding):
-    base, adapter = _arr(sharding, seed=1), _arr(sharding, 1.0)
+    base, adapter = arr(sharding, seed=1), arr(sharding, 1.0)
     d = str(tmp_path)
     ckpt.save(f"{d}/0", {"base": base, "adapter": adapter, "n": 3}, incremental=True)
-    assert _manifest(f"{d}/0")["format_version"] == 1  # nothing to reference: readable by older releases
+    assert manifest(f"{d}/0")["format_version"] == 1  # nothing to reference: readable by older releases
     adapter1 = adapter + 1
     ckpt.save(f"{d}/1", {"base": base, "adapter": adapter1, "n": 3}, incremental=True)  # base: by identity
-    m = _manifest(f"{d}/1")
+    m = manifest(f"{d}/1")
     assert m["format_version"] == _format.FORMAT_VERSION_REFERENCES
     assert {r["in"] for r in _refs(f"{d}/1", "base")} == {"0"} and len(_refs(f"{d}/1", "base")) == 8
-    assert _refs(f"{d}/1", "adapter") == [] and _chunk_files(f"{d}/1", "base") == 0
+    assert _refs(f"{d}/1", "adapter") == [] and chunk_files(f"{d}/1", "base") == 0
     assert sum(m["process_bytes_written"]) < (N * N * 4) * 1.05  # the adapter's bytes only
     # By content: a fresh copy of the base (first proven by comparison, then by the kept XXH3-128).
     ckpt.save(f"{d}/2", {"base": jax.device_put(np.asarray(base), sharding), "adapter": adapter1, "n": 3}, incremental=True)
@@ -71,7 +52,7 @@ def test_unchanged_chunks_are_references_and_every_reader_follows_them(tmp_path,
     changed = np.asarray(base).copy()
     changed[0, 0] += 1  # one chunk changes
     ckpt.save(f"{d}/3", {"base": jax.device_put(changed, sharding), "adapter": adapter1, "n": 3}, incremental=True)
-    assert len(_refs(f"{d}/3", "base")) == 7 and _chunk_files(f"{d}/3", "base") == 1
+    assert len(_refs(f"{d}/3", "base")) == 7 and chunk_files(f"{d}/3", "base") == 1
     # restore (host and sharded), plan, verify, export
     for step, want in [(1, np.asarray(base)), (2, np.asarray(base)), (3, changed)]:
         r = ckpt.restore(f"{d}/{step}")
@@ -99,15 +80,15 @@ def test_unchanged_chunks_are_references_and_every_reader_follows_them(tmp_path,
 
 def test_a_save_without_references_keeps_format_version_1(tmp_path, sharding):
     d = str(tmp_path)
-    ckpt.save(f"{d}/0", {"w": _arr(sharding, 1.0)}, incremental=True)
-    ckpt.save(f"{d}/1", {"w": _arr(sharding, 2.0)}, incremental=True)  # everything changed
-    assert _manifest(f"{d}/1")["format_version"] == 1
-    ckpt.save(f"{d}/2", {"w": _arr(sharding, 2.0)})  # incremental off: a full save
-    assert _manifest(f"{d}/2")["format_version"] == 1 and _chunk_files(f"{d}/2", "w") == 8
+    ckpt.save(f"{d}/0", {"w": arr(sharding, 1.0)}, incremental=True)
+    ckpt.save(f"{d}/1", {"w": arr(sharding, 2.0)}, incremental=True)  # everything changed
+    assert manifest(f"{d}/1")["format_version"] == 1
+    ckpt.save(f"{d}/2", {"w": arr(sharding, 2.0)})  # incremental off: a full save
+    assert manifest(f"{d}/2")["format_version"] == 1 and chunk_files(f"{d}/2", "w") == 8
 
 
 def _two_steps(d, sharding):
-    base = _arr(sharding, seed=2)
+    base = arr(sharding, seed=2)
     ckpt.save(f"{d}/0", {"base": base}, incremental=True)
     ckpt.save(f"{d}/1", {"base": base}, incremental=True)
     return np.asarray(base)
@@ -117,7 +98,7 @@ def _two_steps(d, sharding):
 def test_hostile_references_are_corrupt_checkpoint_errors_naming_both_steps(tmp_path, sharding, case):
     d = str(tmp_path)
     _two_steps(d, sharding)
-    m = _manifest(f"{d}/1")
+    m = manifest(f"{d}/1")
     refs = m["leaves"]["base"]["references"]
     if case == "leaves":
         refs[0]["in"] = "../elsewhere"
@@ -128,7 +109,7 @@ def test_hostile_references_are_corrupt_checkpoint_errors_naming_both_steps(tmp_
     elif case == "generation":
         refs[0]["generation"] = "20000101000000-00000000"
     elif case == "chain":  # step 0 references step 1 for the same chunk: a cycle
-        m0 = _manifest(f"{d}/0")
+        m0 = manifest(f"{d}/0")
         m0["format_version"] = 2
         m0["leaves"]["base"]["references"] = [dict(refs[0], **{"in": "1", "generation": m["generation"]})]
         _write_manifest(f"{d}/0", m0)
@@ -150,7 +131,7 @@ def test_hostile_references_are_corrupt_checkpoint_errors_naming_both_steps(tmp_
 def test_verify_checks_the_referenced_bytes(tmp_path, sharding):
     d = str(tmp_path)
     _two_steps(d, sharding)
-    m = _manifest(f"{d}/1")
+    m = manifest(f"{d}/1")
     m["leaves"]["base"]["references"][3]["data_crc32c"] ^= 1  # the reference names other bytes than step 0 holds
     _write_manifest(f"{d}/1", m)
     report = ckpt.verify(f"{d}/1")
@@ -170,24 +151,24 @@ def test_overwriting_a_referenced_step_refuses_naming_the_steps(tmp_path, shardi
     d = str(tmp_path)
     _two_steps(d, sharding)
     with pytest.raises(ckpt.CheckpointExistsError, match=r"\['1'\]"):
-        ckpt.save(f"{d}/0", {"base": _arr(sharding, 5.0)}, overwrite=True)
+        ckpt.save(f"{d}/0", {"base": arr(sharding, 5.0)}, overwrite=True)
     ckpt.restore(f"{d}/1")  # still whole
 
 
 def test_manager_retention_keeps_referenced_steps_until_nobody_references_them(tmp_path, sharding):
     d = str(tmp_path / "run")
-    base = _arr(sharding, seed=3)
+    base = arr(sharding, seed=3)
     with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(2), incremental=True, async_save=True) as mgr:
         for step in range(5):
-            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+            mgr.save(step, {"base": base, "adapter": arr(sharding, float(step))})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [3, 4]  # 0 is retired: it holds only the frozen base 3 and 4 reference
         assert os.path.exists(f"{d}/0/RETIRED")
         with pytest.raises(ckpt.CheckpointExistsError, match="reference"):
-            mgr.save(0, {"base": base, "adapter": _arr(sharding, 9.0)}, force=True)
-        new_base = _arr(sharding, seed=4)
+            mgr.save(0, {"base": base, "adapter": arr(sharding, 9.0)}, force=True)
+        new_base = arr(sharding, seed=4)
         for step in (5, 6):
-            mgr.save(step, {"base": new_base, "adapter": _arr(sharding, float(step))})
+            mgr.save(step, {"base": new_base, "adapter": arr(sharding, float(step))})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [5, 6]  # nobody references 0 any more
         np.testing.assert_array_equal(np.asarray(mgr.restore(6)["base"]), np.asarray(new_base))
@@ -196,10 +177,10 @@ def test_manager_retention_keeps_referenced_steps_until_nobody_references_them(t
 
 def test_gc_reports_what_it_freed_and_what_it_kept_for_whom(tmp_path, sharding, capsys):
     d = str(tmp_path / "run")
-    base = _arr(sharding, seed=5)
+    base = arr(sharding, seed=5)
     with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(10), incremental=True, async_save=False) as mgr:
         for step in range(4):
-            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+            mgr.save(step, {"base": base, "adapter": arr(sharding, float(step))})
     capsys.readouterr()
     assert _cli.main(["gc", d, "--keep-latest", "1", "--dry-run", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kept_for_references"] == {"0": [3]}
@@ -248,15 +229,15 @@ def test_a_crash_at_any_point_of_retention_leaves_no_dangling_reference(tmp_path
     retired = [n for n in os.listdir(d) if os.path.exists(f"{d}/{n}/RETIRED")]
     assert set(retired) <= set(wanted)
     for name in retired:
-        assert sum(_chunk_files(f"{d}/{name}", leaf) for leaf in ("base", "adapter")) == len(wanted[name]), name
+        assert sum(chunk_files(f"{d}/{name}", leaf) for leaf in ("base", "adapter")) == len(wanted[name]), name
 
 
 def test_ls_shows_owned_and_shared_bytes_and_pictures_show_references(tmp_path, sharding, capsys):
     d = str(tmp_path / "run")
-    base = _arr(sharding, seed=6)
+    base = arr(sharding, seed=6)
     with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(10), incremental=True, async_save=False) as mgr:
         for step in range(2):
-            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+            mgr.save(step, {"base": base, "adapter": arr(sharding, float(step))})
     capsys.readouterr()
     assert _cli.main(["ls", d, "--json"]) == 0
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["steps"]}
@@ -274,10 +255,10 @@ def test_a_leaf_that_stops_changing_is_referenced_again_within_the_recheck_inter
     for direct_io, want in [(False, [0, 0, 8, 8]), ("auto", [8, 8, 8, 8])]:
         d = str(tmp_path / str(direct_io))
         for step in range(2):  # changes: the second save checks it and finds every chunk changed
-            ckpt.save(f"{d}/{step}", {"w": _arr(sharding, float(step))}, incremental=True, direct_io=direct_io)
+            ckpt.save(f"{d}/{step}", {"w": arr(sharding, float(step))}, incremental=True, direct_io=direct_io)
         found = []
         for step in range(2, 6):  # stops changing (a fresh copy each time: by content)
-            ckpt.save(f"{d}/{step}", {"w": _arr(sharding, 1.0)}, incremental=True, direct_io=direct_io)
+            ckpt.save(f"{d}/{step}", {"w": arr(sharding, 1.0)}, incremental=True, direct_io=direct_io)
             found.append(len(_refs(f"{d}/{step}", "w")))
         # Host arrays (direct_io=False): skipped twice without the crc32c pass, then rechecked.
         # Shard images: their crc32c came with the snapshot, so checked (and referenced) at once.
@@ -298,14 +279,14 @@ def test_the_check_takes_the_crc32c_of_shard_images_from_the_snapshot(tmp_path, 
     nbytes = N * N * 4
     for direct_io, crc_pass in [("auto", 0), (False, nbytes)]:
         d = str(tmp_path / str(direct_io))
-        ckpt.save(f"{d}/0", {"w": _arr(sharding, 0.0)}, incremental=True, direct_io=direct_io)
-        changed = _check_stats(d, 1, {"w": _arr(sharding, 1.0)}, direct_io)
+        ckpt.save(f"{d}/0", {"w": arr(sharding, 0.0)}, incremental=True, direct_io=direct_io)
+        changed = _check_stats(d, 1, {"w": arr(sharding, 1.0)}, direct_io)
         assert changed.chunks_changed == 8 and changed.bytes_hashed == crc_pass, (direct_io, changed)
         # Unchanged (a fresh copy): the crc32c matches, then XXH3-128 of the bytes, compared
         # with the base's bytes read back once; the next save by the kept hash alone.
-        same = _check_stats(d, 2, {"w": _arr(sharding, 1.0)}, direct_io)
+        same = _check_stats(d, 2, {"w": arr(sharding, 1.0)}, direct_io)
         assert same.chunks_by_comparison == 8 and same.bytes_hashed == crc_pass + nbytes, (direct_io, same)
-        again = _check_stats(d, 3, {"w": _arr(sharding, 1.0)}, direct_io)
+        again = _check_stats(d, 3, {"w": arr(sharding, 1.0)}, direct_io)
         assert again.chunks_by_hash == 8 and again.bytes_compared == 0 and again.bytes_referenced == nbytes
         np.testing.assert_array_equal(ckpt.restore(f"{d}/3")["w"], np.full((N, N), 1.0, np.float32))
 
@@ -402,10 +383,10 @@ def test_a_crash_at_any_point_of_retention_on_an_object_store_leaves_no_dangling
 
 def test_object_stores_reference_and_retain_alike(sharding):
     d = "memory://incremental-test/run"  # written in place, the commit marker decides
-    base = _arr(sharding, seed=7)
+    base = arr(sharding, seed=7)
     with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(1), incremental=True, async_save=False) as mgr:
         for step in range(3):
-            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+            mgr.save(step, {"base": base, "adapter": arr(sharding, float(step))})
         assert mgr.all_steps() == [2]  # 0 retired: hidden, its base kept for 2
         np.testing.assert_array_equal(np.asarray(mgr.restore(2)["base"]), np.asarray(base))
         with pytest.raises(ckpt.CheckpointNotFoundError, match="retired"):
@@ -416,12 +397,12 @@ def test_object_stores_reference_and_retain_alike(sharding):
 
 def test_a_base_with_a_dangling_reference_gives_a_full_save_not_a_failed_one(tmp_path, sharding, caplog):
     d = str(tmp_path)
-    base = _arr(sharding, seed=8)
+    base = arr(sharding, seed=8)
     for step in range(3):
         ckpt.save(f"{d}/{step}", {"base": base}, incremental=True)
     os.remove(f"{d}/0/COMMITTED")  # step 1 and 2 now dangle (damage from outside the library)
     ckpt.save(f"{d}/3", {"base": base}, incremental=True)
-    assert _refs(f"{d}/3", "base") == [] and _manifest(f"{d}/3")["format_version"] == 1
+    assert _refs(f"{d}/3", "base") == [] and manifest(f"{d}/3")["format_version"] == 1
     assert "cannot read the base" in caplog.text
     np.testing.assert_array_equal(ckpt.restore(f"{d}/3")["base"], np.asarray(base))
 
@@ -435,16 +416,16 @@ def _lora(sharding, step, big):
 
 
 def _packed_refs(path):
-    return [p for p in _manifest(path).get("packed", []) if "in" in p]
+    return [p for p in manifest(path).get("packed", []) if "in" in p]
 
 
 def test_unchanged_packed_leaves_are_referenced_not_rewritten(tmp_path, sharding):
     d = str(tmp_path)
-    big = _arr(sharding, seed=7)
+    big = arr(sharding, seed=7)
     for step in range(3):
         ckpt.save(f"{d}/{step}", _lora(sharding, step, big), incremental=True)
     adapter_bytes = 4 * 64 * 16 * 4
-    m = _manifest(f"{d}/2")
+    m = manifest(f"{d}/2")
     assert m["format_version"] == _format.FORMAT_VERSION_REFERENCES
     # The third save wrote the adapters' packed bytes (and the pack's crc32c) only: no byte
     # of a frozen small leaf, no chunk of the big one.
@@ -492,7 +473,7 @@ def test_retention_keeps_the_step_whose_pack_is_referenced(tmp_path, sharding):
 
 def test_a_corrupted_or_hostile_referenced_pack_names_both_steps(tmp_path, sharding):
     d = str(tmp_path)
-    big = _arr(sharding, seed=9)
+    big = arr(sharding, seed=9)
     for step in range(2):
         ckpt.save(f"{d}/{step}", _lora(sharding, step, big), incremental=True)
     box = next(b for p in _packed_refs(f"{d}/1") for b in p["boxes"] if b["leaf"] == "base/norm3")
@@ -504,7 +485,7 @@ def test_a_corrupted_or_hostile_referenced_pack_names_both_steps(tmp_path, shard
     assert f"{d}/1" in str(e.value) and f"{d}/0/packed" in str(e.value) and "['norm3']" in str(e.value)
     report = ckpt.verify(f"{d}/1")
     assert not report.ok and any(f"{d}/0/packed" in p and "['norm3']" in p for p in report.problems), report
-    m = _manifest(f"{d}/1")
+    m = manifest(f"{d}/1")
     for case in ("generation", "offset", "self"):
         hostile = json.loads(json.dumps(m))
         p = next(p for p in hostile["packed"] if "in" in p)

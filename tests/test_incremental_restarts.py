@@ -4,37 +4,21 @@ another references; retention on both tiers of a two-tier manager (the local tie
 as the durable tier does; a durable step references a retired durable step instead of
 copying its chunks again)."""
 
-import json
 import os
 import sys
 
 import jax
 import numpy as np
 import pytest
+from incremental_steps import N, chunk_files, manifest, refs_in
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-
-N = 1024  # 4 MiB float32 leaves in 8 chunks of 512 KiB on the 2x4 mesh: not packed
 
 
 @pytest.fixture(scope="module")
 def sharding():
     return NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b"))
-
-
-def _manifest(path):
-    with open(os.path.join(path, "manifest.json")) as f:
-        return json.load(f)
-
-
-def _refs_in(path, leaf):
-    return {r["in"] for r in _manifest(path)["leaves"][leaf].get("references", [])}
-
-
-def _chunk_files(path, leaf):
-    root = os.path.join(path, "arrays", leaf, "c")
-    return sum(len(files) for _, _, files in os.walk(root)) if os.path.isdir(root) else 0
 
 
 def _tree(sharding, base, step):
@@ -65,10 +49,10 @@ def test_incremental_switched_off_and_on_between_runs_keeps_every_reference(tmp_
             assert mgr.all_steps() == [steps[-2], steps[-1]]
     # Run 3's steps reference run 2's last step (written whole, now retired); run 1's
     # step 0 went once nothing referenced it.
-    assert _refs_in(f"{d}/10", "base") == {"6"} and os.path.exists(f"{d}/6/RETIRED") and not os.path.exists(f"{d}/0")
+    assert refs_in(f"{d}/10", "base") == {"6"} and os.path.exists(f"{d}/6/RETIRED") and not os.path.exists(f"{d}/0")
     if tiers:
         root = f"{local}/process-0"
-        assert _refs_in(f"{root}/10", "base") == {"6"}
+        assert refs_in(f"{root}/10", "base") == {"6"}
         for s in (9, 10):
             assert ckpt.verify(f"{root}/{s}").ok
 
@@ -122,7 +106,7 @@ def test_a_restart_without_incremental_replicates_a_local_step_saved_with_it(tmp
         rec = r.record("saved")
         assert rec["steps"] == [2, 3] and rec["refs"]["3"]["base"] == 4, rec
         assert all(rec["verified"].values()) and all(v is True for v in rec["restored"].values()), rec
-    assert _refs_in(f"{d}/3", "base") == {"2"} and _manifest(f"{d}/3")["format_version"] == 2
+    assert refs_in(f"{d}/3", "base") == {"2"} and manifest(f"{d}/3")["format_version"] == 2
 
 
 def test_two_tiers_retire_referenced_steps_on_both_tiers_and_reference_retired_durable_steps(tmp_path, sharding):
@@ -139,10 +123,10 @@ def test_two_tiers_retire_referenced_steps_on_both_tiers_and_reference_retired_d
             mgr.wait_until_finished()
         assert mgr.all_steps() == [5, 6, 7] and mgr._tiers.local_steps() == [6, 7]
         for step in (5, 6, 7):  # the base lives in durable 0, retired: never copied again
-            assert _refs_in(f"{d}/{step}", "base") == {"0"} and _chunk_files(f"{d}/{step}", "base") == 0
+            assert refs_in(f"{d}/{step}", "base") == {"0"} and chunk_files(f"{d}/{step}", "base") == 0
         for tier in (d, root):
             assert os.path.exists(f"{tier}/0/RETIRED")
-            assert _chunk_files(f"{tier}/0", "base") == 8 and _chunk_files(f"{tier}/0", "adapter") == 0
+            assert chunk_files(f"{tier}/0", "base") == 8 and chunk_files(f"{tier}/0", "adapter") == 0
             assert sorted(n for n in os.listdir(tier) if n.isdigit()) == (["0", "5", "6", "7"] if tier == d else ["0", "6", "7"])
         assert ckpt.verify(f"{root}/7").ok
         from checkpointer._manage import local_listing
@@ -224,9 +208,9 @@ def test_a_crash_at_any_point_of_retention_on_two_tiers_leaves_no_dangling_refer
     wanted: dict[str, set] = {}
     for n in listed:
         for leaf in ("base", "adapter"):
-            for r in _manifest(f"{root}/{n}")["leaves"][leaf].get("references", []):
+            for r in manifest(f"{root}/{n}")["leaves"][leaf].get("references", []):
                 wanted.setdefault(r["in"], set()).add((leaf, tuple(r["chunk"])))
     retired = [n for n in os.listdir(root) if os.path.exists(f"{root}/{n}/RETIRED")]
     assert retired and set(retired) <= set(wanted), (retired, wanted)
     for name in retired:
-        assert sum(_chunk_files(f"{root}/{name}", leaf) for leaf in ("base", "adapter")) == len(wanted[name]), name
+        assert sum(chunk_files(f"{root}/{name}", leaf) for leaf in ("base", "adapter")) == len(wanted[name]), name

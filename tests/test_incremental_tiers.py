@@ -10,11 +10,10 @@ import os
 import jax
 import numpy as np
 import pytest
+from incremental_steps import N, arr, chunk_files, manifest, refs_in
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
-
-N = 1024  # 1024x1024 float32 = 4 MiB per leaf, 8 chunks of 512 KiB: not packed
 
 
 @pytest.fixture(scope="module")
@@ -22,46 +21,24 @@ def sharding():
     return NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b"))
 
 
-def _arr(sharding, value=0.0, seed=None):
-    if seed is not None:
-        host = np.random.default_rng(seed).standard_normal((N, N)).astype(np.float32)
-    else:
-        host = np.full((N, N), value, np.float32)
-    return jax.device_put(host, sharding)
-
-
-def _manifest(path):
-    with open(os.path.join(path, "manifest.json")) as f:
-        return json.load(f)
-
-
-def _refs_in(path, leaf):
-    return {r["in"] for r in _manifest(path)["leaves"][leaf].get("references", [])}
-
-
-def _chunk_files(path, leaf):
-    root = os.path.join(path, "arrays", leaf, "c")
-    return sum(len(files) for _, _, files in os.walk(root)) if os.path.isdir(root) else 0
-
-
 def test_two_tiers_reference_local_steps_and_durable_copies_reference_durable_steps_or_hold_the_chunks(tmp_path, sharding):
     d, local = str(tmp_path / "run"), str(tmp_path / "local")
     lroot = f"{local}/process-0"
-    base = _arr(sharding, seed=1)
+    base = arr(sharding, seed=1)
     # Durable every 2nd step: step 1 stays local, so durable 2 cannot reference it.
     with ckpt.CheckpointManager(d, local_directory=local, keep=ckpt.KeepLatest(3), keep_local=ckpt.KeepLatest(2),
                                 durable_every_steps=2, incremental=True, async_save=True) as mgr:
         for step in range(1, 7):
-            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+            mgr.save(step, {"base": base, "adapter": arr(sharding, float(step))})
             mgr.wait_until_finished()
             if step == 3:  # local 3 references local 1 (its base's holder), on the local disk
-                assert _refs_in(f"{lroot}/3", "base") == {"1"} and _chunk_files(f"{lroot}/3", "base") == 0
+                assert refs_in(f"{lroot}/3", "base") == {"1"} and chunk_files(f"{lroot}/3", "base") == 0
         assert mgr.all_steps() == [2, 4, 6]
         # Durable 2 holds the base itself (local 1 is not durable: materialized); durable 4
         # and 6 reference durable 2's copy; nothing references a step of the local tier.
-        assert _refs_in(f"{d}/2", "base") == set() and _chunk_files(f"{d}/2", "base") == 8
-        assert _refs_in(f"{d}/4", "base") == {"2"} and _chunk_files(f"{d}/4", "base") == 0
-        assert _refs_in(f"{d}/6", "base") == {"2"} and _manifest(f"{d}/6")["format_version"] == 2
+        assert refs_in(f"{d}/2", "base") == set() and chunk_files(f"{d}/2", "base") == 8
+        assert refs_in(f"{d}/4", "base") == {"2"} and chunk_files(f"{d}/4", "base") == 0
+        assert refs_in(f"{d}/6", "base") == {"2"} and manifest(f"{d}/6")["format_version"] == 2
         # Local retention keeps local 1 (referenced by the local steps kept), removes the rest.
         assert sorted(int(n) for n in os.listdir(lroot) if n.isdigit()) == [1, 5, 6]
         for step in (2, 4, 6):
@@ -79,11 +56,11 @@ def test_two_tiers_reference_local_steps_and_durable_copies_reference_durable_st
 
 def test_a_local_only_step_restores_through_its_local_references(tmp_path, sharding):
     d, local = str(tmp_path / "run"), str(tmp_path / "local")
-    base = _arr(sharding, seed=2)
+    base = arr(sharding, seed=2)
     with ckpt.CheckpointManager(d, local_directory=local, keep_local=ckpt.KeepLatest(2), durable_every_steps=10,
                                 incremental=True, async_save=False) as mgr:
         for step in range(1, 4):
-            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
+            mgr.save(step, {"base": base, "adapter": arr(sharding, float(step))})
         assert mgr.all_steps() == []  # nothing durable: steps 1..3 are local only
     with ckpt.CheckpointManager(d, local_directory=local, keep_local=ckpt.KeepLatest(2), durable_every_steps=10,
                                 incremental=True) as mgr:
@@ -96,13 +73,13 @@ def test_replacing_a_local_step_that_its_base_references_writes_the_chunks_again
     # Local 2 references local 1; step 1 saved again (force=True, only durable 2 exists,
     # which holds its own copy): its base, local 2, must not lend it a reference to itself.
     d, local = str(tmp_path / "run"), str(tmp_path / "local")
-    base = _arr(sharding, seed=3)
+    base = arr(sharding, seed=3)
     with ckpt.CheckpointManager(d, local_directory=local, keep_local=ckpt.KeepLatest(3), durable_every_steps=2,
                                 incremental=True, async_save=False) as mgr:
         for step in (1, 2):
-            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step))})
-        mgr.save(1, {"base": base, "adapter": _arr(sharding, 7.0)}, force=True)
-        assert "1" not in _refs_in(f"{local}/process-0/1", "base") and _chunk_files(f"{local}/process-0/1", "base") == 8
+            mgr.save(step, {"base": base, "adapter": arr(sharding, float(step))})
+        mgr.save(1, {"base": base, "adapter": arr(sharding, 7.0)}, force=True)
+        assert "1" not in refs_in(f"{local}/process-0/1", "base") and chunk_files(f"{local}/process-0/1", "base") == 8
         out = mgr.restore(1)
         np.testing.assert_array_equal(np.asarray(out["base"]), np.asarray(base))
         np.testing.assert_array_equal(np.asarray(out["adapter"]), np.full((N, N), 7.0, np.float32))
@@ -125,10 +102,10 @@ def test_a_peer_copy_carries_the_chunks_its_step_references_and_a_lost_node_resu
     for r in run_processes(WORKERS / "peers_worker.py", 4, 2, args, timeout_s=240):
         saved = r.record("saved")
         assert saved["local_steps"] == [120] and saved["survives"].get("120") == 1, r.describe()
-    assert _refs_in(f"{local}/process-1/120", "ids") == {"100"}  # the local step references
+    assert refs_in(f"{local}/process-1/120", "ids") == {"100"}  # the local step references
     assert os.path.exists(f"{local}/process-1/100/RETIRED")  # retired: kept for what local 120 references
     copy = f"{local}/process-2/peer-copies/process-1/120"  # the copy process 2 holds: standalone
-    assert _manifest(copy)["format_version"] == 1 and not _refs_in(copy, "ids") and _chunk_files(copy, "ids") > 0
+    assert manifest(copy)["format_version"] == 1 and not refs_in(copy, "ids") and chunk_files(copy, "ids") > 0
     assert not glob.glob(f"{local}/process-1/.peer-send-*")  # the hard-linked folder it was sent from is gone
     shutil.rmtree(f"{local}/process-1")  # node 1 replaced: its own steps and the copies it held
     for r in run_processes(WORKERS / "peers_worker.py", 4, 2, dict(args, phase="restore"), timeout_s=240):
@@ -153,8 +130,8 @@ def test_a_peer_copy_carries_the_packs_its_step_references(tmp_path):
         assert r.record("saved")["survives"].get("120") == 1, r.describe()
     assert _pack_refs(f"{local}/process-1/120") == {"packed/process-1/c/0": "100"}
     copy = f"{local}/process-2/peer-copies/process-1/120"
-    assert _manifest(copy)["format_version"] == 1 and not _pack_refs(copy)
-    assert {p["key"] for p in _manifest(copy)["packed"]} == {"packed/process-1/c/0", "packed/process-1.from-100/c/0"}
+    assert manifest(copy)["format_version"] == 1 and not _pack_refs(copy)
+    assert {p["key"] for p in manifest(copy)["packed"]} == {"packed/process-1/c/0", "packed/process-1.from-100/c/0"}
     assert os.path.exists(f"{copy}/packed/process-1.from-100/c/0")
     shutil.rmtree(f"{local}/process-1")  # node 1 replaced
     for r in run_processes(WORKERS / "peers_worker.py", 4, 2, dict(args, phase="restore"), timeout_s=240):
@@ -183,18 +160,18 @@ def test_two_processes_on_two_tiers_durable_references_of_every_process_are_gath
         assert rec["refs"]["2"] == {"base": 0, "adapter": 0} and rec["refs"]["4"] == {"base": 4, "adapter": 0}
     for step in (2, 4):
         assert ckpt.verify(f"{d}/{step}").ok
-    assert "references" not in _manifest(f"{local}/process-0/4")["leaves"]["base"]
+    assert "references" not in manifest(f"{local}/process-0/4")["leaves"]["base"]
     with open(f"{d}/2/processes/1.json") as f:
         assert sum("materialized_from" in c for c in json.load(f)["chunks"]) == 4
 
 
 def _written(path):
-    return _manifest(path)["process_bytes_written"]
+    return manifest(path)["process_bytes_written"]
 
 
 def _pack_refs(path):
     """{pack key: folder} of the packs of other steps the manifest references."""
-    return {p["key"]: p["in"] for p in _manifest(path).get("packed", []) if "in" in p}
+    return {p["key"]: p["in"] for p in manifest(path).get("packed", []) if "in" in p}
 
 
 def _small_tree(step, n=200):
@@ -246,11 +223,11 @@ def test_packs_of_local_only_steps_are_copied_into_a_durable_step_once(tmp_path)
             mgr.save(step, _small_tree(step))
             mgr.wait_until_finished()
         assert mgr.all_steps() == [4, 6]
-    m2 = _manifest(f"{d}/2")
+    m2 = manifest(f"{d}/2")
     assert m2["format_version"] == 1 and {p["key"] for p in m2["packed"]} == {"packed/process-0/c/0", "packed/process-0.from-1/c/0"}
     with open(f"{d}/2/processes/0.json") as f:
         origin = json.load(f)["packed_materialized"][0]["materialized_from"]
-    assert origin == ["1", _manifest(f"{local}/process-0/1")["generation"], "packed/process-0/c/0"]
+    assert origin == ["1", manifest(f"{local}/process-0/1")["generation"], "packed/process-0/c/0"]
     for step in (4, 6):
         assert _pack_refs(f"{d}/{step}") == {"packed/process-0.from-1/c/0": "2"} and _written(f"{d}/{step}") == [64 * 16 * 4 + 4]
         assert ckpt.verify(f"{d}/{step}").ok
@@ -268,12 +245,12 @@ def test_verify_and_gc_of_a_local_tier_follow_its_references(tmp_path, sharding,
 
     d, local = str(tmp_path / "run"), str(tmp_path / "local")
     root = f"{local}/process-0"
-    base = _arr(sharding, seed=3)
+    base = arr(sharding, seed=3)
     with ckpt.CheckpointManager(d, local_directory=local, keep=ckpt.KeepLatest(2), keep_local=ckpt.KeepLatest(4),
                                 incremental=True, async_save=False) as mgr:
         for step in range(4):
-            mgr.save(step, {"base": base, "adapter": _arr(sharding, float(step)), **_small_tree(step)})
-    assert _refs_in(f"{root}/3", "base") == {"0"} and _pack_refs(f"{root}/3") == {"packed/process-0/c/0": "0"}
+            mgr.save(step, {"base": base, "adapter": arr(sharding, float(step)), **_small_tree(step)})
+    assert refs_in(f"{root}/3", "base") == {"0"} and _pack_refs(f"{root}/3") == {"packed/process-0/c/0": "0"}
     capsys.readouterr()
     assert _cli.main(["verify", f"{root}/3", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -285,7 +262,7 @@ def test_verify_and_gc_of_a_local_tier_follow_its_references(tmp_path, sharding,
     retired = gc["retired_steps"]["0"]
     assert retired["referenced_by"] == [3] and retired["freed_bytes"] >= 8 * (N * N // 8) * 4  # local 0's adapter
     assert retired["kept_bytes"] >= N * N * 4 + 200 * 1024  # the base and the frozen pack local 3 references
-    assert _chunk_files(f"{root}/0", "adapter") == 0 and _chunk_files(f"{root}/0", "base") == 8
+    assert chunk_files(f"{root}/0", "adapter") == 0 and chunk_files(f"{root}/0", "base") == 8
     assert _cli.main(["verify", f"{root}/3"]) == 0
     with open(f"{root}/0/arrays/base/c/1/1", "r+b") as f:  # damage a chunk local 3 references
         f.seek(100)

@@ -6,6 +6,7 @@ The import contracts themselves are import-linter's, run by `make lint`."""
 import ast
 import builtins
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -14,11 +15,11 @@ import tomllib
 
 import numpy as np
 import pytest
+from test_fresh_restore import NOT_FOR_RESTORE
 
 import checkpointer as ckpt
 from checkpointer._restore._options import RestoreOptions
 from checkpointer._save._options import SaveOptions
-from test_fresh_restore import NOT_FOR_RESTORE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIB = pathlib.Path(ckpt.__file__).resolve().parent
@@ -157,7 +158,7 @@ def test_restore_options_check_their_values_once_for_every_entry_point(tmp_path)
     path = str(tmp_path / "1")
     ckpt.save(path, {"w": np.arange(4.0)})
     for bad in ({"max_inflight_bytes": 0}, {"max_inflight_bytes": True}, {"cooperative": "yes"}):
-        for call in (lambda: ckpt.restore(path, **bad), lambda: ckpt.plan_restore(path, None, **bad)):
+        for call in (functools.partial(ckpt.restore, path, **bad), functools.partial(ckpt.plan_restore, path, None, **bad)):
             with pytest.raises(ValueError, match=next(iter(bad))):
                 call()
 

@@ -73,7 +73,7 @@ def test_save_with_two_processes_commits_one_checkpoint(saved):
 
     meta = ckpt.metadata(path)
     g = _common.global_arrays()
-    for name, spec in _common.SAVE_SPECS.items():
+    for name in _common.SAVE_SPECS:
         a = meta.arrays[name]
         assert a.shape == g[name].shape and a.dtype == g[name].dtype, name
         assert a.saved_sharding.mesh_shape == (2, 4) and a.saved_sharding.mesh_axis_names == ("data", "model")

@@ -5,6 +5,7 @@ A node loss is its local folder wiped (`LOCAL/process-<i>/`: its own steps and t
 it held of others'). Holders of process p's copies (k = 1): process p+1 (mod 4); k = 2:
 p+1 and p+2."""
 
+import collections
 import glob
 import json
 import os
@@ -31,19 +32,23 @@ def _restore(args, processes=4, devices=2, **extra):
     return run_processes(WORKER, processes, devices, dict(args, phase="restore", **extra), timeout_s=240)
 
 
-def _copy(args, tmp_path, name):
-    """A copy of the saved run (durable and local folders) for one scenario."""
+def _copy(args, tmp_path, name, lost=()):
+    """A copy of the saved run (durable and local folders) for one scenario, the nodes of
+    the processes in `lost` replaced: their local folders (their own steps and the copies
+    they held of others') wiped."""
     out = dict(args)
     for key in ("directory", "local"):
         out[key] = str(tmp_path / name / key)
         shutil.copytree(args[key], out[key])
+    for p in lost:
+        shutil.rmtree(f"{out['local']}/process-{p}")
     return out
 
 
 @pytest.fixture(scope="module")
 def saved_k1(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("k1")
-    args, results = _save(tmp, 1)
+    args, results = _save(tmp, 1, count_retention=True)
     return tmp, args, results
 
 
@@ -64,8 +69,7 @@ def test_with_one_peer_copy_a_lost_node_resumes_from_the_newest_local_step_readi
     assert cli.main(["status", args["directory"]]) == 0
     out = capsys.readouterr().out
     assert "node losses survived" in out and "step 120: 1" in out, out
-    run = _copy(args, tmp, "one-lost")
-    shutil.rmtree(f"{run['local']}/process-1")  # node 1 replaced: its own steps and the copies it held
+    run = _copy(args, tmp, "one-lost", lost=[1])  # node 1 replaced: its own steps and the copies it held
     for r in _restore(run):
         rec = r.record("restored")
         assert rec["step"] == 120 and rec["mismatches"] == [], r.describe()
@@ -73,11 +77,24 @@ def test_with_one_peer_copy_a_lost_node_resumes_from_the_newest_local_step_readi
 
 
 @pytest.mark.slow
+def test_with_peer_copies_local_retention_runs_once_per_event_that_can_free_a_step(saved_k1):
+    # Local saves 100 (durable), 110 and 120, one peer copy each. The local tier's retention
+    # runs after each local commit (it drops what is durable already before the new step's
+    # copy goes out, so the holders drop their copies too), after each step's copies are
+    # checked (a local-only step goes only once a newer one survives as many node losses,
+    # which only that run knows) and after each durable commit: twice per local-only save.
+    _, _, results = saved_k1
+    for r in results:
+        runs = r.record("saved")["retention_runs"]
+        assert collections.Counter(run["after"] for run in runs) == {"run_local": 3, "_peer_copied": 3, "_replicate": 1}, runs
+        removed_by = {s: run["after"] for run in runs for s in run["removed"]}
+        assert set(removed_by) == {100, 110} and removed_by[110] == "_peer_copied", runs
+
+
+@pytest.mark.slow
 def test_with_one_peer_copy_two_adjacent_lost_nodes_fall_back_to_the_newest_durable_step(saved_k1):
     tmp, args, _ = saved_k1
-    run = _copy(args, tmp, "two-lost")
-    shutil.rmtree(f"{run['local']}/process-1")  # process 1's share of step 120 was on nodes 1 and 2 only
-    shutil.rmtree(f"{run['local']}/process-2")
+    run = _copy(args, tmp, "two-lost", lost=[1, 2])  # process 1's share of step 120 was on nodes 1 and 2 only
     for r in _restore(run):
         rec = r.record("restored")
         assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
@@ -100,21 +117,37 @@ def test_processes_whose_copies_are_of_different_saves_fail_fast_the_same_way(sa
     assert error.startswith("RestoreAgreementError") and "step 120" in error and "process 2" in error, error
 
 
+def _flip_a_byte(path, offset=0):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 def _flip_a_chunk_byte(folder):
     patterns = [f"{folder}/arrays/**/c/**", f"{folder}/packed/*/c/0"]  # chunk files, the pack
     chunks = sorted(p for pattern in patterns for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     assert chunks, f"no chunk file in {folder}"
-    with open(chunks[0], "r+b") as f:
-        first = f.read(1)
-        f.seek(0)
-        f.write(bytes([first[0] ^ 0x01]))
+    _flip_a_byte(chunks[0])
+
+
+def _tcp_fallback_reason(results):
+    """Why the processes fetched their copies of step 120 over TCP instead of receiving
+    their boxes in the restore: one reason, the same on every process."""
+    reasons = set()
+    for r in results:
+        line = next((x for x in r.stderr.splitlines() if "fetch their copies of step 120 over TCP instead" in x), None)
+        assert line is not None, r.describe()
+        reasons.add(line.split("instead of receiving their boxes in the restore: ", 1)[1])
+    (reason,) = reasons
+    return reason
 
 
 @pytest.mark.slow
 def test_with_one_peer_copy_a_damaged_copy_of_a_lost_node_falls_back_to_the_durable_step(saved_k1):
     tmp, args, _ = saved_k1
-    run = _copy(args, tmp, "damaged-only-copy")
-    shutil.rmtree(f"{run['local']}/process-1")
+    run = _copy(args, tmp, "damaged-only-copy", lost=[1])
     _flip_a_chunk_byte(f"{run['local']}/process-2/peer-copies/process-1/120")  # fails its crc32c when fetched
     for r in _restore(run):
         rec = r.record("restored")
@@ -133,8 +166,7 @@ def saved_k2(tmp_path_factory):
 @pytest.mark.slow
 def test_with_two_peer_copies_a_damaged_copy_is_skipped_for_the_next_one_and_a_late_replacement_is_waited_for(saved_k2):
     tmp, args = saved_k2
-    run = _copy(args, tmp, "damaged-next")
-    shutil.rmtree(f"{run['local']}/process-1")
+    run = _copy(args, tmp, "damaged-next", lost=[1])
     _flip_a_chunk_byte(f"{run['local']}/process-2/peer-copies/process-1/120")  # the first holder's copy
     # The replacement process joins its manager 5 s after the others.
     for r in _restore(run, late_s={"1": 5}):
@@ -151,26 +183,19 @@ def test_a_holder_whose_copy_fails_its_crc32c_in_one_leaf_of_several_makes_every
     # same way (process 1 fetches the next holder's copy over TCP), and the step restored
     # is whole: nothing from the damaged copy, nothing of another step.
     tmp, args = saved_k2
-    run = _copy(args, tmp, "damaged-mid-stream")
-    shutil.rmtree(f"{run['local']}/process-1")
+    run = _copy(args, tmp, "damaged-mid-stream", lost=[1])
     held = f"{run['local']}/process-2/peer-copies/process-1/120"
     arrays = ckpt.metadata(held).arrays
     assert len(arrays) > 1, sorted(arrays)
     (b, *_) = arrays["w"].pack_boxes  # the small leaves are packed: a byte inside w's entry of the pack
-    with open(f"{held}/{b.key}", "r+b") as f:
-        f.seek(b.offset + b.nbytes // 2)
-        byte = f.read(1)
-        f.seek(b.offset + b.nbytes // 2)
-        f.write(bytes([byte[0] ^ 0x01]))
-    reasons = set()
-    for r in _restore(run):
+    _flip_a_byte(f"{held}/{b.key}", b.offset + b.nbytes // 2)
+    results = _restore(run)
+    for r in results:
         rec = r.record("restored")
         assert rec["step"] == 120 and rec["mismatches"] == [], r.describe()
         assert rec["durable_bytes"] == 0 and rec["source"] == "local", r.describe()
         assert "received their boxes from the processes holding their copies" not in r.stderr, r.describe()
-        line = next(x for x in r.stderr.splitlines() if "fetch their copies of step 120 over TCP instead" in x)
-        reasons.add(line.split("instead of receiving their boxes in the restore: ", 1)[1])
-    (reason,) = reasons  # the same on every process
+    reason = _tcp_fallback_reason(results)
     assert reason.startswith("process 2: CorruptCheckpointError") and "crc32c" in reason, reason
 
 
@@ -243,8 +268,7 @@ def saved_two_zarr(tmp_path_factory):
 @pytest.mark.slow
 def test_a_replaced_process_receives_its_boxes_of_leaves_in_their_own_zarr_arrays(saved_two_zarr):
     tmp, args = saved_two_zarr
-    run = _copy(args, tmp, "zarr-received")
-    shutil.rmtree(f"{run['local']}/process-1")
+    run = _copy(args, tmp, "zarr-received", lost=[1])
     for r in _restore(run, processes=2, devices=2):
         rec = r.record("restored")
         assert rec["step"] == 120 and rec["mismatches"] == [] and rec["durable_bytes"] == 0, r.describe()
@@ -257,22 +281,16 @@ def test_a_holder_whose_zarr_copy_fails_its_crc32c_in_one_leaf_makes_every_proce
     # crc32c: what was received is dropped on both processes, the TCP fetch of the only
     # copy fails too, and both restore the durable step, whole.
     tmp, args = saved_two_zarr
-    run = _copy(args, tmp, "zarr-damaged")
-    shutil.rmtree(f"{run['local']}/process-1")
+    run = _copy(args, tmp, "zarr-damaged", lost=[1])
     held = f"{run['local']}/process-0/peer-copies/process-1/120"
     assert sorted(ckpt.metadata(held).arrays) == ["bf", "ids", "w"]
     (chunk, *_) = sorted(p for p in glob.glob(f"{held}/arrays/w/c/**", recursive=True) if os.path.isfile(p))
-    with open(chunk, "r+b") as f:
-        first = f.read(1)
-        f.seek(0)
-        f.write(bytes([first[0] ^ 0x01]))
-    reasons = set()
-    for r in _restore(run, processes=2, devices=2):
+    _flip_a_byte(chunk)
+    results = _restore(run, processes=2, devices=2)
+    for r in results:
         rec = r.record("restored")
         assert rec["step"] == 100 and rec["mismatches"] == [] and rec["source"] == "durable", r.describe()
-        line = next(x for x in r.stderr.splitlines() if "fetch their copies of step 120 over TCP instead" in x)
-        reasons.add(line.split("instead of receiving their boxes in the restore: ", 1)[1])
-    (reason,) = reasons  # the same on every process
+    reason = _tcp_fallback_reason(results)
     assert reason.startswith("process 0: CorruptCheckpointError") and "crc32c" in reason and "'w'" in reason, reason
 
 

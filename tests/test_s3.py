@@ -69,10 +69,10 @@ def _state(value, mesh_shape=(2, 4)):
     }
 
 
-def _target(mesh, spec_w=P("model", "data")):
+def _target(mesh):
     return {
         "params": {
-            "w": jax.ShapeDtypeStruct((32, 16), np.float32, sharding=NamedSharding(mesh, spec_w)),
+            "w": jax.ShapeDtypeStruct((32, 16), np.float32, sharding=NamedSharding(mesh, P("model", "data"))),
             "b": jax.ShapeDtypeStruct((16,), ml_dtypes.bfloat16, sharding=NamedSharding(mesh, P("data"))),
             "e": jax.ShapeDtypeStruct((8,), np.int32, sharding=NamedSharding(mesh, P())),
         },

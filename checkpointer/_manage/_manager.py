@@ -1,5 +1,5 @@
-"""`CheckpointManager`: steps in a directory, the writer's lock, async saves, retention,
-restore from either tier, status. Listing and following steps: `_reader`."""
+"""`CheckpointManager`: steps in a directory, the writer's lock, async saves, retention
+(`_retention`), restore from either tier, status. Listing and following steps: `_reader`."""
 
 from __future__ import annotations
 
@@ -10,25 +10,26 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 
-from .. import _commit, _coord, _encoding, _storage, _tools
+from .. import _commit, _coord, _encoding, _storage
 from .._errors import CheckpointError, CheckpointExistsError, SaveError, UnsupportedValueError
 from .._format import metadata_json, metrics_json
 from .._memory import HostBufferPool
-from .._save import AsyncSave, SaveOptions, Snapshot, guard, run_background, take_snapshot
+from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
 from .._storage import storage_for
 from . import _events, _peers, _tier_manager
 from ._alerts import RunJournal
 from ._follow import clear_finished, write_finished
 from ._lock import DirectoryLock, take_lock
-from ._maintenance import bases_in_flight, maintain
+from ._maintenance import maintain
 from ._policies import KeepLatest, KeepPolicy
 from ._preemption import PreemptionWatch
 from ._questions import StepQuestions
 from ._reader import as_step
 from ._restoring import StepRestoring
+from ._retention import DurableRetention
 from ._status import StatusReporting, write_rate
 from ._time_policies import SaveClock
 from ._two_tier_saving import TwoTierSaving
@@ -36,7 +37,7 @@ from ._two_tier_saving import TwoTierSaving
 log = logging.getLogger("checkpointer")
 
 
-class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSaving):
+class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSaving, DurableRetention):
     """Saves steps of a training run into `directory`, keeps what the policy says.
 
     Args:
@@ -474,28 +475,6 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
             self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
         self._finished(step, snap, self._last["commit_s"], None)
 
-    def _retention_after(self, step: int, snap: Snapshot | None = None) -> Callable[[], object] | None:
-        """The callback process 0 runs after committing `step`, before telling the others:
-        retention, then (given the save's `snap`) its after-commit phases into the journal
-        (`_timeline`); the two-tier replication's durable commits pass no snapshot."""
-        if not self._is_primary:
-            return None
-
-        def after_commit() -> None:
-            start = time.time()
-            try:
-                _commit.remove_leftovers(self.storage, self.directory)  # of failed saves: not left for recovery
-                self._apply_retention(protect={step})
-            finally:
-                if snap is not None:
-                    phases = {"retention": (start, time.time())}
-                    if "commit" in snap.result.phases_unix_s:
-                        phases["commit"] = snap.result.phases_unix_s["commit"]
-                    _tools.append_journal(self.storage, self.directory, step=step, generation=snap.generation,
-                                             phases_unix_s=phases)
-
-        return after_commit
-
     def _wait_for_room(self) -> None:
         while True:
             with self._mu:
@@ -571,30 +550,3 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
                 self.close()
             except Exception as e:
                 log.error("while closing after an exception: %s", e)
-
-    # --- retention ----------------------------------------------------------------------
-
-    def _apply_retention(self, protect: frozenset[int] | set[int] = frozenset()) -> list[int]:
-        def in_flight() -> set[int]:
-            with self._mu:
-                running = [(s, h.snapshot) for s, h in self._in_flight if not h.done()]
-                return {s for s, _ in running} | set(protect) | bases_in_flight([snap for _, snap in running])
-
-        # Removing the bytes of an unpublished step (a GiB takes a while) runs on the
-        # deleter thread, so it does not delay the commit being announced. Under the
-        # directory's guard: an incremental commit's check of what it references holds it.
-        with guard(self.storage, self.directory):
-            _, removed = maintain(self.storage, self.directory, recover=False, keep=self.keep, metrics=self._metrics,
-                                  protect=in_flight, remove=lambda path: self._deleter.submit(self._remove, path),
-                                  created=self._created_unix_s)
-        for s in removed:
-            self._forget(s)
-        return removed
-
-    def _remove(self, path: str) -> None:
-        try:
-            self.storage.delete_tree(path)
-        except OSError as e:  # recovery removes it on a later first save
-            log.warning("could not remove %s: %s", path, e)
-
-    # --- restore ------------------------------------------------------------------------

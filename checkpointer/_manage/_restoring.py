@@ -54,7 +54,7 @@ class StepRestoring(StepReader):
             `ckpt.restore` (`missing="keep_target"` keeps the target's values for
             leaves the checkpoint lacks), whichever tier the step is read from.
 
-        Two tiers: `step=None` restores a step newer than the newest durable one only
+        Two tiers: `step=None` restores a step newer than the newest durable one
         when it is committed on the local tier of every process, with the same process
         count and devices, and holds every chunk each process needs (the processes agree
         through the coordination service); it is logged and its replication resumes.
@@ -65,7 +65,10 @@ class StepRestoring(StepReader):
         copy): a process whose own copy is gone (a replaced node) receives its boxes from
         the process holding its copy, over the device interconnect, within this call (a
         collective then); it falls back to fetching the copy's files when a copy is
-        damaged or the target has host leaves or PRNG keys. Otherwise the newest durable step. A durable step whose local copy (same
+        damaged or the target has host leaves or PRNG keys. A target of another mesh,
+        sharding or process count is served from the surviving local copies combined file
+        by file, when they hold every share of one step (docs/tiers_and_peers.md).
+        Otherwise the newest durable step; `status().last_restore_reason` says why. A durable step whose local copy (same
         generation) is on this process is read from there, the files missing locally
         from `directory`; a local copy that fails its checksums is dropped for
         `directory`. `status().last_restore_source` tells which. With a local tier,

@@ -318,14 +318,16 @@ class LocalTier:
         if not steps:
             return []
         kept = self.keep_local.keep(steps, {s: {} for s in steps}) | {steps[-1]} | self.pending_steps()
-        copies = self.peers.verified() if self.peers is not None else {}
         if self.peers is not None:
             kept |= self.peers.pending_steps()
+        with self._mu:
+            kept |= set(self._bases_in_flight.values())
+        if kept.issuperset(steps):  # nothing may go: no listing of the durable tier (a request on an object store)
+            return _tier_references.remove_local(self.storage, self.root, steps, [])
+        copies = self.peers.verified() if self.peers is not None else {}
         durable_folders = _commit.committed_folders(self.durable, self.directory)
         durable_steps = sorted(durable_folders)
         latest_durable = durable_steps[-1] if durable_steps else None
-        with self._mu:
-            kept |= set(self._bases_in_flight.values())
         may_go = []
         for s in steps:
             if s in kept:

@@ -13,10 +13,7 @@ args = _common.init()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import (
-    NamedSharding,  # noqa: E402
-    PartitionSpec as P,  # noqa: E402
-)
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import checkpointer as ckpt  # noqa: E402
 

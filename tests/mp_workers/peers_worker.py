@@ -12,9 +12,11 @@ args: {"directory", "local", "phase": "save" | "restore", "steps": [..], "peer_c
        "pack_small_leaves_bytes": int,
        "enospc_holder": [process, step]: before that step is saved (every earlier copy
        checked), that process's FaultLayer (tests/faults) arms ENOSPC at its next write
-       of a peer's copy (the holder's tier is full)}
+       of a peer's copy (the holder's tier is full),
+       "count_retention": bool: the local tier's retention runs are recorded}
 phase "save": saves `steps` (w + step), waits, syncs, emits {"event": "saved", "all_steps",
-  "local_steps", "survives", "peer_error"}; with "enospc_holder", after the faulted step
+  "local_steps", "survives", "peer_error", "retention_runs": [{"after": the caller of
+  `LocalTier.apply_retention`, "removed": steps, "unix_s"}]}; with "enospc_holder", after the faulted step
   {"event": "after_fault", "survives", "peer_error", "held": {owner: [folders]}, "fired"}.
 phase "restore": restore(None), checks every shard bit-exactly; emits {"event": "restored",
   "step", "source", "durable_bytes", "reason", "mismatches"}, or {"event": "refused", "error"}.
@@ -24,6 +26,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 
 import _common
@@ -92,6 +95,21 @@ def _after_fault(mngr, layer):
                  peer_error=status.last_peer_error, held=held, fired=fired)
 
 
+retention_runs = []
+if args.get("count_retention"):
+    from checkpointer._manage import _tier_manager
+
+    real_apply = _tier_manager.LocalTier.apply_retention
+
+    def counted_apply(self):
+        after = sys._getframe(1).f_code.co_name
+        removed = real_apply(self)
+        retention_runs.append({"after": after, "removed": removed, "unix_s": time.time()})
+        return removed
+
+    _tier_manager.LocalTier.apply_retention = counted_apply
+
+
 with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], keep_local=ckpt.KeepLatest(1),
                             commit_timeout_s=60, peer_copies=args.get("peer_copies", 1),
                             peer_node=f"node-{pidx // args.get('node_group', 1)}",
@@ -111,7 +129,7 @@ with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], ke
         status = mngr.status()
         _common.emit(event="saved", all_steps=mngr.all_steps(), local_steps=mngr._tiers.local_steps(),
                      survives={str(k): v for k, v in status.node_losses_survived.items()},
-                     peer_error=status.last_peer_error)
+                     peer_error=status.last_peer_error, retention_runs=retention_runs)
     else:
         target = {k: (v.sharding if isinstance(v, jax.Array) else None) for k, v in tree.items()}
         if args.get("restore_mesh") or args.get("restore_specs"):
