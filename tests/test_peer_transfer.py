@@ -91,6 +91,34 @@ def test_many_leaves_go_in_programs_of_at_most_max_operands_grouped_by_shape():
     assert [o.block for o in progs[0].operands] == [(8,)] * 100 + [(9,)] * 28  # by shape: programs repeat shapes
 
 
+def test_a_program_carries_at_most_max_program_bytes_so_the_transfer_of_one_goes_on_while_the_next_is_read(monkeypatch):
+    monkeypatch.setattr(T, "MAX_PROGRAM_BYTES", 3 * 2 * 64)  # three operands of two 16-float32 boxes
+    transfers = [T.Transfer(f"l{i}", Box((16 * k,), (16,)), k, 4 + k, 0) for i in range(7) for k in range(2)]
+    progs = T.programs(transfers, {t.leaf: np.dtype(np.float32) for t in transfers})
+    assert [[o.leaf for o in p.operands] for p in progs] == [["l0", "l1", "l2"], ["l3", "l4", "l5"], ["l6"]]
+    one = [T.Transfer("big", Box((0,), (1024,)), 0, 4, 0)]  # larger than the limit alone: a program of its own
+    assert [len(p.operands) for p in T.programs(one, {"big": np.dtype(np.float32)})] == [1]
+    monkeypatch.setattr(T, "MAX_PROGRAM_BYTES", 1)  # every operand over the limit alone
+    many = [T.Transfer(f"m{i:02d}", Box((0,), (16,)), 0, 4, 0) for i in range(40)]
+    progs = T.programs(many, {t.leaf: np.dtype(np.float32) for t in many})
+    assert [len(p.operands) for p in progs] == [5] * T.MAX_PIPELINED_PROGRAMS  # no more programs than that
+
+
+def test_the_boxes_arrive_whole_over_several_programs_each_run_once_its_blocks_are_read(saved, monkeypatch):
+    path, state = saved
+    monkeypatch.setattr(T, "MAX_PROGRAM_BYTES", 1)  # one operand per program
+    transfers = _transfers(state)
+    progs = T.programs(transfers, {k: np.dtype(v.dtype) for k, v in state.items()})
+    assert len(progs) == 3
+    held = T.HeldReads(progs, {9: path}, {4: 9, 5: 9})
+    for p in (0, 2):  # a program's blocks (program, operand, sending device) are read when it asks for them
+        assert {(p, 0, 0), (p, 0, 1)} <= set(held.ready(p))
+    received, error = T.run(T.compile_programs(progs), held)
+    assert error is None
+    for t in transfers:
+        np.testing.assert_array_equal(np.asarray(received[(t.leaf, t.dst)]), state[t.leaf][t.box.slices()])
+
+
 def test_plan_says_why_a_target_is_not_covered():
     by_process = {0: [0, 1], 1: [2, 3]}
     r = _resolved({"a": [(2, _rows(0))]})

@@ -21,12 +21,13 @@ The step and the holders are chosen from every process's inventory (one round,
    not a `NamedSharding` on devices), or a failure before that round (the small files,
    a compile), makes every process fall back, the same way, to fetching the copy over
    TCP (`PeerService.fetch`, the next holder when a copy fails its crc32c).
-3. The boxes travel once the holder's reads are over: per round of device pairs, one
-   JAX program (`jax.lax.ppermute` under `shard_map`, over a one-dimensional mesh of the
-   devices that send or receive, every leaf whose boxes go between the same pairs an
-   operand of it; one program in all when processes have as many devices each); every
-   process with a device in it runs it, the processes that read their own copy run
-   none. A holder whose read failed sends zeros for what it did not read.
+3. The boxes travel as the holder reads them: per round of device pairs, JAX programs
+   (`jax.lax.ppermute` under `shard_map`, over a one-dimensional mesh of the devices
+   that send or receive, every leaf whose boxes go between the same pairs an operand of
+   one, at most `_peer_transfer.MAX_PROGRAM_BYTES` to a program), each run once the
+   holder has read its boxes, so one travels while the next is read; every process with
+   a device in a program runs it, the processes that read their own copy run none. A
+   holder whose read failed sends zeros for what it did not read.
 4. One round of the rendezvous on every read (the holders' and the own): if any failed
    (a damaged copy), what was received is dropped and every process falls back the same
    way as in 2 (a step is never assembled from two steps). Else the replacement

@@ -9,16 +9,18 @@ programs that move them, and the replaced process's arrays from what it received
 - `programs`: per round, every leaf whose boxes go between the same device pairs is one
   operand of one program (`jax.lax.ppermute` under `shard_map` over a one-dimensional
   mesh of those devices; each box a block along the first axis, so what a device
-  receives is its box, no copy). Processes with as many devices each: one program in all,
-  not one per leaf (on gloo, 16 programs of 8 MiB blocks took 2-5x the time of one
-  program with 16 operands).
+  receives is its box, no copy), at most `MAX_OPERANDS` operands and `MAX_PROGRAM_BYTES`
+  to a program. Processes with as many devices each: a few programs of many leaves, not
+  one per leaf (on gloo, 16 programs of 8 MiB blocks took 2-5x the time of one program
+  with 16 operands); not one in all either, so that the transfer overlaps the reads.
 - `HeldReads`: the holder reads the boxes it sends from the copy it holds on a background
   thread (no collective in it), into the host buffers the program sends (a CPU device
   adopts them, no copy), every inner chunk's crc32c checked in the same pass
   (`_encoding.read_into`).
 - `compile_programs` (ahead: while the reads go on, before the round that lets them
-  run), then `run`: waits for the reads and runs them; on the calling thread only (the
-  restore call), never on a background one.
+  run), then `run`: runs each program once its blocks are read (`HeldReads.ready`; the
+  leaves are read in the programs' order), while the next ones are read; on the calling
+  thread only (the restore call), never on a background one.
 - `assemble`: the replaced process's tree from the boxes it received.
 """
 
@@ -141,12 +143,21 @@ def plan(resolved_by_replaced: Mapping[int, Any], holder_of: Mapping[int, int],
 # Operands of one program at most: XLA's compile time grows faster than the operands (on
 # CPU: 16 operands 0.14 s, 256 0.26 s, 1,024 1.7 s, 4,096 23 s).
 MAX_OPERANDS = 128
+# Bytes of one program at most (every operand's blocks): the holder reads the boxes of the
+# programs in order and each program runs once its own are read, so the transfer of one
+# goes on while the next is read; programs of the same operand shapes share a compile.
+MAX_PROGRAM_BYTES = 64 << 20
+# Programs per round of device pairs at most (larger ones above MAX_PROGRAM_BYTES): a tree
+# of many shapes may compile each program, ~50-150 ms on CPU (beside the reads).
+MAX_PIPELINED_PROGRAMS = 8
 
 
 def programs(transfers: Sequence[Transfer], dtypes: Mapping[str, np.dtype]) -> list[Program]:
     """The programs that carry `transfers`, in the order every process runs them: per
     round and set of device pairs, the operands by dtype, block shape and leaf, at most
-    `MAX_OPERANDS` to a program (programs of the same operand shapes share a compile)."""
+    `MAX_OPERANDS` and `MAX_PROGRAM_BYTES` to a program (or the round's bytes over
+    `MAX_PIPELINED_PROGRAMS`, the larger; programs of the same operand shapes share a
+    compile)."""
     operands: dict[tuple[int, str, tuple[int, ...]], list[Transfer]] = {}
     for t in transfers:
         operands.setdefault((t.round, t.leaf, t.block), []).append(t)
@@ -159,7 +170,18 @@ def programs(transfers: Sequence[Transfer], dtypes: Mapping[str, np.dtype]) -> l
     for (_, pairs), ops in sorted(grouped.items()):
         ops.sort(key=lambda op: (op.dtype.name, op.block, op.leaf))
         ids = tuple(sorted({i for p in pairs for i in p}))
-        out += [Program(ids, pairs, tuple(ops[k : k + MAX_OPERANDS])) for k in range(0, len(ops), MAX_OPERANDS)]
+        sizes = [int(np.prod(op.block)) * op.dtype.itemsize * len(op.transfers) for op in ops]
+        limit = max(MAX_PROGRAM_BYTES, -(-sum(sizes) // MAX_PIPELINED_PROGRAMS))
+        group: list[Operand] = []
+        size = 0
+        for op, nbytes in zip(ops, sizes):
+            if group and (len(group) == MAX_OPERANDS or size + nbytes > limit):
+                out.append(Program(ids, pairs, tuple(group)))
+                group, size = [], 0
+            group.append(op)
+            size += nbytes
+        if group:
+            out.append(Program(ids, pairs, tuple(group)))
     return out
 
 
@@ -212,6 +234,13 @@ class HeldReads:
         self._dtypes = {(p, o): op.dtype for p, prog in enumerate(progs) for o, op in enumerate(prog.operands)}
         self._folders = dict(folders)
         self._done: dict[Key, jax.Array] = {}
+        self._left = {p: 0 for p in range(len(progs))}  # blocks not yet read, per program
+        for leaves in self._jobs.values():
+            for _, blocks in leaves:
+                for key, _, _ in blocks:
+                    self._left[key[0]] += 1
+        self._ready = threading.Condition()
+        self._over = False  # the reads are over (done, failed or stopped)
         self.error: str | None = None
         self._stop = threading.Event()
         self._x64 = bool(jax.config.jax_enable_x64)  # type: ignore[attr-defined]  # the reader places arrays with the caller's
@@ -222,6 +251,13 @@ class HeldReads:
         """Stops reading at the next leaf and waits (the transfers will not run)."""
         self._stop.set()
         self._thread.join()
+
+    def ready(self, program: int) -> dict[Key, jax.Array]:
+        """Waits until every block this process sends in `program` is read (or the reads
+        are over: failed or stopped); returns the blocks read so far."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._over or not self._left[program])
+            return dict(self._done)
 
     def result(self) -> tuple[dict[Key, jax.Array], str | None]:
         """Waits for the reads: every block this process sends → its array (a block
@@ -253,6 +289,10 @@ class HeldReads:
                 self.error = f"{type(e).__name__}: {e}"
                 self._stop.set()  # the leaves not started are not read
                 concurrent.futures.wait(futures)
+            finally:
+                with self._ready:
+                    self._over = True
+                    self._ready.notify_all()
 
     def _read_leaf(self, folder: str, m: ArrayMetadata, blocks: list[tuple[Key, Box, jax.Device]]) -> None:
         """Reads one leaf's boxes together (`_encoding.read_into`), casts, places each."""
@@ -266,7 +306,12 @@ class HeldReads:
                 if host.dtype != dtype:
                     with np.errstate(all="ignore"):  # the cast was asked for: NaN/overflow are not news
                         host = host.astype(dtype)
-                self._done[key] = jax.device_put(host.reshape(host.shape or (1,)), device)
+                arr = jax.device_put(host.reshape(host.shape or (1,)), device)
+                with self._ready:
+                    self._done[key] = arr
+                    self._left[key[0]] -= 1
+                    if not self._left[key[0]]:
+                        self._ready.notify_all()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,9 +342,10 @@ def compile_programs(progs: Sequence[Program]) -> list[Compiled]:
 
 
 def run(compiled: Sequence[Compiled], held: HeldReads | None) -> tuple[dict[tuple[str, int], jax.Array], str | None]:
-    """Waits for `held`'s reads, then runs every compiled program, in order, each with its
-    blocks (`held`'s for the boxes this process sends, zeros where a read failed;
-    placeholders for the others: ppermute overwrites them).
+    """Runs every compiled program, in order, each once `held` has read its blocks (the
+    reads of the next go on meanwhile), with those blocks (`held`'s for the boxes this
+    process sends, zeros where a read failed; placeholders for the others: ppermute
+    overwrites them).
 
     Returns:
       (leaf, destination device id) → the box received there (a single-device array),
@@ -309,10 +355,10 @@ def run(compiled: Sequence[Compiled], held: HeldReads | None) -> tuple[dict[tupl
     Multi-process: every process with a device in a program runs it, in the programs'
     order; on the calling thread only (the restore call).
     """
-    sent, error = held.result() if held is not None else ({}, None)
     received: dict[tuple[str, int], jax.Array] = {}
     for c in compiled:
         prog = c.program
+        sent = held.ready(c.index) if held is not None else {}
         inputs = []
         for o, op in enumerate(prog.operands):
             srcs = {t.src for t in op.transfers}
@@ -332,7 +378,7 @@ def run(compiled: Sequence[Compiled], held: HeldReads | None) -> tuple[dict[tupl
                 if t is not None:
                     received[(op.leaf, t.dst)] = shard.data if t.box.shape else shard.data.reshape(())
         del outs
-    return received, error
+    return received, (held.result()[1] if held is not None else None)
 
 
 @functools.lru_cache(maxsize=64)
