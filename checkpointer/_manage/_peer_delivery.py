@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import hashlib
 import json
 import logging
 import os
@@ -167,6 +168,10 @@ def deliver(
                       for leaf in next(iter(resolved_by.values())).leaves
                       if isinstance(leaf.meta, ArrayMetadata) and leaf.target is not None}
             progs = _peer_transfer.programs(transfers, dtypes)
+            # Every process planned the transfers from its own target: a process whose target
+            # differs (another spec, dtype or mesh for a replaced process) would receive boxes
+            # planned for another target, i.e. wrong data. The plans must be identical.
+            outcome = "ok:" + hashlib.sha256(repr(progs).encode()).hexdigest()
             folders = {r: f"{peers.held(r).root}/{step}" for r, h in holder_of.items() if h == pidx}
             if folders:  # the boxes this process sends are read in the background
                 process_of = {d.id: d.process_index for d in jax.devices()}
@@ -184,7 +189,10 @@ def deliver(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     outcomes = agree(lambda: outcome)  # every process has the same programs to run (the reads go on)
-    bad = [o for o in outcomes if o != "ok"]
+    bad = [o for o in outcomes if not o.startswith("ok:")]
+    if not bad and len(set(outcomes)) > 1:
+        bad = ["the processes' targets differ (their plans of the transfers are not the same), so each process "
+               "reads its copy for its own target"]
     if bad:
         if held is not None:
             held.stop()

@@ -1,0 +1,64 @@
+"""Found by review: a restart after a lost node and incremental saves, tried as a user
+would (tests/mp_workers/review_worker.py: 2 processes x 2 devices as 2 simulated nodes,
+mesh 2x2, peer_copies=1, step 100 durable, 110 and 120 local and held by the peer)."""
+
+import glob
+import os
+import shutil
+
+import pytest
+from multiprocess import WORKERS, run_processes
+
+WORKER = WORKERS / "review_worker.py"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("review-peers")
+    args = {"directory": str(tmp / "durable"), "local": str(tmp / "local"), "phase": "save", "steps": [100, 110, 120],
+            "peer_copies": 1, "durable_every_steps": 100}
+    for r in run_processes(WORKER, 2, 2, args, timeout_s=240):
+        assert r.record("saved")["survives"].get("120") == 1, r.describe()
+    return tmp, args
+
+
+def _copy(saved, name):
+    tmp, args = saved
+    out = dict(args, phase="restore")
+    for key in ("directory", "local"):
+        out[key] = str(tmp / name / key)
+        shutil.copytree(args[key], out[key])
+    return out
+
+
+@pytest.mark.slow
+def test_a_replaced_process_whose_target_differs_from_its_holders_never_receives_wrong_boxes(saved):
+    # Process 1's node is replaced and its restart asks another PartitionSpec for 'w' than
+    # process 0 does. The holder planned the boxes it sends from its own target, the
+    # replaced process placed them by its own: process 1 got a shard of wrong values,
+    # silently. Now the plans are compared in the rendezvous; differing plans make every
+    # process combine the copies for its own target instead.
+    run = _copy(saved, "targets-differ")
+    shutil.rmtree(f"{run['local']}/process-1")
+    for r in run_processes(WORKER, 2, 2, dict(run, target="per_process"), timeout_s=240):
+        rec = r.record("restored")
+        assert rec["step"] == 120 and rec["mismatches"] == [], r.describe()
+        assert rec["source"] == "local", rec
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "a damaged own local copy of the newest step is not replaced by the peer's checked copy of it: the restart "
+    "falls back to an older step (110) although step 120's every share is held whole (process 1's by process 0), "
+    "against docs/tiers_and_peers.md ('restored from the newest place that holds every process's share whole')"))
+def test_a_damaged_own_copy_of_the_newest_step_is_replaced_by_the_holders_copy(saved):
+    run = _copy(saved, "own-copy-damaged")
+    data = [f for f in glob.glob(f"{run['local']}/process-1/120/packed/**/*", recursive=True)
+            if os.path.isfile(f) and not f.endswith("zarr.json")]
+    assert data
+    with open(data[0], "r+b") as f:
+        f.truncate(10)
+    for r in run_processes(WORKER, 2, 2, run, timeout_s=240):
+        rec = r.record("restored")
+        assert rec["mismatches"] == [], r.describe()
+        assert rec["step"] == 120 and rec["source"] == "local", rec
