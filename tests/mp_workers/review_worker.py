@@ -3,7 +3,7 @@
 args: {"directory", "local", "phase": "save" | "restore", "steps": [...], "peer_copies": k,
        "durable_every_steps": n, "mesh": [rows, cols], "restore_mesh": [rows, cols],
        "incremental": bool, "then_save": [steps saved after the restore],
-       "target": "same" | "cast" | "missing_leaf" | "per_process" (process 1 asks another spec)}
+       "node_names": {process: name}, "target": "same" | "none" | "cast" | "missing_leaf" | "per_process" (process 1 asks another spec)}
 phase "save": saves `steps` (w + step), emits {"event": "saved", "local_steps", "survives"}.
 phase "restore": restore(None, target), checks every shard; emits {"event": "restored", "step",
   "source", "reason", "mismatches"} or {"event": "refused", "error"}; then saves `then_save`
@@ -35,7 +35,7 @@ def state(step):
 
 
 with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], keep_local=ckpt.KeepLatest(1),
-                            commit_timeout_s=60, peer_copies=args.get("peer_copies", 1), peer_node=f"node-{pidx}",
+                            commit_timeout_s=60, peer_copies=args.get("peer_copies", 1), peer_node=args.get("node_names", {}).get(str(pidx), f"node-{pidx}"),
                             durable_every_steps=args.get("durable_every_steps", 100),
                             incremental=args.get("incremental", False)) as mngr:
     if args["phase"] == "save":
@@ -49,7 +49,9 @@ with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], ke
         rmesh = _common.mesh(tuple(args.get("restore_mesh") or args.get("mesh", (2, 2))), ("data", "model"))
         target = {k: NamedSharding(rmesh, _common.spec(SPECS[k])) for k in SPECS}
         kind = args.get("target", "same")
-        if kind == "cast":
+        if kind == "none":
+            target = {k: None for k in SPECS}
+        elif kind == "cast":
             target["w"] = jax.ShapeDtypeStruct(full["w"].shape, jax.numpy.bfloat16, sharding=target["w"])
         elif kind == "missing_leaf":
             del target["ids"]
@@ -67,6 +69,10 @@ with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], ke
                 g = full[name]
                 if name == "w":
                     g = (g + np.float32(out["step"])).astype(out[name].dtype)
+                if not isinstance(out[name], jax.Array):
+                    if not _common.same_bits(out[name], g):
+                        mismatches.append(f"{name}: host array differs")
+                    continue
                 for s in out[name].addressable_shards:
                     if not _common.same_bits(np.asarray(s.data), g[s.index]):
                         mismatches.append(f"{name}: shard on device {s.device.id} differs")
