@@ -6,8 +6,13 @@ import glob
 import os
 import shutil
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 from multiprocess import WORKERS, run_processes
+
+import checkpointer as ckpt
 
 WORKER = WORKERS / "review_worker.py"
 
@@ -65,12 +70,12 @@ def test_a_damaged_own_copy_of_the_newest_step_is_replaced_by_the_holders_copy(s
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "after a restart that restored the newest local step from a peer's copy, a failed background re-fetch of the "
-    "replaced process's copy (here: the holder's copy lost its manifest.json, its data files are whole) fails the "
-    "replication of that step, and that error refuses every later save (SaveAgreementError on every process): the "
-    "job cannot save again, and each restart restores the same step and fails the same way"))
 def test_a_failed_refetch_after_a_restart_does_not_stop_the_next_saves(saved):
+    # The holder's copy of process 1's step 120 lost its manifest.json (its data files are
+    # whole): the restart combines step 120 from it, but the replaced process cannot re-fetch
+    # the copy afterwards. That failed the replication of step 120, and the error refused
+    # every later save on every process (SaveAgreementError), on each restart alike: the job
+    # could never save again. Now that replication is best effort (logged, in status()).
     run = _copy(saved, "refetch-fails")
     shutil.rmtree(f"{run['local']}/process-1")
     os.remove(f"{run['local']}/process-0/peer-copies/process-1/120/manifest.json")
@@ -79,4 +84,6 @@ def test_a_failed_refetch_after_a_restart_does_not_stop_the_next_saves(saved):
         rec = r.record("restored")
         assert rec["step"] == 120 and rec["mismatches"] == [], r.describe()  # the restore itself is right
     for r in results:
-        assert r.returncode == 0 and r.record("then_saved")["local_steps"] == [130], r.describe()
+        assert r.returncode == 0 and 130 in r.record("then_saved")["local_steps"], r.describe()
+        assert "could not fetch its copy of step 120" in r.stderr or r.process_id == 0, r.describe()
+

@@ -332,7 +332,7 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
                     [r for r, s in enumerate(sources) if s], latest_durable)
         refetch = Refetch(peers, step, generation, mine, after=tree) if mine else None
         if resume is not None:
-            resume(step, generation, False, local_save=refetch)
+            resume(step, generation, False, local_save=refetch, best_effort=True)
         return (tree, "local", 0), None, None
     log.warning("the replaced processes fetch their copies of step %d over TCP instead of receiving their boxes in "
                 "the restore: %s", step, why)
