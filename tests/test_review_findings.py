@@ -87,3 +87,25 @@ def test_a_failed_refetch_after_a_restart_does_not_stop_the_next_saves(saved):
         assert r.returncode == 0 and 130 in r.record("then_saved")["local_steps"], r.describe()
         assert "could not fetch its copy of step 120" in r.stderr or r.process_id == 0, r.describe()
 
+
+def test_the_durable_step_restores_although_its_local_copy_is_retired(tmp_path):
+    # Two tiers with incremental saves: step 0 is durable, 1-3 local only and referencing
+    # local step 0, which local retention retired (kept only for their chunks). Restoring
+    # durable step 0 read it through its local copy, whose RETIRED marker hid the durable
+    # step: CheckpointNotFoundError "durable/0 is retired". After a node loss, the fallback
+    # to the newest durable step failed so on the processes holding a retired local copy
+    # and succeeded on a replaced one: processes of one job went different ways.
+    sh = NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b"))
+    base = jax.device_put(np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32), sh)
+    kw = dict(local_directory=str(tmp_path / "local"), incremental=True, durable_every_steps=10,
+              keep_local=ckpt.KeepLatest(1), async_save=False, pack_small_leaves_bytes=0)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), **kw) as mgr:
+        for step in range(4):
+            mgr.save(step, {"base": base, "ad": jax.device_put(np.full((256, 256), step, np.float32), sh)})
+        assert mgr.all_steps() == [0]
+    assert os.path.exists(tmp_path / "local" / "process-0" / "0" / "RETIRED")
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), **kw) as mgr:
+        out = mgr.restore(0, {"base": sh, "ad": sh})
+        np.testing.assert_array_equal(np.asarray(out["base"]), np.asarray(base))
+        np.testing.assert_array_equal(np.asarray(out["ad"]), np.zeros((256, 256), np.float32))
+        assert mgr.status().last_restore_source == "durable"

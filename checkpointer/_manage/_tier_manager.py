@@ -547,7 +547,10 @@ class LocalTier:
             self.last_restore_reason = f"restore(step={step}) names the step"
         path = durable_path(step)
         marker = _tiers.read_marker(self.storage, f"{self.root}/{step}")
-        if marker is not None and marker.generation == _tiers.durable_generation(self.durable, self.directory, step):
+        # A retired local copy (incremental saves: kept only for what newer local steps
+        # reference) is no copy: its RETIRED marker would hide the durable step behind it.
+        if marker is not None and marker.generation == _tiers.durable_generation(self.durable, self.directory, step) \
+                and not self.storage.exists(f"{self.root}/{step}/{_format.RETIRED}"):
             view = _tiers.TieredStorage(self.storage, f"{self.root}/{step}", self.durable, path, durable_committed=True)
             try:
                 tree = restore_from(view, path, target, options)
