@@ -3,7 +3,7 @@
 args: {"directory", "local", "phase": "save" | "restore", "steps": [...], "peer_copies": k,
        "durable_every_steps": n, "mesh": [rows, cols], "restore_mesh": [rows, cols],
        "incremental": bool, "then_save": [steps saved after the restore],
-       "node_names": {process: name}, "target": "same" | "none" | "cast" | "missing_leaf" | "per_process" (process 1 asks another spec)}
+       "node_names": {process: name}, "target": "same" | "none" | "cast" | "missing_leaf" | "partial" | "per_process" (process 1 asks another spec)}
 phase "save": saves `steps` (w + step), emits {"event": "saved", "local_steps", "survives"}.
 phase "restore": restore(None, target), checks every shard; emits {"event": "restored", "step",
   "source", "reason", "mismatches"} or {"event": "refused", "error"}; then saves `then_save`
@@ -53,19 +53,19 @@ with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], ke
             target = {k: None for k in SPECS}
         elif kind == "cast":
             target["w"] = jax.ShapeDtypeStruct(full["w"].shape, jax.numpy.bfloat16, sharding=target["w"])
-        elif kind == "missing_leaf":
+        elif kind in ("missing_leaf", "partial"):
             del target["ids"]
         elif kind == "per_process" and pidx == 1:
             target["w"] = NamedSharding(rmesh, _common.spec(["model", "data"]))
         target["step"] = None
         try:
-            out = mngr.restore(None, target)
+            out = mngr.restore(None, target, partial=kind == "partial")
         except ckpt.CheckpointError as e:
             _common.emit(event="refused", error=f"{type(e).__name__}: {e}")
         else:
             status = mngr.status()
             mismatches = []
-            for name in SPECS:
+            for name in [k for k in SPECS if k in out]:
                 g = full[name]
                 if name == "w":
                     g = (g + np.float32(out["step"])).astype(out[name].dtype)
