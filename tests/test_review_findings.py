@@ -132,3 +132,15 @@ def test_a_forced_save_of_a_step_older_than_the_local_window_is_replicated(tmp_p
         mgr.wait_until_finished()
         assert mgr.all_steps() == [0, 2, 4]
         np.testing.assert_array_equal(np.asarray(mgr.restore(2, {"w": sh})["w"]), np.full((64, 64), 102.0, np.float32))
+
+
+@pytest.mark.slow
+def test_verify_of_an_intact_local_step_of_a_multi_process_job_finds_no_problem(saved):
+    # docs/incremental.md: `checkpointer verify` works on the steps of a local process
+    # folder. A local step (and a peer's copy of one) holds the record of its own process
+    # only: verify reported "process record processes/1.json is missing" for every intact
+    # local step of a job of several processes (exit status 1).
+    _, args = saved
+    for path in (f"{args['local']}/process-0/120", f"{args['local']}/process-0/peer-copies/process-1/120"):
+        report = ckpt.verify(path)
+        assert report.ok and report.chunks_checked > 0, report
