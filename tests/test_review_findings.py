@@ -144,3 +144,33 @@ def test_verify_of_an_intact_local_step_of_a_multi_process_job_finds_no_problem(
     for path in (f"{args['local']}/process-0/120", f"{args['local']}/process-0/peer-copies/process-1/120"):
         report = ckpt.verify(path)
         assert report.ok and report.chunks_checked > 0, report
+
+
+def test_gc_never_removes_what_a_kept_step_with_an_unreadable_manifest_references(tmp_path):
+    # Steps 1-3 reference step 0's frozen chunks. While step 3's manifest cannot be read (a
+    # torn read, EIO, an object store's error), `checkpointer gc --keep-latest 1` took
+    # step 3 for a step without references and removed steps 0-2: once its manifest read
+    # again, step 3 had lost its data. Now steps a kept step may reference are retired
+    # (kept) while its manifest cannot be read.
+    from checkpointer import _cli
+
+    sh = NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b"))
+    base = jax.device_put(np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32), sh)
+    d = str(tmp_path / "run")
+    with ckpt.CheckpointManager(d, keep=ckpt.KeepLatest(10), incremental=True, async_save=False,
+                                pack_small_leaves_bytes=0) as mgr:
+        for step in range(4):
+            mgr.save(step, {"base": base, "ad": jax.device_put(np.full((256, 256), step, np.float32), sh)})
+    with open(f"{d}/3/manifest.json") as f:
+        manifest = f.read()
+    with open(f"{d}/3/manifest.json", "w") as f:
+        f.write(manifest[: len(manifest) // 2])  # unreadable for now
+    assert _cli.main(["gc", d, "--keep-latest", "1"]) == 0
+    with open(f"{d}/3/manifest.json", "w") as f:
+        f.write(manifest)  # readable again
+    out = ckpt.restore(f"{d}/3")
+    np.testing.assert_array_equal(out["base"], np.asarray(base))
+    np.testing.assert_array_equal(out["ad"], np.full((256, 256), 3, np.float32))
+    assert _cli.main(["gc", d, "--keep-latest", "1"]) == 0  # and once readable, what nobody references goes
+    assert sorted(n for n in os.listdir(d) if n.isdigit()) == ["0", "3"]
+    assert os.path.exists(f"{d}/0/RETIRED")
