@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from .. import _commit, _format
@@ -108,7 +108,7 @@ def maintain(
     return done, sorted(removed)
 
 
-def users_among(steps: Collection[int], doomed: Collection[int], refs: Mapping[int, set[int]]) -> dict[int, list[int]]:
+def users_among(steps: Collection[int], doomed: Collection[int], refs: Mapping[int, AbstractSet[int]]) -> dict[int, list[int]]:
     """Of the `doomed` steps, those that a step which stays references: step -> those
     steps (references are flat: a step references the step that holds the bytes, so
     only the steps that stay count)."""
@@ -117,15 +117,26 @@ def users_among(steps: Collection[int], doomed: Collection[int], refs: Mapping[i
     return {c: users for c, users in out.items() if users}
 
 
-def referenced_steps(storage: Storage, directory: str, folder: str) -> set[int]:
+class EveryStep(frozenset[int]):
+    """What a step whose manifest cannot be read may reference: any step. Retention then
+    retires (keeps) the steps it would remove, as for a referenced step, instead of
+    removing the data of a kept step whose manifest was unreadable for a moment (EIO, a
+    store's error); they go once it can be read again, or once it goes itself."""
+
+    def __contains__(self, step: object) -> bool:
+        return True
+
+
+def referenced_steps(storage: Storage, directory: str, folder: str) -> AbstractSet[int]:
     """The steps whose chunks the committed step in `folder` references (incremental
-    saves); empty for a checkpoint without references or whose manifest cannot be read
-    (logged)."""
+    saves); empty for a checkpoint without references; `EveryStep()` for one whose
+    manifest cannot be read (logged)."""
     try:
         meta = _format.read_metadata(storage, f"{directory}/{folder}", check_references=False)
     except (CheckpointError, OSError) as e:
-        log.warning("cannot read the references of %s/%s: %s", directory, folder, e)
-        return set()
+        log.warning("cannot read the references of %s/%s (%s): retention keeps the steps it may reference",
+                    directory, folder, e)
+        return EveryStep()
     return {int(f) for f in meta.referenced_folders if _format.is_step_name(f)}
 
 

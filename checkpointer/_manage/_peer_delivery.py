@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import hashlib
 import json
 import logging
 import os
@@ -168,6 +169,10 @@ def deliver(
                       for leaf in next(iter(resolved_by.values())).leaves
                       if isinstance(leaf.meta, ArrayMetadata) and leaf.target is not None}
             progs = _peer_transfer.programs(transfers, dtypes)
+            # Every process planned the transfers from its own target: a process whose target
+            # differs (another spec, dtype or mesh for a replaced process) would receive boxes
+            # planned for another target, i.e. wrong data. The plans must be identical.
+            outcome = "ok:" + hashlib.sha256(repr(progs).encode()).hexdigest()
             folders = {r: f"{peers.held(r).root}/{step}" for r, h in holder_of.items() if h == pidx}
             if folders:  # the boxes this process sends are read in the background
                 process_of = {d.id: d.process_index for d in jax.devices()}
@@ -185,7 +190,10 @@ def deliver(
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     outcomes = agree(lambda: outcome)  # every process has the same programs to run (the reads go on)
-    bad = [o for o in outcomes if o != "ok"]
+    bad = [o for o in outcomes if not o.startswith("ok:")]
+    if not bad and len(set(outcomes)) > 1:
+        bad = ["the processes' targets differ (their plans of the transfers are not the same), so each process "
+               "reads its copy for its own target"]
     if bad:
         if held is not None:
             held.stop()
@@ -325,7 +333,7 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
                     [r for r, s in enumerate(sources) if s], latest_durable)
         refetch = Refetch(peers, step, generation, mine, after=tree) if mine else None
         if resume is not None:
-            resume(step, generation, False, local_save=refetch)
+            resume(step, generation, False, local_save=refetch, best_effort=True)
         return (tree, "local", 0), None, None
     log.warning("the replaced processes fetch their copies of step %d over TCP instead of receiving their boxes in "
                 "the restore: %s", step, why)

@@ -101,13 +101,16 @@ class StepRestoring(StepReader):
         storage, path = storage_for(self._read_path(step))
         return restore_from(storage, path, target, options)
 
-    def _resume_replication(self, step: int, generation: str, overwrite: bool, local_save: object = None) -> None:
+    def _resume_replication(self, step: int, generation: str, overwrite: bool, local_save: object = None,
+                            best_effort: bool = False) -> None:
         """After resuming from a local-only step: replicate it (the writer's lock first;
         after `local_save`, a replaced process's copy still being fetched, when given).
         Every process waits until process 0 has cleaned up the directory (its first
         writer's recovery removes partial folders of earlier jobs, the same step's
-        among them): a process that started copying first would lose its files."""
+        among them): a process that started copying first would lose its files.
+        `best_effort`: a failure is logged and shown by `status()`, not raised from the next
+        save (`TierManager.enqueue`)."""
         assert self._tiers is not None
         self._ensure_writer()
         _tiers.agree(self._tiers.directory, lambda: "recovered", self._tiers.commit_timeout_s)
-        self._tiers.enqueue(step, generation, overwrite, local_save)
+        self._tiers.enqueue(step, generation, overwrite, local_save, best_effort=best_effort)

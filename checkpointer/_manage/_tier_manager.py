@@ -194,16 +194,21 @@ class LocalTier:
 
     # --- replication --------------------------------------------------------------------
 
-    def enqueue(self, step: int, generation: str, overwrite: bool, local_save=None) -> concurrent.futures.Future:
+    def enqueue(self, step: int, generation: str, overwrite: bool, local_save=None,
+                best_effort: bool = False) -> concurrent.futures.Future:
         """Queues the replication of `step` after its local save (`local_save`, an
-        `AsyncSave`, or None when it is committed locally already)."""
+        `AsyncSave`, or None when it is committed locally already). `best_effort` (a step
+        restored after a node loss, whose replaced processes re-fetch their copies in the
+        background): a failure (e.g. a copy that cannot be fetched whole) is logged and
+        shown by `status()` only; it does not fail the next saves, which would otherwise
+        fail on every restart alike; the step stays local and the next durable save covers it."""
         with self._mu:
             attempt = self._attempts[step] = self._attempts.get(step, -1) + 1
             target = _tiers.ReplicationTarget(
                 step=step, local_path=f"{self.root}/{step}", durable_path=f"{self.directory}/{step}",
                 generation=generation, attempt=attempt, overwrite=overwrite,
             )
-            job = self._queue.submit(self._replicate, target, local_save)
+            job = self._queue.submit(self._replicate, target, local_save, best_effort)
             self._jobs[step] = job
         return job
 
@@ -236,7 +241,7 @@ class LocalTier:
         self.apply_retention()
         _alerts.note_peer_copies(self.durable, self.directory, step, copies, self.local_steps())
 
-    def _replicate(self, target: _tiers.ReplicationTarget, local_save) -> None:
+    def _replicate(self, target: _tiers.ReplicationTarget, local_save, best_effort: bool = False) -> None:
         if local_save is not None:
             local_save.join()
             if local_save.error is not None:  # surfaced by the manager; tell the others
@@ -253,6 +258,10 @@ class LocalTier:
         except BaseException as e:
             with self._mu:
                 self.last_error = f"step {target.step}: {type(e).__name__}: {e}"
+            if best_effort:
+                log.warning("replicating step %d (restored after a node loss) to %s failed: %s; the local step is kept "
+                            "and the next durable save covers it", target.step, self.directory, e)
+                return
             log.error("replicating step %d to %s failed: %s; the local step is kept", target.step, self.directory, e)
             self._on_error(target.step, e)
             return
@@ -540,7 +549,10 @@ class LocalTier:
             self.last_restore_reason = f"restore(step={step}) names the step"
         path = durable_path(step)
         marker = _tiers.read_marker(self.storage, f"{self.root}/{step}")
-        if marker is not None and marker.generation == _tiers.durable_generation(self.durable, self.directory, step):
+        # A retired local copy (incremental saves: kept only for what newer local steps
+        # reference) is no copy: its RETIRED marker would hide the durable step behind it.
+        if marker is not None and marker.generation == _tiers.durable_generation(self.durable, self.directory, step) \
+                and not self.storage.exists(f"{self.root}/{step}/{_format.RETIRED}"):
             view = _tiers.TieredStorage(self.storage, f"{self.root}/{step}", self.durable, path, durable_committed=True)
             try:
                 tree = restore_from(view, path, target, options)

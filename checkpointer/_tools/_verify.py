@@ -11,7 +11,7 @@ from .. import _encoding, _format
 from .._encoding import VerifyContext
 from .._errors import CheckpointError
 from .._format import ChunkRecord, ProcessRecord, process_record_name, read_metadata, read_process_record
-from .._storage import storage_for
+from .._storage import Storage, storage_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +83,11 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
             if c.key in recorded:
                 problems.append(f"chunk {c.key} is recorded by two processes")
             recorded[c.key] = c
-    missing = [i for i in range(min(meta.process_count, len(listed) + 1)) if process_record_name(i).rsplit("/", 1)[1] not in listed]
+    expected = range(min(meta.process_count, len(listed) + 1))
+    own = _local_process(storage, path)
+    if own is not None:  # a two-tier manager's local step (or a peer's copy of one): its own process's record only
+        expected = range(own, own + 1)
+    missing = [i for i in expected if process_record_name(i).rsplit("/", 1)[1] not in listed]
     if missing:  # (not counted past the records found: a manifest may claim 10**9 processes)
         problems.append(f"process record {process_record_name(missing[0])} is missing (process {missing[0]} of "
                         f"{meta.process_count}; {len(listed)} record{'s' * (len(listed) != 1)} found): that "
@@ -94,3 +98,14 @@ def verify(path: str | os.PathLike, *, progress: Callable[[int, int], object] | 
     for enc, metas in groups:
         enc.verify(storage, path, metas, ctx)
     return VerifyReport(path, not problems, tuple(problems), ctx.checked, ctx.bytes_checked, time.perf_counter() - t0)
+
+
+def _local_process(storage: Storage, path: str) -> int | None:
+    """The process whose local step `path` is (its marker says `"tier": "local"`: a local
+    step holds that process's record only), or None (any other checkpoint)."""
+    try:
+        marker = _format.loads(storage.read_file(f"{path}/{_format.COMMITTED}"), f"{path}/{_format.COMMITTED}")
+    except (OSError, CheckpointError):
+        return None
+    p = marker.get("process_index") if isinstance(marker, dict) and marker.get("tier") == "local" else None
+    return p if isinstance(p, int) and not isinstance(p, bool) and p >= 0 else None
