@@ -321,10 +321,14 @@ def test_a_shard_image_is_checked_between_its_checksum_pass_and_its_write(tmp_pa
     monkeypatch.setattr(_image, "_checksum", lambda image: (events.append(("checksum", id(image))), checksum(image))[1])
     monkeypatch.setattr(_write, "write_image", lambda path, image, direct: (events.append(("write", id(image))), write(path, image, direct))[1])
     monkeypatch.setattr(_write, "_THREADS", 1)  # one writer thread: the order of its tasks is the order of events
+    paced, acquire = [], _write.acquire
+    monkeypatch.setattr(_write, "acquire", lambda limiter, n: (paced.append(n) if limiter is not None else None, acquire(limiter, n))[1])
     d = str(tmp_path)
     ckpt.save(f"{d}/0", {"frozen": _arr(sharding, 2.0), "w": _arr(sharding, 0.0)}, incremental=True)
     events.clear()
-    ckpt.save(f"{d}/1", {"frozen": _arr(sharding, 2.0), "w": _arr(sharding, 1.0)}, incremental=True)  # frozen: a fresh copy
+    ckpt.save(f"{d}/1", {"frozen": _arr(sharding, 2.0), "w": _arr(sharding, 1.0)}, incremental=True,  # frozen: a fresh copy
+              max_write_bytes_per_s=1 << 40)
+    assert sum(paced) == N * N * 4  # only w's chunks, written, are paced
     kinds = [e for e, _ in events]
     assert kinds == ["checksum"] * 8 + ["checksum", "write"] * 8, kinds  # frozen's chunks referenced, w's written
     assert all(events[k][1] == events[k + 1][1] for k in range(8, 24, 2))  # each write right after its own checksum

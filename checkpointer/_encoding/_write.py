@@ -328,13 +328,15 @@ def image_record(meta: ArrayMetadata, chunk_index: Sequence[int], box: Box, imag
 
 
 def _write_image_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk_index: tuple[int, ...], box: Box, image: ShardImage,
-                      check: Callable[[], bool] | None = None) -> ChunkRecord | None:
+                      check: Callable[[], bool] | None = None, limiter: TokenBucket | None = None) -> ChunkRecord | None:
     """Writes one image (its folder first); with `check` (`LeafWrite.write_if`): its
-    checksum pass, then the check, then the write only if the check says so (else None)."""
+    checksum pass, then the check, then (paced by `limiter`) the write only if the check
+    says so (else None)."""
     if check is not None:
         image.checksum()
         if not check():
             return None
+        acquire(limiter, image.data_bytes)  # only what is written is paced
     writer.makedirs(path.rsplit("/", 1)[0])
     write_image(path, image, writer.direct)
     return image_record(meta, chunk_index, box, image)
@@ -482,11 +484,13 @@ def start_zarr_writes(storage: Storage, root: str, leaves: Sequence[LeafWrite], 
             for k, (chunk_index, box, host) in enumerate(lw.chunks):
                 if isinstance(host, ShardImage):  # the snapshot laid the file out: written as it is
                     check = lw.write_if[k] if lw.write_if else None
-                    acquire(ctx.limiter, host.data_bytes)
+                    if check is None:
+                        acquire(ctx.limiter, host.data_bytes)
                     writer = ctx.image_writer
                     assert writer is not None
                     path = f"{root}/{_format.chunk_key(meta.path, chunk_index)}"
-                    pending.append((meta.path, writer.submit(_write_image_file, writer, path, meta, chunk_index, box, host, check)))
+                    pending.append((meta.path, writer.submit(_write_image_file, writer, path, meta, chunk_index, box, host, check,
+                                                             ctx.limiter)))
                     continue
                 acquire(ctx.limiter, host.nbytes)  # paced per chunk write
                 if host.size == 0:
