@@ -7,7 +7,7 @@ leaves buffered (TensorStore) or direct (`O_DIRECT`, local files).
 
 from ._base import LeafEncoding, ReadContext, VerifyContext
 from ._crc import check_pieces, combine as combine_crc32c, piece_values
-from ._image import ShardImage, checksum_all, fill_images, image_bytes, image_data
+from ._image import ShardImage, fill_images, image_bytes, image_data
 from ._leaf_plan import BoxRead, ChunkRead, LeafRestorePlan, PeerPiece, RestorePlan, SharedChunk
 from ._pack import (
     PACKED,
@@ -45,4 +45,4 @@ from ._write import (
     write_context,
 )
 
-__all__ = ['BUFFERED', 'BoxRead', 'ChunkRead', 'DIRECT', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'LeafWrite', 'PACKED', 'PackSlab', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'ShardImage', 'SharedChunk', 'VerifyContext', 'WriteContext', 'WriteResult', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'checksum_all', 'chunk_record', 'combine_crc32c', 'direct_supported', 'encoding_of', 'fast_path_supported', 'files', 'fill_images', 'image_bytes', 'image_data', 'lower_workers', 'pack_buffer_bytes', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'read_into', 'region_reader', 'replicated_files', 'start_restore', 'start_write', 'write_context']
+__all__ = ['BUFFERED', 'BoxRead', 'ChunkRead', 'DIRECT', 'ENCODINGS', 'LeafEncoding', 'LeafRestorePlan', 'LeafWrite', 'PACKED', 'PackSlab', 'PackWriter', 'PeerPiece', 'ReadContext', 'RestorePlan', 'RestoreStats', 'ShardImage', 'SharedChunk', 'VerifyContext', 'WriteContext', 'WriteResult', 'array_name', 'by_encoding', 'check_files', 'check_pieces', 'check_threshold', 'chunk_record', 'combine_crc32c', 'direct_supported', 'encoding_of', 'fast_path_supported', 'files', 'fill_images', 'image_bytes', 'image_data', 'lower_workers', 'pack_buffer_bytes', 'packs_leaf', 'packs_of_save', 'piece_values', 'plan_leaf', 'read_into', 'region_reader', 'replicated_files', 'start_restore', 'start_write', 'write_context']

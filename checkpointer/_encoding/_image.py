@@ -301,18 +301,6 @@ def _gathered(image: ShardImage, stored: tuple, crcs: np.ndarray) -> int:
     return data
 
 
-def checksum_all(hosts: Sequence[object], submit: Callable[..., concurrent.futures.Future] | None = None) -> None:
-    """`checksum` of every `ShardImage` among `hosts` not yet checksummed: on `submit`'s
-    threads (a writer's `submit`), else on this one."""
-    todo = [image for image in hosts if isinstance(image, ShardImage) and not image.checksummed]
-    if submit is None or len(todo) <= 1:
-        for image in todo:
-            image.checksum()
-        return
-    for f in [submit(image.checksum) for image in todo]:
-        f.result()
-
-
 def image_data(image: ShardImage, layout: ShardFileLayout, box_shape: tuple[int, ...], dtype: np.dtype) -> list[np.ndarray]:
     """The chunk's C-order data bytes read back from its image, as uint8 pieces in order
     (what `data_crc32c` covers): views of the inner chunks' leading bytes where they are

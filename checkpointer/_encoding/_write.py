@@ -24,7 +24,10 @@ index (offset, nbytes: u64 LE per inner chunk in C order) and its crc32c.
 Where the snapshot read the shard in place (CPU backend, numpy leaves), it already laid
 the file out (`_image.ShardImage`): the writer's thread computes its crc32c words and the
 record's `data_crc32c` in one pass over it (`ShardImage.checksum`, off the blocking path,
-while the previous files are in flight) and submits the buffer as it is (`write_image`). Otherwise (the host copies of accelerators' shards, a local tier's
+while the previous files are in flight) and submits the buffer as it is (`write_image`).
+An incremental save's check of such a chunk runs there too, between that pass and the
+write (`LeafWrite.write_if`): the chunk is written, or not, right after its checksum, as
+any other image. Otherwise (the host copies of accelerators' shards, a local tier's
 variant of a snapshot taken for an object store) each inner chunk is copied once from the
 snapshot's host array into an aligned staging buffer and its crc32c computed there, once;
 a full buffer goes to the file with one `O_DIRECT` write. The record's `data_crc32c` (the
@@ -39,7 +42,7 @@ import os
 import struct
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import crc32c
@@ -98,10 +101,16 @@ staging_buffers().max_free = _THREADS  # one free buffer per writer thread
 class LeafWrite:
     """One array leaf's chunks this process writes: `(chunk index, box, host bytes of
     the box)` each, in plan order; the host bytes are an array of the box, or the
-    chunk's whole shard file (`ShardImage`: the snapshot's one copy, written as it is)."""
+    chunk's whole shard file (`ShardImage`: the snapshot's one copy, written as it is).
+
+    `write_if` (empty, or one entry per chunk): for a `ShardImage` chunk, a check the
+    writer's thread runs right after the image's checksum pass and before its write
+    (an incremental save's equality check, `_save._incremental`); False: the chunk is
+    not written (no file, no record)."""
 
     meta: ArrayMetadata
     chunks: Sequence[tuple[tuple[int, ...], Box, np.ndarray | ShardImage]]
+    write_if: Sequence[Callable[[], bool] | None] = ()
 
 
 @dataclasses.dataclass
@@ -128,6 +137,7 @@ class DirectWriter:
         self._lock = threading.Lock()
         self._folders: set[str] = set()
         self._made: set[str] = set()
+        self._dirs = threading.Lock()
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
         """Runs `fn(*args)` on a worker thread; on this thread once the interpreter is
@@ -152,16 +162,17 @@ class DirectWriter:
 
     def makedirs(self, folder: str) -> None:
         """Creates `folder` (under the write path) and notes it and every parent up to
-        the write path as folders to sync. Call it from the issuing thread only."""
+        the write path as folders to sync (any thread, before `close`)."""
         if folder in self._made:
             return
-        os.makedirs(folder, exist_ok=True)
-        self._made.add(folder)
-        while folder.startswith(self.root) and folder not in self._folders:
-            self._folders.add(folder)
-            if folder == self.root:
-                break
-            folder = folder.rsplit("/", 1)[0]
+        with self._dirs:
+            os.makedirs(folder, exist_ok=True)
+            self._made.add(folder)
+            while folder.startswith(self.root) and folder not in self._folders:
+                self._folders.add(folder)
+                if folder == self.root:
+                    break
+                folder = folder.rsplit("/", 1)[0]
 
     def close(self, *, sync: bool) -> None:
         """Waits for the threads; `sync`: makes the folders' new entries durable."""
@@ -316,7 +327,17 @@ def image_record(meta: ArrayMetadata, chunk_index: Sequence[int], box: Box, imag
     )
 
 
-def _write_image_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk_index: tuple[int, ...], box: Box, image: ShardImage) -> ChunkRecord:
+def _write_image_file(writer: DirectWriter, path: str, meta: ArrayMetadata, chunk_index: tuple[int, ...], box: Box, image: ShardImage,
+                      check: Callable[[], bool] | None = None, limiter: TokenBucket | None = None) -> ChunkRecord | None:
+    """Writes one image (its folder first); with `check` (`LeafWrite.write_if`): its
+    checksum pass, then the check, then (paced by `limiter`) the write only if the check
+    says so (else None)."""
+    if check is not None:
+        image.checksum()
+        if not check():
+            return None
+        acquire(limiter, image.data_bytes)  # only what is written is paced
+    writer.makedirs(path.rsplit("/", 1)[0])
     write_image(path, image, writer.direct)
     return image_record(meta, chunk_index, box, image)
 
@@ -460,14 +481,16 @@ def start_zarr_writes(storage: Storage, root: str, leaves: Sequence[LeafWrite], 
                     store = fut.result()
                 except Exception as e:
                     raise SaveError(f"{where(leaf=meta.path, keystr=meta.keystr, path=root, process=ctx.process_index)}: cannot create the zarr array: {e}") from e
-            for chunk_index, box, host in lw.chunks:
+            for k, (chunk_index, box, host) in enumerate(lw.chunks):
                 if isinstance(host, ShardImage):  # the snapshot laid the file out: written as it is
-                    acquire(ctx.limiter, host.data_bytes)
+                    check = lw.write_if[k] if lw.write_if else None
+                    if check is None:
+                        acquire(ctx.limiter, host.data_bytes)
                     writer = ctx.image_writer
                     assert writer is not None
                     path = f"{root}/{_format.chunk_key(meta.path, chunk_index)}"
-                    writer.makedirs(path.rsplit("/", 1)[0])
-                    pending.append((meta.path, writer.submit(_write_image_file, writer, path, meta, chunk_index, box, host)))
+                    pending.append((meta.path, writer.submit(_write_image_file, writer, path, meta, chunk_index, box, host, check,
+                                                             ctx.limiter)))
                     continue
                 acquire(ctx.limiter, host.nbytes)  # paced per chunk write
                 if host.size == 0:
@@ -498,7 +521,7 @@ def start_zarr_writes(storage: Storage, root: str, leaves: Sequence[LeafWrite], 
             wait_all(creations, root, ctx.process_index, "cannot create the zarr array")
         finally:
             records = wait_all(pending, root, ctx.process_index)
-        return WriteResult(records)
+        return WriteResult([r for r in records if r is not None])  # None: not written (`LeafWrite.write_if`)
 
     return finish
 

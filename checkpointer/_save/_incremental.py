@@ -20,7 +20,10 @@ Where the crc32c comes from: where the snapshot copied a chunk straight into its
 shard file (`_encoding.ShardImage`: the CPU backend or numpy leaves, saved to local
 files), from that copy's own pass (`ShardImage.data_crc32c`, combined from its rows'
 crc32c with `_encoding._crc`): the check costs nothing more until a chunk's crc32c
-matches. Elsewhere (accelerators' `pinned_host`/host copies, object stores, buffered
+matches. Such a chunk is decided on the writer's thread, between its image's checksum
+pass and its write (`Pending`, `_encoding.LeafWrite.write_if`), as a save without the
+check checksums and writes it: checksumming every image up front instead, then writing,
+cost a pretraining loop ~0.1 CPU-s per GiB more on a quiet 2-core VM (docs/DESIGN-decisions.md). Elsewhere (accelerators' `pinned_host`/host copies, object stores, buffered
 writes, `direct_io=False`: host arrays the writer checksums only while encoding, after
 the decision is needed) `split` runs one crc32c pass of its own over each chunk of a leaf
 that has a base (~0.08 CPU-s/GiB here), and skips that pass for a leaf that changed
@@ -45,10 +48,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -123,6 +127,25 @@ class Stats:
     bytes_compared: int = 0  # read back from the base
 
 
+_STATS_LOCK = threading.Lock()  # `Stats` of the checks run on the writer's threads
+
+
+class Pending:
+    """The decision on one image chunk, made on the writer's thread right after the
+    image's checksum pass (`Base.split`): called there (`_encoding.LeafWrite.write_if`),
+    it says whether to write the chunk, and keeps its reference if unchanged."""
+
+    __slots__ = ("_decide", "ref")
+
+    def __init__(self, decide: Callable[[], ChunkRef | None]) -> None:
+        self._decide = decide
+        self.ref: ChunkRef | None = None
+
+    def __call__(self) -> bool:
+        self.ref = self._decide()
+        return self.ref is None
+
+
 @dataclasses.dataclass
 class Base:
     """The newest committed checkpoint of the directory that a save may reference."""
@@ -184,13 +207,20 @@ class Base:
         return tuple(r for r in refs if r is not None)
 
     def split(self, meta: ArrayMetadata, chunks: Sequence[tuple[tuple[int, ...], Box, np.ndarray | _encoding.ShardImage]],
-              stats: Stats) -> tuple[list, list[ChunkRef]]:
-        """The seam: `(chunks to write, references)` of one leaf's chunks `(chunk index,
-        box, host copy)` (a host array of the box, or its `ShardImage`), deciding by
-        content (module docstring); adds what it found and cost to `stats`."""
+              stats: Stats) -> tuple[list, list[ChunkRef | Pending], list[Pending | None]]:
+        """The seam: `(chunks to write, references, checks)` of one leaf's chunks `(chunk
+        index, box, host copy)` (a host array of the box, or its `ShardImage`), deciding
+        by content (module docstring); adds what it found and cost to `stats`.
+
+        A leaf whose chunks are all images is decided on the writer's threads, each chunk
+        right after its image's checksum pass (the one pass that gives its crc32c) and
+        before its write: such a chunk is in the chunks to write with its `Pending` in
+        `checks` (`_encoding.LeafWrite.write_if`) and in the references, in plan order
+        (`resolve` keeps those found unchanged once the writes are done). Else every
+        chunk is decided here, and `checks` is all None."""
         b = self.leaf(meta)
         if b is None:
-            return list(chunks), []
+            return list(chunks), [], [None] * len(chunks)
         key = (self.path.rsplit("/", 1)[0], meta.path)
         passes = any(not isinstance(host, _encoding.ShardImage) for _, _, host in chunks)  # a crc32c pass of its own
         with _IDENTITY_LOCK:
@@ -198,54 +228,82 @@ class Base:
             if since is not None and since + 1 < RECHECK_EVERY:
                 _CHANGING[key] = since + 1
                 stats.chunks_changed += len(chunks)
-                return list(chunks), []  # changed at its last check: written without looking
-        write, refs = [], []
-        reader = None
+                return list(chunks), [], [None] * len(chunks)  # changed at its last check: written without looking
+        write: list = []
+        refs: list[ChunkRef | Pending] = []
+        checks: list[Pending | None] = []
+        reader: list = []  # the base's region reader, once needed
         for chunk_index, box, host in chunks:
             cell = tuple(chunk_index)
             old = b.references.get(cell)
             base_crc = old.data_crc32c if old is not None else self.crcs.get(_format.chunk_key(b.path, cell))
-            image = host if isinstance(host, _encoding.ShardImage) else None
-            nbytes = image.data_bytes if image is not None else host.nbytes
-            if base_crc is None or nbytes == 0:
+            if base_crc is None or (host.data_bytes if isinstance(host, _encoding.ShardImage) else host.nbytes) == 0:
                 write.append((chunk_index, box, host))
+                checks.append(None)
                 continue
-            if image is not None:
-                crc = image.data_crc32c  # the snapshot's pass
-            else:
-                crc = _format.data_crc32c(np.asarray(host))
-                stats.bytes_hashed += nbytes
-            if crc != base_crc:
-                stats.chunks_changed += 1
+            if not passes:  # decided on the writer's thread, after the image's checksum pass
+                pending = Pending(functools.partial(self._decide, b, meta, cell, box, host, base_crc, old, stats, []))
                 write.append((chunk_index, box, host))
+                checks.append(pending)
+                refs.append(pending)
                 continue
-            h = _xxh3_128_of(meta, box, host)
-            stats.bytes_hashed += nbytes
-            if old is not None and old.xxh3_128 is not None:
-                same = h == old.xxh3_128
-                stats.chunks_by_hash += same
-            else:  # the first time: compare with the bytes where they lie (following the base's reference), once
-                if reader is None:
-                    reader = _encoding.region_reader(self.storage, self.path, b)
-                theirs = reader(box)  # crc32c-checked by the reader, inner chunk by inner chunk
-                stats.bytes_compared += nbytes
-                same = tuple(theirs.shape) == tuple(box.shape) and xxh3_128(theirs) == h
-                stats.chunks_by_comparison += same
-            ref = self._ref(b, cell, crc, h) if same else None
+            ref = self._decide(b, meta, cell, box, host, base_crc, old, stats, reader)
             if ref is None:
-                stats.chunks_changed += 1
                 write.append((chunk_index, box, host))
+                checks.append(None)
             else:
-                stats.bytes_referenced += nbytes
                 refs.append(ref)
         if passes:
+            found = [r for r in refs if isinstance(r, ChunkRef)]
             with _IDENTITY_LOCK:
-                if write and not refs:
+                if write and not found:
                     _CHANGING[key] = 0
                 else:
                     _CHANGING.pop(key, None)
-        return write, refs
+        return write, refs, checks
 
+    def _decide(self, b: ArrayMetadata, meta: ArrayMetadata, cell: tuple[int, ...], box: Box,
+                host: np.ndarray | _encoding.ShardImage, base_crc: int, old: ChunkRef | None, stats: Stats,
+                reader: list) -> ChunkRef | None:
+        """One chunk with a base: its reference if unchanged, else None (changed: written).
+        `reader`: a one-item cache of the base's region reader (empty until needed)."""
+        image = host if isinstance(host, _encoding.ShardImage) else None
+        nbytes = image.data_bytes if image is not None else host.nbytes
+        hashed = 0
+        if image is not None:
+            crc = image.data_crc32c  # the image's checksum pass
+        else:
+            crc = _format.data_crc32c(np.asarray(host))
+            hashed += nbytes
+        if crc != base_crc:
+            with _STATS_LOCK:
+                stats.chunks_changed += 1
+                stats.bytes_hashed += hashed
+            return None
+        h = _xxh3_128_of(meta, box, host)
+        hashed += nbytes
+        compared = by_hash = by_comparison = 0
+        if old is not None and old.xxh3_128 is not None:
+            same = h == old.xxh3_128
+            by_hash = int(same)
+        else:  # the first time: compare with the bytes where they lie (following the base's reference), once
+            if not reader:
+                reader.append(_encoding.region_reader(self.storage, self.path, b))
+            theirs = reader[0](box)  # crc32c-checked by the reader, inner chunk by inner chunk
+            compared = nbytes
+            same = tuple(theirs.shape) == tuple(box.shape) and xxh3_128(theirs) == h
+            by_comparison = int(same)
+        ref = self._ref(b, cell, crc, h) if same else None
+        with _STATS_LOCK:
+            stats.bytes_hashed += hashed
+            stats.bytes_compared += compared
+            stats.chunks_by_hash += by_hash
+            stats.chunks_by_comparison += by_comparison
+            if ref is None:
+                stats.chunks_changed += 1
+            else:
+                stats.bytes_referenced += nbytes
+        return ref
 
     def split_packed(self, meta: ArrayMetadata, chunks: Sequence[tuple[tuple[int, ...], Box, np.ndarray]],
                      stats: Stats) -> tuple[list, list[PackedBox]]:
@@ -333,25 +391,34 @@ def _xxh3_128_of(meta: ArrayMetadata, box: Box, host: np.ndarray | _encoding.Sha
     return h.hexdigest()
 
 
-def chunks_to_write(base: Base | None, meta: ArrayMetadata, chunks: list, identical: Sequence[ChunkRef] | None,
-                    references: list[tuple[str, ChunkRef | PackedBox]], stats: Stats) -> list:
-    """The chunks of one leaf to write (`chunks`, each `(chunk index, box, host copy)`,
-    all of them for a save that is not incremental); the references made instead are
-    appended to `references` (`(leaf path, ChunkRef)`): `identical`, those of a leaf
-    unchanged by identity (nothing was copied), else what `base.split` found."""
+def leaf_write(base: Base | None, meta: ArrayMetadata, chunks: list, identical: Sequence[ChunkRef] | None,
+               references: list, stats: Stats) -> _encoding.LeafWrite:
+    """The write of one leaf (`chunks`, each `(chunk index, box, host copy)`, all of them
+    for a save that is not incremental) but for its unchanged chunks; the references made
+    instead are appended to `references` (`(leaf path, ChunkRef)`): `identical`, those of
+    a leaf unchanged by identity (nothing was copied), else what `base.split` found, some
+    of them `Pending` until the writes are done (`resolve`)."""
     if identical is not None:
         stats.chunks_by_identity += len(identical)
         references += [(meta.path, r) for r in identical]
-        return []
+        return _encoding.LeafWrite(meta, [])
     if base is None:
-        return chunks
+        return _encoding.LeafWrite(meta, chunks)
     if meta.packed:
         chunks, packed_refs = base.split_packed(meta, chunks, stats)
         references += [(meta.path, pb) for pb in packed_refs]
-        return chunks
-    chunks, refs = base.split(meta, chunks, stats)  # the equality check's one seam
+        return _encoding.LeafWrite(meta, chunks)
+    chunks, refs, checks = base.split(meta, chunks, stats)  # the equality check's one seam
     references += [(meta.path, r) for r in refs]
-    return chunks
+    return _encoding.LeafWrite(meta, chunks, checks if any(c is not None for c in checks) else ())
+
+
+def resolve(references: list) -> None:
+    """Once the writes are done: each `Pending` of `references` becomes its reference
+    (the chunk was unchanged, not written) or goes (it was written); in place, in order."""
+    if any(isinstance(r, Pending) for _, r in references):
+        references[:] = [(leaf, r.ref if isinstance(r, Pending) else r) for leaf, r in references
+                         if not isinstance(r, Pending) or r.ref is not None]
 
 
 def with_references(arrays: Sequence[ArrayMetadata], refs: dict[str, dict[tuple[int, ...], ChunkRef]]) -> list[ArrayMetadata]:

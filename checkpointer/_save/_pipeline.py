@@ -440,19 +440,18 @@ def write_snapshot(snap: Snapshot) -> ProcessRecord:
         )
         result = snap.result
         result.write_mode, result.write_mode_reason = ctx.mode, ctx.mode_reason
-        if snap.base is not None and ctx.image_writer is not None:  # the check reads the images' crc32c: on the writer's threads
-            _encoding.checksum_all([h for leaf in snap.arrays for h in leaf.host], ctx.image_writer.submit)
         with _memory.paused():  # a LeafWrite per leaf: no full collections over the heap meanwhile
             leaves = [_encoding.LeafWrite(leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)])
                       for leaf in snap.arrays] if snap.base is None else [
-                _encoding.LeafWrite(leaf.meta, _incremental.chunks_to_write(  # all but the unchanged chunks
+                _incremental.leaf_write(  # all but the unchanged chunks; an image's check runs on the writer's thread
                     snap.base, leaf.meta, [(w.chunk_index, w.box, h) for w, h in zip(leaf.plan.writes, leaf.host)],
-                    leaf.references, result.references, result.incremental)) for leaf in snap.arrays]
+                    leaf.references, result.references, result.incremental) for leaf in snap.arrays]
         finish = _encoding.start_write(snap.storage, root, leaves, ctx)
         if meta_writer:  # zarr v3 group nodes: browsable with zarr.open_group
             write_group_nodes(snap.storage, root, snap.structure, [leaf.meta.path for leaf in snap.arrays if not leaf.meta.packed])
         issued = time.time()  # every chunk write issued; "durable" waits for them all
         done, finish = finish(), None
+        _incremental.resolve(result.references)  # the checks made on the writer's threads
         snap.result.pack_index = done.packed
         snap.result.write_s = time.perf_counter() - t0
         snap.result.phases_unix_s.update(write=(wall0, issued), durable=(issued, time.time()))
