@@ -305,15 +305,15 @@ def test_a_shard_image_is_checked_between_its_checksum_pass_and_its_write(tmp_pa
     paced, acquire = [], _write.acquire
     monkeypatch.setattr(_write, "acquire", lambda limiter, n: (paced.append(n) if limiter is not None else None, acquire(limiter, n))[1])
     d = str(tmp_path)
-    ckpt.save(f"{d}/0", {"frozen": _arr(sharding, 2.0), "w": _arr(sharding, 0.0)}, incremental=True)
+    ckpt.save(f"{d}/0", {"frozen": arr(sharding, 2.0), "w": arr(sharding, 0.0)}, incremental=True)
     events.clear()
-    ckpt.save(f"{d}/1", {"frozen": _arr(sharding, 2.0), "w": _arr(sharding, 1.0)}, incremental=True,  # frozen: a fresh copy
+    ckpt.save(f"{d}/1", {"frozen": arr(sharding, 2.0), "w": arr(sharding, 1.0)}, incremental=True,  # frozen: a fresh copy
               max_write_bytes_per_s=1 << 40)
     assert sum(paced) == N * N * 4  # only w's chunks, written, are paced
     kinds = [e for e, _ in events]
     assert kinds == ["checksum"] * 8 + ["checksum", "write"] * 8, kinds  # frozen's chunks referenced, w's written
     assert all(events[k][1] == events[k + 1][1] for k in range(8, 24, 2))  # each write right after its own checksum
-    assert not os.path.exists(os.path.join(d, "1", "arrays", "frozen", "c")) and _chunk_files(f"{d}/1", "w") == 8
+    assert not os.path.exists(os.path.join(d, "1", "arrays", "frozen", "c")) and chunk_files(f"{d}/1", "w") == 8
     assert len(_refs(f"{d}/1", "frozen")) == 8
     out = ckpt.restore(f"{d}/1")
     np.testing.assert_array_equal(out["frozen"], np.full((N, N), 2.0, np.float32))
