@@ -578,6 +578,19 @@ def test_manifest_writer_rewrites_the_0_1_0_manifest_it_parses():
     assert written["library_version"] == library_version()
 
 
+def test_manifest_with_the_snapshots_entries_is_the_same():
+    """`array_entries` (a save's per-layout entries) give the manifest `to_json` gives."""
+    with open(f"{V010}/manifest.json", "rb") as f:
+        raw = loads(f.read(), "manifest.json")
+    meta = parse_manifest(raw, V010)
+    arrays = list(meta.arrays.values())
+    common = dict(step=meta.step, generation=raw["generation"], process_count=meta.process_count,
+                  process_bytes_written=meta.process_bytes_written, structure=meta.structure, arrays=arrays,
+                  values={}, user_metadata=meta.user_metadata, created_unix_s=meta.created_unix_s)
+    given = manifest_json(**common, array_entries=[m.to_json() for m in arrays])
+    assert given == manifest_json(**common) and list(given["leaves"]) == [m.path for m in arrays]
+
+
 def test_library_version_is_the_installed_distributions():
     import importlib.metadata
 

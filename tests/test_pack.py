@@ -687,3 +687,27 @@ def test_a_save_s_pack_zarr_json_does_not_depend_on_the_writer(tmp_path, direct_
     ts.open(spec).result()
     assert written == (tmp_path / "ts" / "zarr.json").read_bytes()
     np.testing.assert_array_equal(ckpt.restore(path)["w"], state["w"])
+
+
+def test_slab_fill_runs_and_short_runs():
+    """`PackSlab.fill` copies runs of one dtype and shape as blocks and the rest leaf by
+    leaf: every view holds its source, the views lie back to back in order, and the
+    buffer's bytes are the sources' bytes in order (the pack as written)."""
+    rng = np.random.default_rng(0)
+    sources = (
+        [rng.standard_normal(3).astype(np.float32) for _ in range(5)]  # a run
+        + [rng.integers(-9, 9, (2, 2)).astype(np.int8) for _ in range(2)]  # a short run
+        + [np.array(rng.standard_normal()) for _ in range(6)]  # scalars
+        + [rng.standard_normal((2, 1)).astype(ml_dtypes.bfloat16) for _ in range(4)]  # a run of another dtype
+        + [np.arange(12, dtype=np.int32).reshape(3, 4)[:, ::2]]  # not contiguous
+    )
+    slab = _pack.PackSlab.fill(sources, lambda n: _pack.aligned_empty((n,), np.dtype(np.uint8), _pack.DIRECT_ALIGN))
+    assert slab.nbytes == sum(s.nbytes for s in sources) and len(slab.views) == len(sources)
+    offset = 0
+    for src, view in zip(sources, slab.views):
+        assert isinstance(view, np.ndarray) and view.shape == src.shape and view.dtype == src.dtype
+        np.testing.assert_array_equal(view, src)
+        assert view.ctypes.data == slab.buffer.ctypes.data + offset
+        offset += src.nbytes
+    expected = b"".join(np.ascontiguousarray(s).tobytes() for s in sources)
+    assert slab.buffer[: slab.nbytes].tobytes() == expected

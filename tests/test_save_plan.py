@@ -513,3 +513,15 @@ def test_plan_save_of_concrete_arrays_in_one_process_is_todays_layout():
     # The same arrays planned as 4 processes of 2 devices: one MiB each.
     four = ckpt.plan_save({"x": x}, processes=4)
     assert [p.data_bytes for p in four.processes] == [1 << 20] * 4
+
+
+def test_shared_leaf_shards_take_their_paths():
+    """Leaves of one layout may share one `LeafShards` (the save does): each assignment
+    carries the path given beside it, and the plan is the one of separate specs."""
+    shards = (ShardInfo(Box((0,), (8,)), 0, 0, 0),)
+    shared = LeafShards("a", (8,), 4, (8,), shards)
+    paths = ["a", "b", "c"]
+    together = plan_writes([shared] * 3, paths=paths)
+    apart = plan_writes([LeafShards(p, (8,), 4, (8,), shards) for p in paths])
+    assert [a.leaf_path for a in together] == paths
+    assert together == apart

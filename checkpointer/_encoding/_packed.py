@@ -376,7 +376,8 @@ class PackedEncoding(LeafEncoding):
             pack.add_all((lw.meta, box, host) for lw in leaves for _, box, host in lw.chunks)
         if not pack:
             return lambda: WriteResult()
-        acquire(ctx.limiter, pack.nbytes)  # the pack is one write
+        if ctx.limiter is not None:  # (`nbytes` is a sum over the chunks)
+            acquire(ctx.limiter, pack.nbytes)  # the pack is one write
         name = _pack.array_name(ctx.process_index)
         try:
             with _memory.paused():

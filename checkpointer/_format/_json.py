@@ -105,15 +105,22 @@ def _dump_lines(obj: object, depth: int, out: list[str], memo: dict[int, str]) -
     pad = "\n" + " " * (depth + 1)
     if isinstance(obj, dict):
         out.append("{")
+        inner_memo = depth + 1 >= 2  # the children's texts are memoized (as `_dump_lines` would)
         for i, (k, v) in enumerate(obj.items()):
-            out.append(("," if i else "") + pad + _encode(k) + ": ")
-            _dump_lines(v, depth + 1, out, memo)
+            # A str key as `_encode` writes it, without its call (a manifest has a key per leaf).
+            out.append(("," if i else "") + pad + (encode_ascii(k) if type(k) is str else _encode(k)) + ": ")
+            text = memo.get(id(v)) if inner_memo and type(v) is dict else None
+            if text is not None:  # a leaf's entry shared with the leaves of its layout
+                out.append(text)
+            else:
+                _dump_lines(v, depth + 1, out, memo)
         out.append("\n" + " " * depth + "}")
         return
     assert isinstance(obj, list)
     out.append("[")
     if depth >= 1 and isinstance(obj, EncodedObjects) and len(obj.texts) == len(obj):
-        out.append(",".join(pad + text for text in obj.texts))
+        if obj.texts:  # `",".join(pad + text ...)`, joined in C
+            out.append(pad + ("," + pad).join(obj.texts))
         out.append("\n" + " " * depth + "]")
         return
     for i, v in enumerate(obj):

@@ -14,6 +14,7 @@ import errno
 import functools
 import importlib.metadata
 import math
+import operator
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,9 @@ def library_version() -> str:
         return "0+unknown"
 
 
+_PATH = operator.attrgetter("path")
+
+
 def manifest_json(
     *,
     step: int | None,
@@ -55,6 +59,7 @@ def manifest_json(
     save_phases_unix_s: Mapping[str, tuple[float, float]] | None = None,
     packed: Sequence[PackRecord] = (),
     packed_processes: Sequence[int] | None = None,
+    array_entries: Sequence[dict] | None = None,
 ) -> dict:
     """The manifest of DESIGN.md's format_version 1 (what `parse_manifest` reads).
 
@@ -77,12 +82,18 @@ def manifest_json(
       packed_processes: None (a committed checkpoint's manifest: `packed` is every
         process's). A list: the processes whose packs `packed` holds, the others'
         chunks are not indexed (a two-tier local copy; stored as `"packed_processes"`).
+      array_entries: None, or each array leaf's entry, `arrays[i].to_json()` (leaves of
+        one layout sharing one object), when no leaf has references (a save's own
+        metadata: `Snapshot.array_entries`).
     """
     import jax
 
     leaves: dict[str, dict] = {}
     entries: dict[tuple, dict] = {}  # leaves of one layout share one entry object (encoded once)
-    for m in arrays:
+    if array_entries is not None:  # made by the snapshot, one object per layout: no look-up per leaf
+        assert len(array_entries) == len(arrays)
+        leaves = dict(zip(map(_PATH, arrays), array_entries))
+    for m in arrays if array_entries is None else ():
         if m.references:
             leaves[m.path] = m.to_json() | {"references": [r.to_json() for r in m.references.values()]}
             continue
@@ -95,7 +106,8 @@ def manifest_json(
     out: dict[str, object] = {
         # Additive: a checkpoint with references (incremental saves) has the version older
         # readers refuse; one without keeps version 1.
-        "format_version": _references.FORMAT_VERSION_REFERENCES if any(m.references for m in arrays) or any(
+        "format_version": _references.FORMAT_VERSION_REFERENCES if (
+            array_entries is None and any(m.references for m in arrays)) or any(
             "in" in p.extra for p in packed) else _layout.FORMAT_VERSION,
         "step": step,
         "generation": generation,

@@ -12,7 +12,7 @@ import dataclasses
 import errno
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .._errors import CorruptCheckpointError
@@ -215,6 +215,24 @@ def _packed_boxes(v: object) -> tuple[PackedBoxRecord, ...]:
     return tuple(_packed_box(b, f"packed box {i}") for i, b in enumerate(v))
 
 
+def _box_texts(boxes: Sequence[PackedBoxRecord]) -> list[str]:
+    """`[b.json_text() for b in boxes]`, each distinct Box object formatted once (the
+    chunks of the leaves of one layout share theirs)."""
+    texts: dict[int, str] = {}  # id(box) -> its text; `boxes` keeps them alive
+    out = []
+    for b in boxes:
+        if b.extra:
+            out.append(b.json_text())
+            continue
+        box = b.box
+        text = texts.get(id(box))
+        if text is None:
+            text = texts[id(box)] = f'[[{", ".join(map(str, box.origin))}], [{", ".join(map(str, box.shape))}]]'
+        out.append(f'{{"leaf": {_json.encode_ascii(b.leaf)}, "box": {text}, "offset": {b.offset}, '
+                   f'"data_bytes": {b.data_bytes}, "data_crc32c": {b.data_crc32c}}}')
+    return out
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PackRecord:
     """One process's pack of small leaves (`_pack`): `processes/<i>.json`'s `"packed"`
@@ -243,7 +261,7 @@ class PackRecord:
         if cached is None:
             cached = _record_to_json(self)
             # Each box's text made once, for the record and the manifest (`_json.EncodedObjects`).
-            cached["boxes"] = _json.EncodedObjects(cached["boxes"], [b.json_text() for b in self.boxes])
+            cached["boxes"] = _json.EncodedObjects(cached["boxes"], _box_texts(self.boxes))
             object.__setattr__(self, "_json", cached)  # frozen: a cache, not a field (not compared, not replaced)
         return dict(cached)
 

@@ -61,6 +61,8 @@ _UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]+")
 
 
 def _escape_str(key: str) -> str:
+    if key.isascii() and key.isalnum():  # the common case, without the regex: letters and digits only
+        return key
     if _UNRESERVED.fullmatch(key) and key.strip("."):
         return key
     if key and set(key) == {"."}:

@@ -95,6 +95,9 @@ class ArrayLeaf:
     """One array leaf between the planning passes: the planner's input and what the
     metadata and the copies need."""
 
+    leaf_path: str
+    # The planner's input: shared by the leaves of one layout (its `leaf_path` is the
+    # first such leaf's; `plan_writes` takes each leaf's path beside it).
     shards: LeafShards
     dtype: np.dtype
     saved: SavedSharding | None
@@ -124,7 +127,7 @@ class _Layout:
     single_device: int | None
     multi_device: bool
     key: tuple  # `ArrayLeaf.layout_key`
-    spec: LeafShards  # the first leaf's (each leaf's differs in its path only)
+    spec: LeafShards  # the first leaf's, shared by all (`ArrayLeaf.shards`)
 
 
 
@@ -162,7 +165,7 @@ def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path:
         shape = arr.shape
         # A host array is process 0's (processes may hold different values).
         spec = LeafShards(leaf_path, shape, arr.dtype.itemsize, shape, (ShardInfo(Box.whole(shape), -1, 0, 0),))
-        return ArrayLeaf(spec, arr.dtype, None, None, "numpy", {-1: arr}, (None, shape, arr.dtype.itemsize))
+        return ArrayLeaf(leaf_path, spec, arr.dtype, None, None, "numpy", {-1: arr}, (None, shape, arr.dtype.itemsize))
     if arr.is_deleted():
         raise UnsupportedValueError(
             f"{where(leaf=leaf_path, path=path, process=pidx)}: the array was deleted (donated to a jitted "
@@ -181,8 +184,7 @@ def describe_array(leaf_path: str, arr: jax.Array | np.ndarray, pidx: int, path:
         by_device = {s.device.id: s.data for s in arr.addressable_shards}
     else:  # one device of another process
         by_device = {}
-    spec = _format.with_fields(layout.spec, leaf_path=leaf_path)
-    return ArrayLeaf(spec, layout.dtype, layout.saved, layout.key_impl, "jax", by_device, layout.key)
+    return ArrayLeaf(leaf_path, layout.spec, layout.dtype, layout.saved, layout.key_impl, "jax", by_device, layout.key)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))

@@ -134,6 +134,9 @@ class Snapshot:
     # of them are its views; its buffer is the pool's when `pack_slab_pooled`.
     pack_slab: _encoding.PackSlab | None = None
     pack_slab_pooled: bool = False
+    # Per array leaf, its manifest entry (`ArrayMetadata.to_json()` without references),
+    # one object per layout: the manifest takes them as they are (`manifest_json`).
+    array_entries: list[dict] | None = None
     result: SaveResult = dataclasses.field(default_factory=SaveResult)
 
     @property
@@ -164,13 +167,14 @@ def _plan_tree(described: list[ArrayLeaf]) -> tuple[LeafAssignment, ...]:
     for d in described:
         if id(d.layout_key) not in position:
             position[id(d.layout_key)] = distinct.setdefault(d.layout_key, len(distinct))
-    key = (tuple(d.shards.leaf_path for d in described), tuple(position[id(d.layout_key)] for d in described), tuple(distinct))
+    paths = [d.leaf_path for d in described]
+    key = (tuple(paths), tuple(position[id(d.layout_key)] for d in described), tuple(distinct))
     with _PLAN_CACHE_LOCK:
         hit = _PLAN_CACHE.get(key)
         if hit is not None:
             _PLAN_CACHE.move_to_end(key)
             return hit
-    plan = plan_writes([d.shards for d in described])
+    plan = plan_writes([d.shards for d in described], paths=paths)
     with _PLAN_CACHE_LOCK:
         _PLAN_CACHE[key] = plan
         while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
@@ -324,12 +328,13 @@ def _take_snapshot(
     identical: list[tuple[_format.ChunkRef, ...] | None] = []  # per leaf: its references if unchanged by identity
     planned: list[tuple[ArrayMetadata, LeafWritePlan]] = []
     device_data = []
+    array_entries: list[dict] = []
     # Leaves of one layout and one assignment of writes share their plan and metadata but
     # for the path, and their manifest entry (one object: the agreement encodes each
     # distinct entry once). Keyed by ids: `described` and `assignments` keep them alive.
     shared: dict[tuple[int, int], tuple[LeafWritePlan, ArrayMetadata, dict]] = {}
     for d, assignment in zip(described, assignments):
-        path_ = d.shards.leaf_path
+        path_ = d.leaf_path
         template = shared.get((id(d.layout_key), id(assignment.writes)))
         if template is None:
             plan = assignment.for_process(pidx)
@@ -344,6 +349,7 @@ def _take_snapshot(
         device_data.append([] if identical[-1] is not None else  # nothing to copy
                            [d.by_device[w.device_id] if w.shard_box is None else chunk_data(d, w) for w in plan.writes])
         entries[path_] = template[2]
+        array_entries.append(template[2])
     structure = describe(tree, is_array)
     # Wait for the computations that produce the leaves (JAX dispatches asynchronously: a
     # save right after training steps waits for them here), so that the timeline's
@@ -372,6 +378,7 @@ def _take_snapshot(
         base=base, saved_arrays=_incremental.weak_arrays(leaves) if options.incremental else {}, incremental=options.incremental,
         write_limiter=write_limiter, direct_io=options.direct_io, copied_bytes=copies.copied_bytes,
         copy_route_bytes=copies.route_bytes, pack_slab=copies.pack_slab, pack_slab_pooled=copies.pack_slab_pooled,
+        array_entries=array_entries,
         snapshot_s=time.perf_counter() - t0,  # the whole blocking call, the wait for the arrays included
         result=SaveResult(phases_unix_s={**snap_phases, "snapshot": (ready, time.time())}),
     )
@@ -485,7 +492,9 @@ def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: b
                                              _incremental.pack_references(snap.result.references) or ()) if (
                 any(leaf.meta.packed for leaf in snap.arrays)) else []
         arrays = [leaf.meta for leaf in snap.arrays]
+        entries = snap.array_entries
         if snap.base is not None or referencing:  # every process's references, by leaf (format_version 2 when any)
+            entries = None
             arrays = _incremental.with_references(arrays, _incremental.gather(
                 snap.storage, snap.path, snap.write_path, snap.process_index, snap.result.references, referencing))
         return _format.dumps_large(manifest_json(
@@ -493,7 +502,7 @@ def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: b
             process_bytes_written=process_bytes, structure=snap.structure, arrays=arrays,
             values=snap.values, user_metadata=snap.user_metadata,
             save_phases_unix_s={k: v for k, v in snap.result.phases_unix_s.items() if k == "wait"} or None,
-            packed=packed, packed_processes=[snap.process_index] if own_pack_only else None,
+            packed=packed, packed_processes=[snap.process_index] if own_pack_only else None, array_entries=entries,
         ))
 
 

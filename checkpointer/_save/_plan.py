@@ -301,11 +301,15 @@ def plan_writes(
     *,
     split_floor_bytes: int = SPLIT_FLOOR_BYTES,
     inner_target_bytes: int | None = None,
+    paths: Sequence[str] | None = None,
 ) -> tuple[LeafAssignment, ...]:
     """Plans which process writes which chunk of every array leaf of a tree.
 
     Args:
       leaves: the array leaves in tree order, each with every device's shard.
+      paths: each leaf's path, when the `LeafShards` are shared by the leaves of one
+        layout (their `leaf_path` is then the first such leaf's, which is the leaf an
+        error of the layout names); None: each leaf's `leaf_path`.
       split_floor_bytes: the smallest chunk a replica-parallel split may produce, bytes.
       inner_target_bytes: override of the inner chunk size target, bytes.
     Returns:
@@ -324,11 +328,15 @@ def plan_writes(
     # (a tree of thousands of small leaves has a handful of such groups): planned once.
     groups_of: dict[tuple, _Group] = {}
     shared_leaves: dict[int, list] = {}  # id(group) -> [group, leaves of it whose writes are the group's]
+    group_of_spec: dict[int, _Group] = {}  # id(spec) -> its group (shared specs: one look-up per leaf)
     for li, spec in enumerate(leaves):
-        gkey = (id(spec.shards), spec.shape, spec.shard_shape, spec.itemsize)
-        g = groups_of.get(gkey)
+        g = group_of_spec.get(id(spec))
         if g is None:
-            g = groups_of[gkey] = _plan_group(spec, split_floor_bytes)
+            gkey = (id(spec.shards), spec.shape, spec.shard_shape, spec.itemsize)
+            g = groups_of.get(gkey)
+            if g is None:
+                g = groups_of[gkey] = _plan_group(spec, split_floor_bytes)
+            group_of_spec[id(spec)] = g
         leaf = _Leaf(spec, g, [] if g.single_writes is None else None)
         planned.append(leaf)
         if g.single_writes is not None:  # every chunk has one holder: the group's writes, shared (loads added below)
@@ -376,10 +384,11 @@ def plan_writes(
     inners: dict[int, tuple[int, ...]] = {}
     templates: dict[int, LeafAssignment] = {}  # id(group) -> the assignment of its shared writes, copied per leaf
     out = []
-    for leaf in planned:
+    for li, leaf in enumerate(planned):
         spec, g = leaf.spec, leaf.group
+        path = spec.leaf_path if paths is None else paths[li]
         if leaf.writes is None and id(g) in templates:
-            out.append(with_fields(templates[id(g)], leaf_path=spec.leaf_path))
+            out.append(with_fields(templates[id(g)], leaf_path=path))
             continue
         inner = inners.get(id(g))
         if inner is None:
@@ -390,7 +399,7 @@ def plan_writes(
         else:
             ordered = tuple(sorted(leaf.writes, key=lambda pw: pw[1].chunk_index))
         out.append(
-            LeafAssignment(spec.leaf_path, g.shape, spec.itemsize, g.chunk, inner, g.split_dim, g.k, g.replicas, ordered)
+            LeafAssignment(path, g.shape, spec.itemsize, g.chunk, inner, g.split_dim, g.k, g.replicas, ordered)
         )
         if leaf.writes is None:
             templates[id(g)] = out[-1]
