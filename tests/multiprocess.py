@@ -13,6 +13,7 @@ uses the same one.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -45,3 +46,14 @@ def run_processes(
     return _run_processes(
         worker_script, num_processes, devices_per_process, args, timeout_s, env=env, **kwargs
     )
+
+
+def copy_run(saved, name):
+    """A copy of a saved run's durable and local folders under `name`, for one restore case:
+    `saved` is a module fixture's `(tmp, args)`; returns the args of its restore phase."""
+    tmp, args = saved
+    out = dict(args, phase="restore")
+    for key in ("directory", "local"):
+        out[key] = str(tmp / name / key)
+        shutil.copytree(args[key], out[key])
+    return out

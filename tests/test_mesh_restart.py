@@ -14,7 +14,7 @@ import re
 import shutil
 
 import pytest
-from multiprocess import WORKERS, run_processes
+from multiprocess import WORKERS, copy_run as _copy, run_processes
 
 WORKER = WORKERS / "peers_worker.py"
 
@@ -27,15 +27,6 @@ def saved(tmp_path_factory):
     for r in run_processes(WORKER, 4, 2, args, timeout_s=240):
         assert r.record("saved")["survives"].get("120") == 2, r.describe()
     return tmp, args
-
-
-def _copy(saved, name):
-    tmp, args = saved
-    out = dict(args, phase="restore")
-    for key in ("directory", "local"):
-        out[key] = str(tmp / name / key)
-        shutil.copytree(args[key], out[key])
-    return out
 
 
 def _restored(results, step=120):

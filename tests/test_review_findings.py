@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
-from multiprocess import WORKERS, run_processes
+from multiprocess import WORKERS, copy_run as _copy, run_processes
 
 import checkpointer as ckpt
 
@@ -25,15 +25,6 @@ def saved(tmp_path_factory):
     for r in run_processes(WORKER, 2, 2, args, timeout_s=240):
         assert r.record("saved")["survives"].get("120") == 1, r.describe()
     return tmp, args
-
-
-def _copy(saved, name):
-    tmp, args = saved
-    out = dict(args, phase="restore")
-    for key in ("directory", "local"):
-        out[key] = str(tmp / name / key)
-        shutil.copytree(args[key], out[key])
-    return out
 
 
 @pytest.mark.slow
