@@ -299,7 +299,7 @@ def test_a_shard_image_is_checked_between_its_checksum_pass_and_its_write(tmp_pa
 
     events = []
     checksum, write = _image._checksum, _write.write_image
-    monkeypatch.setattr(_image, "_checksum", lambda image: (events.append(("checksum", id(image))), checksum(image))[1])
+    monkeypatch.setattr(_image, "_checksum", lambda image, *a: (events.append(("checksum", id(image))), checksum(image, *a))[1])
     monkeypatch.setattr(_write, "write_image", lambda path, image, direct: (events.append(("write", id(image))), write(path, image, direct))[1])
     monkeypatch.setattr(_write, "_THREADS", 1)  # one writer thread: the order of its tasks is the order of events
     paced, acquire = [], _write.acquire

@@ -229,3 +229,31 @@ def test_a_snapshot_is_an_immutable_plan_and_its_write_fills_a_result(tmp_path):
     assert snap.result.write_mode in ("direct", "buffered") and snap.result.bytes_written > 0 and snap.result.write_s > 0
     assert {"write", "durable", "commit"} <= set(snap.result.phases_unix_s) and snap.result.lock is None
     assert not snap.arrays[0].host  # the host copies were released once durable
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_a_contiguous_boxs_data_crc32c_comes_from_the_fill_and_the_writer_does_not_gather_it(strided):
+    """Inner chunks that cut the box's rows: from a C-contiguous box the fill checksums
+    each band's rows right after copying them (hot), so the writer's pass only checksums
+    the inner chunks; a strided box (its rows not contiguous) is gathered by the writer."""
+    shape, chunk, inner, _ = LAYOUTS["large"]
+    meta = ArrayMetadata("w", shape, np.dtype(np.float32), chunk, inner, None)
+    host = _values(shape, np.float32, seed=5)
+    src = host
+    if strided:
+        wide = np.zeros((*host.shape[:-1], host.shape[-1] * 2), host.dtype)
+        wide[..., ::2] = host
+        src = wide[..., ::2]
+    assert not _image.row_bands(meta.layout, tuple(shape))
+    (image,) = _encoding.fill_images([(meta.layout, src)], lambda n: _memory.page_aligned_empty((n,), np.dtype(np.uint8)))
+    gathers = [0]
+    real = _image._gathered
+    _image._gathered = lambda *a: (gathers.__setitem__(0, gathers[0] + 1), real(*a))[1]
+    try:
+        assert image.data_crc32c == _format.data_crc32c(host)
+    finally:
+        _image._gathered = real
+    assert gathers[0] == (1 if strided else 0)
+    nc, n = meta.layout.inner_bytes_with_crc, meta.layout.inner_bytes
+    buf = image.buffer
+    assert image.inner_crc32c.tolist() == [crc32c.crc32c(buf[k * nc : k * nc + n].data) for k in range(len(image.inner_crc32c))]

@@ -8,18 +8,22 @@ shard file exactly as TensorStore writes it (`_write`'s module docstring: the in
 chunks in C order, each followed by its crc32c, then the index and its crc32c). The
 direct writer then submits the buffer as it is (`write_image`): no staging copy.
 
-The blocking copy (`fill_images`) moves bytes only, on every core: a shard's inner chunks
-are cut into groups of whole bands (inner chunks sharing their first-axis index) of about
-`_TASK_BYTES`, each group copied by one task. The checksums come after, off the blocking
-path, in one pass over the image (`ShardImage.checksum`, run by the writer's thread right
-before it submits the buffer, or by an incremental save's equality check first, whichever
-asks first; once): each inner chunk's crc32c, written into its word of the file, and the
-record's `data_crc32c` (the box's C-order bytes). Where the inner chunks are bands of
-whole rows, `data_crc32c` combines from their real rows' crc32c (`_crc.combine`); else
-each band is read a few rows at a time, the inner chunks' crc32c advanced over those rows
-and the rows gathered into C order in a small buffer and checksummed while both are in
-the CPU cache (the caller's shard cannot be read any more: it may be donated once the
-snapshot returns).
+The blocking copy (`fill_images`) moves bytes on every core: a shard's inner chunks are
+cut into groups of whole bands (inner chunks sharing their first-axis index) of about
+`_TASK_BYTES`, each group copied by one task. Where the inner chunks cut the box's rows
+and the box is C-contiguous, the task also checksums each band's rows of the box right
+after copying them, while they are in the CPU cache: the record's `data_crc32c` (the box's
+C-order bytes, combined across tasks with `_crc.combine`). The inner chunks' crc32c come
+after, off the blocking path, in one pass over the image (`ShardImage.checksum`, run by
+the writer's thread right before it submits the buffer, or by an incremental save's
+equality check first, whichever asks first; once): one call per inner chunk, contiguous
+in the file, written into its word. Where the inner chunks are bands of whole rows,
+`data_crc32c` combines from their real rows' crc32c in that pass; a strided box (rows not
+contiguous) is gathered there instead, each band a few rows at a time into C order in a
+small buffer (the caller's shard cannot be read any more: it may be donated once the
+snapshot returns). Measured (save_cpu_check.py, 1 GiB, alternating): gathering every box
+in the writer's pass cost 0.86-0.93 CPU-s/GiB until committed, against 0.62-0.78 with
+the fill's hot pass, which adds 30-60 ms to the blocking copy (docs/DESIGN-decisions.md).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class _Sums:
 
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     inner: np.ndarray | None = None
-    data: int | None = None
+    data: int | None = None  # set by `fill_images` already where it checksummed the box's rows
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,18 +95,18 @@ class ShardImage:
     @property
     def checksummed(self) -> bool:
         """Whether `checksum` ran (the crc32c words are in the buffer)."""
-        return self._sums.data is not None
+        return self._sums.inner is not None
 
     def checksum(self) -> None:
         """Computes, once, each inner chunk's crc32c (written into the buffer, after the
         inner chunk) and the chunk's `data_crc32c`, in one pass over the image. Thread-
         safe: a second caller waits for the first's result."""
         sums = self._sums
-        if sums.data is not None:
+        if sums.inner is not None:
             return
         with sums.lock:
-            if sums.data is None:
-                sums.inner, sums.data = _checksum(self)
+            if sums.inner is None:
+                sums.inner, sums.data = _checksum(self, sums.data)
 
     @property
     def inner_crc32c(self) -> np.ndarray:
@@ -173,13 +177,22 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src)
 
 
-def _fill(layout: ShardFileLayout, src: np.ndarray, buf: np.ndarray, stored: tuple, lo: int, hi: int) -> None:
-    """Copies stored inner chunks [lo, hi) of a box `src` into their places in `buf`
-    (their crc32c words are `checksum`'s)."""
+def _fill(layout: ShardFileLayout, src: np.ndarray, buf: np.ndarray, stored: tuple, lo: int, hi: int,
+          parts: list[tuple[int, int]] | None = None, slot: int = 0) -> None:
+    """Copies stored inner chunks [lo, hi) (whole bands) of a box `src` into their places
+    in `buf` (their crc32c words are `checksum`'s). With `parts` (a C-contiguous `src`
+    whose inner chunks cut its rows): after each band is copied, the crc32c of the
+    band's rows of `src`, read again while they are in the CPU cache, goes into
+    `parts[slot]` as `(crc32c, bytes)`: this task's share of the record's `data_crc32c`."""
     n, nc, inner = layout.inner_bytes, layout.inner_bytes_with_crc, tuple(layout.inner_chunk_shape)
     dtype = src.dtype
+    band, rows, crc, length = -1, None, 0, 0
     for k in range(lo, hi):
-        _, _, part, cut = stored[k]
+        _, first, part, cut = stored[k]
+        if parts is not None and first != band:
+            if rows is not None:
+                crc, length = _rows_crc(src, rows, crc, length)
+            band, rows = first, part[0]
         raw = buf[k * nc : k * nc + n]
         piece = src[part]
         if cut is not None:  # cut by the array's shape: the rest is fill (zero bytes)
@@ -187,6 +200,16 @@ def _fill(layout: ShardFileLayout, src: np.ndarray, buf: np.ndarray, stored: tup
             _copy(raw.view(dtype).reshape(inner)[cut], piece)
         else:
             _copy(raw.view(dtype).reshape(inner), piece)
+    if parts is not None:
+        if rows is not None:
+            crc, length = _rows_crc(src, rows, crc, length)
+        parts[slot] = (crc, length)
+
+
+def _rows_crc(src: np.ndarray, rows: slice, crc: int, length: int) -> tuple[int, int]:
+    """`(crc, length)` advanced over the C-order bytes of `src[rows]` (`src` C-contiguous)."""
+    data = src[rows].reshape(-1).view(np.uint8)
+    return crc32c.crc32c(data.data, value=crc), length + data.nbytes
 
 
 def _tasks(layout: ShardFileLayout, stored: tuple) -> list[tuple[int, int]]:
@@ -218,6 +241,7 @@ def fill_images(
       The images, in the order of `requests`.
     """
     images: list[ShardImage] = []
+    pending: list[tuple[ShardImage, list[tuple[int, int]]]] = []
     small: list[tuple] = []
     big: list[tuple] = []
     for layout, src in requests:
@@ -227,8 +251,15 @@ def fill_images(
         at = len(stored) * layout.inner_bytes_with_crc
         tail = _index_tail(layout, shape)
         buf[at : at + len(tail)] = np.frombuffer(tail, np.uint8)
-        images.append(ShardImage(buf, at + len(tail), src.nbytes, layout, shape, src.dtype))
-        work = [(layout, src, buf, stored, lo, hi) for lo, hi in _tasks(layout, stored)]
+        image = ShardImage(buf, at + len(tail), src.nbytes, layout, shape, src.dtype)
+        images.append(image)
+        ranges = _tasks(layout, stored)
+        # Inner chunks that cut the box's rows: the box's C-order crc32c from its rows,
+        # right after each band is copied (hot), not by gathering the image later.
+        parts: list[tuple[int, int]] | None = [(0, 0)] * len(ranges) if src.size and src.ndim and src.flags.c_contiguous and not row_bands(layout, shape) else None
+        if parts is not None:
+            pending.append((image, parts))
+        work = [(layout, src, buf, stored, lo, hi, parts, slot) for slot, (lo, hi) in enumerate(ranges)]
         (small if src.nbytes <= _INLINE_BYTES else big).extend(work)
     for w in small:
         _fill(*w)
@@ -238,17 +269,24 @@ def fill_images(
         with concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(big))) as ex:
             for f in [ex.submit(_fill, *w) for w in big]:
                 f.result()
+    for image, parts in pending:
+        image._sums.data = _crc.combine_all(parts)
     return images
 
 
-def _checksum(image: ShardImage) -> tuple[np.ndarray, int]:
+def _checksum(image: ShardImage, data_crc32c: int | None) -> tuple[np.ndarray, int]:
     """The crc32c of each stored inner chunk of `image` (written into its word) and the
-    crc32c of the box's C-order bytes, in one pass (module docstring)."""
+    crc32c of the box's C-order bytes (`data_crc32c` where the fill computed it already),
+    in one pass (module docstring)."""
     layout, shape, buf = image.layout, image.box_shape, image.buffer
     stored = stored_inner_chunks(layout, shape)
     n, nc = layout.inner_bytes, layout.inner_bytes_with_crc
     crcs = np.zeros(len(stored), np.uint32)
-    if row_bands(layout, shape):  # the real rows lead each inner chunk, the fill follows
+    if data_crc32c is not None:  # each inner chunk is contiguous in the file: one call each
+        data = data_crc32c
+        for k in range(len(stored)):
+            crcs[k] = crc32c.crc32c(buf[k * nc : k * nc + n].data)
+    elif row_bands(layout, shape):  # the real rows lead each inner chunk, the fill follows
         itemsize, data = np.dtype(image.dtype).itemsize, 0
         for k, (_, _, part, _) in enumerate(stored):
             raw = buf[k * nc : k * nc + n]
