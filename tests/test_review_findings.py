@@ -102,11 +102,6 @@ def test_the_durable_step_restores_although_its_local_copy_is_retired(tmp_path):
         assert mgr.status().last_restore_source == "durable"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "two tiers: save(step, force=True) of a step older than the local window (a rewind) fails its replication "
-    "with FileNotFoundError: local retention removes the new local step (older than the newest durable step, "
-    "its replication not queued yet) right after its local commit; the error says 'the local step is kept', "
-    "which it is not"))
 def test_a_forced_save_of_a_step_older_than_the_local_window_is_replicated(tmp_path):
     sh = NamedSharding(jax.make_mesh((2, 4), ("a", "b")), P("a", "b"))
 

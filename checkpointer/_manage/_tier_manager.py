@@ -10,6 +10,7 @@ replicates the same steps in the same order. One worker replicates one step at a
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -17,7 +18,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .. import _commit, _coord, _encoding, _format, _storage
 from .._encoding import RestoreStats
@@ -109,6 +110,7 @@ class LocalTier:
         self._jobs: dict[int, concurrent.futures.Future] = {}
         self._attempts: dict[int, int] = {}
         self._bases_in_flight: dict[int, int] = {}  # incremental local saves in flight: step -> its local base
+        self._queuing: list[int] = []  # steps of saves whose replication and peer copies are not queued yet
         self.last_error: str | None = None
         self.waiting = False
         self._recovered = False
@@ -153,6 +155,18 @@ class LocalTier:
             snap, storage=self.storage, path=f"{self.root}/{snap.step}", writes_array_metadata=True, write_limiter=None,
             result=SaveResult(phases_unix_s=dict(snap.result.phases_unix_s)),
         )
+
+    @contextlib.contextmanager
+    def queuing(self, step: int) -> Iterator[None]:
+        """Local retention keeps `step` until its replication and peer copies are queued (else
+        a forced save after a rewind, older than the newest durable step, went at once)."""
+        with self._mu:
+            self._queuing.append(step)
+        try:
+            yield
+        finally:
+            with self._mu:
+                self._queuing.remove(step)
 
     def run_local(self, snap: Snapshot, after_publish: Callable[[], object] | None = None) -> None:
         """Writes and commits `snap` (a `local_snapshot`) on the local tier (the
@@ -330,7 +344,7 @@ class LocalTier:
         if self.peers is not None:
             kept |= self.peers.pending_steps()
         with self._mu:
-            kept |= set(self._bases_in_flight.values())
+            kept |= set(self._bases_in_flight.values()) | set(self._queuing)
         if kept.issuperset(steps):  # nothing may go: no listing of the durable tier (a request on an object store)
             return _tier_references.remove_local(self.storage, self.root, steps, [])
         copies = self.peers.verified() if self.peers is not None else {}

@@ -50,23 +50,25 @@ class TwoTierSaving:
         on every process."""
         tiers = self._tiers
         assert tiers is not None
-        if self.async_save:
-            handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), runner=tiers.run_local)
-            with self._mu:
-                self._in_flight.append((step, handle))
-            tiers.send_to_peers(step, snap.generation, handle)
-            if durable:
-                tiers.enqueue(step, snap.generation, snap.overwrite, handle)
-            return
-        t0 = time.perf_counter()
-        try:
-            tiers.run_local(snap)
-        except BaseException as e:
-            self._failed(step, e)
-            raise
-        tiers.send_to_peers(step, snap.generation)
-        if durable:
-            tiers.enqueue(step, snap.generation, snap.overwrite).result()
+        with tiers.queuing(step):  # local retention keeps the step until its replication is queued
+            if self.async_save:
+                handle = AsyncSave(snap, on_finish=lambda h: self._on_finish(step, h), runner=tiers.run_local)
+                with self._mu:
+                    self._in_flight.append((step, handle))
+                tiers.send_to_peers(step, snap.generation, handle)
+                if durable:
+                    tiers.enqueue(step, snap.generation, snap.overwrite, handle)
+                return
+            t0 = time.perf_counter()
+            try:
+                tiers.run_local(snap)
+            except BaseException as e:
+                self._failed(step, e)
+                raise
+            tiers.send_to_peers(step, snap.generation)
+            replicated = tiers.enqueue(step, snap.generation, snap.overwrite) if durable else None
+        if replicated is not None:
+            replicated.result()
         with self._mu:
             self._last["write_s"], self._last["commit_s"] = snap.result.write_s, time.perf_counter() - t0
             self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
