@@ -331,6 +331,8 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
         log.warning("restored step %d from the local tiers: processes %s received their boxes from the processes "
                     "holding their copies (newest durable step: %s)", step,
                     [r for r, s in enumerate(sources) if s], latest_durable)
+        if mine and resume is not None:  # the writer's first recovery, due in `resume`, would remove the
+            tier.recover()                # fetch's partial folder while it is written: done now, once
         refetch = Refetch(peers, step, generation, mine, after=tree) if mine else None
         if resume is not None:
             resume(step, generation, False, local_save=refetch, best_effort=True)
