@@ -43,10 +43,6 @@ def test_a_replaced_process_whose_target_differs_from_its_holders_never_receives
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "a damaged own local copy of the newest step is not replaced by the peer's checked copy of it: the restart "
-    "falls back to an older step (110) although step 120's every share is held whole (process 1's by process 0), "
-    "against docs/tiers_and_peers.md ('restored from the newest place that holds every process's share whole')"))
 def test_a_damaged_own_copy_of_the_newest_step_is_replaced_by_the_holders_copy(saved):
     run = _copy(saved, "own-copy-damaged")
     data = [f for f in glob.glob(f"{run['local']}/process-1/120/packed/**/*", recursive=True)
@@ -58,6 +54,9 @@ def test_a_damaged_own_copy_of_the_newest_step_is_replaced_by_the_holders_copy(s
         rec = r.record("restored")
         assert rec["mismatches"] == [], r.describe()
         assert rec["step"] == 120 and rec["source"] == "local", rec
+        assert "damaged or missing" in rec["reason"], rec
+    report = ckpt.verify(f"{run['local']}/process-1/120")  # the damaged copy was replaced by the holder's
+    assert report.ok and report.chunks_checked > 0, report
 
 
 @pytest.mark.slow

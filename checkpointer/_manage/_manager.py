@@ -149,7 +149,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         # Two tiers pack as a direct save does: each process replicates its own pack.
         self._pack_bytes = _encoding.check_threshold(pack_small_leaves_bytes)
         self._direct_io = _storage.check_direct_io(direct_io)
-        self._incremental = _tier_manager.check_incremental(incremental)
+        self._incremental = _check_incremental(incremental)
         self._last_write_mode: tuple[str | None, str | None] = (None, None)
         self.storage, self.directory = storage_for(directory)
         self.keep = keep
@@ -550,3 +550,14 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
                 self.close()
             except Exception as e:
                 log.error("while closing after an exception: %s", e)
+
+
+def _check_incremental(incremental: object) -> bool:
+    """The manager's `incremental` option, checked.
+
+    Raises:
+      TypeError: not a bool.
+    """
+    if not isinstance(incremental, bool):
+        raise TypeError(f"incremental must be True or False, got {incremental!r}")
+    return incremental

@@ -1,7 +1,8 @@
 """Restart after a lost node over the device interconnect: a process whose own local copy
 of the chosen step is gone (a replacement node) receives its boxes, inside the restore
 call, from the process that holds its copy (`PeerService.held`), instead of fetching
-the files first.
+the files first. So does a process whose own copy failed its checks in the local-only
+read (`restart(retry=...)`): its damaged copy counts as gone.
 
 The step and the holders are chosen from every process's inventory (one round,
 `_peers.choose_peer_step`). Then, on every process, in the same order:
@@ -253,7 +254,7 @@ class Refetch(threading.Thread):
 
 
 def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: int | None,
-            resume: Callable[..., None] | None,
+            resume: Callable[..., None] | None, retry: tuple[int, bool] | None = None,
             ) -> tuple[tuple[PyTree, str, int] | None, int | None, tuple[int, str] | None]:
     """`restore(None)` with `peer_copies`, before the local-only vote: every process
     tells what it holds newer than the newest durable step (its own local steps, the
@@ -265,6 +266,12 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
     path does not cover the target, or a copy is damaged, they fetch their copy over TCP
     (the next holder when one fails its crc32c) and the vote reads it. `tier`: the
     manager's `LocalTier`.
+
+    `retry`: (step, whether this process's own copy of it is damaged), the same step on
+    every process, when the local-only read of that step found damaged own copies: the
+    steps up to it are chosen again, a damaged own copy not counted as held, so the
+    holders' checked copies serve the damaged shares (and replace them, fetched after the
+    restore) before an older step is restored.
 
     Returns:
       (the restored (tree, source, durable bytes), None, None), or (None, the step after
@@ -282,7 +289,10 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
     own: dict[int, str] = {}
     stale: list[str] = []
     newest_stale = -1
+    below, damaged = (retry[0] + 1, retry[0] if retry[1] else None) if retry is not None else (None, None)
     for s in tier.local_steps():
+        if s == damaged or (below is not None and s >= below):
+            continue
         marker = _tiers.read_marker(tier.storage, f"{tier.root}/{s}")
         if marker is None:
             continue
@@ -300,8 +310,12 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
     needed = tier._needed_keys(target, options.partial, options.missing)
 
     def propose() -> str:  # the inventory, and the local-only vote in the same round
-        vote = _tiers.local_restore_proposal(tier.storage, tier.root, latest_durable, needed)
-        return _coord.canonical({"inventory": peers.inventory(own, latest_durable), "vote": vote, "stale": bool(stale)})
+        vote = _tiers.local_restore_proposal(tier.storage, tier.root, latest_durable, needed, below=below)
+        inventory = peers.inventory(own, latest_durable)
+        if below is not None:  # a retry: the steps up to the damaged one
+            inventory["held"] = {o: kept for o, held in inventory["held"].items()
+                                 if (kept := {s: g for s, g in held.items() if int(s) < below})}
+        return _coord.canonical({"inventory": inventory, "vote": vote, "stale": bool(stale)})
 
     answers = [_format.load_json(v, what="a peer-step vote") for v in
                _tiers.agree(tier.directory, propose, tier.commit_timeout_s)]
@@ -323,6 +337,7 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
 
     tree, why = deliver(peers, step, generation, sources, target, options, read_own,
                         lambda propose: _tiers.agree(tier.directory, propose, tier.commit_timeout_s))
+    delivered = tree is not None
     if tree is None:  # e.g. another mesh: the copies combined file by file over the device exchange
         combined, reason = _mesh_restart.restart(tier, target, options, latest_durable, None, only=(step, generation))
         tree, why = (combined[0], None) if combined is not None else (None, "; ".join(filter(None, [why, reason])))
@@ -331,6 +346,10 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
         log.warning("restored step %d from the local tiers: processes %s received their boxes from the processes "
                     "holding their copies (newest durable step: %s)", step,
                     [r for r, s in enumerate(sources) if s], latest_durable)
+        if retry is not None and delivered:  # else `_mesh_restart` gave its reason
+            tier.last_restore_reason = (
+                f"step {step}: the own local copies of {_coord.procs([r for r, s in enumerate(sources) if s])} are "
+                "damaged or missing: those processes received their boxes from the processes holding checked copies")
         if mine and resume is not None:  # the writer's first recovery, due in `resume`, would remove the
             tier.recover()                # fetch's partial folder while it is written: done now, once
         refetch = Refetch(peers, step, generation, mine, after=tree) if mine else None

@@ -449,9 +449,11 @@ class LocalTier:
         """`restore(None)`'s local-only steps: the newest one whole on every process, read,
         and (a second vote) intact on every process; a damaged one is skipped for the
         next older one, the same on every process, with a warning naming the damaged
-        copies (also added to `damaged_copies`). None: no local-only step to restore (the
-        newest durable step is next)."""
+        copies (also added to `damaged_copies`); with `peer_copies`, first (once per step)
+        the holders' checked copies serve the damaged shares (`_peer_delivery.restart`).
+        None: no local-only step to restore (the newest durable step is next)."""
         needed = self._needed_keys(target, options.partial, options.missing)
+        retried: set[int] = set()
         while True:
             chosen, voted = voted or self._vote_local_step(latest_durable, needed, below), None  # voted: in the peers' round
             if chosen is None:
@@ -460,6 +462,14 @@ class LocalTier:
             damaged, tree, durable_bytes = self._read_agreed(step, target, options)
             if damaged:
                 damaged_copies.extend(damaged)
+                if self.peers is not None and step not in retried:  # every process alike: the outcomes are agreed
+                    retried.add(step)
+                    restored, below, voted = _peer_delivery.restart(self, target, options, latest_durable, resume,
+                                                                    retry=(step, tree is None))
+                    if restored is not None:
+                        return restored
+                    below = step if below is None else below
+                    continue
                 log.warning(
                     "the local-only step %d cannot be restored: %s; restoring the newest intact step instead",
                     step, "; ".join(damaged),
@@ -538,7 +548,8 @@ class LocalTier:
             damaged: list[str] = []
             local = self._restore_local_only(target, options, latest_durable, resume, damaged, below, voted)
             if local is not None:
-                self.last_restore_reason = "the newest local step is whole on every process's own local tier"
+                self.last_restore_reason = (self.last_restore_reason  # set when the holders' copies served
+                                            or "the newest local step is whole on every process's own local tier")
                 return local
             # Another mesh, sharding or process count: the surviving copies combined.
             combined, why = _mesh_restart.restart(self, target, options, latest_durable, resume)
@@ -584,13 +595,3 @@ class LocalTier:
         tree = restore_from(self.durable, path, target, options)
         return tree, "durable", options.stats.bytes_read - before
 
-
-def check_incremental(incremental: object) -> bool:
-    """The manager's `incremental` option, checked.
-
-    Raises:
-      TypeError: not a bool.
-    """
-    if not isinstance(incremental, bool):
-        raise TypeError(f"incremental must be True or False, got {incremental!r}")
-    return incremental
