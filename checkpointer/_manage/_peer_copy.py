@@ -434,12 +434,13 @@ class _CopyFile:
     (`O_DIRECT` cleared on the same descriptor), so the file ends at its size without a
     truncation (ext4 reads a padded block back from disk to truncate it); or all through
     the page cache where the holder's file system refuses `O_DIRECT` (EINVAL/EOPNOTSUPP,
-    at open or at the first write). `finish` fsyncs the file (its data, the tail's page
-    and its size) and closes it.
+    at open or at the first write). `finish` fdatasyncs the file (its data, the tail's
+    page and its size, not its times) and closes it.
 
-    A spare's file (`old` bytes long, -1: not known) is written over in place: first cut
-    to the copy's whole blocks where it is longer (at a block boundary: ext4 reads nothing
-    back), so the tail is written past the end (no read of the old page either)."""
+    A spare's file (`old` bytes long, -1: not known) is written over in place; where it
+    is longer than the copy's, first cut to the copy's whole blocks (at a block boundary:
+    ext4 reads nothing back). Of the same size (a step of the same layout), the file keeps
+    its size and blocks, so the `fdatasync` writes no inode."""
 
     def __init__(self, path: str, direct: bool, size: int, old: int = 0) -> None:
         self.path, self.direct = path, direct and _O_DIRECT != 0
@@ -457,7 +458,7 @@ class _CopyFile:
         aligned = size - size % DIRECT_ALIGN
         if old < 0:
             old = os.fstat(self._fd).st_size  # a file the spare's record did not list
-        if old > aligned:
+        if old > size:
             os.ftruncate(self._fd, aligned)
 
     def write_at(self, offset: int, view: memoryview, n: int) -> None:
@@ -488,7 +489,7 @@ class _CopyFile:
     def finish(self) -> None:
         fd, self._fd = self._fd, -1
         try:
-            os.fsync(fd)
+            os.fdatasync(fd)
         finally:
             os.close(fd)
 
