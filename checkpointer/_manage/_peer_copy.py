@@ -134,7 +134,7 @@ def step_files(folder: str) -> list[dict]:
 # the bytes it read, in the pass that sends them. Both sides move the bytes through one
 # `BLOCK_BYTES` buffer (huge pages where the kernel gives them), aligned for `O_DIRECT`:
 # the sender reads its committed files past the page cache (they were written past it),
-# the holder writes its copy past it and fsyncs each file. Per byte, the CPU of the copy is
+# the holder writes its copy past it (over its spare's files) and fdatasyncs each file. Per byte, the CPU is
 # one copy into the socket, one out of it and the holder's crc32c pass
 # (docs/DESIGN-decisions.md, "Peer copies: the copy's CPU").
 
