@@ -7,8 +7,10 @@ per GiB copied. No training, no manager, no coordination service: far less noise
 The share: a committed checkpoint of `--leaves` float32 leaves of 8 MiB each (the
 peers_bench share at 1 GiB: 32 zarr shard files of 8 MiB + 68 bytes, 16 inner chunks
 each), saved once with the library under `--dir`. The holder writes each copy into a
-fresh folder and deletes the one before (as a holder drops the copy a newer one
-replaces).
+fresh folder, commits it (`_peers._commit_folder`: its record, the renames) and drops
+the one before, as a holder drops the copy a newer one replaces: where the checkout has
+spares (`_peer_copy.keep_spare`), the dropped copy becomes the spare that the next copy
+writes over (`take_spare`), else it is deleted.
 
 With `--baseline <checkout>`, that checkout's `_peer_copy` copies the same share in its
 own process, alternating with this one's, `--rounds` times each.
@@ -48,7 +50,7 @@ def make_share(folder: str, leaves: int) -> None:
 def copy_cpu(share: str, scratch: str, copies: int) -> dict:
     """Copies `share` `copies` times; thread CPU seconds of each side and the bytes."""
     from checkpointer._manage import _peer_copy
-    from checkpointer._manage._peers import _received_path, step_files
+    from checkpointer._manage._peers import _commit_folder, _received_path, step_files
 
     files = step_files(share)
     total = sum(int(f["size"]) for f in files) * copies
@@ -68,9 +70,15 @@ def copy_cpu(share: str, scratch: str, copies: int) -> dict:
             conn, _ = server.accept()
             wire(conn)
             t = time.thread_time()
-            shutil.rmtree(f"{scratch}/{i - 1}", ignore_errors=True)
-            os.makedirs(f"{scratch}/{i}")
-            _peer_copy.receive_copy(conn, f"{scratch}/{i}", files, _received_path)
+            partial, spare = f"{scratch}/{i}.partial", None
+            if i and not (hasattr(_peer_copy, "keep_spare") and _peer_copy.keep_spare(scratch, f"{scratch}/{i - 1}")):
+                shutil.rmtree(f"{scratch}/{i - 1}")
+            if hasattr(_peer_copy, "take_spare"):
+                spare = _peer_copy.take_spare(scratch, partial)
+            if spare is None:
+                os.makedirs(partial)
+            got = _peer_copy.receive_copy(conn, partial, files, _received_path, *([spare] if spare else []))
+            _commit_folder(partial, f"{scratch}/{i}", {"files": got})
             conn.sendall(b"k")
             cpu["receive"] += time.thread_time() - t
             conn.close()

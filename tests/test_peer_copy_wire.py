@@ -13,7 +13,7 @@ import pytest
 import checkpointer as ckpt
 from checkpointer._errors import CorruptCheckpointError
 from checkpointer._manage import _peer_copy
-from checkpointer._manage._peers import _received_path, step_files
+from checkpointer._manage._peers import _commit_folder, _received_path, step_files
 
 
 def _tree():
@@ -46,9 +46,10 @@ def _chunk_files(files):
     return [f["key"] for f in files if "/c/" in f["key"] or f["key"].endswith("/c")]
 
 
-def _copy(folder, dst, damage=None):
+def _copy(folder, dst, damage=None, spare=None):
     """Sends `folder` with `send_copy` and receives it into `dst` with `receive_copy`
-    (a socket pair, the holder on a thread); returns the holder's records or its error."""
+    (a socket pair, the holder on a thread; `dst` a spare taken with `take_spare` when
+    `spare` is its files); returns the holder's records or its error."""
     files = step_files(folder)
     a, b = socket.socketpair()
     for s in (a, b):
@@ -57,8 +58,9 @@ def _copy(folder, dst, damage=None):
 
     def hold():
         try:
-            os.makedirs(dst)
-            out["files"] = _peer_copy.receive_copy(b, dst, files, _received_path)
+            if spare is None:
+                os.makedirs(dst)
+            out["files"] = _peer_copy.receive_copy(b, dst, files, _received_path, spare)
         except Exception as e:
             out["error"] = e
             b.close()  # the owner's next send fails, as when a holder refuses
@@ -199,3 +201,45 @@ def test_a_holder_whose_file_system_refuses_direct_io_writes_through_the_page_ca
     assert len(refusals) == 1  # the first refusal holds for the rest of the copy
     for f in files:
         assert _read(f"{step}/{f['key']}") == _read(_received_path(str(tmp_path / "holder"), f["key"])), f["key"]
+
+
+def _other_tree():
+    rng = np.random.default_rng(1)
+    return {
+        "big": rng.standard_normal((1000, 999), dtype=np.float32),  # the same key, another size
+        "bytes": rng.integers(0, 255, (1500, 701), dtype=np.uint8),  # the same key and size
+        "new": rng.standard_normal((3000, 700), dtype=np.float32),  # a key the other has not
+        "norms": [np.full(9, i, np.float32) for i in range(3)],
+        "step": 5,
+    }
+
+
+def _tree_files(folder):
+    return {os.path.relpath(os.path.join(d, n), folder): _read(os.path.join(d, n))
+            for d, _, names in os.walk(folder) for n in names}
+
+
+@pytest.mark.parametrize("order", ["grow", "shrink"])
+def test_a_copy_written_over_a_dropped_copy_is_byte_for_byte_the_new_step_alone(tmp_path, order):
+    first, second = str(tmp_path / "owner" / "4"), str(tmp_path / "owner" / "5")
+    ckpt.save(first, _tree() if order == "grow" else _other_tree())
+    ckpt.save(second, _other_tree() if order == "grow" else _tree())
+    root = str(tmp_path / "holder")
+    files, out = _copy(first, f"{root}/4.partial-a")
+    _commit_folder(f"{root}/4.partial-a", f"{root}/4", {"files": out["files"]})
+    assert _peer_copy.keep_spare(root, f"{root}/4") and os.listdir(root) == [_peer_copy.SPARE]
+    os.makedirs(f"{root}/3")
+    assert not _peer_copy.keep_spare(root, f"{root}/3")  # one spare: the caller deletes the others
+    spare = _peer_copy.take_spare(root, f"{root}/5.partial-b")
+    assert spare == {f["key"]: f["size"] for f in files}
+    # No marker in the partial folder while it is written (a committed partial counts).
+    assert not os.path.exists(f"{root}/5.partial-b/COMMITTED") and not os.path.exists(f"{root}/{_peer_copy.SPARE}")
+    files, out = _copy(second, f"{root}/5.partial-b", spare=spare)
+    assert "error" not in out, out
+    got = _tree_files(f"{root}/5.partial-b")
+    want = _tree_files(second)
+    want["COMMITTED.received"] = want.pop("COMMITTED")
+    assert got.keys() == want.keys() and all(got[k] == want[k] for k in want)
+    empty = [d for d, sub, names in os.walk(f"{root}/5.partial-b") if not sub and not names]
+    assert not empty  # the dropped step's folders the new one has not are gone
+    assert _peer_copy.take_spare(root, f"{root}/6.partial-c") is None and not os.path.exists(f"{root}/6.partial-c")

@@ -85,6 +85,30 @@ def test_a_peer_copy_that_fails_its_crc32c_check_is_refused_and_nothing_is_commi
     assert os.listdir(peers.held(0).root) == ["5"]  # no partial folder left behind
 
 
+def test_a_holder_writes_the_next_copy_over_the_files_of_the_copy_it_dropped(tmp_path):
+    import os
+
+    from checkpointer._manage._peer_copy import SPARE
+
+    root = str(tmp_path / "process-0")
+    for step in (1, 2, 3):
+        ckpt.save(f"{root}/{step}", _tree(step))
+    peers = PeerService(root, str(tmp_path / "dir"), copies=1, node="a", timeout_s=30)
+    try:
+        held = peers.held(0)
+        peers._put(0, 1, "g", step_files(f"{root}/1"), [1])
+        inode = os.stat(f"{held.root}/1/manifest.json").st_ino
+        peers._put(0, 2, "g", step_files(f"{root}/2"), [2])
+        assert sorted(os.listdir(held.root)) == ["2", SPARE] and held.steps() == [2]  # the spare is no step
+        peers._put(0, 3, "g", step_files(f"{root}/3"), [3])
+        assert sorted(os.listdir(held.root)) == ["3", SPARE] and held.steps() == [3]
+        assert os.stat(f"{held.root}/3/manifest.json").st_ino == inode  # step 1's file, written over
+        out = restore_from(held.storage, held.step_path(3), None, RestoreOptions())
+        assert out["step"] == 3
+    finally:
+        peers.close()
+
+
 def test_storage_backends_come_from_one_registry_and_a_storage_object_is_a_location(tmp_path):
     opened = []
 

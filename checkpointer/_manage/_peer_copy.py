@@ -16,6 +16,7 @@ import fcntl
 import functools
 import json
 import os
+import shutil
 import socket
 import struct
 import sys
@@ -133,7 +134,7 @@ def step_files(folder: str) -> list[dict]:
 # the bytes it read, in the pass that sends them. Both sides move the bytes through one
 # `BLOCK_BYTES` buffer (huge pages where the kernel gives them), aligned for `O_DIRECT`:
 # the sender reads its committed files past the page cache (they were written past it),
-# the holder writes its copy past it and fsyncs each file. Per byte, the CPU of the copy is
+# the holder writes its copy past it (over its spare's files) and fdatasyncs each file. Per byte, the CPU is
 # one copy into the socket, one out of it and the holder's crc32c pass
 # (docs/DESIGN-decisions.md, "Peer copies: the copy's CPU").
 
@@ -360,7 +361,70 @@ def _file_crc32c(fd: int, direct: bool, path: str, view: memoryview, size: int) 
     return crc, fd, direct
 
 
-_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+# --- the spare: a dropped copy's folder and files, written over by the next copy ---------
+#
+# A holder that drops a copy keeps its folder as the owner's spare (one per owner), with
+# its files: the next copy renames it to its partial folder and writes each file over the
+# one of the same key, so it makes no folder, allocates no inode or block (same sizes)
+# and unlinks nothing. On this VM's ext4 (no journal) each new inode scans past the
+# recently deleted ones: creating, mkdir and unlinking were a third of the holder's CPU
+# (docs/DESIGN-decisions.md, "Peer copies: the copy's CPU, third pass").
+
+SPARE = "peer-copy-spare"  # in a peer-copies/process-<i>/ folder: no step name, never listed
+
+
+def keep_spare(root: str, folder: str) -> bool:
+    """Turns the dropped copy `folder` (a step folder in `root`) into `root`'s spare: one
+    rename, which unpublishes it at once. False (nothing done) when `root` has a spare
+    already: the caller deletes `folder`."""
+    spare = f"{root}/{SPARE}"
+    if os.path.lexists(spare):
+        return False
+    os.rename(folder, spare)
+    return True
+
+
+def take_spare(root: str, partial: str) -> dict[str, int] | None:
+    """Renames `root`'s spare to `partial` (a copy's fresh partial folder), without its
+    commit marker and record; returns its files (key -> size, from its record) for
+    `receive_copy`'s `spare`. None when there is no spare (or it has no readable record:
+    then it is deleted) and `partial` does not exist."""
+    spare = f"{root}/{SPARE}"
+    try:
+        with open(f"{spare}/{COPY_RECORD}", "rb") as f:
+            record = json.loads(f.read())
+        old = {str(x["key"]): int(x["size"]) for x in record["files"]}
+    except FileNotFoundError:
+        if os.path.lexists(spare):
+            shutil.rmtree(spare, ignore_errors=True)
+        return None
+    except (OSError, ValueError, TypeError, KeyError):
+        shutil.rmtree(spare, ignore_errors=True)
+        return None
+    # No marker in a partial folder: a committed partial folder counts as committed.
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"{spare}/{_format.COMMITTED}")
+    os.unlink(f"{spare}/{COPY_RECORD}")
+    os.rename(spare, partial)
+    return old
+
+
+def _drop_others(folder: str, paths: set[str], old: dict[str, int]) -> None:
+    """Unlinks the spare's files that the copy does not have, then their emptied folders."""
+    emptied: set[str] = set()
+    for path in set(old) - paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        parent = os.path.dirname(path)
+        while len(parent) > len(folder):
+            emptied.add(parent)
+            parent = os.path.dirname(parent)
+    for parent in sorted(emptied, key=len, reverse=True):
+        with contextlib.suppress(OSError):  # not empty: the copy has files there
+            os.rmdir(parent)
+
+
+_WRITE = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC  # no O_TRUNC: a spare's file is written over
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
@@ -370,21 +434,32 @@ class _CopyFile:
     (`O_DIRECT` cleared on the same descriptor), so the file ends at its size without a
     truncation (ext4 reads a padded block back from disk to truncate it); or all through
     the page cache where the holder's file system refuses `O_DIRECT` (EINVAL/EOPNOTSUPP,
-    at open or at the first write). `finish` fsyncs the file (its data, the tail's page
-    and its size) and closes it."""
+    at open or at the first write). `finish` fdatasyncs the file (its data, the tail's
+    page and its size, not its times) and closes it.
 
-    def __init__(self, path: str, direct: bool) -> None:
+    A spare's file (`old` bytes long, -1: not known) is written over in place; where it
+    is longer than the copy's, first cut to the copy's whole blocks (at a block boundary:
+    ext4 reads nothing back). Of the same size (a step of the same layout), the file keeps
+    its size and blocks, so the `fdatasync` writes no inode."""
+
+    def __init__(self, path: str, direct: bool, size: int, old: int = 0) -> None:
         self.path, self.direct = path, direct and _O_DIRECT != 0
         self.refused = False  # the file system refused O_DIRECT (at open or first write)
+        self._fd = -1
         if self.direct:
             try:
                 self._fd = os.open(path, _WRITE | _O_DIRECT, 0o644)
-                return
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
                 self.direct, self.refused = False, True
-        self._fd = os.open(path, _WRITE, 0o644)
+        if self._fd < 0:
+            self._fd = os.open(path, _WRITE, 0o644)
+        aligned = size - size % DIRECT_ALIGN
+        if old < 0:
+            old = os.fstat(self._fd).st_size  # a file the spare's record did not list
+        if old > size:
+            os.ftruncate(self._fd, aligned)
 
     def write_at(self, offset: int, view: memoryview, n: int) -> None:
         """Writes `view[:n]` at `offset` (a multiple of `DIRECT_ALIGN`; `n` too, but for a
@@ -414,7 +489,7 @@ class _CopyFile:
     def finish(self) -> None:
         fd, self._fd = self._fd, -1
         try:
-            os.fsync(fd)
+            os.fdatasync(fd)
         finally:
             os.close(fd)
 
@@ -424,10 +499,15 @@ class _CopyFile:
             self._fd = -1
 
 
-def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], received_path: Callable[[str, str], str]) -> list[dict]:
+def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], received_path: Callable[[str, str], str],
+                 spare: dict[str, int] | None = None) -> list[dict]:
     """Writes the files `send_copy` streams into `folder` (at `received_path(folder, key)`),
     each fsynced, its crc32c taken over the bytes as they arrive: a file counts only when
     its length and crc32c are the sender's. Memory: one `BLOCK_BYTES` buffer.
+
+    Args:
+      spare: `folder` is a spare (`take_spare`): its files (key -> size), written over
+        where the copy has the same key, unlinked first where it has not.
 
     Returns:
       The files with their checked crc32c (`{"key", "size", "crc32c"}`), for the copy's record.
@@ -440,11 +520,17 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
         key, size = str(f["key"]), int(f["size"])
         if key.startswith("/") or ".." in key.split("/") or size < 0:
             raise ConnectionError(f"a peer sent the file {key!r} of {size} bytes")
-    # Every folder once, parents first: one mkdir each (`makedirs` tries the deepest first).
+    old = {received_path(folder, key): size for key, size in (spare or {}).items()}
+    paths = {received_path(folder, str(f["key"])) for f in files}
+    if old:
+        _drop_others(folder, paths, old)
+    # Every folder once, parents first: one mkdir each (`makedirs` tries the deepest first);
+    # none where the spare kept a file (nor above it: a mkdir that finds one costs little).
     folders: set[str] = set()
-    for f in files:
-        parent = os.path.dirname(received_path(folder, str(f["key"])))
-        while len(parent) > len(folder) and parent not in folders:
+    have = {os.path.dirname(p) for p in old if p in paths}
+    for path in paths:
+        parent = os.path.dirname(path)
+        while len(parent) > len(folder) and parent not in folders and parent not in have:
             folders.add(parent)
             parent = os.path.dirname(parent)
     for parent in sorted(folders, key=len):
@@ -461,7 +547,7 @@ def receive_copy(sock: socket.socket, folder: str, files: Sequence[dict], receiv
         for f in files:
             key, size = str(f["key"]), int(f["size"])
             path = received_path(folder, key)
-            copy = _CopyFile(path, direct)
+            copy = _CopyFile(path, direct, size, old.get(path, -1) if spare is not None else 0)
             try:
                 offset, crc = 0, 0
                 while offset < size:

@@ -22,7 +22,9 @@ put   owner → holder   {"op": "put", "owner", "step", "generation", "keep": [s
                        the crc32c of the bytes as they arrive: each file's length and
                        crc32c must be the owner's. It writes `peer-copy.json` (the header
                        with the checked crc32c), renames the folder to
-                       <step>/, drops the owner's copies not in `keep`, and answers
+                       <step>/, drops the owner's copies not in `keep` (the first one
+                       it drops becomes the owner's spare, `peer-copy-spare/`, whose files
+                       the next put writes over: `_peer_copy.take_spare`), and answers
                        {"ok": true} or {"error": text}.
 get   any → holder     {"op": "get", "owner", "step", "generation"}: answers the copy's
                        `peer-copy.json` (or {"error"}) then each file's bytes; the
@@ -249,8 +251,10 @@ class PeerService:
         partial = f"{tier.root}/{_format.partial_name(str(step), generation)}"
         try:
             shutil.rmtree(partial, ignore_errors=True)
-            os.makedirs(partial)
-            files = _peer_copy.receive_copy(sock, partial, request["files"], _received_path)
+            spare = _peer_copy.take_spare(tier.root, partial)  # a dropped copy, written over
+            if spare is None:
+                os.makedirs(partial)
+            files = _peer_copy.receive_copy(sock, partial, request["files"], _received_path, spare)
             _commit_folder(partial, f"{tier.root}/{step}", {"owner": owner, "step": step, "generation": generation,
                                                             "files": files})
         except (OSError, CheckpointError) as e:
@@ -266,10 +270,11 @@ class PeerService:
             return
         keep = {int(s) for s in request.get("keep", [])} | {step}
         with tier.retention_mu:
-            for s in tier.steps():
+            for s, name in tier.folders().items():
                 if s not in keep:
                     try:
-                        tier.remove(s)
+                        if name != str(s) or not _peer_copy.keep_spare(tier.root, f"{tier.root}/{name}"):
+                            tier.remove(s)
                     except OSError as e:
                         log.warning("could not remove the copy of step %d of process %d: %s", s, owner, e)
         _send_json(sock, {"ok": True})
