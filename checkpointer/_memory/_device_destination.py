@@ -101,9 +101,9 @@ def _allocate_all(requests: Sequence[tuple[tuple[int, ...], np.dtype, Any]]) -> 
                 stacked = _allocator(tuple(batch), devices)()
                 for spec, whole in zip(batch, stacked, strict=True):
                     by_device = {s.device: s.data for s in whole.addressable_shards}
-                    for d, i in zip(devices, per_spec[spec][r], strict=True):
-                        if i is not None:  # a spare block (`_merge_into_union`): freed with `whole`
-                            arrays[i] = by_device[d]
+                    for d, j in zip(devices, per_spec[spec][r], strict=True):
+                        if j is not None:  # None: a spare block (`_merge_into_union`), freed with `whole`
+                            arrays[j] = by_device[d]
     for i, (shape, _, _) in enumerate(requests):
         if not shape:  # a scalar: one block of one element, reshaped (a few bytes)
             arrays[i] = arrays[i].reshape(())
