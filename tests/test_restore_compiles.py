@@ -93,6 +93,8 @@ def test_destinations_compile_a_few_programs_whatever_the_mix_of_shapes():
     # five do not: six (eight before). A transformer-like mix (24 layers of 4 shapes, 3
     # shapes once): two (one round of 7 outputs, 23 of 4). 24 layers of a sharded weight
     # and a replicated norm scale (its box on the first device only): one (two before).
+    # fresh_restore_bench's state, 16 sharded leaves and a replicated one (17 arrays of
+    # two specs, at most `_FLAT_ARRAYS`): one 17-output program (two before).
     script = textwrap.dedent("""
         import jax, numpy as np
         import jax.monitoring
@@ -111,9 +113,10 @@ def test_destinations_compile_a_few_programs_whatever_the_mix_of_shapes():
         apart = [((400 + i, 32), np.float32, on[i % 8]) for i in range(300)]
         mixed = [((s, 16), np.float32, d) for _ in range(24) for s in (3, 5, 7, 9) for d in on] + [((2, s), np.float32, on[0]) for s in (1, 2, 3)]
         layers = [r for _ in range(24) for r in [((96, 32), np.float32, d) for d in on] + [((48,), np.float32, on[0])]]
-        print(count(same), count(distinct), count(apart), count(mixed), count(layers))
+        bench = [((80, 16), np.float32, d) for _ in range(16) for d in on] + [((40, 16), np.float32, on[0])]
+        print(count(same), count(distinct), count(apart), count(mixed), count(layers), count(bench))
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env).stdout.split()
-    same, distinct, apart, mixed, layers = map(int, out[-5:])
-    assert (same, distinct, apart, mixed, layers) == (1, 1, 6, 2, 1), out
+    same, distinct, apart, mixed, layers, bench = map(int, out[-6:])
+    assert (same, distinct, apart, mixed, layers, bench) == (1, 1, 6, 2, 1, 1), out

@@ -41,6 +41,8 @@ def _libc() -> Any:
 # One compiled program allocates at most this many arrays (per set of devices): a
 # restore of N distinct box shapes compiles ceil(N / this) programs, not N.
 _BATCH_ARRAYS = 512
+# Up to this many arrays per set of devices are one program, whatever their rounds.
+_FLAT_ARRAYS = 32
 # Untouched blocks a restore may allocate beside the ones it asked for, to allocate the
 # boxes of several sets of devices in one program (`_merge_into_union`).
 _SPARE_BYTES = 64 << 20
@@ -71,9 +73,9 @@ def _allocator(specs: tuple[tuple[tuple[int, ...], np.dtype], ...], devices: tup
 def _allocate_all(requests: Sequence[tuple[tuple[int, ...], np.dtype, Any]]) -> list[jax.Array]:
     """Per `(shape, dtype, device)` request, a single-device array whose buffer XLA
     allocated, untouched; a few programs for all of them (one per `_BATCH_ARRAYS` arrays
-    and per number of leaves sharing a shape, over all the requests' devices, or per set
-    of devices where that would allocate more than `_SPARE_BYTES` nobody asked for),
-    each compiled once per process."""
+    and per number of leaves sharing a shape, or one for at most `_FLAT_ARRAYS` arrays;
+    over all the requests' devices, or per set of devices where that would allocate more
+    than `_SPARE_BYTES` nobody asked for), each compiled once per process."""
     # Per (shape, dtype), each device's requests; slot k holds the k-th request of every
     # device that has more than k (two leaves of one shape on one device: two slots).
     by_spec: dict[tuple[tuple[int, ...], np.dtype], dict[Any, list[int]]] = {}
@@ -94,12 +96,16 @@ def _allocate_all(requests: Sequence[tuple[tuple[int, ...], np.dtype, Any]]) -> 
         for spec, indices in entries:
             per_spec.setdefault(spec, []).append(indices)
         ordered = sorted(per_spec, key=lambda sp: (sp[0], sp[1].str))  # the same requests give the same (cached) programs
-        for r in range(max(len(v) for v in per_spec.values())):
-            present = [sp for sp in ordered if len(per_spec[sp]) > r]
+        rounds = [[(sp, r) for sp in ordered if len(per_spec[sp]) > r] for r in range(max(len(v) for v in per_spec.values()))]
+        if len({tuple(sp for sp, _ in rd) for rd in rounds}) > 1 and sum(map(len, rounds)) <= _FLAT_ARRAYS:
+            # Rounds of different specs would be programs of their own (16 sharded boxes
+            # per device and a replicated leaf's box: two): a few arrays are one program.
+            rounds = [[(sp, r) for sp in ordered for r in range(len(per_spec[sp]))]]
+        for present in rounds:
             for at in range(0, len(present), _BATCH_ARRAYS):
                 batch = present[at : at + _BATCH_ARRAYS]
-                stacked = _allocator(tuple(batch), devices)()
-                for spec, whole in zip(batch, stacked, strict=True):
+                stacked = _allocator(tuple(sp for sp, _ in batch), devices)()
+                for (spec, r), whole in zip(batch, stacked, strict=True):
                     by_device = {s.device: s.data for s in whole.addressable_shards}
                     for d, j in zip(devices, per_spec[spec][r], strict=True):
                         if j is not None:  # None: a spare block (`_merge_into_union`), freed with `whole`
