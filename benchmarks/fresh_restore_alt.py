@@ -58,7 +58,10 @@ def child(tree, target):
                                    "faults": ru1.ru_minflt - ru0.ru_minflt, "preadv": calls[0], "check": s}))
 
 def run(tree, target):
-    env = dict(os.environ, PYTHONPATH=TREES.get(tree, TREES["branch"]), PYTHONPYCACHEPREFIX=os.path.join(os.path.dirname(CKPT), f"pyc-{tree}"))
+    # Bytecode on even under PYTHONDONTWRITEBYTECODE (as `_common` does for the bench's
+    # children): else every child compiles the library's sources inside the timer.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env.update(PYTHONPATH=TREES.get(tree, TREES["branch"]), PYTHONPYCACHEPREFIX=os.path.join(os.path.dirname(CKPT), f"pyc-{tree}"))
     p = subprocess.run([sys.executable, __file__, "--child", tree, target, CKPT], capture_output=True, text=True, env=env)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):

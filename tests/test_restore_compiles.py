@@ -84,11 +84,17 @@ def test_leaves_of_one_shape_on_one_device_get_their_own_buffers():
 
 
 def test_destinations_compile_a_few_programs_whatever_the_mix_of_shapes():
-    # In a fresh process (nothing cached); one program per set of devices and per number
-    # of boxes sharing a shape on them. 300 boxes of one shape spread over 8 devices (38
-    # on 4 of them, 37 on the others): two single-output programs. 300 shapes sharded
-    # over 8 devices: one program. 300 shapes each on one device: one per device. A
-    # transformer-like mix (24 layers of 4 shapes, 3 shapes once): two.
+    # In a fresh process (nothing cached); one program per number of boxes sharing a
+    # shape, over all the requests' devices while the blocks nobody asked for stay within
+    # 64 MiB (else one per set of devices). 300 boxes of one shape spread over 8 devices
+    # (38 on 4 of them, 37 on the others): one single-output program (two before the
+    # spare blocks). 300 shapes sharded over 8 devices: one program. 300 shapes of
+    # 51-89 KiB each on one device: three sets of devices fit the 64 MiB of spare blocks,
+    # five do not: six (eight before). A transformer-like mix (24 layers of 4 shapes, 3
+    # shapes once): two (one round of 7 outputs, 23 of 4). 24 layers of a sharded weight
+    # and a replicated norm scale (its box on the first device only): one (two before).
+    # fresh_restore_bench's state, 16 sharded leaves and a replicated one (17 arrays of
+    # two specs, at most `_FLAT_ARRAYS`): one 17-output program (two before).
     script = textwrap.dedent("""
         import jax, numpy as np
         import jax.monitoring
@@ -106,9 +112,11 @@ def test_destinations_compile_a_few_programs_whatever_the_mix_of_shapes():
         distinct = [((8 + i, 32), np.float32, d) for i in range(300) for d in on]
         apart = [((400 + i, 32), np.float32, on[i % 8]) for i in range(300)]
         mixed = [((s, 16), np.float32, d) for _ in range(24) for s in (3, 5, 7, 9) for d in on] + [((2, s), np.float32, on[0]) for s in (1, 2, 3)]
-        print(count(same), count(distinct), count(apart), count(mixed))
+        layers = [r for _ in range(24) for r in [((96, 32), np.float32, d) for d in on] + [((48,), np.float32, on[0])]]
+        bench = [((80, 16), np.float32, d) for _ in range(16) for d in on] + [((40, 16), np.float32, on[0])]
+        print(count(same), count(distinct), count(apart), count(mixed), count(layers), count(bench))
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env).stdout.split()
-    same, distinct, apart, mixed = map(int, out[-4:])
-    assert (same, distinct, apart, mixed) == (2, 1, 8, 2), out
+    same, distinct, apart, mixed, layers, bench = map(int, out[-6:])
+    assert (same, distinct, apart, mixed, layers, bench) == (1, 1, 6, 2, 1, 1), out

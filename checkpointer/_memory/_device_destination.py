@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,11 @@ def _libc() -> Any:
 # One compiled program allocates at most this many arrays (per set of devices): a
 # restore of N distinct box shapes compiles ceil(N / this) programs, not N.
 _BATCH_ARRAYS = 512
+# Up to this many arrays per set of devices are one program, whatever their rounds.
+_FLAT_ARRAYS = 32
+# Untouched blocks a restore may allocate beside the ones it asked for, to allocate the
+# boxes of several sets of devices in one program (`_merge_into_union`).
+_SPARE_BYTES = 64 << 20
 
 
 @functools.cache
@@ -66,41 +72,68 @@ def _allocator(specs: tuple[tuple[tuple[int, ...], np.dtype], ...], devices: tup
 
 def _allocate_all(requests: Sequence[tuple[tuple[int, ...], np.dtype, Any]]) -> list[jax.Array]:
     """Per `(shape, dtype, device)` request, a single-device array whose buffer XLA
-    allocated, untouched; a few programs for all of them (one per set of devices and
-    `_BATCH_ARRAYS` arrays, and per number of leaves sharing a shape), each compiled once
-    per process."""
+    allocated, untouched; a few programs for all of them (one per `_BATCH_ARRAYS` arrays
+    and per number of leaves sharing a shape, or one for at most `_FLAT_ARRAYS` arrays;
+    over all the requests' devices, or per set of devices where that would allocate more
+    than `_SPARE_BYTES` nobody asked for), each compiled once per process."""
     # Per (shape, dtype), each device's requests; slot k holds the k-th request of every
     # device that has more than k (two leaves of one shape on one device: two slots).
     by_spec: dict[tuple[tuple[int, ...], np.dtype], dict[Any, list[int]]] = {}
     for i, (shape, dtype, device) in enumerate(requests):
         by_spec.setdefault((tuple(shape) or (1,), np.dtype(dtype)), {}).setdefault(device, []).append(i)
-    slots: dict[tuple[Any, ...], list[tuple[tuple[tuple[int, ...], np.dtype], list[int]]]] = {}
+    slots: dict[tuple[Any, ...], list[tuple[tuple[tuple[int, ...], np.dtype], list[int | None]]]] = {}
     for spec, per_device in by_spec.items():
         for k in range(max(len(v) for v in per_device.values())):
             devices = tuple(sorted((d for d, v in per_device.items() if len(v) > k), key=lambda d: d.id))
             slots.setdefault(devices, []).append((spec, [per_device[d][k] for d in devices]))
+    _merge_into_union(slots)
     arrays: list[Any] = [None] * len(requests)
     for devices, entries in slots.items():
         # Round r allocates the r-th slot of every spec that has more than r: the same
         # few programs however many leaves share a shape (300 leaves of one shape: one
         # single-output program run 300 times; of 300 shapes: one 300-output program).
-        per_spec: dict[tuple[tuple[int, ...], np.dtype], list[list[int]]] = {}
+        per_spec: dict[tuple[tuple[int, ...], np.dtype], list[list[int | None]]] = {}
         for spec, indices in entries:
             per_spec.setdefault(spec, []).append(indices)
         ordered = sorted(per_spec, key=lambda sp: (sp[0], sp[1].str))  # the same requests give the same (cached) programs
-        for r in range(max(len(v) for v in per_spec.values())):
-            present = [sp for sp in ordered if len(per_spec[sp]) > r]
+        rounds = [[(sp, r) for sp in ordered if len(per_spec[sp]) > r] for r in range(max(len(v) for v in per_spec.values()))]
+        if len({tuple(sp for sp, _ in rd) for rd in rounds}) > 1 and sum(map(len, rounds)) <= _FLAT_ARRAYS:
+            # Rounds of different specs would be programs of their own (16 sharded boxes
+            # per device and a replicated leaf's box: two): a few arrays are one program.
+            rounds = [[(sp, r) for sp in ordered for r in range(len(per_spec[sp]))]]
+        for present in rounds:
             for at in range(0, len(present), _BATCH_ARRAYS):
                 batch = present[at : at + _BATCH_ARRAYS]
-                stacked = _allocator(tuple(batch), devices)()
-                for spec, whole in zip(batch, stacked, strict=True):
+                stacked = _allocator(tuple(sp for sp, _ in batch), devices)()
+                for (spec, r), whole in zip(batch, stacked, strict=True):
                     by_device = {s.device: s.data for s in whole.addressable_shards}
-                    for d, i in zip(devices, per_spec[spec][r], strict=True):
-                        arrays[i] = by_device[d]
+                    for d, j in zip(devices, per_spec[spec][r], strict=True):
+                        if j is not None:  # None: a spare block (`_merge_into_union`), freed with `whole`
+                            arrays[j] = by_device[d]
     for i, (shape, _, _) in enumerate(requests):
         if not shape:  # a scalar: one block of one element, reshaped (a few bytes)
             arrays[i] = arrays[i].reshape(())
     return arrays
+
+
+def _merge_into_union(slots: dict[tuple[Any, ...], list[tuple[tuple[tuple[int, ...], np.dtype], list[int | None]]]]) -> None:
+    """Moves the slots of smaller sets of devices into the program of all the requests'
+    devices while the blocks nobody asked for (allocated, never touched, freed at once)
+    add up to at most `_SPARE_BYTES`: each set of devices is a program of its own to
+    lower and compile (~27 ms here, before any byte is read), e.g. a fully replicated
+    leaf's box on its first device beside leaves sharded over all of them. In place;
+    a moved slot lists None for the devices it does not need."""
+    union = tuple(sorted({d for devices in slots for d in devices}, key=lambda d: d.id))
+    spare = 0
+    for devices in sorted((ds for ds in slots if ds != union), key=len, reverse=True):
+        entries = slots[devices]
+        extra = sum(math.prod(shape) * dtype.itemsize for (shape, dtype), _ in entries) * (len(union) - len(devices))
+        if spare + extra > _SPARE_BYTES:
+            continue
+        spare += extra
+        at = {d: k for k, d in enumerate(devices)}
+        slots.setdefault(union, []).extend((spec, [idx[at[d]] if d in at else None for d in union]) for spec, idx in entries)
+        del slots[devices]
 
 
 def supported(sharding: jax.sharding.SingleDeviceSharding) -> bool:
