@@ -15,8 +15,16 @@ writes over (`take_spare`), else it is deleted.
 With `--baseline <checkout>`, that checkout's `_peer_copy` copies the same share in its
 own process, alternating with this one's, `--rounds` times each.
 
+With `--floor`, a third worker alternates with them: the same number of bytes through
+a loopback TCP connection and nothing else (`sendall` of one 4 MiB buffer on one thread,
+`recv_into` one 4 MiB buffer with `MSG_WAITALL` on another, blocking sockets, the same
+thread priority; no file, no crc32c). It is the floor of any copy that crosses a socket
+on this machine: the kernel's copy into the socket and its copy out of it. Loopback puts
+both sides on one machine, as the benchmark's simulated nodes are; between two machines
+each side pays its half.
+
 Run:  .venv/bin/python benchmarks/peer_copy_cpu.py [--leaves 32] [--copies 4] [--rounds 3]
-      [--baseline /work/main] [--dir /tmp]
+      [--baseline /work/main] [--floor] [--dir /tmp]
 Prints one line per round and library, then the means; writes nothing else.
 """
 
@@ -103,27 +111,88 @@ def copy_cpu(share: str, scratch: str, copies: int) -> dict:
     return {"bytes": total, **cpu}
 
 
+def wire_floor(total: int) -> dict:
+    """`total` bytes over loopback TCP, 4 MiB per call, nothing else; thread CPU seconds
+    of each side (the floor `--floor` reports)."""
+    import numpy as np
+
+    from checkpointer._manage import _peer_copy
+
+    block = 4 << 20
+    server = socket.create_server(("127.0.0.1", 0))
+    cpu = {"send": 0.0, "receive": 0.0}
+
+    def holder():
+        _peer_copy.lower_thread_priority()
+        conn, _ = server.accept()
+        _peer_copy.block_with_timeout(conn, 60)
+        view = memoryview(np.zeros(block, np.uint8)).cast("B")
+        t, got = time.thread_time(), 0
+        while got < total:
+            n = conn.recv_into(view, min(block, total - got), socket.MSG_WAITALL)
+            if n <= 0:
+                raise ConnectionError(f"closed after {got} of {total} bytes")
+            got += n
+        conn.sendall(b"k")
+        cpu["receive"] = time.thread_time() - t
+        conn.close()
+
+    def owner():
+        _peer_copy.lower_thread_priority()
+        sock = socket.create_connection(server.getsockname(), timeout=60)
+        _peer_copy.block_with_timeout(sock, 60)
+        view = memoryview(np.ones(block, np.uint8)).cast("B")
+        t, sent = time.thread_time(), 0
+        while sent < total:
+            n = min(block, total - sent)
+            sock.sendall(view[:n])
+            sent += n
+        sock.recv(1)
+        cpu["send"] = time.thread_time() - t
+        sock.close()
+
+    threads = [threading.Thread(target=holder), threading.Thread(target=owner)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    server.close()
+    return {"bytes": total, **cpu}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--leaves", type=int, default=32, help="leaves of 8 MiB in the share (default 32: 0.25 GiB)")
     ap.add_argument("--copies", type=int, default=4, help="copies per round (default 4)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per library (default 3)")
     ap.add_argument("--baseline", default=None, help="another checkout, e.g. /work/main, alternating with this one")
+    ap.add_argument("--floor", action="store_true", help="also the loopback TCP floor (sendall + recv_into alone), alternating")
     ap.add_argument("--dir", default=None, help="parent of the temporary folders (default: the system temp dir)")
     ap.add_argument("--worker", nargs=3, metavar=("SHARE", "SCRATCH", "COPIES"), help=argparse.SUPPRESS)
+    ap.add_argument("--floor-worker", nargs=2, metavar=("SHARE", "COPIES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         share, scratch, copies = args.worker
         print(json.dumps(copy_cpu(share, scratch, int(copies))))
         return
+    if args.floor_worker:
+        from checkpointer._manage._peers import step_files
+
+        share, copies = args.floor_worker
+        print(json.dumps(wire_floor(sum(int(f["size"]) for f in step_files(share)) * int(copies))))
+        return
     libs = {"this checkout": str(HERE)} | ({f"baseline {args.baseline}": args.baseline} if args.baseline else {})
+    if args.floor:
+        libs["loopback TCP floor"] = str(HERE)
     per: dict[str, list[tuple[float, float]]] = {name: [] for name in libs}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="peer-copy-cpu-") as d:
         make_share(f"{d}/share", args.leaves)
         for r in range(args.rounds):
             for name, lib in libs.items():
                 env = dict(os.environ, PYTHONPATH=lib)
-                out = subprocess.run([sys.executable, __file__, "--worker", f"{d}/share", f"{d}/scratch-{r}", str(args.copies)],
+                work = (["--floor-worker", f"{d}/share", str(args.copies)] if name == "loopback TCP floor"
+                        else ["--worker", f"{d}/share", f"{d}/scratch-{r}", str(args.copies)])
+                out = subprocess.run([sys.executable, __file__, *work],
                                      env=env, cwd=lib, check=True, capture_output=True, text=True).stdout
                 got = json.loads(out.strip().splitlines()[-1])  # the worker's figures
                 shutil.rmtree(f"{d}/scratch-{r}", ignore_errors=True)
