@@ -12,12 +12,15 @@ Run:  .venv/bin/python benchmarks/restart_phases.py save DIR           (once: st
       .venv/bin/python benchmarks/restart_phases.py restore DIR a|b|c [--pretouch-mib N] [--all]
       (a: same nodes; b: process 1's local folder wiped; c: processes 1 and 2 wiped).
       Prints per process the restore time, CPU, the spans over 5 ms (--all: every span)
-      and the per-label totals (calls, wall summed over threads, thread CPU).
+      and the per-label totals (calls, wall summed over threads, thread CPU). The
+      transfer programs run asynchronously: each has a span from its dispatch to its
+      outputs being ready, and the wait after `restore` returns is a span of its own.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -87,9 +90,43 @@ def instrument() -> None:
         (za, "populate_destination", "populate_destination"), (dd, "_allocate_all", "allocate_all"),
     ] + [(pt, n, f"peer_transfer.{n}") for n in ("plan", "programs", "compile_programs", "run", "assemble")]:
         _wrap(owner, name, label)
+    _wrap_programs(pt)
     crc = types.SimpleNamespace(crc32c=rd.crc32c.crc32c)
     _wrap(crc, "crc32c", "crc32c")
     rd.crc32c = crc  # type: ignore[assignment]
+
+
+def _wrap_programs(pt) -> None:
+    """A span per transfer program from its dispatch to its outputs being ready: the
+    dispatch is asynchronous, so `peer_transfer.run` returns before the bytes land (a
+    thread per program waits for them; no collective in that wait)."""
+    run = getattr(pt, "run", None)
+    if run is None or not hasattr(pt, "Compiled"):
+        return
+
+    class Timed:
+        def __init__(self, exe, index: int) -> None:
+            self.exe, self.index = exe, index
+
+        def __call__(self, *args):
+            import jax
+
+            t0 = time.perf_counter()
+            outs = self.exe(*args)
+
+            def wait() -> None:
+                jax.block_until_ready(outs)
+                SPANS.append((f"transfer program {self.index} (dispatch to done)", "waiter", t0,
+                              time.perf_counter() - t0, 0.0))
+
+            threading.Thread(target=wait, name="sampler-waiter", daemon=True).start()
+            return outs
+
+    @functools.wraps(run)
+    def timed_run(compiled, held):
+        return run([dataclasses.replace(c, executable=Timed(c.executable, c.index)) for c in compiled], held)
+
+    pt.run = timed_run
 
 
 def _thread_cpu() -> dict[str, float]:
@@ -151,8 +188,10 @@ def phases_job(directory: str, mib: int, case: str, rate_mib_s: float, pretouch_
         SPANS.clear()
         t0 = time.perf_counter()
         out = m.restore(None, {**target, "step": None})
+        t1 = time.perf_counter()
         jax.block_until_ready(out)
         elapsed = time.perf_counter() - t0
+        SPANS.append(("restore returned: block_until_ready", "MainThread", t1, elapsed - (t1 - t0), 0.0))
         per_thread, r1 = threads.done(), resource.getrusage(resource.RUSAGE_SELF)
         testing.emit(event="phases", elapsed_s=elapsed, step=int(out["step"]), source=m.status().last_restore_source,
                      pretouch_s=pretouch_s, user_s=r1.ru_utime - r0.ru_utime, sys_s=r1.ru_stime - r0.ru_stime,
