@@ -299,6 +299,8 @@ def main() -> None:
 
 def restore_part(args, mib: int) -> None:
     """The restart cases (a)-(d) and Orbax: the peers_bench section."""
+    import statistics
+
     import _common as C
 
     from checkpointer import testing
@@ -310,28 +312,35 @@ def restore_part(args, mib: int) -> None:
                                                                        "rate_mib_s": args.rate}, timeout_s=1800)
         recs = [r.record("saved") for r in saved]
         wipes = {"a": [], "b": [1], "c": [1, 2], "d": [], "orbax": []}
-        results = {}
-        for case, wiped in wipes.items():
-            run = f"{d}/{case}"
-            shutil.copytree(f"{d}/run", run, ignore=shutil.ignore_patterns("cost-*"))
-            for p in wiped:
-                shutil.rmtree(f"{run}/local/process-{p}")
-            out = testing.run_processes(restore_job, PROCESSES, DEVICES, {"directory": run, "mib": mib, "case": case,
-                                                                           "rate_mib_s": args.rate,
-                                                                           "pretouch_mib": args.pretouch_mib},
-                                        timeout_s=1800)
-            results[case] = [r.record("restored") for r in out]
-            shutil.rmtree(run)
+        results: dict[str, list[list[dict]]] = {case: [] for case in wipes}
+        cases = list(wipes)
+        for run_i in range(args.runs):  # every case once per run, the order rotated per run
+            for case in cases[run_i % len(cases):] + cases[:run_i % len(cases)]:
+                run = f"{d}/{case}"
+                shutil.copytree(f"{d}/run", run, ignore=shutil.ignore_patterns("cost-*"))
+                for p in wipes[case]:
+                    shutil.rmtree(f"{run}/local/process-{p}")
+                out = testing.run_processes(restore_job, PROCESSES, DEVICES, {"directory": run, "mib": mib, "case": case,
+                                                                               "rate_mib_s": args.rate,
+                                                                               "pretouch_mib": args.pretouch_mib},
+                                            timeout_s=1800)
+                results[case].append([r.record("restored") for r in out])
+                shutil.rmtree(run)
     names = {"a": "(a) same nodes", "b": "(b) one node lost, k=1", "c": "(c) two nodes lost, k=1",
              "d": "(d) durable only", "orbax": "orbax, from the same durable disk"}
-    d_time = max(r["elapsed_s"] for r in results["d"])
-    for case, recs_ in results.items():
-        slowest = max(r["elapsed_s"] for r in recs_)
-        durable = [r["durable_bytes"] for r in recs_]
-        sources = sorted({str(r.get("source", "-")) for r in recs_})
-        rows.append([names[case], str(recs_[0]["step"]), f"{slowest:.3f} s", f"{slowest / d_time:.2f}×",
-                     "n/a (TensorStore)" if durable[0] is None else f"{sum(durable) / MiB:.1f}",
-                     ", ".join(sources)])
+
+    def slowest(runs: list[list[dict]]) -> list[float]:  # per run, the slowest process
+        return [max(r["elapsed_s"] for r in recs_) for recs_ in runs]
+
+    d_median = statistics.median(slowest(results["d"]))
+    for case, runs in results.items():
+        times = slowest(runs)
+        steps = sorted({str(recs_[0]["step"]) for recs_ in runs})
+        durable = [[r["durable_bytes"] for r in recs_] for recs_ in runs]
+        sources = sorted({str(r.get("source", "-")) for recs_ in runs for r in recs_})
+        mib_read = sorted({f"{sum(x) / MiB:.1f}" for x in durable}) if durable[0][0] is not None else ["n/a (TensorStore)"]
+        rows.append([names[case], ", ".join(steps), C.fmt(times), f"{statistics.median(times) / d_median:.2f}×",
+                     ", ".join(mib_read), ", ".join(sources)])
     body = (
         C.header_lines("Peer copies: restart after a lost node (`benchmarks/peers_bench.py`)", args,
                        time.perf_counter() - t0, load)
@@ -342,7 +351,9 @@ def restore_part(args, mib: int) -> None:
            "(--pretouch-mib: the VM's first touch of the restored arrays' memory out of the timer)\n"
            if args.pretouch_mib else "")
         + f"- saved: step 100 (durable) and 110 (local + 1 peer copy); node losses survived as status() said: "
-        f"{recs[0]['survives']}\n\n"
+        f"{recs[0]['survives']}\n"
+        + f"- each case restored {args.runs} time(s) from a fresh copy of the saved run, the cases' order rotated per "
+        "run; a cell: the slowest process per run, median (min–max) over the runs; ÷ (d): ratio of medians\n\n"
         + C.table(["case", "step restored", "restore (slowest process)", "÷ (d)", "MiB read from durable (all processes)", "sources"], rows)
         + "\n\nThe cost of the local saves with and without peer copies: the peers_bench_cost section.\n"
     )
