@@ -55,6 +55,18 @@ def make_share(folder: str, leaves: int) -> None:
     ckpt.save(folder, {f"w{i:02d}": rng.standard_normal((2048, 1024), dtype=np.float32) for i in range(leaves)})
 
 
+def _both(server: socket.socket, holder, owner, total: int, cpu: dict) -> dict:
+    """Runs the holder's and the owner's side on two threads, then closes `server`; the
+    bytes and each side's thread CPU (`cpu`, filled by the two sides) once both are done."""
+    threads = [threading.Thread(target=holder), threading.Thread(target=owner)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    server.close()
+    return {"bytes": total, **cpu}
+
+
 def copy_cpu(share: str, scratch: str, copies: int) -> dict:
     """Copies `share` `copies` times; thread CPU seconds of each side and the bytes."""
     from checkpointer._manage import _peer_copy
@@ -102,13 +114,7 @@ def copy_cpu(share: str, scratch: str, copies: int) -> dict:
             cpu["send"] += time.thread_time() - t
             sock.close()
 
-    threads = [threading.Thread(target=holder), threading.Thread(target=owner)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    server.close()
-    return {"bytes": total, **cpu}
+    return _both(server, holder, owner, total, cpu)
 
 
 def wire_floor(total: int) -> dict:
@@ -151,13 +157,7 @@ def wire_floor(total: int) -> dict:
         cpu["send"] = time.thread_time() - t
         sock.close()
 
-    threads = [threading.Thread(target=holder), threading.Thread(target=owner)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    server.close()
-    return {"bytes": total, **cpu}
+    return _both(server, holder, owner, total, cpu)
 
 
 def main() -> None:
