@@ -268,6 +268,9 @@ class PeerService:
             except OSError:
                 pass
             return
+        except BaseException:  # a bug, MemoryError: no partial folder (it may hold a whole spare) stays behind
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         keep = {int(s) for s in request.get("keep", [])} | {step}
         with tier.retention_mu:
             for s, name in tier.folders().items():
