@@ -9,11 +9,14 @@ import shutil
 
 import numpy as np
 import pytest
+import test_tier_schedules
 
 import checkpointer as ckpt
 from checkpointer._manage import _mesh_restart, _peer_copy, _tiers
 from checkpointer._manage._peers import PeerService, step_files
 from checkpointer._storage import LocalStorage
+
+small_tmpfs = test_tier_schedules.small_tmpfs  # the fixture: a 1 MiB tmpfs (skipped where mounting is not allowed)
 
 
 def _tree(kind, step):
@@ -200,3 +203,33 @@ def test_a_rewound_step_put_again_under_a_new_save_replaces_the_held_one(pair):
     assert held.steps() == [3]
     _assert_held_exactly(holder, 3, folder, tree)
     assert held.generation(3) == _tiers.read_marker(LocalStorage(), folder).generation
+
+
+def test_a_copy_that_fits_beside_the_kept_one_still_fits_with_the_spare_there(tmp_path, small_tmpfs):
+    """A 1 MiB memory tier holding one kept copy (~440 KiB) and the spare (~440 KiB):
+    the next copy (~440 KiB, other file names) fits, as it did before the spare, because
+    the spare's files the copy has not are unlinked before any byte is written; a copy
+    too large for the tier is refused without touching the kept copy."""
+    mngr = ckpt.CheckpointManager(str(tmp_path / "dir"), local_directory=str(tmp_path / "o"), async_save=False,
+                                  keep=ckpt.KeepLatest(100), keep_local=ckpt.KeepLatest(1))
+    holder = PeerService(f"{small_tmpfs}/process-1", str(tmp_path / "dir"), copies=1, node="b", timeout_s=30)
+    owner = PeerService(mngr._tiers.root, str(tmp_path / "dir"), copies=1, node="a", timeout_s=30)
+    owner._addresses[1] = holder._address
+    owner.mngr = mngr
+    try:
+        held = holder.held(0)
+        rng = np.random.default_rng(0)
+        for step, name in enumerate("abc", start=1):
+            _put(owner, step, {name: rng.standard_normal(110_000).astype(np.float32), "step": step}, [step])
+            assert held.steps() == [step]
+        assert sorted(os.listdir(held.root)) == ["3", _peer_copy.SPARE]
+        with pytest.raises(ckpt.CheckpointError, match=os.strerror(errno.ENOSPC)):
+            _put(owner, 4, {"d": rng.standard_normal(200_000).astype(np.float32), "step": 4}, [4])
+        assert held.steps() == [3] and sorted(os.listdir(held.root)) == ["3"]
+        tree = {"e": rng.standard_normal(110_000).astype(np.float32), "step": 5}
+        folder = _put(owner, 5, tree, [5])
+        _assert_held_exactly(holder, 5, folder, tree)
+    finally:
+        owner.close()
+        holder.close()
+        mngr.close()
