@@ -233,3 +233,37 @@ def test_a_copy_that_fits_beside_the_kept_one_still_fits_with_the_spare_there(tm
         owner.close()
         holder.close()
         mngr.close()
+
+
+@pytest.mark.xfail(strict=True, reason="_commit_folder deletes the copy it replaces in place (rmtree of the published "
+                   "<step>/): a holder killed during it lists a step folder that has its marker and lacks files")
+def test_a_holder_killed_while_replacing_a_held_step_lists_a_whole_copy_of_it(pair, monkeypatch, tmp_path):
+    """save(3, force=True) after a rewind puts step 3 again: the holder replaces its
+    copy. Killed while the old copy is deleted (some of its files gone, its marker not
+    yet: rmtree's order is the directory's), the holder must list step 3 from a whole
+    folder (the old copy or the new), never one that lacks files."""
+    owner, holder = pair
+    held = holder.held(0)
+    _put(owner, 3, _tree("wide", 3), [3])
+    frozen = str(tmp_path / "frozen")
+    real = shutil.rmtree
+
+    def killed(path, *a, **k):
+        name = os.path.basename(path)
+        if (name == "3" or name.startswith("3.deleting-")) and os.path.exists(f"{path}/manifest.json"):
+            os.unlink(f"{path}/manifest.json")  # the first file rmtree happened to remove
+            real(frozen, ignore_errors=True)
+            shutil.copytree(held.root, frozen)  # what the kill leaves
+            raise RuntimeError("injected: the holder is killed here")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr("checkpointer._manage._peers.shutil.rmtree", killed)
+    with pytest.raises((ckpt.CheckpointError, OSError)):
+        _put(owner, 3, _tree("narrow", 33), [3], force=True)
+    monkeypatch.undo()
+    assert os.path.isdir(frozen)  # the kill happened
+    real(held.root)
+    shutil.copytree(frozen, held.root)
+    assert held.steps() == [3]
+    report = ckpt.verify(held.step_path(3))
+    assert report.ok, report.problems
