@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 
 import crc32c
 
-from .. import _coord, _format
+from .. import _commit, _coord, _format
 from .._errors import CheckpointError, CorruptCheckpointError, RestoreAgreementError
 from . import _peer_copy, _tier_references
 from ._peer_copy import (
@@ -123,15 +123,20 @@ def _stream_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> No
 
 
 def _commit_folder(partial: str, final: str, record: dict) -> None:
-    """Writes the copy's record and renames `partial` to `final` (replacing an old one)."""
+    """Writes the copy's record and renames `partial` to `final`. An old `final` (a step
+    put or fetched again) is first renamed to a `.deleting-` name and removed after the
+    rename, as `_commit`'s `RenameCommit` replaces a step: a process killed meanwhile
+    leaves a whole copy listed (the old one, or the new one in its committed partial
+    folder), never a published folder half deleted."""
     with open(f"{partial}/{COPY_RECORD}", "w") as f:
         f.write(json.dumps(record))  # one write (`json.dump` writes each token)
         f.flush()
         os.fsync(f.fileno())
     os.rename(f"{partial}/{_format.COMMITTED}.received", f"{partial}/{_format.COMMITTED}")
-    if os.path.isdir(final):
-        shutil.rmtree(final)
+    old = _commit.strategy_for(_local_storage()).unpublish(final) if os.path.isdir(final) else None
     os.rename(partial, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
