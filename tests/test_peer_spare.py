@@ -266,3 +266,31 @@ def test_a_holder_killed_while_replacing_a_held_step_lists_a_whole_copy_of_it(pa
     assert held.steps() == [3]
     report = ckpt.verify(held.step_path(3))
     assert report.ok, report.problems
+
+
+@pytest.mark.xfail(strict=True, reason="nothing removes what a killed put leaves in a holder's tier (its partial "
+                   "folder: since the spare, a whole copy's bytes; a .deleting- folder): on a memory tier it is RAM, "
+                   "for good")
+def test_what_a_killed_put_left_is_removed_by_the_next_put(pair, monkeypatch, tmp_path):
+    owner, holder = pair
+    held = holder.held(0)
+    _put(owner, 1, _tree("wide", 1), [1])
+    _put(owner, 2, _tree("wide", 2), [2])  # step 1 becomes the spare
+    frozen = str(tmp_path / "frozen")
+    real = _peer_copy._CopyFile.write_at
+
+    def dying(self, offset, view, n):
+        if not os.path.exists(frozen):
+            shutil.copytree(held.root, frozen)  # what a kill here leaves
+        raise RuntimeError("injected: the holder dies here")
+
+    monkeypatch.setattr(_peer_copy._CopyFile, "write_at", dying)
+    with pytest.raises(ConnectionError):
+        _put(owner, 3, _tree("wide", 3), [3])
+    monkeypatch.setattr(_peer_copy._CopyFile, "write_at", real)
+    shutil.rmtree(held.root)
+    shutil.copytree(frozen, held.root)
+    os.makedirs(f"{held.root}/2.deleting-gc-0badf00d/arrays")  # a kill while a replaced copy was removed
+    assert len(os.listdir(held.root)) == 3 and held.steps() == [2]
+    _put(owner, 4, _tree("wide", 4), [4])
+    assert sorted(os.listdir(held.root)) == ["4", _peer_copy.SPARE]
