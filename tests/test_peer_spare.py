@@ -268,9 +268,6 @@ def test_a_holder_killed_while_replacing_a_held_step_lists_a_whole_copy_of_it(pa
     assert report.ok, report.problems
 
 
-@pytest.mark.xfail(strict=True, reason="nothing removes what a killed put leaves in a holder's tier (its partial "
-                   "folder: since the spare, a whole copy's bytes; a .deleting- folder): on a memory tier it is RAM, "
-                   "for good")
 def test_what_a_killed_put_left_is_removed_by_the_next_put(pair, monkeypatch, tmp_path):
     owner, holder = pair
     held = holder.held(0)

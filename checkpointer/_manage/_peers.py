@@ -184,6 +184,7 @@ class PeerService:
         self._addresses: dict[int, PeerAddress] = {}
         self._verified: dict[int, int] = {}  # own step → copies checked by their holders
         self._held: dict[int, PeerCopyTier] = {}
+        self._receiving: set[str] = set()  # the partial folders of the puts being received
         self._mu = threading.Lock()
         self._sending: dict[int, str] = {}  # step -> the folder its copy is sent from (`_tier_references`)
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-peers",
@@ -254,6 +255,8 @@ class PeerService:
         tier = self.held(owner)
         os.makedirs(tier.root, exist_ok=True)
         partial = f"{tier.root}/{_format.partial_name(str(step), generation)}"
+        with self._mu:
+            self._receiving.add(partial)
         try:
             shutil.rmtree(partial, ignore_errors=True)
             spare = _peer_copy.take_spare(tier.root, partial)  # a dropped copy, written over
@@ -264,6 +267,7 @@ class PeerService:
                                                             "files": files})
         except (OSError, CheckpointError) as e:
             shutil.rmtree(partial, ignore_errors=True)
+            self._received(partial)
             text = f"process {self.process_index} could not hold step {step} of process {owner} in {tier.root}: " + (
                 f"{os.strerror(e.errno)} ({e})" if isinstance(e, OSError) and e.errno is not None else str(e))
             try:
@@ -275,7 +279,9 @@ class PeerService:
             return
         except BaseException:  # a bug, MemoryError: no partial folder (it may hold a whole spare) stays behind
             shutil.rmtree(partial, ignore_errors=True)
+            self._received(partial)
             raise
+        self._received(partial)
         keep = {int(s) for s in request.get("keep", [])} | {step}
         with tier.retention_mu:
             for s, name in tier.folders().items():
@@ -285,7 +291,24 @@ class PeerService:
                             tier.remove(s)
                     except OSError as e:
                         log.warning("could not remove the copy of step %d of process %d: %s", s, owner, e)
+            self._remove_leftovers(tier)
         _send_json(sock, {"ok": True})
+
+    def _received(self, partial: str) -> None:
+        with self._mu:
+            self._receiving.discard(partial)
+
+    def _remove_leftovers(self, tier: PeerCopyTier) -> None:
+        """Removes what killed puts left in `tier` (uncommitted partial folders: since the
+        spare, a whole copy's bytes; `.deleting-` folders), not the puts' in flight (listed
+        first: a put names its partial before it makes it). A committed partial folder is a
+        listed copy, which retention removes when it is not kept."""
+        found = _commit.entries(tier.storage, tier.root)
+        with self._mu:
+            receiving = set(self._receiving)
+        for path in (f"{tier.root}/{e.name}" for e in found if not e.committed):
+            if path not in receiving:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _handle_get(self, sock: socket.socket, request: dict) -> None:
         owner, step = int(request["owner"]), int(request["step"])
