@@ -293,8 +293,6 @@ def test_what_a_killed_put_left_is_removed_by_the_next_put(pair, monkeypatch, tm
     assert sorted(os.listdir(held.root)) == ["4", _peer_copy.SPARE]
 
 
-@pytest.mark.xfail(strict=True, reason="take_spare raises FileNotFoundError when another put takes the spare between "
-                   "its read of the record and its rename: that put fails instead of starting from an empty folder")
 def test_two_puts_taking_one_spare_at_once_both_go_on(tmp_path, monkeypatch):
     root = str(tmp_path / "held")
     os.makedirs(f"{root}/{_peer_copy.SPARE}")
