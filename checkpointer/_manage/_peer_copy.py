@@ -402,10 +402,14 @@ def take_spare(root: str, partial: str) -> dict[str, int] | None:
         shutil.rmtree(spare, ignore_errors=True)
         return None
     # No marker in a partial folder: a committed partial folder counts as committed.
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(f"{spare}/{_format.COMMITTED}")
-    os.unlink(f"{spare}/{COPY_RECORD}")
-    os.rename(spare, partial)
+    # FileNotFoundError: another put took the spare meanwhile (this one starts afresh).
+    for name in (_format.COMMITTED, COPY_RECORD):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{spare}/{name}")
+    try:
+        os.rename(spare, partial)
+    except FileNotFoundError:
+        return None
     return old
 
 

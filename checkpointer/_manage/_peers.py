@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 
 import crc32c
 
-from .. import _coord, _format
+from .. import _commit, _coord, _format
 from .._errors import CheckpointError, CorruptCheckpointError, RestoreAgreementError
 from . import _peer_copy, _tier_references
 from ._peer_copy import (
@@ -123,15 +123,20 @@ def _stream_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> No
 
 
 def _commit_folder(partial: str, final: str, record: dict) -> None:
-    """Writes the copy's record and renames `partial` to `final` (replacing an old one)."""
+    """Writes the copy's record and renames `partial` to `final`. An old `final` (a step
+    put or fetched again) is first renamed to a `.deleting-` name and removed after the
+    rename, as `_commit`'s `RenameCommit` replaces a step: a process killed meanwhile
+    leaves a whole copy listed (the old one, or the new one in its committed partial
+    folder), never a published folder half deleted."""
     with open(f"{partial}/{COPY_RECORD}", "w") as f:
         f.write(json.dumps(record))  # one write (`json.dump` writes each token)
         f.flush()
         os.fsync(f.fileno())
     os.rename(f"{partial}/{_format.COMMITTED}.received", f"{partial}/{_format.COMMITTED}")
-    if os.path.isdir(final):
-        shutil.rmtree(final)
+    old = _commit.strategy_for(_local_storage()).unpublish(final) if os.path.isdir(final) else None
     os.rename(partial, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +184,7 @@ class PeerService:
         self._addresses: dict[int, PeerAddress] = {}
         self._verified: dict[int, int] = {}  # own step → copies checked by their holders
         self._held: dict[int, PeerCopyTier] = {}
+        self._receiving: set[str] = set()  # the partial folders of the puts being received
         self._mu = threading.Lock()
         self._sending: dict[int, str] = {}  # step -> the folder its copy is sent from (`_tier_references`)
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-peers",
@@ -249,6 +255,8 @@ class PeerService:
         tier = self.held(owner)
         os.makedirs(tier.root, exist_ok=True)
         partial = f"{tier.root}/{_format.partial_name(str(step), generation)}"
+        with self._mu:
+            self._receiving.add(partial)
         try:
             shutil.rmtree(partial, ignore_errors=True)
             spare = _peer_copy.take_spare(tier.root, partial)  # a dropped copy, written over
@@ -259,6 +267,7 @@ class PeerService:
                                                             "files": files})
         except (OSError, CheckpointError) as e:
             shutil.rmtree(partial, ignore_errors=True)
+            self._received(partial)
             text = f"process {self.process_index} could not hold step {step} of process {owner} in {tier.root}: " + (
                 f"{os.strerror(e.errno)} ({e})" if isinstance(e, OSError) and e.errno is not None else str(e))
             try:
@@ -268,6 +277,11 @@ class PeerService:
             except OSError:
                 pass
             return
+        except BaseException:  # a bug, MemoryError: no partial folder (it may hold a whole spare) stays behind
+            shutil.rmtree(partial, ignore_errors=True)
+            self._received(partial)
+            raise
+        self._received(partial)
         keep = {int(s) for s in request.get("keep", [])} | {step}
         with tier.retention_mu:
             for s, name in tier.folders().items():
@@ -277,7 +291,24 @@ class PeerService:
                             tier.remove(s)
                     except OSError as e:
                         log.warning("could not remove the copy of step %d of process %d: %s", s, owner, e)
+            self._remove_leftovers(tier)
         _send_json(sock, {"ok": True})
+
+    def _received(self, partial: str) -> None:
+        with self._mu:
+            self._receiving.discard(partial)
+
+    def _remove_leftovers(self, tier: PeerCopyTier) -> None:
+        """Removes what killed puts left in `tier` (uncommitted partial folders: since the
+        spare, a whole copy's bytes; `.deleting-` folders), not the puts' in flight (listed
+        first: a put names its partial before it makes it). A committed partial folder is a
+        listed copy, which retention removes when it is not kept."""
+        found = _commit.entries(tier.storage, tier.root)
+        with self._mu:
+            receiving = set(self._receiving)
+        for path in (f"{tier.root}/{e.name}" for e in found if not e.committed):
+            if path not in receiving:
+                shutil.rmtree(path, ignore_errors=True)
 
     def _handle_get(self, sock: socket.socket, request: dict) -> None:
         owner, step = int(request["owner"]), int(request["step"])

@@ -1,0 +1,316 @@
+"""A holder's spare (`_peer_copy.keep_spare`/`take_spare`) attacked through the put
+service itself (`PeerService._handle_put`, one process, two services on a loopback
+socket): copies of changing layouts written over the spare, a put that fails half way
+over it, a put of a step held already under another save (a rewind)."""
+
+import errno
+import os
+import shutil
+
+import numpy as np
+import pytest
+import test_tier_schedules
+
+import checkpointer as ckpt
+from checkpointer._manage import _mesh_restart, _peer_copy, _tiers
+from checkpointer._manage._peers import PeerService, step_files
+from checkpointer._storage import LocalStorage
+
+small_tmpfs = test_tier_schedules.small_tmpfs  # the fixture: a 1 MiB tmpfs (skipped where mounting is not allowed)
+
+
+def _tree(kind, step):
+    rng = np.random.default_rng(step)
+    if kind == "wide":  # many leaves, a sharded 2-d one, packed small leaves
+        return {"a": rng.standard_normal((512, 300), dtype=np.float32),
+                "b": {"x": rng.integers(0, 255, (700, 33), dtype=np.uint8), "y": rng.standard_normal(999).astype(np.float16)},
+                "norms": [np.full(7, i, np.float32) for i in range(6)], "step": step}
+    if kind == "narrow":  # fewer leaves, one of the same name and another shape, new names
+        return {"a": rng.standard_normal(77, dtype=np.float32), "z": rng.standard_normal((40, 40), dtype=np.float32),
+                "step": step}
+    assert kind == "deep"  # "a" a folder of leaves where it was one leaf
+    return {"a": {"p": rng.standard_normal((64, 64), dtype=np.float32), "q": np.float64(step)},
+            "b": {"x": rng.integers(0, 255, (700, 33), dtype=np.uint8)}, "step": step}
+
+
+def _files(folder):
+    out = {}
+    for d, _, names in os.walk(folder):
+        for n in names:
+            with open(os.path.join(d, n), "rb") as f:
+                out[os.path.relpath(os.path.join(d, n), folder)] = f.read()
+    return out
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """(owner, holder): the owner's steps are a two-tier manager's local steps (their
+    markers local, as a restart reads them); its puts go to the holder's server."""
+    mngr = ckpt.CheckpointManager(str(tmp_path / "dir"), local_directory=str(tmp_path / "o"), async_save=False,
+                                  keep=ckpt.KeepLatest(100), keep_local=ckpt.KeepLatest(1))
+    holder = PeerService(str(tmp_path / "h" / "process-1"), str(tmp_path / "dir"), copies=1, node="b", timeout_s=30)
+    owner = PeerService(mngr._tiers.root, str(tmp_path / "dir"), copies=1, node="a", timeout_s=30)
+    owner._addresses[1] = holder._address  # the owner (process 0 here) sends to the holder's server
+    owner.mngr = mngr
+    try:
+        yield owner, holder
+    finally:
+        owner.close()
+        holder.close()
+        mngr.close()
+
+
+def _put(owner, step, tree, keep, force=False):
+    """Saves `step` on the owner's local tier and puts it to the holder; its folder."""
+    owner.mngr.save(step, tree, force=force)
+    folder = f"{owner.local_root}/{step}"
+    owner._put(1, step, owner.mngr._tiers.tier.generation(step), step_files(folder), keep)
+    return folder
+
+
+def _assert_held_exactly(holder, step, folder, tree):
+    held = holder.held(0)
+    copy = f"{held.root}/{step}"
+    got, want = _files(copy), _files(folder)
+    assert got.pop(_peer_copy.COPY_RECORD)
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))  # no file of the dropped step left behind
+    assert all(got[k] == want[k] for k in want)
+    assert not [d for d, sub, names in os.walk(copy) if not sub and not names]  # no empty folder of it either
+    report = ckpt.verify(copy)
+    assert report.ok, report.problems
+    restored = ckpt.restore(copy)
+    np.testing.assert_array_equal(np.asarray(restored["step"]), tree["step"])
+
+
+def test_copies_of_changing_layouts_over_the_spare_hold_the_new_step_alone(pair):
+    owner, holder = pair
+    held = holder.held(0)
+    kinds = ["wide", "narrow", "deep", "wide", "deep", "narrow", "narrow"]
+    for step, kind in enumerate(kinds, start=1):
+        tree = _tree(kind, step)
+        folder = _put(owner, step, tree, [step])
+        _assert_held_exactly(holder, step, folder, tree)
+        assert held.steps() == [step]
+        assert sorted(os.listdir(held.root)) == ([str(step)] if step == 1 else [str(step), _peer_copy.SPARE])
+        # The spare is never a share a restart would read, nor a step of the inventory.
+        shares = _mesh_restart.visible_shares(holder.local_root, "b", 1, None)
+        assert [(s.owner, s.step) for s in shares] == [(0, step)]
+        assert {o: list(h) for o, h in holder.inventory({}, None)["held"].items()} == {"0": [str(step)]}
+
+
+@pytest.mark.parametrize("at", ["first", "middle", "marker"])
+def test_a_put_that_fails_half_way_over_the_spare_lists_nothing_new_and_the_next_put_is_whole(pair, monkeypatch, at):
+    owner, holder = pair
+    held = holder.held(0)
+    _put(owner, 1, _tree("wide", 1), [1])
+    _put(owner, 2, _tree("deep", 2), [2])  # step 1 becomes the spare
+    assert _peer_copy.SPARE in os.listdir(held.root)
+    calls = {"n": 0, "failed": False}
+    real = _peer_copy._CopyFile.write_at
+
+    def failing(self, offset, view, n):
+        calls["n"] += 1
+        if {"first": calls["n"] == 1, "middle": calls["n"] == 4, "marker": self.path.endswith(".received")}[at]:
+            calls["failed"] = True
+            raise OSError(errno.EIO, "injected: the holder's disk failed")
+        return real(self, offset, view, n)
+
+    monkeypatch.setattr(_peer_copy._CopyFile, "write_at", failing)
+    with pytest.raises(ckpt.CheckpointError, match="injected"):
+        _put(owner, 3, _tree("narrow", 3), [3])
+    monkeypatch.undo()
+    assert calls["failed"]
+    # The half-written spare counts as nothing: the older copy is kept and listed alone.
+    assert held.steps() == [2] and sorted(os.listdir(held.root)) == ["2"]
+    assert [(s.owner, s.step) for s in _mesh_restart.visible_shares(holder.local_root, "b", 1, None)] == [(0, 2)]
+    tree = _tree("wide", 4)
+    folder = _put(owner, 4, tree, [4])
+    _assert_held_exactly(holder, 4, folder, tree)
+    assert held.steps() == [4]
+
+
+def test_a_holder_that_dies_half_way_over_the_spare_lists_no_step_of_it(pair, monkeypatch, tmp_path):
+    """A holder killed mid-write over its spare (its partial folder copied as it is at
+    that moment, put back after the failed put): the folder that was the spare, with
+    some files of the new step over the old one's, is no step for the holder's listing,
+    its inventory, a restart's shares; the next put is whole."""
+    owner, holder = pair
+    held = holder.held(0)
+    _put(owner, 1, _tree("wide", 1), [1])
+    _put(owner, 2, _tree("deep", 2), [2])  # step 1 becomes the spare
+    real = _peer_copy._CopyFile.write_at
+    calls = {"n": 0}
+    frozen = str(tmp_path / "frozen")
+
+    def dying(self, offset, view, n):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            (name,) = [n for n in os.listdir(held.root) if n.startswith("3.partial-")]
+            shutil.copytree(f"{held.root}/{name}", f"{frozen}/{name}")  # what a kill here leaves
+            raise RuntimeError("injected: the holder dies here")
+        return real(self, offset, view, n)
+
+    monkeypatch.setattr(_peer_copy._CopyFile, "write_at", dying)
+    with pytest.raises(ConnectionError):  # no answer: the connection closes
+        _put(owner, 3, _tree("wide", 3), [3])
+    monkeypatch.undo()
+    for name in os.listdir(frozen):
+        shutil.rmtree(f"{held.root}/{name}", ignore_errors=True)
+        shutil.copytree(f"{frozen}/{name}", f"{held.root}/{name}")
+    left = [n for n in os.listdir(held.root) if n.startswith("3.partial-")]
+    assert len(left) == 1 and os.path.exists(f"{held.root}/{left[0]}/manifest.json")  # the spare's files, half new
+    assert held.steps() == [2]
+    assert [(s.owner, s.step) for s in _mesh_restart.visible_shares(holder.local_root, "b", 1, None)] == [(0, 2)]
+    assert {o: list(h) for o, h in holder.inventory({}, None)["held"].items()} == {"0": ["2"]}
+    tree = _tree("narrow", 4)
+    folder = _put(owner, 4, tree, [4])
+    _assert_held_exactly(holder, 4, folder, tree)
+    assert held.steps() == [4]
+
+
+def test_a_put_that_fails_half_way_on_any_error_leaves_no_partial_folder(pair, monkeypatch):
+    owner, holder = pair
+    held = holder.held(0)
+    _put(owner, 1, _tree("wide", 1), [1])
+    _put(owner, 2, _tree("wide", 2), [2])  # step 1 becomes the spare: a whole copy's bytes
+    real = _peer_copy._CopyFile.write_at
+    calls = {"n": 0}
+
+    def failing(self, offset, view, n):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise MemoryError("injected: no memory for the holder's next step")
+        return real(self, offset, view, n)
+
+    monkeypatch.setattr(_peer_copy._CopyFile, "write_at", failing)
+    with pytest.raises((ckpt.CheckpointError, OSError)):
+        _put(owner, 3, _tree("wide", 3), [3])
+    monkeypatch.undo()
+    assert held.steps() == [2]
+    # No partial folder (the spare's bytes under a name nothing lists, removes or reuses).
+    assert sorted(os.listdir(held.root)) == ["2"]
+
+
+def test_a_rewound_step_put_again_under_a_new_save_replaces_the_held_one(pair):
+    owner, holder = pair
+    held = holder.held(0)
+    for step in (1, 2, 3):
+        _put(owner, step, _tree("wide", step), [step])
+    tree = _tree("narrow", 30)
+    old = holder.held(0).generation(3)
+    folder = _put(owner, 3, tree, [3], force=True)  # another save of step 3
+    assert held.generation(3) != old
+    assert held.steps() == [3]
+    _assert_held_exactly(holder, 3, folder, tree)
+    assert held.generation(3) == _tiers.read_marker(LocalStorage(), folder).generation
+
+
+def test_a_copy_that_fits_beside_the_kept_one_still_fits_with_the_spare_there(tmp_path, small_tmpfs):
+    """A 1 MiB memory tier holding one kept copy (~440 KiB) and the spare (~440 KiB):
+    the next copy (~440 KiB, other file names) fits, as it did before the spare, because
+    the spare's files the copy has not are unlinked before any byte is written; a copy
+    too large for the tier is refused without touching the kept copy."""
+    mngr = ckpt.CheckpointManager(str(tmp_path / "dir"), local_directory=str(tmp_path / "o"), async_save=False,
+                                  keep=ckpt.KeepLatest(100), keep_local=ckpt.KeepLatest(1))
+    holder = PeerService(f"{small_tmpfs}/process-1", str(tmp_path / "dir"), copies=1, node="b", timeout_s=30)
+    owner = PeerService(mngr._tiers.root, str(tmp_path / "dir"), copies=1, node="a", timeout_s=30)
+    owner._addresses[1] = holder._address
+    owner.mngr = mngr
+    try:
+        held = holder.held(0)
+        rng = np.random.default_rng(0)
+        for step, name in enumerate("abc", start=1):
+            _put(owner, step, {name: rng.standard_normal(110_000).astype(np.float32), "step": step}, [step])
+            assert held.steps() == [step]
+        assert sorted(os.listdir(held.root)) == ["3", _peer_copy.SPARE]
+        with pytest.raises(ckpt.CheckpointError, match=os.strerror(errno.ENOSPC)):
+            _put(owner, 4, {"d": rng.standard_normal(200_000).astype(np.float32), "step": 4}, [4])
+        assert held.steps() == [3] and sorted(os.listdir(held.root)) == ["3"]
+        tree = {"e": rng.standard_normal(110_000).astype(np.float32), "step": 5}
+        folder = _put(owner, 5, tree, [5])
+        _assert_held_exactly(holder, 5, folder, tree)
+    finally:
+        owner.close()
+        holder.close()
+        mngr.close()
+
+
+def test_a_holder_killed_while_replacing_a_held_step_lists_a_whole_copy_of_it(pair, monkeypatch, tmp_path):
+    """save(3, force=True) after a rewind puts step 3 again: the holder replaces its
+    copy. Killed while the old copy is deleted (some of its files gone, its marker not
+    yet: rmtree's order is the directory's), the holder must list step 3 from a whole
+    folder (the old copy or the new), never one that lacks files."""
+    owner, holder = pair
+    held = holder.held(0)
+    _put(owner, 3, _tree("wide", 3), [3])
+    frozen = str(tmp_path / "frozen")
+    real = shutil.rmtree
+
+    def killed(path, *a, **k):
+        name = os.path.basename(path)
+        if (os.path.dirname(path) == held.root and (name == "3" or name.startswith("3.deleting-"))
+                and os.path.exists(f"{path}/manifest.json")):
+            os.unlink(f"{path}/manifest.json")  # the first file rmtree happened to remove
+            real(frozen, ignore_errors=True)
+            shutil.copytree(held.root, frozen)  # what the kill leaves
+            raise RuntimeError("injected: the holder is killed here")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr("checkpointer._manage._peers.shutil.rmtree", killed)
+    with pytest.raises((ckpt.CheckpointError, OSError)):
+        _put(owner, 3, _tree("narrow", 33), [3], force=True)
+    monkeypatch.undo()
+    assert os.path.isdir(frozen)  # the kill happened
+    real(held.root)
+    shutil.copytree(frozen, held.root)
+    assert held.steps() == [3]
+    report = ckpt.verify(held.step_path(3))
+    assert report.ok, report.problems
+
+
+def test_what_a_killed_put_left_is_removed_by_the_next_put(pair, monkeypatch, tmp_path):
+    owner, holder = pair
+    held = holder.held(0)
+    _put(owner, 1, _tree("wide", 1), [1])
+    _put(owner, 2, _tree("wide", 2), [2])  # step 1 becomes the spare
+    frozen = str(tmp_path / "frozen")
+    real = _peer_copy._CopyFile.write_at
+
+    def dying(self, offset, view, n):
+        if not os.path.exists(frozen):
+            shutil.copytree(held.root, frozen)  # what a kill here leaves
+        raise RuntimeError("injected: the holder dies here")
+
+    monkeypatch.setattr(_peer_copy._CopyFile, "write_at", dying)
+    with pytest.raises(ConnectionError):
+        _put(owner, 3, _tree("wide", 3), [3])
+    monkeypatch.setattr(_peer_copy._CopyFile, "write_at", real)
+    shutil.rmtree(held.root)
+    shutil.copytree(frozen, held.root)
+    os.makedirs(f"{held.root}/2.deleting-gc-0badf00d/arrays")  # a kill while a replaced copy was removed
+    assert len(os.listdir(held.root)) == 3 and held.steps() == [2]
+    _put(owner, 4, _tree("wide", 4), [4])
+    assert sorted(os.listdir(held.root)) == ["4", _peer_copy.SPARE]
+
+
+def test_two_puts_taking_one_spare_at_once_both_go_on(tmp_path, monkeypatch):
+    root = str(tmp_path / "held")
+    os.makedirs(f"{root}/{_peer_copy.SPARE}")
+    for name, data in (("COMMITTED", b"{}"), ("peer-copy.json", b'{"files": [{"key": "x", "size": 1}]}'), ("x", b"1")):
+        with open(f"{root}/{_peer_copy.SPARE}/{name}", "wb") as f:
+            f.write(data)
+    real = _peer_copy.json.loads
+    taken = {}
+
+    def loads(raw):  # the other put takes the spare right after this one read its record
+        out = real(raw)
+        if not taken:
+            taken["first"] = None
+            taken["first"] = _peer_copy.take_spare(root, f"{root}/4.partial-a")
+        return out
+
+    monkeypatch.setattr(_peer_copy.json, "loads", loads)
+    second = _peer_copy.take_spare(root, f"{root}/5.partial-b")
+    monkeypatch.undo()
+    assert taken["first"] == {"x": 1} and os.listdir(f"{root}/4.partial-a") == ["x"]
+    assert second is None and not os.path.exists(f"{root}/5.partial-b")  # the caller makes an empty one
