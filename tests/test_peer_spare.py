@@ -12,6 +12,7 @@ import pytest
 import test_tier_schedules
 
 import checkpointer as ckpt
+from checkpointer import _format
 from checkpointer._manage import _mesh_restart, _peer_copy, _tiers
 from checkpointer._manage._peers import PeerService, step_files
 from checkpointer._storage import LocalStorage
@@ -314,3 +315,38 @@ def test_two_puts_taking_one_spare_at_once_both_go_on(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert taken["first"] == {"x": 1} and os.listdir(f"{root}/4.partial-a") == ["x"]
     assert second is None and not os.path.exists(f"{root}/5.partial-b")  # the caller makes an empty one
+
+
+def test_a_copy_committed_but_not_renamed_is_served_as_it_is_listed(pair, tmp_path):
+    """A holder killed between the marker's rename and the folder's (`_commit_folder`)
+    leaves a committed partial folder: the inventory lists the step from it, so `get`
+    must serve it from there, and the owner's restart fetches it whole."""
+    owner, holder = pair
+    held = holder.held(0)
+    tree = _tree("wide", 5)
+    folder = _put(owner, 5, tree, [5])
+    generation = held.generation(5)
+    os.rename(f"{held.root}/5", f"{held.root}/{_format.partial_name('5', generation)}")  # what the kill leaves
+    assert holder.inventory({}, None)["held"] == {"0": {"5": generation}}  # listed ...
+    shutil.rmtree(folder)  # the owner's node lost its copy
+    assert owner.fetch(5, generation, [1]) is None  # ... and served
+    fetched = _files(folder)
+    assert fetched.pop(_peer_copy.COPY_RECORD) and fetched.keys() - _files(held.step_path(5)).keys() == set()
+    assert ckpt.verify(folder).ok and owner.mngr._tiers.tier.generation(5) == generation
+
+
+def test_a_restarted_holder_rolls_a_committed_copy_forward_and_removes_what_killed_puts_left(pair, tmp_path):
+    owner, holder = pair
+    held = holder.held(0)
+    _put(owner, 5, _tree("wide", 5), [5])
+    generation = held.generation(5)
+    os.rename(f"{held.root}/5", f"{held.root}/{_format.partial_name('5', generation)}")  # committed, not renamed
+    os.makedirs(f"{held.root}/{_format.partial_name('6', 'gc-0badf00d')}/arrays")  # a put killed mid-copy
+    os.makedirs(f"{held.root}/4.deleting-gc-0badf00d")  # a kill while a replaced copy was removed
+    again = PeerService(holder.local_root, "unused", copies=1, node="b", timeout_s=30)  # the holder restarted
+    try:
+        assert sorted(os.listdir(held.root)) == ["5"]
+        assert held.steps() == [5] and held.generation(5) == generation
+        assert ckpt.verify(f"{held.root}/5").ok
+    finally:
+        again.close()

@@ -69,7 +69,7 @@ from ._peer_copy import (
     step_files,
     timeouts_named,
 )
-from ._tier import PEER_COPIES_DIR, PeerCopyTier
+from ._tier import PEER_COPIES_DIR, PeerCopyTier, recover_peer_copies
 
 log = logging.getLogger("checkpointer")
 
@@ -196,6 +196,9 @@ class PeerService:
         self.copy_cpu_s: dict[str, float] = {}
         self.before_send: Callable[[int, int], None] | None = None  # tests: (step, holder) before each put
         self.damage_sent: Callable[[str, memoryview], None] | None = None  # tests: a copy damaged on the way
+        # a killed holder's committed copies rolled forward, its partial folders removed: before
+        # the server starts, so no put is in flight (only this process writes under local_root)
+        recover_peer_copies(_local_storage(), local_root)
         self._server = self._serve()
         host, port = self._server.server_address[:2]
         self._address = PeerAddress(str(host), int(port), self.node)
@@ -312,13 +315,13 @@ class PeerService:
 
     def _handle_get(self, sock: socket.socket, request: dict) -> None:
         owner, step = int(request["owner"]), int(request["step"])
-        folder = f"{self.held(owner).root}/{step}"
         try:
+            folder = self.held(owner).step_path(step)  # `<step>/`, or the committed partial folder a kill left
             with open(f"{folder}/{COPY_RECORD}", "rb") as f:
                 record = _format.load_json(f.read(MAX_HEADER_BYTES + 1), what=f"{folder}/{COPY_RECORD}", max_bytes=MAX_HEADER_BYTES)
             if str(record.get("generation")) != str(request.get("generation")):
                 raise FileNotFoundError(f"{folder} holds generation {record.get('generation')}")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, CheckpointError) as e:
             _send_json(sock, {"error": f"process {self.process_index} holds no copy of step {step} of process {owner}: {e}"})
             return
         _send_json(sock, record)

@@ -20,6 +20,7 @@ interface rather than hard-coded cases:
 from __future__ import annotations
 
 import abc
+import logging
 import threading
 
 from .. import _commit, _format
@@ -27,6 +28,7 @@ from .._errors import CheckpointError
 from .._storage import Storage
 
 PEER_COPIES_DIR = "peer-copies"
+log = logging.getLogger("checkpointer")
 
 
 class Tier(abc.ABC):
@@ -126,3 +128,21 @@ def peer_copy_root(local_root_parent: str, owner: int) -> str:
     """Where this process keeps copies of process `owner`'s local steps:
     `<local_directory>/peer-copies/process-<owner>` (beside `process-<i>/`)."""
     return f"{local_root_parent}/{PEER_COPIES_DIR}/process-{owner}"
+
+
+def recover_peer_copies(storage: Storage, local_root: str) -> list[str]:
+    """Finishes what a killed holder left in `<local_root>/peer-copies/process-<i>/`, as
+    `_commit.recover` does for a directory of steps: a copy committed but not renamed
+    (killed between the marker's rename and the folder's) is renamed into place; uncommitted
+    partial and `.deleting-` folders are removed. Call while no put is in flight (the
+    holder's start). Returns the folders renamed or removed; a folder that cannot be
+    cleaned up stays listed as it was (logged)."""
+    done: list[str] = []
+    for name in storage.list_dir(f"{local_root}/{PEER_COPIES_DIR}"):  # [] if absent
+        if name.startswith("process-") and name[len("process-"):].isdigit():
+            root = f"{local_root}/{PEER_COPIES_DIR}/{name}"
+            try:
+                done += [f"{root}/{folder}" for folder in _commit.recover(storage, root)]
+            except OSError as e:
+                log.warning("could not clean up the peer copies in %s: %s", root, e)
+    return done
