@@ -6,6 +6,8 @@ over it, a put of a step held already under another save (a rewind)."""
 import errno
 import os
 import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -350,3 +352,43 @@ def test_a_restarted_holder_rolls_a_committed_copy_forward_and_removes_what_kill
         assert ckpt.verify(f"{held.root}/5").ok
     finally:
         again.close()
+
+
+def test_two_puts_of_one_owner_take_the_spare_one_at_a_time(pair, monkeypatch):
+    """Puts of one owner overlap on the holder after an owner's timeout. One that found
+    the spare without its record (the other had just unlinked it) deleted the spare while
+    the other renamed it and wrote into it. The spare is taken under the tier's lock: a
+    second put does not enter `take_spare` until the first has left it."""
+    owner, holder = pair
+    _put(owner, 1, _tree("wide", 1), [1])
+    _put(owner, 2, _tree("wide", 2), [2])  # step 1 becomes the spare
+    real, order, errors = _peer_copy.take_spare, [], []
+    entered = threading.Event()
+
+    def second():
+        try:
+            _put(owner, 4, _tree("narrow", 4), [3, 4])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def take_spare(root, partial):
+        order.append(("enter", partial))
+        if len(order) == 1:  # the first put, inside take_spare: the second put starts now
+            threading.Thread(target=second, daemon=True).start()
+            entered.wait(2)  # set only if the second put enters take_spare meanwhile
+        else:
+            entered.set()
+        out = real(root, partial)
+        order.append(("exit", partial))
+        return out
+
+    monkeypatch.setattr(_peer_copy, "take_spare", take_spare)
+    _put(owner, 3, _tree("wide", 3), [3, 4])
+    for _ in range(600):
+        if len(order) == 4:
+            break
+        time.sleep(0.05)
+    assert not errors, errors
+    assert [e for e, _ in order] == ["enter", "exit", "enter", "exit"], order
+    held = holder.held(0)
+    assert held.steps() == [3, 4] and all(ckpt.verify(held.step_path(s)).ok for s in (3, 4))

@@ -262,7 +262,8 @@ class PeerService:
             self._receiving.add(partial)
         try:
             shutil.rmtree(partial, ignore_errors=True)
-            spare = _peer_copy.take_spare(tier.root, partial)  # a dropped copy, written over
+            with tier.retention_mu:  # one put at a time takes the spare (an owner's puts overlap after its timeout)
+                spare = _peer_copy.take_spare(tier.root, partial)  # a dropped copy, written over
             if spare is None:
                 os.makedirs(partial)
             files = _peer_copy.receive_copy(sock, partial, request["files"], _received_path, spare)
