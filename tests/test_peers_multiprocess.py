@@ -217,8 +217,6 @@ def test_a_process_killed_while_sending_its_copy_leaves_no_copy_that_counts(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="each process's local retention dropped its step 110 once its own copy of 120 "
-                                       "was checked, though process 1's copy of 120 never was")
 def test_a_node_lost_before_its_copy_of_the_newest_step_was_checked_resumes_from_the_step_before(tmp_path):
     # Process 1's copy of step 120 fails (its holder's tier is full): step 120 survives no node
     # loss in the whole job, so every process keeps step 110 (which survives one), and losing

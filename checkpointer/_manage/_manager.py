@@ -19,7 +19,7 @@ from .._format import metadata_json, metrics_json
 from .._memory import HostBufferPool
 from .._save import AsyncSave, SaveOptions, Snapshot, run_background, take_snapshot
 from .._storage import storage_for
-from . import _events, _peers, _tier_manager
+from . import _events, _tier_manager
 from ._alerts import RunJournal
 from ._follow import clear_finished, write_finished
 from ._lock import DirectoryLock, take_lock
@@ -32,7 +32,7 @@ from ._restoring import StepRestoring
 from ._retention import DurableRetention
 from ._status import StatusReporting, write_rate
 from ._time_policies import SaveClock
-from ._two_tier_saving import TwoTierSaving
+from ._two_tier_saving import TwoTierSaving, check_copies
 
 log = logging.getLogger("checkpointer")
 
@@ -191,7 +191,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
                 local_directory, self.storage, self.directory, keep_local=keep_local,
                 commit_timeout_s=commit_timeout_s, limiter=self._write_limiter,
                 retention_after=self._retention_after, on_error=self._on_replication_error,
-                peer_copies=_peers.check_copies(peer_copies), peer_node=peer_node,
+                peer_copies=check_copies(peer_copies), peer_node=peer_node,
                 durable_every_steps=durable_every_steps, durable_clock=None if durable_every_s is None else SaveClock(
                     durable_every_s, self.directory + "#durable", agreement_timeout_s,
                     first_unix_s=self._newest_created_unix_s),

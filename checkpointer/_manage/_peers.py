@@ -40,6 +40,7 @@ sender's and the server's threads run at the direct writer's lower CPU priority
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -67,6 +68,7 @@ from ._peer_copy import (
     recv_json as _recv_json,
     send_json as _send_json,
     step_files,
+    stream_files,
     timeouts_named,
 )
 from ._tier import PEER_COPIES_DIR, PeerCopyTier, recover_peer_copies
@@ -110,16 +112,6 @@ def _received_path(folder: str, key: str) -> str:
     is checked (`_commit_folder`), so a holder that dies mid-copy never leaves a partial
     folder that a listing would take for a committed one."""
     return f"{folder}/{_format.COMMITTED}.received" if key == _format.COMMITTED else f"{folder}/{key}"
-
-
-def _stream_files(sock: socket.socket, folder: str, files: Sequence[dict]) -> None:
-    """Sends each file's first `size` bytes (the kernel copies them: `sendfile`)."""
-    for f in files:
-        size = int(f["size"])
-        with open(f"{folder}/{f['key']}", "rb") as src:
-            sent = sock.sendfile(src, 0, size) if size else 0
-            if sent != size:
-                raise ConnectionError(f"{folder}/{f['key']} is shorter than {size} bytes")
 
 
 def _commit_folder(partial: str, final: str, record: dict) -> None:
@@ -327,7 +319,7 @@ class PeerService:
             return
         _send_json(sock, record)
         sock.settimeout(self.timeout_s)  # `socket.sendfile` waits on a blocking socket with no timeout
-        _stream_files(sock, folder, record["files"])
+        stream_files(sock, folder, record["files"])
 
     # --- addresses and holders ----------------------------------------------------------
 
@@ -379,8 +371,11 @@ class PeerService:
         if after is not None:
             try:
                 after()
-            except BaseException:
-                return 0  # the local save failed: the manager reports it
+            except BaseException:  # the local save failed: the manager reports it; the others need not wait
+                with self._mu:
+                    self._verified[step] = 0
+                self._publish()
+                return 0
         folder, cleanup = f"{self.local_root}/{step}", None
         verified, cpu_s = 0, time.thread_time()
         try:
@@ -409,8 +404,9 @@ class PeerService:
             self._verified[step] = verified
             for s in [s for s in self._verified if s not in set(keep()) | {step}]:
                 del self._verified[s]
-        on_done(step, verified)
         self._publish()
+        self._wait_counted(step)  # local retention (`on_done`) judges by the whole job's counts
+        on_done(step, verified)
         self._count_cpu("send", time.thread_time() - cpu_s)
         return verified
 
@@ -466,22 +462,33 @@ class PeerService:
         except Exception as e:  # diagnostics only
             log.warning("could not publish the peer copies of process %d: %s", self.process_index, e)
 
+    def _counts(self) -> dict[int, dict[int, int]] | None:
+        """Process → its published copies (own step → copies checked); None: no job, or unreadable."""
+        try:
+            entries = dict(self._client.key_value_dir_get(self._key("copies") + "/")) if self._client else None
+        except Exception:
+            return None
+        per: dict[int, dict[int, int]] = {}
+        for key, value in (entries or {}).items():
+            with contextlib.suppress(ValueError, AttributeError):
+                per[int(key.rsplit("/", 1)[1])] = {int(s): int(n) for s, n in _format.load_json(value, what=key).items()}
+        return None if entries is None else per
+
+    def _wait_counted(self, step: int) -> None:
+        """Waits (at most `timeout_s`) until every process published its copies of `step` or a
+        later one (each publishes after its own send, or its failed local save)."""
+        deadline, pause = time.monotonic() + self.timeout_s, 0.005
+        while (per := self._counts()) is not None and time.monotonic() < deadline:
+            if all(any(s >= step for s in per.get(p, {})) for p in range(self.process_count)):
+                return
+            time.sleep(pause := min(2 * pause, 0.25))
+
     def job_survives(self) -> dict[int, int]:
         """Step → node losses the step survives in the whole job: the fewest checked
         copies of any process's share (a process that has not reported counts 0)."""
-        mine = self.verified()
-        if self._client is None:
+        mine, per = self.verified(), self._counts()
+        if per is None:
             return mine
-        try:
-            entries = dict(self._client.key_value_dir_get(self._key("copies") + "/"))
-        except Exception:
-            return mine
-        per: dict[int, dict[int, int]] = {}
-        for key, value in entries.items():
-            try:
-                per[int(key.rsplit("/", 1)[1])] = {int(s): int(n) for s, n in _format.load_json(value, what=key).items()}
-            except (ValueError, AttributeError):
-                continue
         per[self.process_index] = mine
         return {s: min(per.get(p, {}).get(s, 0) for p in range(self.process_count)) for s in sorted(mine)}
 
@@ -546,13 +553,6 @@ def _local_storage():
     from .._storage import LocalStorage
 
     return LocalStorage()
-
-
-def check_copies(copies: object) -> int:
-    """`peer_copies` as an int >= 0, or ValueError."""
-    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 0:
-        raise ValueError(f"peer_copies must be an int >= 0 (copies of each local step on other nodes), got {copies!r}")
-    return copies
 
 
 def choose_peer_step(inventories: list[dict], directory: str) -> tuple[int, str, list[list[int]]] | None:

@@ -347,7 +347,10 @@ class LocalTier:
             kept |= set(self._bases_in_flight.values()) | set(self._queuing)
         if kept.issuperset(steps):  # nothing may go: no listing of the durable tier (a request on an object store)
             return _tier_references.remove_local(self.storage, self.root, steps, [])
-        copies = self.peers.verified() if self.peers is not None else {}
+        # Node losses each step survives in the whole job (the fewest checked copies of any
+        # process's share), not this process's own count: a step whose own copy is checked but
+        # another process's is not survives no node loss, and must not supersede an older one.
+        copies = self.peers.job_survives() if self.peers is not None else {}
         durable_folders = _commit.committed_folders(self.durable, self.directory)
         durable_steps = sorted(durable_folders)
         latest_durable = durable_steps[-1] if durable_steps else None
@@ -359,8 +362,8 @@ class LocalTier:
             durable = s in durable_steps and marker is not None and (
                 _tiers.durable_generation(self.durable, self.directory, s, durable_folders) == marker.generation
             )
-            # A newer local step that survives as many node losses makes this one's
-            # bytes a fallback only: the restore resumes from the newer one.
+            # A newer local step that survives as many node losses (in the whole job) makes
+            # this one's bytes a fallback only: the restore resumes from the newer one.
             # Only with a durable schedule: by default every local step is replicated, and
             # one whose replication failed stays until the durable tier has a newer step.
             scheduled = self.durable_every_steps > 1 or self._durable_clock is not None

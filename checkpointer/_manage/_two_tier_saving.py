@@ -73,3 +73,10 @@ class TwoTierSaving:
             self._last["write_s"], self._last["commit_s"] = snap.result.write_s, time.perf_counter() - t0
             self._last_write_mode = (snap.result.write_mode, snap.result.write_mode_reason)
         self._raise_pending()
+
+
+def check_copies(copies: object) -> int:
+    """`peer_copies` as an int >= 0, or ValueError."""
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 0:
+        raise ValueError(f"peer_copies must be an int >= 0 (copies of each local step on other nodes), got {copies!r}")
+    return copies
