@@ -64,6 +64,7 @@ class TwoTierSaving:
                 tiers.run_local(snap)
             except BaseException as e:
                 self._failed(step, e)
+                tiers.send_to_peers(step, snap.generation, _FailedSave(e))  # the others' copies wait for its count
                 raise
             tiers.send_to_peers(step, snap.generation)
             replicated = tiers.enqueue(step, snap.generation, snap.overwrite) if durable else None
@@ -80,3 +81,13 @@ def check_copies(copies: object) -> int:
     if isinstance(copies, bool) or not isinstance(copies, int) or copies < 0:
         raise ValueError(f"peer_copies must be an int >= 0 (copies of each local step on other nodes), got {copies!r}")
     return copies
+
+
+class _FailedSave:
+    """A local save that failed in the caller's thread, as `LocalTier.send_to_peers` takes one."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def join(self) -> None:
+        pass
