@@ -364,10 +364,10 @@ class LocalTier:
             )
             # A newer local step that survives as many node losses (in the whole job) makes
             # this one's bytes a fallback only: the restore resumes from the newer one.
-            # Only with a durable schedule: by default every local step is replicated, and
-            # one whose replication failed stays until the durable tier has a newer step.
+            # Only with a durable schedule (a step whose replication failed too, else failed durable saves
+            # fill the tier); by default one whose replication failed stays until a newer step is durable.
             scheduled = self.durable_every_steps > 1 or self._durable_clock is not None
-            superseded = scheduled and s not in self._jobs and any(
+            superseded = scheduled and any(
                 n > s and copies.get(n, 0) >= copies.get(s, 0) for n in steps)
             if not durable and not (latest_durable is not None and s < latest_durable) and not superseded:
                 continue  # the only copy of a step newer than the newest durable one: kept

@@ -277,8 +277,8 @@ def replicate(
                 raise ReplicationError(f"replicating step {target.step} to {target.durable_path} failed on process {pidx}: {e}") from e
             raise ReplicationError(
                 f"replicating step {target.step} to {target.durable_path} failed on process {pidx}: "
-                f"{type(e).__name__}: {e}. The local step is kept; it is replicated again when the job restarts "
-                "and resumes from it"
+                f"{type(e).__name__}: {e}. The local step is kept (under a durable schedule, until a newer local step "
+                "supersedes it); it is replicated again when the job restarts and resumes from it"
             ) from e
 
         def manifest(process_bytes: list[int]) -> bytes:
