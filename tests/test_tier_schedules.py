@@ -126,3 +126,16 @@ def _fail_durable_data_writes(monkeypatch, durable):
         return real_write(self, path, data)
 
     monkeypatch.setattr(_local.LocalStorage, "write_file", write_file)
+
+
+@pytest.mark.xfail(strict=True, reason="keep_local=KeepBest(...) is accepted, but the local tier's retention has no "
+                                       "metrics: it keeps none of the best steps, silently")
+def test_keep_local_refuses_a_policy_by_metric_that_it_could_not_apply(tmp_path):
+    for policy in (ckpt.KeepBest("loss", n=2), ckpt.KeepLatest(1) | ckpt.KeepBest("loss")):
+        with pytest.raises(TypeError, match="keep_local must be a retention policy by step"):
+            ckpt.CheckpointManager(str(tmp_path / "d"), local_directory=str(tmp_path / "l"), keep_local=policy)
+    with ckpt.CheckpointManager(str(tmp_path / "d"), local_directory=str(tmp_path / "l"), async_save=False,
+                                keep_local=ckpt.KeepEvery(2) | ckpt.KeepLatest(1), durable_every_steps=3) as m:
+        for step in range(1, 6):
+            m.save(step, _tree(step))
+        assert m._tiers.local_steps() == [2, 4, 5]  # by step: kept whether durable (3) or not
