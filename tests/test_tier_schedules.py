@@ -128,8 +128,6 @@ def _fail_durable_data_writes(monkeypatch, durable):
     monkeypatch.setattr(_local.LocalStorage, "write_file", write_file)
 
 
-@pytest.mark.xfail(strict=True, reason="keep_local=KeepBest(...) is accepted, but the local tier's retention has no "
-                                       "metrics: it keeps none of the best steps, silently")
 def test_keep_local_refuses_a_policy_by_metric_that_it_could_not_apply(tmp_path):
     for policy in (ckpt.KeepBest("loss", n=2), ckpt.KeepLatest(1) | ckpt.KeepBest("loss")):
         with pytest.raises(TypeError, match="keep_local must be a retention policy by step"):

@@ -69,9 +69,11 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         first (`save` returns after the snapshot; the step is a restore point of this
         node once its local marker is written) and is then replicated to `directory`
         in the background and committed there; only durable steps are `all_steps()`.
-      keep_local: retention of the local tier (default: the newest step). A local step
-        not yet durable is never removed: a save that would need to remove one waits for
-        its replication (`status().waiting_for_replication`).
+      keep_local: retention of the local tier, by step (default: the newest step; a policy
+        by time or metric, e.g. `KeepBest`, raises TypeError). A local step not yet durable
+        is never removed (with a durable schedule, only for a newer local step that survives
+        as many node losses): a save that would need to remove one waits for its replication
+        (`status().waiting_for_replication`).
       pack_small_leaves_bytes: as for `save` (0: every leaf its own zarr array), on
         both tiers alike.
       save_on_preemption: on a preemption notice (SIGTERM), `save` writes the step
@@ -185,8 +187,9 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         self._preemption = PreemptionWatch(bool(save_on_preemption) and not self.read_only, self.directory)
         weakref.finalize(self, self._preemption.close)  # an unclosed manager's handler goes with it
         if local_directory is not None:
-            if not isinstance(keep_local, KeepPolicy) or keep_local.uses_times:
-                raise TypeError(f"keep_local must be a retention policy by step (e.g. ckpt.KeepLatest(1)), got {keep_local!r}")
+            if not isinstance(keep_local, KeepPolicy) or keep_local.uses_times or keep_local.uses_metrics:
+                raise TypeError(f"keep_local must be a retention policy by step (e.g. ckpt.KeepLatest(1)), got {keep_local!r}: "
+                                "the local tier's retention reads no times or metrics")
             self._tiers = _tier_manager.LocalTier(
                 local_directory, self.storage, self.directory, keep_local=keep_local,
                 commit_timeout_s=commit_timeout_s, limiter=self._write_limiter,

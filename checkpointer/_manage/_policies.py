@@ -31,6 +31,8 @@ class KeepPolicy:
 
     # A policy that reads creation times sets this (the manager then reads them).
     uses_times = False
+    # A policy that reads metrics sets this (`keep_local` refuses it: local retention has none).
+    uses_metrics = False
 
     def keep_at(
         self,
@@ -65,6 +67,10 @@ class KeepAny(KeepPolicy):
     @property
     def uses_times(self) -> bool:  # type: ignore[override]  # a property over the class attribute
         return any(p.uses_times for p in self.policies)
+
+    @property
+    def uses_metrics(self) -> bool:  # type: ignore[override]  # a property over the class attribute
+        return any(p.uses_metrics for p in self.policies)
 
     def keep_at(
         self,
@@ -135,6 +141,7 @@ class KeepBest(KeepPolicy):
     metric: str
     mode: str = "min"
     n: int = 1
+    uses_metrics = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("min", "max"):
