@@ -125,8 +125,6 @@ def test_two_processes_agree_to_skip_a_local_only_step_damaged_on_process_1_only
     assert f"{local}/process-1/2" in info and "is damaged" in info, info  # the warning names the copy
 
 
-@pytest.mark.xfail(strict=True, reason="the reason names the restore's staging folder, removed by then, and asks to "
-                                       "run `checkpointer verify` on it")
 def test_the_reason_for_falling_back_names_the_damaged_local_copy_not_a_folder_gone_since(dirs, monkeypatch):
     durable, local = dirs
     _save(durable, local, [1], [2], monkeypatch)

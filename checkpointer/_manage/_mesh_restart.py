@@ -52,6 +52,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -468,6 +469,15 @@ def _read_stream(stream: _file_exchange.Stream, owners: Sequence[int], folders: 
     return buf
 
 
+def _unstaged(text: str, tmp: str | None, step: int, folders: Mapping[int, str]) -> str:
+    """An error's text with the staging folder (removed when the attempt ends) named by the
+    copies staged in it, and without a `checkpointer verify` of that folder."""
+    if not tmp:
+        return text
+    text = re.sub(r"\s*Run `checkpointer verify " + re.escape(tmp) + r"` for a full report[.;]?", "", text)
+    return text.replace(tmp, f"step {step} staged from {', '.join(sorted(set(folders.values())))}")
+
+
 def _attempt(tier: Any, c: Candidate, folders: Mapping[int, str], target: object, options: RestoreOptions,
              count: int) -> tuple[PyTree | None, str]:
     """One candidate, on every process (module docstring, 2-5): (tree, how) or (None, why)."""
@@ -495,7 +505,7 @@ def _attempt(tier: Any, c: Candidate, folders: Mapping[int, str], target: object
             records = _stage(tmp, c, folders, received)
             proposal = _needs(tmp, target, options, records)
         except Exception as e:  # a damaged or missing file, the key-value store, a target that does not fit
-            proposal = {"error": f"process {pidx}: {type(e).__name__}: {e}"}
+            proposal = {"error": f"process {pidx}: {type(e).__name__}: {_unstaged(str(e), tmp, c.step, folders)}"}
         answers = [_format.load_json(v, what="a restart's needs") for v in agree(_coord.canonical(proposal))]
         bad = [str(a.get("uncovered") or a.get("error")) for a in answers if "need" not in a]
         if bad:
@@ -525,7 +535,7 @@ def _attempt(tier: Any, c: Candidate, folders: Mapping[int, str], target: object
                     offset += size
             tree = restore_from(LocalStorage(), tmp, target, options)
         except Exception as e:  # a chunk that fails its crc32c, a file cut short
-            outcome = f"process {pidx}: {type(e).__name__}: {e}"
+            outcome = f"process {pidx}: {type(e).__name__}: {_unstaged(str(e), tmp, c.step, folders)}"
         bad = [o for o in agree(outcome) if o != "ok"]
         if bad:
             return None, "; ".join(dict.fromkeys(bad))
