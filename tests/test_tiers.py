@@ -402,8 +402,6 @@ def test_two_tiers_honour_pack_small_leaves_bytes(dirs, threshold, packed):
     assert ckpt.verify(f"{durable}/1").ok
 
 
-@pytest.mark.xfail(strict=True, reason="restore(None) of a local step whose replication is in flight queues a second "
-                                       "replication of it, which fails once the first commits: a spurious ReplicationError")
 def test_restoring_a_local_step_whose_replication_is_in_flight_does_not_replicate_it_twice(dirs, monkeypatch):
     durable, local = dirs
     gate, real = threading.Event(), _tiers.replicate

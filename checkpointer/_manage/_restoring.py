@@ -109,8 +109,13 @@ class StepRestoring(StepReader):
         writer's recovery removes partial folders of earlier jobs, the same step's
         among them): a process that started copying first would lose its files.
         `best_effort`: a failure is logged and shown by `status()`, not raised from the next
-        save (`TierManager.enqueue`)."""
+        save (`TierManager.enqueue`). A step whose replication is still queued or running on
+        any process (a restore in a running manager, saves in flight) is not queued again: that
+        round ends on every process (a second one would fail once the first committed)."""
         assert self._tiers is not None
+        tiers = self._tiers
         self._ensure_writer()
-        _tiers.agree(self._tiers.directory, lambda: "recovered", self._tiers.commit_timeout_s)
-        self._tiers.enqueue(step, generation, overwrite, local_save, best_effort=best_effort)
+        votes = _tiers.agree(tiers.directory, lambda: "queued" if step in tiers.pending_steps() else "recovered",
+                             tiers.commit_timeout_s)
+        if "queued" not in votes:
+            tiers.enqueue(step, generation, overwrite, local_save, best_effort=best_effort)
