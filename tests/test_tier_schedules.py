@@ -141,9 +141,6 @@ def test_keep_local_refuses_a_policy_by_metric_that_it_could_not_apply(tmp_path)
         assert m._tiers.local_steps() == [2, 4, 5]  # by step: kept whether durable (3) or not
 
 
-@pytest.mark.xfail(strict=True, reason="the local retention after a newer step's local commit, finishing while "
-                                       "restore(None) reads the local-only step it chose, removes that step mid-read: "
-                                       "the restore warns that the copy is damaged and votes again")
 def test_a_local_commit_during_restore_does_not_remove_the_local_only_step_being_read(tmp_path, monkeypatch, caplog):
     commit, blocked, done = threading.Event(), threading.Event(), threading.Event()
     run_local, apply, read = LocalTier.run_local, LocalTier.apply_retention, LocalTier._read_local_only

@@ -539,23 +539,23 @@ class LocalTier:
           process's local tier), "local+durable" or "durable".
         """
         if step is None:
-            below, voted = None, None
-            self.last_restore_reason = None
-            if self.peers is not None:  # a replaced process receives its boxes from its holders
-                restored, below, voted = _peer_delivery.restart(self, target, options, latest_durable, resume)
-                if restored is not None:  # the reason: `_mesh_restart`'s when it combined the copies
-                    self.last_restore_reason = self.last_restore_reason or (
-                        "the newest local step survived whole: the processes without their own copy received their "
-                        "boxes from the processes holding copies")
-                    return restored
-            damaged: list[str] = []
-            local = self._restore_local_only(target, options, latest_durable, resume, damaged, below, voted)
-            if local is not None:
-                self.last_restore_reason = (self.last_restore_reason  # set when the holders' copies served
-                                            or "the newest local step is whole on every process's own local tier")
-                return local
-            # Another mesh, sharding or process count: the surviving copies combined.
-            combined, why = _mesh_restart.restart(self, target, options, latest_durable, resume)
+            below, voted, self.last_restore_reason = None, None, None
+            with self._retention_mu:  # local retention (a local commit meanwhile) removes no step while it is read
+                if self.peers is not None:  # a replaced process receives its boxes from its holders
+                    restored, below, voted = _peer_delivery.restart(self, target, options, latest_durable, resume)
+                    if restored is not None:  # the reason: `_mesh_restart`'s when it combined the copies
+                        self.last_restore_reason = self.last_restore_reason or (
+                            "the newest local step survived whole: the processes without their own copy received their "
+                            "boxes from the processes holding copies")
+                        return restored
+                damaged: list[str] = []
+                local = self._restore_local_only(target, options, latest_durable, resume, damaged, below, voted)
+                if local is not None:
+                    self.last_restore_reason = (self.last_restore_reason  # set when the holders' copies served
+                                                or "the newest local step is whole on every process's own local tier")
+                    return local
+                # Another mesh, sharding or process count: the surviving copies combined.
+                combined, why = _mesh_restart.restart(self, target, options, latest_durable, resume)
             self.last_restore_reason = why
             if combined is not None:
                 return combined
