@@ -7,7 +7,6 @@ import errno
 import os
 import shutil
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -354,7 +353,7 @@ def test_a_restarted_holder_rolls_a_committed_copy_forward_and_removes_what_kill
         again.close()
 
 
-def test_two_puts_of_one_owner_take_the_spare_one_at_a_time(pair, monkeypatch):
+def test_two_puts_of_one_owner_take_the_spare_one_at_a_time(pair, monkeypatch, tmp_path):
     """Puts of one owner overlap on the holder after an owner's timeout. One that found
     the spare without its record (the other had just unlinked it) deleted the spare while
     the other renamed it and wrote into it. The spare is taken under the tier's lock: a
@@ -362,19 +361,29 @@ def test_two_puts_of_one_owner_take_the_spare_one_at_a_time(pair, monkeypatch):
     owner, holder = pair
     _put(owner, 1, _tree("wide", 1), [1])
     _put(owner, 2, _tree("wide", 2), [2])  # step 1 becomes the spare
+    sent = {}
+    for step, kind in ((3, "wide"), (4, "narrow")):  # both saved before either put (keep_local is 1)
+        owner.mngr.save(step, _tree(kind, step))
+        sent[step] = (str(tmp_path / f"sent-{step}"), owner.mngr._tiers.tier.generation(step))
+        shutil.copytree(f"{owner.local_root}/{step}", sent[step][0])
+        owner._sending[step] = sent[step][0]  # the folder its copy is sent from
     real, order, errors = _peer_copy.take_spare, [], []
     entered = threading.Event()
 
+    def put(step):
+        owner._put(1, step, sent[step][1], step_files(sent[step][0]), [3, 4])
+
     def second():
         try:
-            _put(owner, 4, _tree("narrow", 4), [3, 4])
+            put(4)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     def take_spare(root, partial):
         order.append(("enter", partial))
         if len(order) == 1:  # the first put, inside take_spare: the second put starts now
-            threading.Thread(target=second, daemon=True).start()
+            threads.append(threading.Thread(target=second, daemon=True))
+            threads[0].start()
             entered.wait(2)  # set only if the second put enters take_spare meanwhile
         else:
             entered.set()
@@ -382,13 +391,11 @@ def test_two_puts_of_one_owner_take_the_spare_one_at_a_time(pair, monkeypatch):
         order.append(("exit", partial))
         return out
 
+    threads = []
     monkeypatch.setattr(_peer_copy, "take_spare", take_spare)
-    _put(owner, 3, _tree("wide", 3), [3, 4])
-    for _ in range(600):
-        if len(order) == 4:
-            break
-        time.sleep(0.05)
-    assert not errors, errors
+    put(3)
+    threads[0].join(60)  # the second put, to its end
+    assert not threads[0].is_alive() and not errors, errors
     assert [e for e, _ in order] == ["enter", "exit", "enter", "exit"], order
     held = holder.held(0)
     assert held.steps() == [3, 4] and all(ckpt.verify(held.step_path(s)).ok for s in (3, 4))
