@@ -50,7 +50,10 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-METHODS = ["plain read", "checkpointer", "orbax"]
+# "checkpointer, other page size": the same restore with the page size the library did not
+# choose for its destinations on this machine (`huge_pages_pay`), forced through the environment.
+OTHER_PAGES = "checkpointer, other page size"
+METHODS = ["plain read", "checkpointer", OTHER_PAGES, "orbax"]
 TARGETS = {"same": "same: 2x4 P('data','model')", "4x2": "4x2 mesh P('data','model')",
            "replicated": "fully replicated on 8 devices (2x4 P())"}
 PLAIN_LIMIT, ORBAX_LIMIT = 1.5, 1 / 2.5
@@ -83,7 +86,9 @@ def child(spec: dict) -> None:
     ru0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     if method == "plain read":
         out = C.plain_read(sorted(p for p in Path(spec["ckpt"], "arrays").rglob("*") if p.is_file()))
-    elif method == "checkpointer":
+    elif method in ("checkpointer", OTHER_PAGES):
+        if method == OTHER_PAGES:
+            os.environ["CHECKPOINTER_HUGE_PAGES"] = spec["other_pages"]
         import checkpointer as ckpt
 
         out = jax.block_until_ready(ckpt.restore(spec["ckpt"], tgt))
@@ -103,7 +108,7 @@ def child(spec: dict) -> None:
     C.print_result(res)
 
 
-def report(C, args, res, logical, wall_s, load) -> str:
+def report(C, args, res, logical, wall_s, load, chosen_huge: bool) -> str:
     rows, summary, tgt_rows = [], [], []
     for t, tname in TARGETS.items():
         for name in METHODS:
@@ -126,8 +131,13 @@ def report(C, args, res, logical, wall_s, load) -> str:
             f"logical bytes {logical / 2**20:.0f} MiB. Every measurement in a fresh Python process: jax imported and "
             "the target built before the timer; the timer covers `import checkpointer` / `import orbax.checkpoint` "
             "and the restore until block_until_ready (the plain read: listing and reading arrays/ into a new buffer). "
-            "Order of the three rotated per run, 1 warm-up round that checks the values and fills the bytecode cache. user/sys: CPU seconds of the "
-            "child over the timed part; faults: its minor page faults (median).")
+            f"Order of the {len(METHODS)} rotated per run, 1 warm-up round that checks the values and fills the bytecode cache. user/sys: CPU seconds of the "
+            "child over the timed part; faults: its minor page faults (median). Page size of the restore's destinations: "
+            + ("huge pages, as the library chose on this machine; the row 'other page size' forces 4 KiB pages "
+               if chosen_huge else
+               "4 KiB pages, as the library chose on this machine (its guest kernel reports free 2 MiB blocks to the "
+               "host: `huge_pages_pay`); the row 'other page size' forces huge pages ")
+            + "(`CHECKPOINTER_HUGE_PAGES`).")
     return "\n".join([C.header_lines("Fresh-process restore (`benchmarks/fresh_restore_bench.py`)", args, wall_s, load), desc, "",
                       C.table(["target", "method", "time", "GB/s", "user", "sys", "faults"], rows), "",
                       "Ratios of median times:", "", C.table(["target", "checkpointer / orbax", "checkpointer / plain read"], summary), "",
@@ -158,6 +168,9 @@ def main() -> None:
             mgr.wait_until_finished()
         sums = {k: float(np.asarray(v, np.float64).sum()) for k, v in state.items()}
         shapes = {k: list(v.shape) for k, v in state.items()}
+        from checkpointer._memory._restore_memory import huge_pages_pay
+
+        chosen_huge = huge_pages_pay()
         del state
         print(f"devices: {jax.device_count()} × {jax.devices()[0].platform}; runs: {args.runs}; warm-up round first; "
               "one fresh process per measurement")
@@ -166,7 +179,8 @@ def main() -> None:
             for t in TARGETS:
                 k = run % len(METHODS)
                 for name in METHODS[k:] + METHODS[:k]:
-                    spec = {"method": name, "target": t, "shapes": shapes, "ckpt": cpath, "orbax": opath, "check": run < 0}
+                    spec = {"method": name, "target": t, "shapes": shapes, "ckpt": cpath, "orbax": opath, "check": run < 0,
+                            "other_pages": "0" if chosen_huge else "1"}
                     C.set_page_cache([cpath, opath], args.page_cache)
                     r = C.run_child(__file__, spec, f"{root}/pycache")
                     if run < 0 and name != "plain read":
@@ -175,7 +189,7 @@ def main() -> None:
                         if t == "replicated" and min(r["n_buffers"].values()) != 8:
                             # Orbax's (a TensorStore array that happens to be aligned is adopted by
                             # every device) is its behaviour, worth a note; ours would be a bug.
-                            if name == "checkpointer":
+                            if name.startswith("checkpointer"):
                                 raise SystemExit(f"{name} aliased host buffers across devices onto {t}: {r['n_buffers']}")
                             print(f"  note: {name} aliased host buffers across devices onto {t}: {r['n_buffers']}")
                     elif run >= 0:
@@ -184,7 +198,7 @@ def main() -> None:
                           f"(user {r['user_s']:.2f} s, sys {r['sys_s']:.2f} s, {r['minflt'] / 1e3:.0f} k faults)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    text = report(C, args, res, logical, time.perf_counter() - t0, load)
+    text = report(C, args, res, logical, time.perf_counter() - t0, load, chosen_huge)
     print("\n" + text)
     C.write_section(args.results, "fresh_restore_bench", text)
 

@@ -24,9 +24,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._restore_memory import HUGE_PAGE_BYTES
+from ._restore_memory import HUGE_PAGE_BYTES, huge_pages_pay
 
 _MADV_HUGEPAGE = 14  # Linux
+_MADV_NOHUGEPAGE = 15
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _PAGE_BYTES = 4096
 # Below this, page faults cost less than the call (and the heap's pages are mostly there).
@@ -159,7 +160,9 @@ def device_destinations(
     memory. Before their first touch, the whole 2 MiB pages inside each buffer are advised
     `MADV_HUGEPAGE`, and its head and tail outside them (which the allocator's own page
     at the start of its mapping keeps out of huge pages) are populated in one call
-    (`MADV_POPULATE_WRITE`) instead of one page fault per 4 KiB.
+    (`MADV_POPULATE_WRITE`) instead of one page fault per 4 KiB. Where huge pages do not
+    pay (`huge_pages_pay`: a guest that reports its free memory to the host), the buffer
+    is advised `MADV_NOHUGEPAGE` and populated whole in one call.
 
     Ask for all of a restore's arrays in one call: they are allocated by one compiled
     program per set of devices (and per `_BATCH_ARRAYS` arrays), not one per shape.
@@ -167,7 +170,7 @@ def device_destinations(
     Args:
       requests: per array its shape (elements per dimension), dtype and device (a CPU
         device in its default memory: `supported`).
-      populate: populate the heads and tails now; False leaves that to
+      populate: populate the heads and tails (or the whole buffer) now; False leaves that to
         `populate_destination`, called by whoever fills the view (so that the readers
         populate in parallel what one thread would populate here, a quarter of the
         bytes of 8 MiB boxes).
@@ -204,18 +207,22 @@ def _huge_range(lo: int, nbytes: int) -> tuple[int, int]:
 
 
 def _prepare(lo: int, nbytes: int, populate: bool = True) -> None:
-    """Huge pages for [lo, lo + nbytes) where they fit, the rest populated (`populate`).
-    Errors (no transparent huge pages, a kernel before 5.14) only leave 4 KiB page
-    faults: still correct."""
+    """Huge pages for [lo, lo + nbytes) where they fit, the rest populated (`populate`);
+    where huge pages do not pay (`huge_pages_pay`), 4 KiB pages, all populated. Errors
+    (no transparent huge pages, a kernel before 5.14) only leave 4 KiB page faults:
+    still correct."""
     start, end = _huge_range(lo, nbytes)
     if end > start and nbytes >= HUGE_PAGE_BYTES:
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+        advice = _MADV_HUGEPAGE if huge_pages_pay() else _MADV_NOHUGEPAGE
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
     if populate:
         _populate(lo, nbytes)
 
 
 def _populate(lo: int, nbytes: int) -> None:
     start, end = _huge_range(lo, nbytes)
+    if not huge_pages_pay():  # one call for the whole buffer instead of one fault per 4 KiB
+        start = end = -(-(lo + nbytes) // _PAGE_BYTES) * _PAGE_BYTES
     for a, b in ((lo // _PAGE_BYTES * _PAGE_BYTES, start), (end, -(-(lo + nbytes) // _PAGE_BYTES) * _PAGE_BYTES)):
         if b - a >= _POPULATE_MIN_BYTES:
             _libc().madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_POPULATE_WRITE)
@@ -223,7 +230,8 @@ def _populate(lo: int, nbytes: int) -> None:
 
 def populate_destination(view: np.ndarray) -> None:
     """Populates the head and tail of a `device_destinations(..., populate=False)` view
-    (the parts outside whole 2 MiB pages) in one call each, before the view is filled:
+    (the parts outside whole 2 MiB pages; the whole view where huge pages do not pay)
+    in one call each, before the view is filled:
     cheaper than one page fault per 4 KiB. Call it on the thread that fills the view."""
     if view.nbytes:
         _populate(view.ctypes.data, view.nbytes)
