@@ -50,8 +50,8 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# "checkpointer, other page size": the same restore with the page size the library did not
-# choose for its destinations on this machine (`huge_pages_pay`), forced through the environment.
+# "checkpointer, other page size": the same restore with the page size of its destinations
+# that this run's environment did not choose (`huge_pages_pay`, CHECKPOINTER_HUGE_PAGES).
 OTHER_PAGES = "checkpointer, other page size"
 METHODS = ["plain read", "checkpointer", OTHER_PAGES, "orbax"]
 TARGETS = {"same": "same: 2x4 P('data','model')", "4x2": "4x2 mesh P('data','model')",
@@ -133,10 +133,8 @@ def report(C, args, res, logical, wall_s, load, chosen_huge: bool) -> str:
             "and the restore until block_until_ready (the plain read: listing and reading arrays/ into a new buffer). "
             f"Order of the {len(METHODS)} rotated per run, 1 warm-up round that checks the values and fills the bytecode cache. user/sys: CPU seconds of the "
             "child over the timed part; faults: its minor page faults (median). Page size of the restore's destinations: "
-            + ("huge pages, as the library chose on this machine; the row 'other page size' forces 4 KiB pages "
-               if chosen_huge else
-               "4 KiB pages, as the library chose on this machine (its guest kernel reports free 2 MiB blocks to the "
-               "host: `huge_pages_pay`); the row 'other page size' forces huge pages ")
+            + ("huge pages (the default); the row 'other page size' forces 4 KiB pages "
+               if chosen_huge else "4 KiB pages (chosen through the environment); the row 'other page size' forces huge pages ")
             + "(`CHECKPOINTER_HUGE_PAGES`).")
     return "\n".join([C.header_lines("Fresh-process restore (`benchmarks/fresh_restore_bench.py`)", args, wall_s, load), desc, "",
                       C.table(["target", "method", "time", "GB/s", "user", "sys", "faults"], rows), "",

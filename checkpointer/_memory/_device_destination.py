@@ -160,9 +160,9 @@ def device_destinations(
     memory. Before their first touch, the whole 2 MiB pages inside each buffer are advised
     `MADV_HUGEPAGE`, and its head and tail outside them (which the allocator's own page
     at the start of its mapping keeps out of huge pages) are populated in one call
-    (`MADV_POPULATE_WRITE`) instead of one page fault per 4 KiB. Where huge pages do not
-    pay (`huge_pages_pay`: a guest that reports its free memory to the host), the buffer
-    is advised `MADV_NOHUGEPAGE` and populated whole in one call.
+    (`MADV_POPULATE_WRITE`) instead of one page fault per 4 KiB. Where the user chose 4 KiB
+    pages (`huge_pages_pay`, `CHECKPOINTER_HUGE_PAGES=0`), the buffer is advised
+    `MADV_NOHUGEPAGE` and populated whole in one call.
 
     Ask for all of a restore's arrays in one call: they are allocated by one compiled
     program per set of devices (and per `_BATCH_ARRAYS` arrays), not one per shape.
@@ -208,7 +208,7 @@ def _huge_range(lo: int, nbytes: int) -> tuple[int, int]:
 
 def _prepare(lo: int, nbytes: int, populate: bool = True) -> None:
     """Huge pages for [lo, lo + nbytes) where they fit, the rest populated (`populate`);
-    where huge pages do not pay (`huge_pages_pay`), 4 KiB pages, all populated. Errors
+    where the user chose 4 KiB pages (`huge_pages_pay`), those, all populated. Errors
     (no transparent huge pages, a kernel before 5.14) only leave 4 KiB page faults:
     still correct."""
     start, end = _huge_range(lo, nbytes)
@@ -230,7 +230,7 @@ def _populate(lo: int, nbytes: int) -> None:
 
 def populate_destination(view: np.ndarray) -> None:
     """Populates the head and tail of a `device_destinations(..., populate=False)` view
-    (the parts outside whole 2 MiB pages; the whole view where huge pages do not pay)
+    (the parts outside whole 2 MiB pages; the whole view with 4 KiB pages chosen)
     in one call each, before the view is filled:
     cheaper than one page fault per 4 KiB. Call it on the thread that fills the view."""
     if view.nbytes:

@@ -15,7 +15,6 @@ buffer falls back to malloc (numpy).
 from __future__ import annotations
 
 import functools
-import glob
 import math
 import mmap
 import os
@@ -23,67 +22,46 @@ import os
 import numpy as np
 
 HUGE_PAGE_BYTES = 2 << 20
-_HUGE_PAGE_ORDER = 9  # 2 MiB = 2**9 pages of 4 KiB
 _MADV_HUGEPAGE = 14  # Linux; Python's mmap module names it only where the platform has it
 _MADV_NOHUGEPAGE = 15
-_VIRTIO_BALLOON_F_REPORTING = 5  # the virtio spec's feature bit of free page reporting
 HUGE_PAGES_ENV = "CHECKPOINTER_HUGE_PAGES"
 
 
 @functools.cache
 def huge_pages_pay() -> bool:
     """Whether the library backs its large host buffers (restore destinations, snapshot
-    buffers) with transparent huge pages (`MADV_HUGEPAGE`) or keeps them in 4 KiB pages
-    (`MADV_NOHUGEPAGE`). Decided once per process.
+    buffers) with transparent huge pages (`MADV_HUGEPAGE`, the default) or keeps them in
+    4 KiB pages (`MADV_NOHUGEPAGE`; restore destinations then populated whole in one call).
+    Read once per process from the environment variable `CHECKPOINTER_HUGE_PAGES` ("1" or
+    "0"; unset: "1").
 
-    True, except on a virtual machine whose guest kernel reports free memory to its host
-    at huge-page order (a virtio-balloon device with free page reporting,
-    `VIRTIO_BALLOON_F_REPORTING`, and `page_reporting_order` <= 9; the virtio spec 1.2,
-    section 5.5, and Linux's `mm/page_reporting.c`): there every free 2 MiB block is
-    handed back to the host, every huge page comes from such a block, and its first
-    touch faults in the host as well as the guest, while 4 KiB pages come mostly from
-    memory freed recently and still backed. Filling 1 GiB of fresh destinations took
-    2.8 s of system time in huge pages against 1.0 s in 4 KiB pages on such a guest
-    (docs/DESIGN-decisions.md, "Huge pages only where they pay").
-
-    The environment variable `CHECKPOINTER_HUGE_PAGES` ("1" or "0") overrides the check.
+    Huge pages cost one fault per 2 MiB instead of 512. On a virtual machine whose guest
+    reports free memory to its host at huge-page order (a virtio-balloon with free page
+    reporting), a huge page from a block already reported faults in the host at its first
+    touch, and 4 KiB pages can be cheaper; which wins there depends on how long ago the
+    memory was freed (docs/DESIGN-decisions.md, "Huge pages only where they pay").
 
     Raises:
       ValueError: `CHECKPOINTER_HUGE_PAGES` is set to something other than "0" or "1".
     """
-    return _huge_pages_pay(os.environ.get(HUGE_PAGES_ENV), "/sys")
+    return _huge_pages_pay(os.environ.get(HUGE_PAGES_ENV))
 
 
-def _huge_pages_pay(setting: str | None, sysfs: str) -> bool:
-    if setting is not None and setting.strip() != "":
-        if setting.strip() not in ("0", "1"):
-            raise ValueError(f"{HUGE_PAGES_ENV}={setting!r}: expected '1' (transparent huge pages for the "
-                             "library's large host buffers) or '0' (4 KiB pages); unset it to let the library decide")
-        return setting.strip() == "1"
-    try:
-        with open(f"{sysfs}/module/page_reporting/parameters/page_reporting_order") as f:
-            order = int(f.read())
-    except (OSError, ValueError):  # no free page reporting in this kernel
+def _huge_pages_pay(setting: str | None) -> bool:
+    if setting is None or setting.strip() == "":
         return True
-    if order > _HUGE_PAGE_ORDER:
-        return True
-    for path in glob.glob(f"{sysfs}/bus/virtio/drivers/virtio_balloon/virtio*/features"):
-        try:
-            with open(path) as f:
-                bits = f.read().strip()  # one character per feature bit, bit 0 first
-        except OSError:
-            continue
-        if len(bits) > _VIRTIO_BALLOON_F_REPORTING and bits[_VIRTIO_BALLOON_F_REPORTING] == "1":
-            return False
-    return True
+    if setting.strip() not in ("0", "1"):
+        raise ValueError(f"{HUGE_PAGES_ENV}={setting!r}: expected '1' (transparent huge pages for the "
+                         "library's large host buffers, the default) or '0' (4 KiB pages)")
+    return setting.strip() == "1"
 
 
 def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised C-contiguous array for a restore's destination.
 
     At least one huge page: its own anonymous mapping, 2 MiB-aligned and advised
-    `MADV_HUGEPAGE` (where the platform has it), or `MADV_NOHUGEPAGE` where huge pages
-    do not pay (`huge_pages_pay`); smaller: a 64-byte aligned numpy buffer. The memory is
+    `MADV_HUGEPAGE` (where the platform has it), or `MADV_NOHUGEPAGE` where the user
+    chose 4 KiB pages (`huge_pages_pay`); smaller: a 64-byte aligned numpy buffer. The memory is
     freed with the last array that references it.
 
     Args:
