@@ -425,9 +425,6 @@ def test_restoring_a_local_step_whose_replication_is_in_flight_does_not_replicat
         assert mngr.all_steps() == [1, 2] and mngr.status().last_replication_error is None
 
 
-@pytest.mark.xfail(strict=True, reason="restore(None) lists the newest durable step before it takes the local tier's "
-                                       "retention lock: a replication that commits in between leaves the step chosen "
-                                       "as local-only, no longer pending anywhere, so it is queued again and fails")
 def test_a_replication_committing_while_restore_none_starts_is_not_queued_again(dirs, monkeypatch):
     durable, local = dirs
     gate, real = threading.Event(), _tiers.replicate

@@ -111,11 +111,19 @@ class StepRestoring(StepReader):
         `best_effort`: a failure is logged and shown by `status()`, not raised from the next
         save (`TierManager.enqueue`). A step whose replication is still queued or running on
         any process (a restore in a running manager, saves in flight) is not queued again: that
-        round ends on every process (a second one would fail once the first committed)."""
+        round ends on every process (a second one would fail once the first committed). Nor is
+        one already durable at `generation` (its replication committed after the restore listed
+        the durable tier: chosen as local-only, it is pending nowhere by the vote)."""
         assert self._tiers is not None
         tiers = self._tiers
         self._ensure_writer()
-        votes = _tiers.agree(tiers.directory, lambda: "queued" if step in tiers.pending_steps() else "recovered",
-                             tiers.commit_timeout_s)
-        if "queued" not in votes:
+
+        def state() -> str:
+            if step in tiers.pending_steps():
+                return "queued"
+            durable = _tiers.durable_generation(tiers.durable, tiers.directory, step)
+            return "durable" if durable == generation else "recovered"
+
+        votes = _tiers.agree(tiers.directory, state, tiers.commit_timeout_s)
+        if all(v == "recovered" for v in votes):
             tiers.enqueue(step, generation, overwrite, local_save, best_effort=best_effort)
