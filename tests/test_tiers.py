@@ -5,6 +5,7 @@
 marker; `all_steps()` lists the durable tier only.
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -402,7 +403,10 @@ def test_two_tiers_honour_pack_small_leaves_bytes(dirs, threshold, packed):
     assert ckpt.verify(f"{durable}/1").ok
 
 
-def test_restoring_a_local_step_whose_replication_is_in_flight_does_not_replicate_it_twice(dirs, monkeypatch):
+@contextlib.contextmanager
+def _step_2_replication_held(dirs, monkeypatch):
+    """A two-tier manager with steps 1 (durable) and 2 (committed locally, its replication
+    held until the gate is set): yields (manager, gate)."""
     durable, local = dirs
     gate, real = threading.Event(), _tiers.replicate
 
@@ -415,10 +419,15 @@ def test_restoring_a_local_step_whose_replication_is_in_flight_does_not_replicat
     with ckpt.CheckpointManager(durable, local_directory=local, keep_local=ckpt.KeepLatest(2)) as mngr:
         mngr.save(1, _state(1))
         mngr.wait_until_finished()
-        mngr.save(2, _state(2))  # committed locally, its replication held
+        mngr.save(2, _state(2))
         deadline = time.monotonic() + 60
         while 2 not in mngr._tiers.local_steps() and time.monotonic() < deadline:
             time.sleep(0.01)
+        yield mngr, gate
+
+
+def test_restoring_a_local_step_whose_replication_is_in_flight_does_not_replicate_it_twice(dirs, monkeypatch):
+    with _step_2_replication_held(dirs, monkeypatch) as (mngr, gate):
         _check(mngr.restore(None, _target()), 2)  # e.g. a rollback in the training loop
         gate.set()
         mngr.wait_until_finished()
@@ -426,22 +435,7 @@ def test_restoring_a_local_step_whose_replication_is_in_flight_does_not_replicat
 
 
 def test_a_replication_committing_while_restore_none_starts_is_not_queued_again(dirs, monkeypatch):
-    durable, local = dirs
-    gate, real = threading.Event(), _tiers.replicate
-
-    def held(target, *args, **kwargs):
-        if target.step == 2:
-            gate.wait()
-        return real(target, *args, **kwargs)
-
-    monkeypatch.setattr(_tiers, "replicate", held)
-    with ckpt.CheckpointManager(durable, local_directory=local, keep_local=ckpt.KeepLatest(2)) as mngr:
-        mngr.save(1, _state(1))
-        mngr.wait_until_finished()
-        mngr.save(2, _state(2))  # committed locally, its replication held
-        deadline = time.monotonic() + 60
-        while 2 not in mngr._tiers.local_steps() and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with _step_2_replication_held(dirs, monkeypatch) as (mngr, gate):
         listing, first = type(mngr).latest_step, mngr._tiers._jobs[2]
 
         def listed_then_replicated(self):
