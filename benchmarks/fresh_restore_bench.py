@@ -51,7 +51,7 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # "checkpointer, other page size": the same restore with the page size of its destinations
-# that this run's environment did not choose (`huge_pages_pay`, CHECKPOINTER_HUGE_PAGES).
+# that this run's environment did not choose (`use_huge_pages`, CHECKPOINTER_HUGE_PAGES).
 OTHER_PAGES = "checkpointer, other page size"
 METHODS = ["plain read", "checkpointer", OTHER_PAGES, "orbax"]
 TARGETS = {"same": "same: 2x4 P('data','model')", "4x2": "4x2 mesh P('data','model')",
@@ -166,9 +166,9 @@ def main() -> None:
             mgr.wait_until_finished()
         sums = {k: float(np.asarray(v, np.float64).sum()) for k, v in state.items()}
         shapes = {k: list(v.shape) for k, v in state.items()}
-        from checkpointer._memory._restore_memory import huge_pages_pay
+        from checkpointer._memory._restore_memory import use_huge_pages
 
-        chosen_huge = huge_pages_pay()
+        chosen_huge = use_huge_pages()
         del state
         print(f"devices: {jax.device_count()} × {jax.devices()[0].platform}; runs: {args.runs}; warm-up round first; "
               "one fresh process per measurement")

@@ -1,4 +1,4 @@
-"""The page size of the library's large host buffers (`_memory._restore_memory.huge_pages_pay`,
+"""The page size of the library's large host buffers (`_memory._restore_memory.use_huge_pages`,
 `CHECKPOINTER_HUGE_PAGES`): huge pages by default, 4 KiB pages when chosen, read back from
 /proc/self/smaps."""
 
@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from checkpointer._memory import _device_destination, _restore_memory
-from checkpointer._memory._restore_memory import HUGE_PAGE_BYTES, _huge_pages_pay, host_buffer
+from checkpointer._memory._restore_memory import HUGE_PAGE_BYTES, _use_huge_pages, host_buffer
 
 
 def test_huge_pages_are_the_default_and_the_environment_chooses_and_a_bad_value_says_what_it_expects():
-    assert _huge_pages_pay(None) is True and _huge_pages_pay("") is True
-    assert _huge_pages_pay("1") is True and _huge_pages_pay(" 0\n") is False
+    assert _use_huge_pages(None) is True and _use_huge_pages("") is True
+    assert _use_huge_pages("1") is True and _use_huge_pages(" 0\n") is False
     with pytest.raises(ValueError, match=r"CHECKPOINTER_HUGE_PAGES='yes': expected '1'.*or '0'"):
-        _huge_pages_pay("yes")
+        _use_huge_pages("yes")
 
 
 def _smaps_kib(lo, hi, field="AnonHugePages"):
@@ -44,10 +44,10 @@ def _thp_available():
 def pay(monkeypatch):
     def set_(value):
         monkeypatch.setenv(_restore_memory.HUGE_PAGES_ENV, "1" if value else "0")
-        _restore_memory.huge_pages_pay.cache_clear()
+        _restore_memory.use_huge_pages.cache_clear()
     yield set_
     monkeypatch.delenv(_restore_memory.HUGE_PAGES_ENV)
-    _restore_memory.huge_pages_pay.cache_clear()
+    _restore_memory.use_huge_pages.cache_clear()
 
 
 @pytest.mark.skipif(not _thp_available(), reason="no transparent huge pages on this kernel")

@@ -71,7 +71,7 @@ from ._peer_copy import (
     stream_files,
     timeouts_named,
 )
-from ._tier import PEER_COPIES_DIR, PeerCopyTier, recover_peer_copies
+from ._tier import PeerCopyTier, held_owners, peer_copy_root, recover_peer_copies
 
 log = logging.getLogger("checkpointer")
 
@@ -206,7 +206,7 @@ class PeerService:
     def held(self, owner: int) -> PeerCopyTier:
         """The copies this process holds of process `owner`'s local steps (one tier, so
         one retention lock, per owner)."""
-        root = f"{self.local_root}/{PEER_COPIES_DIR}/process-{owner}"
+        root = peer_copy_root(self.local_root, owner)
         with self._mu:
             tier = self._held.get(owner)
             if tier is None or tier.root != root:
@@ -464,15 +464,17 @@ class PeerService:
 
     def _counts(self) -> dict[int, dict[int, int]] | None:
         """Process → its published copies (own step → copies checked); None: no job, or unreadable."""
+        if self._client is None:
+            return None
         try:
-            entries = dict(self._client.key_value_dir_get(self._key("copies") + "/")) if self._client else None
+            entries = dict(self._client.key_value_dir_get(self._key("copies") + "/"))
         except Exception:
             return None
         per: dict[int, dict[int, int]] = {}
-        for key, value in (entries or {}).items():
+        for key, value in entries.items():
             with contextlib.suppress(ValueError, AttributeError):
                 per[int(key.rsplit("/", 1)[1])] = {int(s): int(n) for s, n in _format.load_json(value, what=key).items()}
-        return None if entries is None else per
+        return per
 
     def _wait_counted(self, step: int) -> None:
         """Waits (at most `timeout_s`) until every process published its copies of `step` or a
@@ -499,13 +501,11 @@ class PeerService:
         it holds, each step with its generation."""
         held: dict[str, dict[str, str]] = {}
         try:
-            owners = os.listdir(f"{self.local_root}/{PEER_COPIES_DIR}")
+            owners = held_owners(_local_storage(), self.local_root)
         except OSError:
             owners = []
-        for name in owners:
-            if not name.startswith("process-") or not name[len("process-"):].isdigit():
-                continue
-            tier = self.held(int(name[len("process-"):]))
+        for owner in owners:
+            tier = self.held(owner)
             steps = {str(s): g for s in tier.steps() if (g := tier.generation(s)) and (newer_than is None or s > newer_than)}
             if steps:
                 held[str(tier.owner)] = steps

@@ -124,10 +124,17 @@ class DurableTier(Tier):
         return f"the durable tier {self.root}"
 
 
-def peer_copy_root(local_root_parent: str, owner: int) -> str:
-    """Where this process keeps copies of process `owner`'s local steps:
-    `<local_directory>/peer-copies/process-<owner>` (beside `process-<i>/`)."""
-    return f"{local_root_parent}/{PEER_COPIES_DIR}/process-{owner}"
+def peer_copy_root(local_root: str, owner: int) -> str:
+    """Where process `local_root`'s owner keeps its copies of process `owner`'s local
+    steps: `<local_root>/peer-copies/process-<owner>` (`local_root`: `LOCAL/process-<i>`)."""
+    return f"{local_root}/{PEER_COPIES_DIR}/process-{owner}"
+
+
+def held_owners(storage: Storage, local_root: str) -> list[int]:
+    """The processes whose copies `local_root` holds (its `peer-copies/process-<i>/` folders)."""
+    prefix = "process-"
+    return sorted(int(n[len(prefix):]) for n in storage.list_dir(f"{local_root}/{PEER_COPIES_DIR}")  # [] if absent
+            if n.startswith(prefix) and n[len(prefix):].isdigit())
 
 
 def recover_peer_copies(storage: Storage, local_root: str) -> list[str]:
@@ -138,11 +145,10 @@ def recover_peer_copies(storage: Storage, local_root: str) -> list[str]:
     holder's start). Returns the folders renamed or removed; a folder that cannot be
     cleaned up stays listed as it was (logged)."""
     done: list[str] = []
-    for name in storage.list_dir(f"{local_root}/{PEER_COPIES_DIR}"):  # [] if absent
-        if name.startswith("process-") and name[len("process-"):].isdigit():
-            root = f"{local_root}/{PEER_COPIES_DIR}/{name}"
-            try:
-                done += [f"{root}/{folder}" for folder in _commit.recover(storage, root)]
-            except OSError as e:
-                log.warning("could not clean up the peer copies in %s: %s", root, e)
+    for owner in held_owners(storage, local_root):
+        root = peer_copy_root(local_root, owner)
+        try:
+            done += [f"{root}/{folder}" for folder in _commit.recover(storage, root)]
+        except OSError as e:
+            log.warning("could not clean up the peer copies in %s: %s", root, e)
     return done

@@ -24,10 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._restore_memory import HUGE_PAGE_BYTES, huge_pages_pay
+from ._restore_memory import _MADV_HUGEPAGE, _MADV_NOHUGEPAGE, HUGE_PAGE_BYTES, use_huge_pages
 
-_MADV_HUGEPAGE = 14  # Linux
-_MADV_NOHUGEPAGE = 15
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _PAGE_BYTES = 4096
 # Below this, page faults cost less than the call (and the heap's pages are mostly there).
@@ -161,7 +159,7 @@ def device_destinations(
     `MADV_HUGEPAGE`, and its head and tail outside them (which the allocator's own page
     at the start of its mapping keeps out of huge pages) are populated in one call
     (`MADV_POPULATE_WRITE`) instead of one page fault per 4 KiB. Where the user chose 4 KiB
-    pages (`huge_pages_pay`, `CHECKPOINTER_HUGE_PAGES=0`), the buffer is advised
+    pages (`use_huge_pages`, `CHECKPOINTER_HUGE_PAGES=0`), the buffer is advised
     `MADV_NOHUGEPAGE` and populated whole in one call.
 
     Ask for all of a restore's arrays in one call: they are allocated by one compiled
@@ -208,12 +206,12 @@ def _huge_range(lo: int, nbytes: int) -> tuple[int, int]:
 
 def _prepare(lo: int, nbytes: int, populate: bool = True) -> None:
     """Huge pages for [lo, lo + nbytes) where they fit, the rest populated (`populate`);
-    where the user chose 4 KiB pages (`huge_pages_pay`), those, all populated. Errors
+    where the user chose 4 KiB pages (`use_huge_pages`), those, all populated. Errors
     (no transparent huge pages, a kernel before 5.14) only leave 4 KiB page faults:
     still correct."""
     start, end = _huge_range(lo, nbytes)
     if end > start and nbytes >= HUGE_PAGE_BYTES:
-        advice = _MADV_HUGEPAGE if huge_pages_pay() else _MADV_NOHUGEPAGE
+        advice = _MADV_HUGEPAGE if use_huge_pages() else _MADV_NOHUGEPAGE
         _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
     if populate:
         _populate(lo, nbytes)
@@ -221,7 +219,7 @@ def _prepare(lo: int, nbytes: int, populate: bool = True) -> None:
 
 def _populate(lo: int, nbytes: int) -> None:
     start, end = _huge_range(lo, nbytes)
-    if not huge_pages_pay():  # one call for the whole buffer instead of one fault per 4 KiB
+    if not use_huge_pages():  # one call for the whole buffer instead of one fault per 4 KiB
         start = end = -(-(lo + nbytes) // _PAGE_BYTES) * _PAGE_BYTES
     for a, b in ((lo // _PAGE_BYTES * _PAGE_BYTES, start), (end, -(-(lo + nbytes) // _PAGE_BYTES) * _PAGE_BYTES)):
         if b - a >= _POPULATE_MIN_BYTES:

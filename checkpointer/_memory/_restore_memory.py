@@ -28,7 +28,7 @@ HUGE_PAGES_ENV = "CHECKPOINTER_HUGE_PAGES"
 
 
 @functools.cache
-def huge_pages_pay() -> bool:
+def use_huge_pages() -> bool:
     """Whether the library backs its large host buffers (restore destinations, snapshot
     buffers) with transparent huge pages (`MADV_HUGEPAGE`, the default) or keeps them in
     4 KiB pages (`MADV_NOHUGEPAGE`; restore destinations then populated whole in one call).
@@ -44,10 +44,10 @@ def huge_pages_pay() -> bool:
     Raises:
       ValueError: `CHECKPOINTER_HUGE_PAGES` is set to something other than "0" or "1".
     """
-    return _huge_pages_pay(os.environ.get(HUGE_PAGES_ENV))
+    return _use_huge_pages(os.environ.get(HUGE_PAGES_ENV))
 
 
-def _huge_pages_pay(setting: str | None) -> bool:
+def _use_huge_pages(setting: str | None) -> bool:
     if setting is None or setting.strip() == "":
         return True
     if setting.strip() not in ("0", "1"):
@@ -61,7 +61,7 @@ def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
     At least one huge page: its own anonymous mapping, 2 MiB-aligned and advised
     `MADV_HUGEPAGE` (where the platform has it), or `MADV_NOHUGEPAGE` where the user
-    chose 4 KiB pages (`huge_pages_pay`); smaller: a 64-byte aligned numpy buffer. The memory is
+    chose 4 KiB pages (`use_huge_pages`); smaller: a 64-byte aligned numpy buffer. The memory is
     freed with the last array that references it.
 
     Args:
@@ -81,7 +81,7 @@ def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.frombuffer(m, np.uint8)  # keeps the mapping alive as long as any view of it
     offset = (-raw.ctypes.data) % HUGE_PAGE_BYTES
     try:
-        if huge_pages_pay():
+        if use_huge_pages():
             m.madvise(_MADV_HUGEPAGE, offset, nbytes - nbytes % HUGE_PAGE_BYTES)
         else:
             m.madvise(_MADV_NOHUGEPAGE)
