@@ -50,6 +50,24 @@ def test_a_durable_schedule_in_seconds_replicates_the_first_step_and_then_waits(
         assert m.all_steps() == [1, 4]
 
 
+def test_a_forced_durable_save_restarts_the_durable_clock(tmp_path, monkeypatch):
+    import checkpointer._manage._time_policies as time_policies
+
+    now = [1_000_000.0]
+    monkeypatch.setattr(time_policies.time, "time", lambda: now[0])
+    with ckpt.CheckpointManager(str(tmp_path / "d"), local_directory=str(tmp_path / "l"), async_save=False,
+                                durable_every_s=100) as m:
+        m.save(1, _tree(1))  # the first step goes durable; the clock counts from it
+        now[0] += 60
+        m.save(2, _tree(2), force=True)  # durable off the schedule: the clock counts from here
+        now[0] += 60  # 120 s after step 1, 60 s after the forced step 2
+        m.save(3, _tree(3))
+        assert m.all_steps() == [1, 2]
+        now[0] += 50  # 110 s after step 2
+        m.save(4, _tree(4))
+        assert m.all_steps() == [1, 2, 4]
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 1 MiB tmpfs (never the machine's /dev/shm); skipped where mounting is not allowed."""

@@ -237,6 +237,14 @@ class LocalTier:
             self._durable_clock.saved()
         return True
 
+    def durable_forced(self) -> bool:
+        """A local step that goes durable off the schedule (`force=True`, preemption):
+        the durable clock (`durable_every_s`) counts from it, as from a scheduled one, so
+        the next durable step is due `durable_every_s` after it. Returns True."""
+        if self._durable_clock is not None:
+            self._durable_clock.saved()
+        return True
+
     def send_to_peers(self, step: int, generation: str, local_save=None) -> None:
         """Queues the copy of local `step` to its holders on other nodes (after its
         local save, an `AsyncSave` or None), when `peer_copies` > 0."""

@@ -11,7 +11,7 @@ The manager's keyword arguments of the schedule (documented here, used by `Local
 - `durable_every_steps`, `durable_every_s`: replicate only every n-th local step (and
   at least s seconds apart, agreed) to the durable directory; 1 and None, the defaults,
   replicate every local step (the behaviour before schedules). `force=True` and the
-  preemption save always go durable.
+  preemption save always go durable, and `durable_every_s` then counts from them.
 """
 
 from __future__ import annotations
