@@ -423,7 +423,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         durable = True
         if self._tiers is not None:
             snap = self._tiers.local_snapshot(snap)
-            durable = self._tiers.durable_forced() if force or preempted else self._tiers.durable_due(step)
+            durable = self._tiers.durable_due(step, forced=force or preempted)
         with self._mu:
             self._last["snapshot_s"], self._last["wait_s"] = snap.snapshot_s, wait_s
             self._snapshot_history_s.append(snap.snapshot_s)

@@ -226,22 +226,14 @@ class LocalTier:
             self._jobs[step] = job
         return job
 
-    def durable_due(self, step: int) -> bool:
-        """Whether local `step` is also replicated to the durable tier
-        (`durable_every_steps`, the clock); the same answer on every process."""
-        if step % self.durable_every_steps:
+    def durable_due(self, step: int, forced: bool = False) -> bool:
+        """Whether local `step` is also replicated to the durable tier (`durable_every_steps`,
+        the clock; `forced`: yes, and the clock counts from it); the same on every process."""
+        if step % self.durable_every_steps and not forced:
             return False
         if self._durable_clock is not None:
-            if not self._durable_clock.due(step):
+            if not forced and not self._durable_clock.due(step):
                 return False
-            self._durable_clock.saved()
-        return True
-
-    def durable_forced(self) -> bool:
-        """A local step that goes durable off the schedule (`force=True`, preemption):
-        the durable clock (`durable_every_s`) counts from it, as from a scheduled one, so
-        the next durable step is due `durable_every_s` after it. Returns True."""
-        if self._durable_clock is not None:
             self._durable_clock.saved()
         return True
 
