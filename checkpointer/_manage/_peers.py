@@ -41,6 +41,7 @@ sender's and the server's threads run at the direct writer's lower CPU priority
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -52,7 +53,7 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import crc32c
 
@@ -215,6 +216,25 @@ class PeerService:
                 tier = self._held[owner] = PeerCopyTier(_local_storage(), root, owner)
             return tier
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Holds the retention lock of every held tier (every owner of the job, and any
+        owner whose folder an earlier job left), owners ascending: while a restart reads
+        the copies this process holds, no put takes a spare, replaces a copy or drops one
+        (`_handle_put` runs those under the held tier's lock). Lock order: a caller holds
+        the local tier's `retention_mu` first; a put takes one held tier's lock and never
+        the local tier's, and `self._mu` is taken inside either, never around them. A get
+        (`_handle_get`) takes no lock: a restart fetching over TCP from a holder in its
+        own restart would wait for it. Not a collective."""
+        try:
+            owners = set(held_owners(_local_storage(), self.local_root))
+        except OSError:
+            owners = set()
+        with contextlib.ExitStack() as stack:
+            for owner in sorted(owners | set(range(self.process_count))):
+                stack.enter_context(self.held(owner).retention_mu)
+            yield
+
     def _serve(self) -> socketserver.ThreadingTCPServer:
         service = self
 
@@ -261,8 +281,9 @@ class PeerService:
             if spare is None:
                 os.makedirs(partial)
             files = _peer_copy.receive_copy(sock, partial, request["files"], _received_path, spare)
-            _commit_folder(partial, f"{tier.root}/{step}", {"owner": owner, "step": step, "generation": generation,
-                                                            "files": files})
+            with tier.retention_mu:  # a restart reading the held copies (`holding`) sees none replaced
+                _commit_folder(partial, f"{tier.root}/{step}", {"owner": owner, "step": step, "generation": generation,
+                                                                "files": files})
         except (OSError, CheckpointError) as e:
             shutil.rmtree(partial, ignore_errors=True)
             self._received(partial)
@@ -501,6 +522,11 @@ class PeerService:
         self._sender.shutdown(wait=True)
         self._server.shutdown()
         self._server.server_close()
+
+
+def holding(peers: PeerService | None) -> contextlib.AbstractContextManager[None]:
+    """`peers.holding()`; nothing to hold without peer copies (`peers` None)."""
+    return contextlib.nullcontext() if peers is None else peers.holding()
 
 
 def _local_storage():
