@@ -399,3 +399,87 @@ def test_two_puts_of_one_owner_take_the_spare_one_at_a_time(pair, monkeypatch, t
     assert [e for e, _ in order] == ["enter", "exit", "enter", "exit"], order
     held = holder.held(0)
     assert held.steps() == [3, 4] and all(ckpt.verify(held.step_path(s)).ok for s in (3, 4))
+
+
+class _Watched:
+    """A lock that calls `on_wait` when an acquire has to wait for another holder."""
+
+    def __init__(self, lock, on_wait):
+        self.lock, self.on_wait = lock, on_wait
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.on_wait()
+            self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def test_puts_wait_while_a_restart_reads_the_copy_they_would_drop_and_write_over(tmp_path, monkeypatch):
+    """restore(None) reads the copies this process holds of other processes' steps (here a
+    replaced process with no step of its own: `_mesh_restart` stages the held copy of
+    process 0's step 1 by hard links and reads it). Meanwhile the owner put step 2 (the
+    copy of step 1 became the spare) and step 3 (written over the spare's files in place):
+    the restore read step 3's bytes under step 1's manifest. The restore now holds the held
+    tiers' retention lock (`PeerService.holding`), which the puts take: they wait for it."""
+    owner_mngr = ckpt.CheckpointManager(str(tmp_path / "dir"), local_directory=str(tmp_path / "o"), async_save=False,
+                                        keep=ckpt.KeepLatest(100), keep_local=ckpt.KeepLatest(3))
+    mngr = ckpt.CheckpointManager(str(tmp_path / "dir-r"), local_directory=str(tmp_path / "r"), async_save=False)
+    holder = PeerService(mngr._tiers.root, str(tmp_path / "dir"), copies=1, node="b", timeout_s=60)
+    owner = PeerService(owner_mngr._tiers.root, str(tmp_path / "dir"), copies=1, node="a", timeout_s=60)
+    owner._addresses[1], owner.mngr = holder._address, owner_mngr
+    trees = {s: _tree("wide", s) for s in (1, 2, 3)}  # one layout: step 3's files are written over step 1's
+    _put(owner, 1, trees[1], [1])
+    for s in (2, 3):
+        owner_mngr.save(s, trees[s])
+    state = {"waiting": False, "done": False}
+    cond, errors = threading.Condition(), []
+    held = holder.held(0)
+
+    def on_wait():
+        with cond:
+            state["waiting"] = True
+            cond.notify_all()
+
+    held.retention_mu = _Watched(held.retention_mu, on_wait)
+
+    def puts():
+        try:
+            for s in (2, 3):
+                owner._put(1, s, owner_mngr._tiers.tier.generation(s), step_files(f"{owner.local_root}/{s}"), [s])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        with cond:
+            state["done"] = True
+            cond.notify_all()
+
+    putting = threading.Thread(target=puts)
+    real_stage, seen = _mesh_restart._stage, {}
+
+    def stage(tmp, c, folders, received):  # the copy is staged; its read comes next
+        records = real_stage(tmp, c, folders, received)
+        putting.start()
+        with cond:  # the puts wait for the lock, or (before) ran to their end
+            cond.wait_for(lambda: state["waiting"] or state["done"], timeout=120)
+            seen.update(state)
+        return records
+
+    monkeypatch.setattr(_mesh_restart, "_stage", stage)
+    mngr._tiers.peers = holder  # this process holds process 0's copies
+    try:
+        restored = mngr.restore()
+        putting.join()
+    finally:
+        mngr._tiers.peers = None
+        for s in (owner, holder):
+            s.close()
+        owner_mngr.close()
+        mngr.close()
+    assert seen == {"waiting": True, "done": False}, seen
+    np.testing.assert_array_equal(restored["a"], trees[1]["a"])
+    np.testing.assert_array_equal(restored["b"]["x"], trees[1]["b"]["x"])
+    assert int(np.asarray(restored["step"])) == 1
+    assert not errors, errors
+    assert held.steps() == [3] and ckpt.verify(held.step_path(3)).ok  # the puts went on after the read

@@ -31,8 +31,9 @@ get   any → holder     {"op": "get", "owner", "step", "generation"}: answers t
                        receiver checks length and crc32c of each file against it.
 ```
 A copy counts (`node_losses_survived`) only once the holder answered ok to its put,
-i.e. after its checks. Nothing here issues a device collective: only sockets
-and the coordination service's key-value store, so it runs on background threads. The
+i.e. after its checks, and for its save attempt only (`_peer_counts`). Nothing here
+issues a device collective: only sockets and the coordination service's key-value
+store, so it runs on background threads. The
 sender's and the server's threads run at the direct writer's lower CPU priority
 (`BACKGROUND_NICE`), so the training step keeps its cores.
 """
@@ -52,7 +53,7 @@ import socket
 import socketserver
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import crc32c
 
@@ -71,6 +72,7 @@ from ._peer_copy import (
     stream_files,
     timeouts_named,
 )
+from ._peer_counts import CopyCounts
 from ._tier import PeerCopyTier, held_owners, peer_copy_root, recover_peer_copies
 
 log = logging.getLogger("checkpointer")
@@ -174,7 +176,6 @@ class PeerService:
         self._tag = hashlib.sha256(directory.encode()).hexdigest()[:12]
         self._client = _coord.client() if self.process_count > 1 else None
         self._addresses: dict[int, PeerAddress] = {}
-        self._verified: dict[int, int] = {}  # own step → copies checked by their holders
         self._held: dict[int, PeerCopyTier] = {}
         self._receiving: set[str] = set()  # the partial folders of the puts being received
         self._mu = threading.Lock()
@@ -197,6 +198,8 @@ class PeerService:
         if self._client is not None:
             self._client.key_value_set(self._key("addr", self.process_index),
                                        json.dumps(dataclasses.asdict(self._address)), allow_overwrite=True)
+        self.counts = CopyCounts(self._client, self._key("copies"), self.process_index, self.process_count, local_root,
+                                 timeout_s)
 
     # --- serving ------------------------------------------------------------------------
 
@@ -212,6 +215,25 @@ class PeerService:
             if tier is None or tier.root != root:
                 tier = self._held[owner] = PeerCopyTier(_local_storage(), root, owner)
             return tier
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Holds the retention lock of every held tier (every owner of the job, and any
+        owner whose folder an earlier job left), owners ascending: while a restart reads
+        the copies this process holds, no put takes a spare, replaces a copy or drops one
+        (`_handle_put` runs those under the held tier's lock). Lock order: a caller holds
+        the local tier's `retention_mu` first; a put takes one held tier's lock and never
+        the local tier's, and `self._mu` is taken inside either, never around them. A get
+        (`_handle_get`) takes no lock: a restart fetching over TCP from a holder in its
+        own restart would wait for it. Not a collective."""
+        try:
+            owners = set(held_owners(_local_storage(), self.local_root))
+        except OSError:
+            owners = set()
+        with contextlib.ExitStack() as stack:
+            for owner in sorted(owners | set(range(self.process_count))):
+                stack.enter_context(self.held(owner).retention_mu)
+            yield
 
     def _serve(self) -> socketserver.ThreadingTCPServer:
         service = self
@@ -259,8 +281,9 @@ class PeerService:
             if spare is None:
                 os.makedirs(partial)
             files = _peer_copy.receive_copy(sock, partial, request["files"], _received_path, spare)
-            _commit_folder(partial, f"{tier.root}/{step}", {"owner": owner, "step": step, "generation": generation,
-                                                            "files": files})
+            with tier.retention_mu:  # a restart reading the held copies (`holding`) sees none replaced
+                _commit_folder(partial, f"{tier.root}/{step}", {"owner": owner, "step": step, "generation": generation,
+                                                                "files": files})
         except (OSError, CheckpointError) as e:
             shutil.rmtree(partial, ignore_errors=True)
             self._received(partial)
@@ -372,9 +395,7 @@ class PeerService:
             try:
                 after()
             except BaseException:  # the local save failed: the manager reports it; the others need not wait
-                with self._mu:
-                    self._verified[step] = 0
-                self._publish()
+                self.counts.finished(step, generation, 0, keep())
                 return 0
         folder, cleanup = f"{self.local_root}/{step}", None
         verified, cpu_s = 0, time.thread_time()
@@ -400,12 +421,8 @@ class PeerService:
             self._sending.pop(step, None)
             if cleanup is not None:
                 cleanup()
-        with self._mu:
-            self._verified[step] = verified
-            for s in [s for s in self._verified if s not in set(keep()) | {step}]:
-                del self._verified[s]
-        self._publish()
-        self._wait_counted(step)  # local retention (`on_done`) judges by the whole job's counts
+        self.counts.finished(step, generation, verified, keep())
+        self.counts.wait_counted(generation)  # local retention (`on_done`) judges by the job's counts of this attempt
         on_done(step, verified)
         self._count_cpu("send", time.thread_time() - cpu_s)
         return verified
@@ -448,51 +465,9 @@ class PeerService:
 
     # --- what survives ------------------------------------------------------------------
 
-    def verified(self) -> dict[int, int]:
-        """Own local step → copies checked by holders on other nodes (this run)."""
-        with self._mu:
-            return dict(self._verified)
-
-    def _publish(self) -> None:
-        if self._client is None:
-            return
-        try:
-            self._client.key_value_set(self._key("copies", self.process_index), json.dumps(self.verified()),
-                                       allow_overwrite=True)
-        except Exception as e:  # diagnostics only
-            log.warning("could not publish the peer copies of process %d: %s", self.process_index, e)
-
-    def _counts(self) -> dict[int, dict[int, int]] | None:
-        """Process → its published copies (own step → copies checked); None: no job, or unreadable."""
-        if self._client is None:
-            return None
-        try:
-            entries = dict(self._client.key_value_dir_get(self._key("copies") + "/"))
-        except Exception:
-            return None
-        per: dict[int, dict[int, int]] = {}
-        for key, value in entries.items():
-            with contextlib.suppress(ValueError, AttributeError):
-                per[int(key.rsplit("/", 1)[1])] = {int(s): int(n) for s, n in _format.load_json(value, what=key).items()}
-        return per
-
-    def _wait_counted(self, step: int) -> None:
-        """Waits (at most `timeout_s`) until every process published its copies of `step` or a
-        later one (each publishes after its own send, or its failed local save)."""
-        deadline, pause = time.monotonic() + self.timeout_s, 0.005
-        while (per := self._counts()) is not None and time.monotonic() < deadline:
-            if all(any(s >= step for s in per.get(p, {})) for p in range(self.process_count)):
-                return
-            time.sleep(pause := min(2 * pause, 0.25))
-
     def job_survives(self) -> dict[int, int]:
-        """Step → node losses the step survives in the whole job: the fewest checked
-        copies of any process's share (a process that has not reported counts 0)."""
-        mine, per = self.verified(), self._counts()
-        if per is None:
-            return mine
-        per[self.process_index] = mine
-        return {s: min(per.get(p, {}).get(s, 0) for p in range(self.process_count)) for s in sorted(mine)}
+        """Own local step → node losses it survives in the whole job (`CopyCounts.job_survives`)."""
+        return self.counts.job_survives()
 
     # --- restore ------------------------------------------------------------------------
 
@@ -547,6 +522,11 @@ class PeerService:
         self._sender.shutdown(wait=True)
         self._server.shutdown()
         self._server.server_close()
+
+
+def holding(peers: PeerService | None) -> contextlib.AbstractContextManager[None]:
+    """`peers.holding()`; nothing to hold without peer copies (`peers` None)."""
+    return contextlib.nullcontext() if peers is None else peers.holding()
 
 
 def _local_storage():

@@ -540,7 +540,7 @@ class LocalTier:
         """
         if step is None:
             below, voted, self.last_restore_reason = None, None, None
-            with self._retention_mu:  # local retention (a local commit meanwhile) removes no step while it is read
+            with self._retention_mu, _peers.holding(self.peers):  # no step read is removed or replaced (lock order: `holding`)
                 if self.peers is not None:  # a replaced process receives its boxes from its holders
                     restored, below, voted = _peer_delivery.restart(self, target, options, latest_durable, resume)
                     if restored is not None:  # the reason: `_mesh_restart`'s when it combined the copies
