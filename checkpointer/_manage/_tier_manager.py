@@ -27,7 +27,7 @@ from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import RestoreOptions, resolve_tree, restore_from
 from .._save import SaveResult, Snapshot, bases_beside, guard, manifest_bytes, release_host, remember, write_snapshot
 from .._storage import Storage
-from . import _alerts, _mesh_restart, _peer_delivery, _peers, _tier_references, _tiers
+from . import _alerts, _local_commits, _mesh_restart, _peer_delivery, _peers, _tier_references, _tiers
 from ._policies import KeepPolicy
 from ._tier import DurableTier, LocalStepTier
 from ._time_policies import SaveClock
@@ -128,6 +128,9 @@ class LocalTier:
                                             timeout_s=commit_timeout_s)
         elif peer_copies:
             log.info("peer_copies=%d: a job of one process has no peer to hold copies", peer_copies)
+        scheduled = durable_every_steps > 1 or durable_clock is not None  # no peers: a newer step supersedes once all hold it
+        self._commits = _local_commits.LocalCommits(directory, commit_timeout_s) if (
+            scheduled and self.peers is None and _coord.process_count() > 1) else None
 
     # --- local commit -------------------------------------------------------------------
 
@@ -204,6 +207,8 @@ class LocalTier:
         snap.result.commit_s = time.perf_counter() - t0
         log.info("step %s committed on the local tier %s (process %d)", snap.step, self.root, snap.process_index)
         _commit.remove_leftovers(self.storage, self.root)  # of failed local saves: not left for recovery
+        if self._commits is not None and snap.step is not None:
+            self._commits.committed(snap.step, snap.generation, self.local_steps(), self.apply_retention)
         self.apply_retention()
 
     # --- replication --------------------------------------------------------------------
@@ -319,10 +324,14 @@ class LocalTier:
         concurrent.futures.wait(jobs)
         if self.peers is not None:
             self.peers.wait_all()
+        if self._commits is not None:
+            self._commits.wait_all()
 
     def close(self) -> None:
         self.wait_all()
         self._queue.shutdown(wait=True)
+        if self._commits is not None:
+            self._commits.close()
         if self.peers is not None:
             self.peers.close()
 
@@ -359,6 +368,8 @@ class LocalTier:
         # process's share), not this process's own count: a step whose own copy is checked but
         # another process's is not survives no node loss, and must not supersede an older one.
         copies = self.peers.job_survives() if self.peers is not None else {}
+        # Without peers, in a job of several processes: only a newer step every process committed.
+        everywhere = set(steps) if self._commits is None else self._commits.everywhere()
         durable_folders = _commit.committed_folders(self.durable, self.directory)
         durable_steps = sorted(durable_folders)
         latest_durable = durable_steps[-1] if durable_steps else None
@@ -376,7 +387,7 @@ class LocalTier:
             # fill the tier); by default one whose replication failed stays until a newer step is durable.
             scheduled = self.durable_every_steps > 1 or self._durable_clock is not None
             superseded = scheduled and any(
-                n > s and copies.get(n, 0) >= copies.get(s, 0) for n in steps)
+                n > s and copies.get(n, 0) >= copies.get(s, 0) and n in everywhere for n in steps)
             if not durable and not (latest_durable is not None and s < latest_durable) and not superseded:
                 continue  # the only copy of a step newer than the newest durable one: kept
             may_go.append(s)
