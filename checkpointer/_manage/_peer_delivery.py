@@ -62,7 +62,7 @@ from .._errors import CheckpointError
 from .._format import ArrayMetadata, PyTree, read_metadata
 from .._restore import RestoreOptions, resolve_tree
 from .._storage import LocalStorage
-from . import _mesh_restart, _peer_transfer, _peers, _tiers
+from . import _mesh_restart, _peer_transfer, _peers, _tier_references, _tiers
 from ._peers import PeerService
 
 log = logging.getLogger("checkpointer")
@@ -307,7 +307,7 @@ def restart(tier: Any, target: object, options: RestoreOptions, latest_durable: 
         log.warning("local copies in %s are of another process count (%s): they are combined over the device exchange "
                     "where the surviving copies cover the target, else %s is read", tier.root, "; ".join(stale),
                     tier.directory)
-    needed = tier._needed_keys(target, options.partial, options.missing)
+    needed = _tier_references.needed_keys(tier.storage, tier.process_index, target, options)
 
     def propose() -> str:  # the inventory, and the local-only vote in the same round
         vote = _tiers.local_restore_proposal(tier.storage, tier.root, latest_durable, needed, below=below)

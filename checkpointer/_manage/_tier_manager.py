@@ -20,14 +20,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from .. import _commit, _coord, _encoding, _format, _storage
+from .. import _commit, _coord, _format, _storage
 from .._encoding import RestoreStats
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from .._format import ArrayMetadata, PyTree, read_metadata
-from .._restore import RestoreOptions, resolve_tree, restore_from
+from .._format import PyTree
+from .._restore import RestoreOptions, restore_from
 from .._save import SaveResult, Snapshot, bases_beside, guard, manifest_bytes, release_host, remember, write_snapshot
 from .._storage import Storage
-from . import _alerts, _mesh_restart, _peer_delivery, _peers, _tier_references, _tiers
+from . import _alerts, _local_commits, _mesh_restart, _peer_delivery, _peers, _tier_references, _tiers
 from ._policies import KeepPolicy
 from ._tier import DurableTier, LocalStepTier
 from ._time_policies import SaveClock
@@ -128,6 +128,9 @@ class LocalTier:
                                             timeout_s=commit_timeout_s)
         elif peer_copies:
             log.info("peer_copies=%d: a job of one process has no peer to hold copies", peer_copies)
+        scheduled = durable_every_steps > 1 or durable_clock is not None  # no peers: a newer step supersedes once all hold it
+        self._commits = _local_commits.LocalCommits(directory, commit_timeout_s) if (
+            scheduled and self.peers is None and _coord.process_count() > 1) else None
 
     # --- local commit -------------------------------------------------------------------
 
@@ -204,6 +207,8 @@ class LocalTier:
         snap.result.commit_s = time.perf_counter() - t0
         log.info("step %s committed on the local tier %s (process %d)", snap.step, self.root, snap.process_index)
         _commit.remove_leftovers(self.storage, self.root)  # of failed local saves: not left for recovery
+        if self._commits is not None and snap.step is not None:
+            self._commits.committed(snap.step, snap.generation, self.local_steps(), self.apply_retention)
         self.apply_retention()
 
     # --- replication --------------------------------------------------------------------
@@ -311,10 +316,14 @@ class LocalTier:
         concurrent.futures.wait(jobs)
         if self.peers is not None:
             self.peers.wait_all()
+        if self._commits is not None:
+            self._commits.wait_all()
 
     def close(self) -> None:
         self.wait_all()
         self._queue.shutdown(wait=True)
+        if self._commits is not None:
+            self._commits.close()
         if self.peers is not None:
             self.peers.close()
 
@@ -351,6 +360,8 @@ class LocalTier:
         # process's share), not this process's own count: a step whose own copy is checked but
         # another process's is not survives no node loss, and must not supersede an older one.
         copies = self.peers.job_survives() if self.peers is not None else {}
+        # Without peers, in a job of several processes: only a newer step every process committed.
+        everywhere = set(steps) if self._commits is None else self._commits.everywhere()
         durable_folders = _commit.committed_folders(self.durable, self.directory)
         durable_steps = sorted(durable_folders)
         latest_durable = durable_steps[-1] if durable_steps else None
@@ -368,7 +379,7 @@ class LocalTier:
             # fill the tier); by default one whose replication failed stays until a newer step is durable.
             scheduled = self.durable_every_steps > 1 or self._durable_clock is not None
             superseded = scheduled and any(
-                n > s and copies.get(n, 0) >= copies.get(s, 0) for n in steps)
+                n > s and copies.get(n, 0) >= copies.get(s, 0) and n in everywhere for n in steps)
             if not durable and not (latest_durable is not None and s < latest_durable) and not superseded:
                 continue  # the only copy of a step newer than the newest durable one: kept
             may_go.append(s)
@@ -393,32 +404,6 @@ class LocalTier:
                               self.peers.last_error if self.peers is not None else None, self.last_restore_reason)
 
     # --- restore ------------------------------------------------------------------------
-
-    def _needed_keys(self, target: object, partial: bool, missing: str) -> Callable[[str], list[str] | None]:
-        """The files this process's devices need of a local step: every file of every
-        box they hold, whether or not a cooperative restore would read it (after a
-        replica-parallel save a process holds only the chunks it wrote of a replicated
-        box, so such a step is not whole here and the durable tier is read; a local
-        manifest indexes only its own process's pack, so a packed chunk written by
-        another process makes the step not whole here either)."""
-
-        def needed(path: str) -> list[str] | None:
-            try:
-                meta = read_metadata(self.storage, path)
-                resolved = resolve_tree(meta, target, partial=partial, process_index=self.process_index, missing=missing)
-            except CheckpointError:
-                return None
-            keys: list[str] = []
-            try:
-                for leaf in resolved.leaves:
-                    if leaf.target is not None and isinstance(leaf.meta, ArrayMetadata):
-                        keys.extend(_tier_references.local_keys(leaf.meta, [k for k, _ in _encoding.files(
-                            leaf.meta, [b for _, b in leaf.device_boxes])], path.rsplit("/", 1)[1]))
-            except CheckpointError:  # e.g. a packed chunk another process wrote: not in this copy's index
-                return None
-            return keys
-
-        return needed
 
     def _copy_name(self, step: int) -> str:
         return f"the local copy {self.root}/{step} of step {step} (process {self.process_index}, not on {self.directory})"
@@ -455,7 +440,7 @@ class LocalTier:
         copies (also added to `damaged_copies`); with `peer_copies`, first (once per step)
         the holders' checked copies serve the damaged shares (`_peer_delivery.restart`).
         None: no local-only step to restore (the newest durable step is next)."""
-        needed = self._needed_keys(target, options.partial, options.missing)
+        needed = _tier_references.needed_keys(self.storage, self.process_index, target, options)
         retried: set[int] = set()
         while True:
             chosen, voted = voted or self._vote_local_step(latest_durable, needed, below), None  # voted: in the peers' round

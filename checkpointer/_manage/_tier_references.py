@@ -47,9 +47,10 @@ from collections.abc import Callable, Collection
 
 import crc32c
 
-from .. import _commit, _format
-from .._errors import CorruptCheckpointError, ReplicationError
-from .._format import ZARR_JSON, ArrayMetadata, ChunkRecord, ProcessRecord
+from .. import _commit, _encoding, _format
+from .._errors import CheckpointError, CorruptCheckpointError, ReplicationError
+from .._format import ZARR_JSON, ArrayMetadata, ChunkRecord, ProcessRecord, read_metadata
+from .._restore import RestoreOptions, resolve_tree
 from .._storage import Storage, storage_for
 from . import _maintenance, _retirement
 
@@ -514,3 +515,30 @@ def _replace_file(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def needed_keys(storage: Storage, process_index: int, target: object, options: RestoreOptions) -> Callable[[str], list[str] | None]:
+    """For a local step's path, the files this process's devices need of it (relative to
+    the local root; None: not whole here): every file of every box they hold, whether or
+    not a cooperative restore would read it (after a replica-parallel save a process holds
+    only the chunks it wrote of a replicated box, so such a step is not whole here and the
+    durable tier is read; a local manifest indexes only its own process's pack, so a
+    packed chunk written by another process makes the step not whole here either)."""
+
+    def needed(path: str) -> list[str] | None:
+        try:
+            meta = read_metadata(storage, path)
+            resolved = resolve_tree(meta, target, partial=options.partial, process_index=process_index, missing=options.missing)
+        except CheckpointError:
+            return None
+        keys: list[str] = []
+        try:
+            for leaf in resolved.leaves:
+                if leaf.target is not None and isinstance(leaf.meta, ArrayMetadata):
+                    keys.extend(local_keys(leaf.meta, [k for k, _ in _encoding.files(
+                        leaf.meta, [b for _, b in leaf.device_boxes])], path.rsplit("/", 1)[1]))
+        except CheckpointError:  # e.g. a packed chunk another process wrote: not in this copy's index
+            return None
+        return keys
+
+    return needed

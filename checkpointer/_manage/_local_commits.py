@@ -1,0 +1,115 @@
+"""The job-wide record of local commits, for local retention without peer copies.
+
+With a durable schedule (`durable_every_steps` > 1 or `durable_every_s`) and no peer
+copies, a local-only step (newer than the newest durable step) is the only copy of its
+share. A newer local step supersedes it only once every process has committed the newer
+one: a process that dropped its share of step 11 as soon as it alone had committed 12
+lost step 11 for the job when another process died before committing 12 (the restart
+then found no step whole on every process and resumed from the durable one).
+
+Each process publishes the local steps it committed in this run, with their generations,
+in the coordination service's key-value store under
+`checkpointer/local-commits/<tag>/<process>` (`{"<step>": "<generation>"}`; `tag` hashes
+the manager's directory); `everywhere()` reads every process's record. After each local
+commit a background thread waits (at most `timeout_s`) until every process has recorded
+the step, then applies local retention again; on timeout it does nothing, so the older
+step stays until a later commit is recorded everywhere (or a newer step is durable).
+Nothing here issues a device collective: only the key-value store, on background threads.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .. import _coord, _format
+
+log = logging.getLogger("checkpointer")
+
+
+class LocalCommits:
+    """This process's part of the job-wide record of local commits of one manager.
+
+    Args:
+      directory: the manager's directory (names the keys).
+      timeout_s: how long the wait after a local commit lasts at most, seconds.
+      client: the coordination service's client (default: `jax.distributed`'s).
+      process_index, process_count: this process and the job's size (default: JAX's).
+    """
+
+    def __init__(self, directory: str, timeout_s: float, *, client: Any = None, process_index: int | None = None,
+                 process_count: int | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.process_index = _coord.process_index() if process_index is None else process_index
+        self.process_count = _coord.process_count() if process_count is None else process_count
+        self._client = _coord.client() if client is None else client
+        self._prefix = f"checkpointer/local-commits/{hashlib.sha256(directory.encode()).hexdigest()[:12]}"
+        self._own: dict[int, str] = {}  # step -> generation, committed by this process in this run
+        self._mu = threading.Lock()
+        self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-local-commits")
+        self._jobs: list[concurrent.futures.Future] = []
+
+    def committed(self, step: int, generation: str, held: Iterable[int], then: Callable[[], object]) -> None:
+        """Records local `step` (of `generation`) as committed by this process (`held`: the
+        steps its local tier still holds; the others leave the record), and calls `then`
+        in the background once every process has recorded it (not after `timeout_s`)."""
+        held = set(held)
+        with self._mu:
+            self._own = {s: g for s, g in self._own.items() if s in held}
+            self._own[step] = generation
+            record = json.dumps({str(s): g for s, g in self._own.items()})
+            self._jobs = [j for j in self._jobs if not j.done()]
+        try:
+            self._client.key_value_set(f"{self._prefix}/{self.process_index}", record, allow_overwrite=True)
+        except Exception as e:  # the older local steps stay: retention never drops them on this record
+            log.warning("could not record the local commit of step %d (process %d): %s", step, self.process_index, e)
+            return
+        job = self._waiter.submit(self._wait_then, step, then)
+        with self._mu:
+            self._jobs.append(job)
+
+    def everywhere(self) -> set[int]:
+        """This process's committed local steps that every process has recorded as committed
+        at the same generation (one read of the key-value store; unreadable: none)."""
+        with self._mu:
+            own = dict(self._own)
+        try:
+            entries = dict(self._client.key_value_dir_get(self._prefix + "/"))
+        except Exception:
+            return set()
+        per: dict[int, dict] = {}
+        for key, value in entries.items():
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                per[int(key.rsplit("/", 1)[1])] = dict(_format.load_json(value, what=key))
+        others = [p for p in range(self.process_count) if p != self.process_index]
+        return {s for s, g in own.items() if all(per.get(p, {}).get(str(s)) == g for p in others)}
+
+    def _wait_then(self, step: int, then: Callable[[], object]) -> None:
+        deadline, pause = time.monotonic() + self.timeout_s, 0.005
+        while step not in self.everywhere():
+            if time.monotonic() >= deadline:
+                log.info("not every process recorded the local commit of step %d within %.0f s: the older local "
+                         "steps stay", step, self.timeout_s)
+                return
+            time.sleep(pause := min(2 * pause, 0.25))
+        try:
+            then()
+        except Exception as e:  # a later commit applies retention again
+            log.warning("local retention after step %d was committed on every process failed: %s", step, e)
+
+    def wait_all(self) -> None:
+        """Waits for the waits in flight (each at most `timeout_s`)."""
+        with self._mu:
+            jobs = list(self._jobs)
+        concurrent.futures.wait(jobs)
+
+    def close(self) -> None:
+        self.wait_all()
+        self._waiter.shutdown(wait=True)
