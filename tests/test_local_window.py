@@ -2,6 +2,8 @@
 process drops an older local-only step (newer than the newest durable one) only once
 every process has committed the newer local step (`_manage/_local_commits.py`)."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
@@ -66,3 +68,64 @@ def test_a_process_killed_before_its_local_commit_leaves_the_older_local_step_wh
     for r in run_processes(WORKERS / "window_worker.py", 2, 2, dict(args, phase="restore"), timeout_s=120):
         rec = r.record("restored")
         assert rec["step"] == kept and rec["mismatches"] == [] and rec["source"] == "local", r.describe()
+
+
+class _Clock:
+    """Virtual time for `_local_commits` (its `time`): a sleep advances it at once."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+def _held_back_waits(monkeypatch):
+    """(commits, key-value store, clock, gate): a `LocalCommits` of process 0 of two, on
+    virtual time, whose background waits start only once `gate` is set."""
+    clock, kv = _Clock(), _KeyValues()
+    monkeypatch.setattr(_local_commits, "time", clock)
+    commits = _local_commits.LocalCommits("/dir", 60.0, client=kv, process_index=0, process_count=2)
+    gate = threading.Event()
+    commits._waiter.submit(gate.wait)  # the one waiter thread is busy until the records are in place
+    return commits, kv, clock, gate
+
+
+@pytest.mark.xfail(strict=True, reason="review44: a wait for a step no longer recorded runs out its timeout")
+def test_a_wait_ends_once_a_newer_step_is_recorded_everywhere(monkeypatch):
+    # Process 0 commits 10, 11 and 12 and no longer holds 10 at 12 (10 went durable and
+    # left the window); process 1 did the same, so its record too names 11 and 12 only.
+    # The wait after 10 can never see 10 everywhere. Before, it ran out its timeout
+    # (commit_timeout_s) while the waits after 11 and 12 queued behind it on the one
+    # waiter thread; in a job whose loop saves more often than that, every later wait
+    # then started after its own step had left the records too, timed out in turn, and
+    # `wait_until_finished`/`close` waited one timeout per save.
+    commits, kv, clock, gate = _held_back_waits(monkeypatch)
+    ran = []
+    commits.committed(10, "g10", [10], lambda: ran.append(10))
+    commits.committed(11, "g11", [10, 11], lambda: ran.append(11))
+    commits.committed(12, "g12", [11, 12], lambda: ran.append(12))
+    ((key, record),) = kv.values.items()
+    kv.values[key[:-1] + "1"] = record  # process 1 records 11 and 12 too
+    gate.set()
+    commits.close()
+    assert ran == [10, 11, 12]  # retention ran after each: 12 is whole on every process
+    assert clock.now < commits.timeout_s, "a wait ran out its timeout although a newer step was recorded everywhere"
+
+
+@pytest.mark.xfail(strict=True, reason="review44: queued waits each wait a whole timeout, one after another")
+def test_the_waits_for_a_process_that_never_records_share_one_timeout(monkeypatch):
+    # Process 1 records nothing (it died). close() waits for the waits in flight: each
+    # gives up `timeout_s` after its commit, so close() waits one timeout, not one per
+    # commit queued on the waiter thread (before: three timeouts, one after another).
+    commits, kv, clock, gate = _held_back_waits(monkeypatch)
+    ran = []
+    for step in (10, 11, 12):
+        commits.committed(step, f"g{step}", [10, 11, 12], lambda s=step: ran.append(s))
+    gate.set()
+    commits.close()
+    assert ran == []  # nothing was recorded everywhere: retention never ran for these
+    assert clock.now < 2 * commits.timeout_s, f"close() waited {clock.now:.0f} virtual s for three commits"
