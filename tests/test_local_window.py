@@ -94,7 +94,6 @@ def _held_back_waits(monkeypatch):
     return commits, kv, clock, gate
 
 
-@pytest.mark.xfail(strict=True, reason="review44: a wait for a step no longer recorded runs out its timeout")
 def test_a_wait_ends_once_a_newer_step_is_recorded_everywhere(monkeypatch):
     # Process 0 commits 10, 11 and 12 and no longer holds 10 at 12 (10 went durable and
     # left the window); process 1 did the same, so its record too names 11 and 12 only.
@@ -116,7 +115,6 @@ def test_a_wait_ends_once_a_newer_step_is_recorded_everywhere(monkeypatch):
     assert clock.now < commits.timeout_s, "a wait ran out its timeout although a newer step was recorded everywhere"
 
 
-@pytest.mark.xfail(strict=True, reason="review44: queued waits each wait a whole timeout, one after another")
 def test_the_waits_for_a_process_that_never_records_share_one_timeout(monkeypatch):
     # Process 1 records nothing (it died). close() waits for the waits in flight: each
     # gives up `timeout_s` after its commit, so close() waits one timeout, not one per

@@ -11,9 +11,12 @@ Each process publishes the local steps it committed in this run, with their gene
 in the coordination service's key-value store under
 `checkpointer/local-commits/<tag>/<process>` (`{"<step>": "<generation>"}`; `tag` hashes
 the manager's directory); `everywhere()` reads every process's record. After each local
-commit a background thread waits (at most `timeout_s`) until every process has recorded
-the step, then applies local retention again; on timeout it does nothing, so the older
-step stays until a later commit is recorded everywhere (or a newer step is durable).
+commit a background thread waits until every process has recorded the step, or a newer
+one, or until the step left this process's record (a newer commit's wait takes over),
+then applies local retention again. It gives up `timeout_s` after the commit (not after
+the wait starts: the waits queue on one thread, and the waits of a process that never
+records share one timeout); then it does nothing, so the older step stays until a later
+commit is recorded everywhere (or a newer step is durable).
 Nothing here issues a device collective: only the key-value store, on background threads.
 """
 
@@ -59,7 +62,9 @@ class LocalCommits:
     def committed(self, step: int, generation: str, held: Iterable[int], then: Callable[[], object]) -> None:
         """Records local `step` (of `generation`) as committed by this process (`held`: the
         steps its local tier still holds; the others leave the record), and calls `then`
-        in the background once every process has recorded it (not after `timeout_s`)."""
+        in the background once every process has recorded it or a newer step, or once
+        `step` left this record; not when `timeout_s` (from now) passes first."""
+        deadline = time.monotonic() + self.timeout_s
         held = set(held)
         with self._mu:
             self._own = {s: g for s, g in self._own.items() if s in held}
@@ -71,7 +76,7 @@ class LocalCommits:
         except Exception as e:  # the older local steps stay: retention never drops them on this record
             log.warning("could not record the local commit of step %d (process %d): %s", step, self.process_index, e)
             return
-        job = self._waiter.submit(self._wait_then, step, then)
+        job = self._waiter.submit(self._wait_then, step, deadline, then)
         with self._mu:
             self._jobs.append(job)
 
@@ -91,9 +96,20 @@ class LocalCommits:
         others = [p for p in range(self.process_count) if p != self.process_index]
         return {s for s, g in own.items() if all(per.get(p, {}).get(str(s)) == g for p in others)}
 
-    def _wait_then(self, step: int, then: Callable[[], object]) -> None:
-        deadline, pause = time.monotonic() + self.timeout_s, 0.005
-        while step not in self.everywhere():
+    def _settled(self, step: int) -> bool:
+        """Whether the wait after `step` is over: `step` or a newer step of this process is
+        recorded everywhere (retention may let it supersede the older ones), or `step` left
+        this process's record (it can never be everywhere; the newer commit's wait goes on).
+        Before, a wait for a step that had left the records ran out its timeout while the
+        later waits queued behind it, and timed out in turn (review44)."""
+        with self._mu:
+            if step not in self._own:
+                return True
+        return any(s >= step for s in self.everywhere())
+
+    def _wait_then(self, step: int, deadline: float, then: Callable[[], object]) -> None:
+        pause = 0.005
+        while not self._settled(step):
             if time.monotonic() >= deadline:
                 log.info("not every process recorded the local commit of step %d within %.0f s: the older local "
                          "steps stay", step, self.timeout_s)
@@ -105,7 +121,7 @@ class LocalCommits:
             log.warning("local retention after step %d was committed on every process failed: %s", step, e)
 
     def wait_all(self) -> None:
-        """Waits for the waits in flight (each at most `timeout_s`)."""
+        """Waits for the waits in flight (at most `timeout_s` after the last commit)."""
         with self._mu:
             jobs = list(self._jobs)
         concurrent.futures.wait(jobs)
