@@ -70,6 +70,27 @@ def test_a_process_killed_before_its_local_commit_leaves_the_older_local_step_wh
         assert rec["step"] == kept and rec["mismatches"] == [] and rec["source"] == "local", r.describe()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="review44: with peer copies that no holder took, 0 copies of 12 >= 0 of 11")
+def test_with_peer_copies_no_holder_took_the_older_local_step_stays_whole_on_every_process(tmp_path):
+    # The kill scenario above with peer_copies=1, both processes on one node: no process
+    # can hold a copy, every step's job-wide count is 0. Before, local retention let 12 (0
+    # copies) supersede 11 (0 copies) on process 0 as soon as process 0 alone had
+    # committed 12: 11 was lost for the job and the restart resumed from durable step 10.
+    # The copy counts decide only where they say more; a newer step supersedes an older
+    # one only once every process has committed it, with peer copies too.
+    args = {"directory": str(tmp_path / "durable"), "local": str(tmp_path / "local"), "phase": "save",
+            "steps": [10, 11, 12], "commit_timeout_s": 30, "peer_copies": 1}
+    p0, p1 = run_processes(WORKERS / "window_worker.py", 2, 2, args, timeout_s=120, fail_fast=False, check=False,
+                           env={"MP_RECOVERABLE": "1"})
+    assert p1.returncode == -9 and p0.returncode == 0, p0.describe() + p1.describe()
+    assert p0.record("saved")["local_steps"] == [11, 12], p0.describe()
+    for r in run_processes(WORKERS / "window_worker.py", 2, 2, dict(args, phase="restore"), timeout_s=120):
+        rec = r.record("restored")
+        assert rec["step"] == 11 and rec["mismatches"] == [] and rec["source"] == "local", r.describe()
+
+
 class _Clock:
     """Virtual time for `_local_commits` (its `time`): a sleep advances it at once."""
 

@@ -1,7 +1,8 @@
 """The local window without peer copies (`peer_copies=0`), 2 processes x 2 devices:
 durable_every_steps=10, keep_local=KeepLatest(1), synchronous saves.
 
-args: {"directory", "local", "phase": "save" | "restore", "steps": [..], "commit_timeout_s": s}
+args: {"directory", "local", "phase": "save" | "restore", "steps": [..], "commit_timeout_s": s,
+       "peer_copies": n (default 0; both processes run on this one node, so no process holds a copy)}
 phase "save": saves `steps` but the last on every process, waits, emits {"event": "before_kill",
   "local_steps"} and syncs; then both save the last step: process 1 dies (SIGKILL) while
   writing it, before its local commit; process 0 commits it and emits {"event": "saved", "local_steps"} and exits at once (its peer
@@ -29,7 +30,8 @@ mesh = _common.mesh((2, 2), ("data", "model"))
 tree = _common.build_tree(mesh)
 expected = _common.global_arrays()
 mngr = ckpt.CheckpointManager(args["directory"], local_directory=args["local"], keep_local=ckpt.KeepLatest(1),
-                              durable_every_steps=10, commit_timeout_s=args["commit_timeout_s"], async_save=False)
+                              durable_every_steps=10, commit_timeout_s=args["commit_timeout_s"], async_save=False,
+                              peer_copies=args.get("peer_copies", 0))
 if args["phase"] == "save":
     *steps, last = args["steps"]
     for step in steps:
