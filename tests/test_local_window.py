@@ -72,7 +72,6 @@ def test_a_process_killed_before_its_local_commit_leaves_the_older_local_step_wh
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="review44: with peer copies that no holder took, 0 copies of 12 >= 0 of 11")
 def test_with_peer_copies_no_holder_took_the_older_local_step_stays_whole_on_every_process(tmp_path):
     # The kill scenario above with peer_copies=1, both processes on one node: no process
     # can hold a copy, every step's job-wide count is 0. Before, local retention let 12 (0

@@ -1,11 +1,13 @@
-"""The job-wide record of local commits, for local retention without peer copies.
+"""The job-wide record of local commits, for local retention in a job of several processes.
 
 With a durable schedule (`durable_every_steps` > 1 or `durable_every_s`) and no peer
 copies, a local-only step (newer than the newest durable step) is the only copy of its
 share. A newer local step supersedes it only once every process has committed the newer
 one: a process that dropped its share of step 11 as soon as it alone had committed 12
 lost step 11 for the job when another process died before committing 12 (the restart
-then found no step whole on every process and resumed from the durable one).
+then found no step whole on every process and resumed from the durable one). With peer
+copies the same holds where the job-wide copy counts tie at 0 (no holder took a copy:
+every process on one node, or failed copies), so the record is kept with peers too.
 
 Each process publishes the local steps it committed in this run, with their generations,
 in the coordination service's key-value store under
@@ -59,11 +61,13 @@ class LocalCommits:
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-local-commits")
         self._jobs: list[concurrent.futures.Future] = []
 
-    def committed(self, step: int, generation: str, held: Iterable[int], then: Callable[[], object]) -> None:
+    def committed(self, step: int, generation: str, held: Iterable[int], then: Callable[[], object] | None) -> None:
         """Records local `step` (of `generation`) as committed by this process (`held`: the
         steps its local tier still holds; the others leave the record), and calls `then`
         in the background once every process has recorded it or a newer step, or once
-        `step` left this record; not when `timeout_s` (from now) passes first."""
+        `step` left this record; not when `timeout_s` (from now) passes first. `then`
+        None: no wait (with peer copies, the retention after the step's copy job runs once
+        every process has finished that job, so after every process recorded its commit)."""
         deadline = time.monotonic() + self.timeout_s
         held = set(held)
         with self._mu:
@@ -75,6 +79,8 @@ class LocalCommits:
             self._client.key_value_set(f"{self._prefix}/{self.process_index}", record, allow_overwrite=True)
         except Exception as e:  # the older local steps stay: retention never drops them on this record
             log.warning("could not record the local commit of step %d (process %d): %s", step, self.process_index, e)
+            return
+        if then is None:
             return
         job = self._waiter.submit(self._wait_then, step, deadline, then)
         with self._mu:

@@ -128,9 +128,10 @@ class LocalTier:
                                             timeout_s=commit_timeout_s)
         elif peer_copies:
             log.info("peer_copies=%d: a job of one process has no peer to hold copies", peer_copies)
-        scheduled = durable_every_steps > 1 or durable_clock is not None  # no peers: a newer step supersedes once all hold it
+        # A newer step supersedes once all hold it; with peers too: copy counts tied at 0 say nothing (review44)
+        scheduled = durable_every_steps > 1 or durable_clock is not None
         self._commits = _local_commits.LocalCommits(directory, commit_timeout_s) if (
-            scheduled and self.peers is None and _coord.process_count() > 1) else None
+            scheduled and _coord.process_count() > 1) else None
 
     # --- local commit -------------------------------------------------------------------
 
@@ -208,7 +209,8 @@ class LocalTier:
         log.info("step %s committed on the local tier %s (process %d)", snap.step, self.root, snap.process_index)
         _commit.remove_leftovers(self.storage, self.root)  # of failed local saves: not left for recovery
         if self._commits is not None and snap.step is not None:
-            self._commits.committed(snap.step, snap.generation, self.local_steps(), self.apply_retention)
+            self._commits.committed(snap.step, snap.generation, self.local_steps(),  # peers: `_peer_copied` applies it
+                                    self.apply_retention if self.peers is None else None)
         self.apply_retention()
 
     # --- replication --------------------------------------------------------------------
@@ -360,7 +362,7 @@ class LocalTier:
         # process's share), not this process's own count: a step whose own copy is checked but
         # another process's is not survives no node loss, and must not supersede an older one.
         copies = self.peers.job_survives() if self.peers is not None else {}
-        # Without peers, in a job of several processes: only a newer step every process committed.
+        # In a job of several processes: only a newer step every process committed.
         everywhere = set(steps) if self._commits is None else self._commits.everywhere()
         durable_folders = _commit.committed_folders(self.durable, self.directory)
         durable_steps = sorted(durable_folders)
