@@ -448,3 +448,25 @@ def test_a_done_callback_runs_even_when_the_caller_keeps_no_handle(ckpt_dir, mon
     gc.collect()
     release.set()
     assert seen.wait(60) and got == [f"{ckpt_dir}/1"]
+
+
+def test_a_save_below_committed_steps_warns_once_that_a_restart_would_resume_from_them(tmp_path, caplog):
+    # After a rewind (restore an older step, train on), restore(None) still picks the newest
+    # committed step by number: the save says so, once per newer step, naming the steps.
+    with ckpt.CheckpointManager(str(tmp_path), async_save=False) as m:
+        for step in (100, 110, 120):
+            m.save(step, {"w": np.full(4, step, np.float32)})
+        assert not [r for r in caplog.records if "rewind" in r.getMessage()]
+        with caplog.at_level(logging.WARNING, logger="checkpointer"):
+            m.save(105, {"w": np.full(4, 105, np.float32)})
+            m.save(110, {"w": np.full(4, 1110, np.float32)}, force=True)
+        warned = [r.getMessage() for r in caplog.records if "rewind" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert "step 105" in warned[0] and "110, 120" in warned[0] and "resumes from step 120" in warned[0]
+        assert "CheckpointManager.delete" in warned[0] and str(tmp_path) in warned[0]
+        m.delete(120)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="checkpointer"):
+            m.save(115, {"w": np.full(4, 115, np.float32)})  # 110 is this run's own (forced): nothing newer
+        assert not [r for r in caplog.records if "rewind" in r.getMessage()]
+        assert m.restore(None)["w"][0] == 115

@@ -173,6 +173,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         self._last: dict[str, float | None] = dict.fromkeys(("snapshot_s", "wait_s", "write_s", "commit_s", "write_bytes_per_s"))
         self._snapshot_history_s: list[float] = []
         self._metrics_cache: dict[int, dict] = {}
+        self._rewind_warned: int | None = None  # the newest step `_warn_rewind` named
         self._created_cache: dict[int, float | None] = {}
         self._closed = False
         # The previous snapshot's host buffers, reused by the next one (warm memory
@@ -377,7 +378,10 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
                 return False
             if not force and not preempted and self._clock is not None and not self._clock.due(step):
                 return False
-            if not force and step in self.all_steps():
+            committed = self.all_steps()
+            if committed and committed[-1] > step and self._rewind_warned != committed[-1]:
+                self._rewind_warned = _warn_rewind(self.directory, step, committed)  # once per newer step
+            if not force and step in committed:
                 if preempted:  # saved already: commit what is in flight, then the loop stops
                     self.wait_until_finished()
                     return False
@@ -564,3 +568,19 @@ def _check_incremental(incremental: object) -> bool:
     if not isinstance(incremental, bool):
         raise TypeError(f"incremental must be True or False, got {incremental!r}")
     return incremental
+
+
+def _warn_rewind(directory: str, step: int, committed: list[int]) -> int:
+    """A save of `step` below committed steps (a rewind, or a run started again in a used
+    directory): `restore(None)` and retention order steps by number (the contract's
+    "newest committed step", as Orbax's `latest_step`), so until this run passes them a
+    restart resumes from the newer steps of the earlier run. Says so, naming them, and
+    returns the newest (`committed` ascending)."""
+    newer = [s for s in committed if s > step]
+    shown = ", ".join(map(str, newer[:5])) + (f" and {len(newer) - 5} more" if len(newer) > 5 else "")
+    log.warning(
+        "saving step %d of %s below committed step(s) %s (a rewind?): restore(None) and retention order steps by "
+        "number, so a restart before this run passes step %d resumes from step %d of the earlier run. If those "
+        "steps belong to an abandoned run, delete them (CheckpointManager.delete(step), every process)",
+        step, directory, shown, newer[-1], newer[-1])
+    return committed[-1]
