@@ -106,6 +106,21 @@ def same_bits(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(bits(a), bits(b))
 
 
+def step_mismatches(out, expected) -> list[str]:
+    """Per restored leaf of `expected` (name -> global numpy value, "w" offset by the
+    restored step as the tier workers save it), what differs in the shards of `out`."""
+    import numpy as np
+
+    mismatches = []
+    for name, g in expected.items():
+        if name == "w":
+            g = (g + np.float32(out["step"])).astype(g.dtype)
+        for s in out[name].addressable_shards:
+            if not same_bits(np.asarray(s.data), g[s.index]):
+                mismatches.append(f"{name}: shard on device {s.device.id} differs")
+    return mismatches
+
+
 # --- a replicated state (cooperative restore) ----------------------------------------------
 
 

@@ -13,7 +13,6 @@ import _common
 args = _common.init()
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import checkpointer as ckpt  # noqa: E402
 
@@ -31,12 +30,6 @@ with ckpt.CheckpointManager(args["directory"], local_directory=args["local"], ke
         target = {k: (v.sharding if isinstance(v, jax.Array) else None) for k, v in tree.items()}
         out = mngr.restore(None, target)
         status = mngr.status()
-        mismatches = []
-        for name, g in expected.items():
-            if name == "w":
-                g = (g + np.float32(out["step"])).astype(g.dtype)
-            for s in out[name].addressable_shards:
-                if not _common.same_bits(np.asarray(s.data), g[s.index]):
-                    mismatches.append(f"{name}: shard on device {s.device.id} differs")
+        mismatches = _common.step_mismatches(out, expected)
         _common.emit(event="restored", step=out["step"], source=status.last_restore_source,
                      durable_bytes=status.last_restore_durable_bytes, mismatches=mismatches)
