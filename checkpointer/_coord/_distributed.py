@@ -5,8 +5,11 @@ uses, never a device collective, so every meeting is safe from a background thre
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,3 +54,35 @@ def process_index() -> int:
 
 def process_count() -> int:
     return jax.process_count()
+
+
+def records(client: Any, prefix: str) -> dict[int, Any] | None:
+    """Every process's JSON record under `prefix/<process index>` in the key-value store
+    (one read; a malformed entry is left out). None: no client (a job of one process),
+    or the store cannot be read (jaxlib's error). Not a collective."""
+    from .._format import load_json
+
+    if client is None:
+        return None
+    try:
+        entries = dict(client.key_value_dir_get(prefix + "/"))
+    except Exception:
+        return None
+    out: dict[int, Any] = {}
+    for key, value in entries.items():
+        with contextlib.suppress(ValueError, TypeError):
+            out[int(key.rsplit("/", 1)[1])] = load_json(value, what=key)
+    return out
+
+
+def poll(done: Callable[[], bool], deadline_monotonic: float, clock: Any = time) -> bool:
+    """Calls `done` until it is true (True) or `clock.monotonic()` passes the deadline
+    (False), pausing (`clock.sleep`) 5 ms, then twice as long each time, at most 0.25 s:
+    for waits on the key-value store, which has no notification for a folder. `clock`:
+    the caller's `time` module (tests replace it with a virtual one)."""
+    pause = 0.005
+    while not done():
+        if clock.monotonic() >= deadline_monotonic:
+            return False
+        clock.sleep(pause := min(2 * pause, 0.25))
+    return True

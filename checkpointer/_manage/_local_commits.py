@@ -25,7 +25,6 @@ Nothing here issues a device collective: only the key-value store, on background
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import json
 import logging
@@ -34,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .. import _coord, _format
+from .. import _coord
 
 log = logging.getLogger("checkpointer")
 
@@ -91,14 +90,10 @@ class LocalCommits:
         at the same generation (one read of the key-value store; unreadable: none)."""
         with self._mu:
             own = dict(self._own)
-        try:
-            entries = dict(self._client.key_value_dir_get(self._prefix + "/"))
-        except Exception:
+        found = _coord.records(self._client, self._prefix)
+        if found is None:
             return set()
-        per: dict[int, dict] = {}
-        for key, value in entries.items():
-            with contextlib.suppress(ValueError, AttributeError, TypeError):
-                per[int(key.rsplit("/", 1)[1])] = dict(_format.load_json(value, what=key))
+        per = {p: r for p, r in found.items() if isinstance(r, dict)}
         others = [p for p in range(self.process_count) if p != self.process_index]
         return {s for s, g in own.items() if all(per.get(p, {}).get(str(s)) == g for p in others)}
 
@@ -114,13 +109,10 @@ class LocalCommits:
         return any(s >= step for s in self.everywhere())
 
     def _wait_then(self, step: int, deadline: float, then: Callable[[], object]) -> None:
-        pause = 0.005
-        while not self._settled(step):
-            if time.monotonic() >= deadline:
-                log.info("not every process recorded the local commit of step %d within %.0f s: the older local "
-                         "steps stay", step, self.timeout_s)
-                return
-            time.sleep(pause := min(2 * pause, 0.25))
+        if not _coord.poll(lambda: self._settled(step), deadline, clock=time):
+            log.info("not every process recorded the local commit of step %d within %.0f s: the older local "
+                     "steps stay", step, self.timeout_s)
+            return
         try:
             then()
         except Exception as e:  # a later commit applies retention again

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from .. import _format
+from .. import _coord
 from .._storage import LocalStorage
 from ._tier import LocalStepTier
 
@@ -84,29 +84,24 @@ class CopyCounts:
 
     def _published(self) -> _Published | None:
         """Every process's published counts; None: no job (one process), or unreadable."""
-        if self._client is None:
-            return None
-        try:
-            entries = dict(self._client.key_value_dir_get(self._prefix + "/"))
-        except Exception:  # jaxlib's error: the counts are not known
+        found = _coord.records(self._client, self._prefix)
+        if found is None:
             return None
         per: _Published = {}
-        for key, value in entries.items():
-            with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):  # a malformed entry: no count
-                obj = _format.load_json(value, what=key)
-                copies = {int(s): (str(c[0]), int(c[1])) for s, c in obj["copies"].items()}
-                per[int(key.rsplit("/", 1)[1])] = (copies, {str(g) for g in obj["sent"]})
+        for p, obj in found.items():
+            with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError, IndexError):  # malformed: no count
+                per[p] = ({int(s): (str(c[0]), int(c[1])) for s, c in obj["copies"].items()}, {str(g) for g in obj["sent"]})
         return per
 
     def wait_counted(self, generation: str) -> None:
         """Waits (at most `timeout_s`) until every process has published the end of its copy
         job of the attempt `generation` (each publishes after its own send, or its failed
         local save). Not a collective: the key-value store only."""
-        deadline, pause = time.monotonic() + self._timeout_s, 0.005
-        while (per := self._published()) is not None and time.monotonic() < deadline:
-            if all(generation in per.get(p, ({}, set()))[1] for p in range(self._process_count)):
-                return
-            time.sleep(pause := min(2 * pause, 0.25))
+        def counted() -> bool:
+            per = self._published()
+            return per is None or all(generation in per.get(p, ({}, set()))[1] for p in range(self._process_count))
+
+        _coord.poll(counted, time.monotonic() + self._timeout_s, clock=time)
 
     def job_survives(self) -> dict[int, int]:
         """Own local step → node losses it survives in the whole job: the fewest checked

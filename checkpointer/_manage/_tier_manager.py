@@ -129,9 +129,9 @@ class LocalTier:
         elif peer_copies:
             log.info("peer_copies=%d: a job of one process has no peer to hold copies", peer_copies)
         # A newer step supersedes once all hold it; with peers too: copy counts tied at 0 say nothing (review44)
-        scheduled = durable_every_steps > 1 or durable_clock is not None
+        self.scheduled = durable_every_steps > 1 or durable_clock is not None  # a durable schedule: not every step
         self._commits = _local_commits.LocalCommits(directory, commit_timeout_s) if (
-            scheduled and _coord.process_count() > 1) else None
+            self.scheduled and _coord.process_count() > 1) else None
 
     # --- local commit -------------------------------------------------------------------
 
@@ -379,8 +379,7 @@ class LocalTier:
             # this one's bytes a fallback only: the restore resumes from the newer one.
             # Only with a durable schedule (a step whose replication failed too, else failed durable saves
             # fill the tier); by default one whose replication failed stays until a newer step is durable.
-            scheduled = self.durable_every_steps > 1 or self._durable_clock is not None
-            superseded = scheduled and any(
+            superseded = self.scheduled and any(
                 n > s and copies.get(n, 0) >= copies.get(s, 0) and n in everywhere for n in steps)
             if not durable and not (latest_durable is not None and s < latest_durable) and not superseded:
                 continue  # the only copy of a step newer than the newest durable one: kept
