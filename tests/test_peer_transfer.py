@@ -228,3 +228,68 @@ def test_assemble_places_a_box_received_once_on_every_device_that_holds_it_and_m
         assert out[name].sharding == target[name] and out[name].shape == value.shape
         for shard in out[name].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), value[shard.index])
+
+
+class _BlockingReads:
+    """Stands in for `HeldReads`: reads until stopped, as a held copy's reads of large boxes
+    would still be going on when a round or a transfer fails."""
+
+    made: list = []
+
+    def __init__(self, *_):
+        import threading
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self.stopped.wait, daemon=True)
+        self.thread.start()
+        _BlockingReads.made.append(self)
+
+    def stop(self):
+        self.stopped.set()
+        self.thread.join()
+
+
+@pytest.mark.parametrize("fails", ["transfer", "round"])
+def test_no_read_of_a_held_copy_outlives_a_failed_delivery(monkeypatch, tmp_path, fails):
+    """`restart` releases the tiers' locks once `deliver` returns or raises: a put may then
+    replace a held copy. So when the round after the plans or the transfers raise, the
+    background reads of held copies and the own read must be over before the error leaves."""
+    import threading
+    import types
+
+    from checkpointer._manage import _peer_delivery as D
+    from checkpointer._restore import RestoreOptions
+
+    _BlockingReads.made = []
+    own_done = threading.Event()
+
+    def read_own():
+        own_done.wait(0.2)  # the own read, still going when the delivery fails
+        own_done.set()
+
+    def boom(*_):
+        raise RuntimeError("the transfer failed")
+
+    calls = []
+
+    def agree(f):
+        calls.append(f())
+        if fails == "round":
+            raise RuntimeError("the round timed out")
+        return calls[-1:]
+
+    monkeypatch.setattr(D, "_publish_meta", lambda *a: None)
+    monkeypatch.setattr(D, "read_metadata", lambda *a: None)
+    monkeypatch.setattr(D, "resolve_tree", lambda *a, **k: types.SimpleNamespace(leaves=()))
+    monkeypatch.setattr(T, "plan", lambda *a: ([], None))
+    monkeypatch.setattr(T, "programs", lambda *a: [])
+    monkeypatch.setattr(T, "compile_programs", lambda *a: [])
+    monkeypatch.setattr(T, "HeldReads", _BlockingReads)
+    monkeypatch.setattr(T, "run", boom)
+    peers = types.SimpleNamespace(local_root=str(tmp_path), timeout_s=1.0, _key=lambda *a: "/".join(map(str, a)),
+                                  held=lambda r: types.SimpleNamespace(root=str(tmp_path / f"held-{r}")))
+    sources = [[], [0]]  # this process (0) reads its own copy and holds process 1's
+    with pytest.raises(RuntimeError, match="timed out" if fails == "round" else "transfer failed"):
+        D.deliver(peers, 7, "g", sources, None, RestoreOptions(), read_own, agree)
+    (held,) = _BlockingReads.made
+    assert held.stopped.is_set() and not held.thread.is_alive()
+    assert own_done.is_set()

@@ -190,17 +190,20 @@ def deliver(
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    outcomes = agree(lambda: outcome)  # every process has the same programs to run (the reads go on)
-    bad = [o for o in outcomes if not o.startswith("ok:")]
-    if not bad and len(set(outcomes)) > 1:
-        bad = ["the processes' targets differ (their plans of the transfers are not the same), so each process "
-               "reads its copy for its own target"]
+    try:
+        outcomes = agree(lambda: outcome)  # every process has the same programs to run (the reads go on)
+        bad = [o for o in outcomes if not o.startswith("ok:")]
+        if not bad and len(set(outcomes)) > 1:
+            bad = ["the processes' targets differ (their plans of the transfers are not the same), so each process "
+                   "reads its copy for its own target"]
+        if not bad:
+            received, failed = _peer_transfer.run(compiled, held)
+    except BaseException:  # a round or a transfer failed: no read of a held copy outlives the caller's locks
+        _stop(held, own_read)
+        raise
     if bad:
-        if held is not None:
-            held.stop()
-        _drop(own_read)
+        _stop(held, own_read)
         return None, "; ".join(dict.fromkeys(bad))
-    received, failed = _peer_transfer.run(compiled, held)
     outcome = "ok" if failed is None else f"process {pidx}: {failed}"
     if own_read is not None:
         try:
@@ -217,6 +220,14 @@ def deliver(
         return tree, None
     assert resolved_mine is not None and meta is not None
     return _peer_transfer.assemble(meta, resolved_mine, received), None
+
+
+def _stop(held: _peer_transfer.HeldReads | None, own_read: concurrent.futures.Future | None) -> None:
+    """Stops the background reads of held copies and waits for them and for an own read:
+    the caller (`restart`) holds the tiers' locks only until `deliver` returns or raises."""
+    if held is not None:
+        held.stop()
+    _drop(own_read)
 
 
 def _drop(read: concurrent.futures.Future | None) -> None:
