@@ -379,7 +379,7 @@ def test_two_puts_of_one_owner_take_the_spare_one_at_a_time(pair, monkeypatch, t
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    def take_spare(root, partial):
+    def take_spare(root, partial, served=()):
         order.append(("enter", partial))
         if len(order) == 1:  # the first put, inside take_spare: the second put starts now
             threads.append(threading.Thread(target=second, daemon=True))
@@ -387,7 +387,7 @@ def test_two_puts_of_one_owner_take_the_spare_one_at_a_time(pair, monkeypatch, t
             entered.wait(2)  # set only if the second put enters take_spare meanwhile
         else:
             entered.set()
-        out = real(root, partial)
+        out = real(root, partial, served)
         order.append(("exit", partial))
         return out
 
@@ -483,3 +483,54 @@ def test_puts_wait_while_a_restart_reads_the_copy_they_would_drop_and_write_over
     assert int(np.asarray(restored["step"])) == 1
     assert not errors, errors
     assert held.steps() == [3] and ckpt.verify(held.step_path(3)).ok  # the puts went on after the read
+
+
+def test_a_copy_a_get_is_sending_is_neither_dropped_nor_written_over_by_puts_meanwhile(pair, monkeypatch):
+    """After a restart, a replaced process fetches its copy in the background (`Refetch`)
+    while it trains on and puts newer steps to the same holder. Gets take no lock (a
+    restart holds the tiers' locks while replaced processes fetch), so the puts' retention
+    made the copy being sent the spare and the next put wrote over its files: the fetch
+    failed its crc32c check, or found files gone."""
+    from checkpointer._manage import _peers
+
+    owner, holder = pair
+    folder = _put(owner, 1, _tree("wide", 1), [1])
+    want, generation = _files(folder), holder.held(0).generation(1)
+    sending, go_on = threading.Event(), threading.Event()
+    stream = _peers.stream_files
+
+    def paused(sock, src, files):  # the first file sent, then the others once the puts are done
+        stream(sock, src, files[:1])
+        sending.set()
+        assert go_on.wait(60)
+        stream(sock, src, files[1:])
+
+    monkeypatch.setattr(_peers, "stream_files", paused)
+    shutil.rmtree(folder)  # the owner's node lost its copy of step 1
+    fetched = []
+    fetch = threading.Thread(target=lambda: fetched.append(owner.fetch(1, generation, [1])))
+    fetch.start()
+    assert sending.wait(60)
+    for step in (2, 3):  # without the fix: 2 makes 1 the spare, 3 writes over it
+        _put(owner, step, _tree("wide", step), [step])
+    go_on.set()
+    fetch.join(120)
+    assert fetched == [None]
+    got = _files(f"{owner.local_root}/1")
+    assert got.pop(_peer_copy.COPY_RECORD) and got == want
+    assert holder.held(0).steps() == [1, 3]  # 1 stays until no get sends it; the next put drops it
+    _put(owner, 4, _tree("wide", 4), [4])
+    assert holder.held(0).steps() == [4]
+
+
+def test_the_spare_is_not_taken_while_a_get_may_be_sending_its_step(pair):
+    """A get registers its step before it looks the folder up; a put's retention that ran
+    just before may have made that folder the spare: the next put leaves it as it is."""
+    owner, holder = pair
+    _put(owner, 1, _tree("wide", 1), [1])
+    _put(owner, 2, _tree("wide", 2), [2])  # 1 is the spare now
+    root = holder.held(0).root
+    spare = _files(f"{root}/{_peer_copy.SPARE}")
+    assert _peer_copy.take_spare(root, f"{root}/x.partial", served={1}) is None
+    assert _files(f"{root}/{_peer_copy.SPARE}") == spare and not os.path.exists(f"{root}/x.partial")
+    assert _peer_copy.take_spare(root, f"{root}/x.partial", served={2}) is not None  # another step: taken

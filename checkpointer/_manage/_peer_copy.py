@@ -21,7 +21,7 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import crc32c
 import numpy as np
@@ -394,16 +394,19 @@ def keep_spare(root: str, folder: str) -> bool:
     return True
 
 
-def take_spare(root: str, partial: str) -> dict[str, int] | None:
+def take_spare(root: str, partial: str, served: Collection[int] = ()) -> dict[str, int] | None:
     """Renames `root`'s spare to `partial` (a copy's fresh partial folder), without its
     commit marker and record; returns its files (key -> size, from its record) for
     `receive_copy`'s `spare`. None when there is no spare (or it has no readable record:
-    then it is deleted) and `partial` does not exist."""
+    then it is deleted), or the spare is of a step in `served` (a get may be sending its
+    files: left as it is), and `partial` does not exist."""
     spare = f"{root}/{SPARE}"
     try:
         with open(f"{spare}/{COPY_RECORD}", "rb") as f:
             record = json.loads(f.read())
         old = {str(x["key"]): int(x["size"]) for x in record["files"]}
+        if record.get("step") in served:
+            return None
     except FileNotFoundError:
         if os.path.lexists(spare):
             shutil.rmtree(spare, ignore_errors=True)

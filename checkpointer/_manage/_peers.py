@@ -178,6 +178,7 @@ class PeerService:
         self._addresses: dict[int, PeerAddress] = {}
         self._held: dict[int, PeerCopyTier] = {}
         self._receiving: set[str] = set()  # the partial folders of the puts being received
+        self._serving: dict[tuple[int, int], int] = {}  # (owner, step) -> gets serving that copy now
         self._mu = threading.Lock()
         self._sending: dict[int, str] = {}  # step -> the folder its copy is sent from (`_tier_references`)
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpointer-peers",
@@ -277,7 +278,7 @@ class PeerService:
         try:
             shutil.rmtree(partial, ignore_errors=True)
             with tier.retention_mu:  # one put at a time takes the spare (an owner's puts overlap after its timeout)
-                spare = _peer_copy.take_spare(tier.root, partial)  # a dropped copy, written over
+                spare = _peer_copy.take_spare(tier.root, partial, self._served(owner))  # a dropped copy, written over
             if spare is None:
                 os.makedirs(partial)
             files = _peer_copy.receive_copy(sock, partial, request["files"], _received_path, spare)
@@ -301,7 +302,7 @@ class PeerService:
             self._received(partial)
             raise
         self._received(partial)
-        keep = {int(s) for s in request.get("keep", [])} | {step}
+        keep = {int(s) for s in request.get("keep", [])} | {step} | self._served(owner)  # a get's files stay as they are
         with tier.retention_mu:
             for s, name in tier.folders().items():
                 if s not in keep:
@@ -329,8 +330,26 @@ class PeerService:
             if path not in receiving:
                 shutil.rmtree(path, ignore_errors=True)
 
+    def _served(self, owner: int) -> set[int]:
+        """The steps of `owner` whose held copies gets are serving now: a put neither drops
+        them nor writes over them (no lock: `restore(None)` holds the tiers' locks while a
+        replaced process fetches from them)."""
+        with self._mu:
+            return {s for o, s in self._serving if o == owner}
+
     def _handle_get(self, sock: socket.socket, request: dict) -> None:
-        owner, step = int(request["owner"]), int(request["step"])
+        key = owner, step = int(request["owner"]), int(request["step"])
+        with self._mu:  # before the folder is looked up: a put's retention from now on keeps it
+            self._serving[key] = self._serving.get(key, 0) + 1
+        try:
+            self._send_held(sock, request, owner, step)
+        finally:
+            with self._mu:
+                self._serving[key] -= 1
+                if not self._serving[key]:
+                    del self._serving[key]
+
+    def _send_held(self, sock: socket.socket, request: dict, owner: int, step: int) -> None:
         try:
             folder = self.held(owner).step_path(step)  # `<step>/`, or the committed partial folder a kill left
             with open(f"{folder}/{COPY_RECORD}", "rb") as f:
