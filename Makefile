@@ -37,6 +37,7 @@ bench: venv
 	$(PY) benchmarks/save_bench.py
 	$(PY) benchmarks/restore_bench.py
 	$(PY) benchmarks/fresh_restore_bench.py
+	$(PY) benchmarks/distinct_shapes_bench.py
 	$(PY) benchmarks/first_step_bench.py
 	$(PY) benchmarks/train_loss_bench.py
 	$(PY) benchmarks/small_leaves_bench.py
