@@ -135,8 +135,11 @@ def report(C, args, res, logical, wall_s, load, chosen_huge: bool) -> str:
                         f"{both['checkpointer'] / both['orbax']:.2f}×", f"{both['checkpointer'] / both['plain read']:.2f}×"])
         if t != "replicated":
             r = med["checkpointer"] / med["plain read"]
-            tgt_rows.append(["checkpointer / plain read", tname, f"{r:.2f}×", f"≤ {PLAIN_LIMIT}×",
-                             "met" if r <= PLAIN_LIMIT else f"missed ({r / PLAIN_LIMIT:.2f}× the target)"])
+            # The same run's two, measured one after the other: this VM's fresh memory moves
+            # the plain read several-fold between runs, and a ratio of medians mixes runs.
+            paired = statistics.median(c["s"] / p["s"] for c, p in zip(res[t]["checkpointer"], res[t]["plain read"]))
+            tgt_rows.append(["checkpointer / plain read", tname, f"{r:.2f}× (per run: median {paired:.2f}×)",
+                             f"≤ {PLAIN_LIMIT}×", "met" if r <= PLAIN_LIMIT else f"missed ({r / PLAIN_LIMIT:.2f}× the target)"])
         r = med["checkpointer"] / med["orbax"]
         tgt_rows.append(["checkpointer / orbax", tname, f"{r:.2f}×", "≤ 0.40× (≥ 2.5× faster)",
                          "met" if r <= ORBAX_LIMIT else f"missed ({r / ORBAX_LIMIT:.2f}× the target)"])
