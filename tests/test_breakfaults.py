@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import checkpointer as ckpt
 
@@ -34,7 +33,6 @@ def _python(code, tmp_path, timeout=240):
 # --- forked children ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a forked child inherits the writer's lock file descriptor and keeps the flock")
 def test_a_child_forked_by_a_killed_trainer_does_not_keep_the_next_run_from_saving(tmp_path):
     """A data-loader worker forked after the manager took its lock outlives the trainer
     (killed with SIGKILL: nothing ends its children). The restarted job must save."""
@@ -63,7 +61,6 @@ os.kill(os.getpid(), signal.SIGKILL)  # the trainer dies; its worker lives on
         os.kill(worker, signal.SIGKILL)
 
 
-@pytest.mark.xfail(strict=True, reason="a forked child inherits the writer's lock file descriptor and keeps the flock")
 def test_a_manager_reopened_beside_a_live_forked_child_takes_the_lock(tmp_path):
     """A trainer closes its manager and opens a new one on the same directory while a
     worker it forked (holding nothing of the library's on purpose) still runs."""
