@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import checkpointer as ckpt
+from checkpointer._manage import _mesh_restart, _peer_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
@@ -87,3 +89,32 @@ finally:
     rc, out = _python(code, tmp_path)
     assert rc == 0, out
     assert "saved [1, 2]" in out, out
+
+
+# --- bounded parsing ---------------------------------------------------------------------------
+
+DEEP = "[" * 5000 + "]" * 5000  # within any size bound; beyond Python's recursion limit
+
+
+@pytest.mark.xfail(strict=True, reason="read_node parses node.json with json.loads: RecursionError escapes")
+def test_a_deeply_nested_node_file_of_a_neighbour_folder_is_unreadable_not_a_recursion_error(tmp_path):
+    """`node.json` of a process folder beside this one (two tiers: which folders of the
+    local directory are on this node) is read at every restart; a damaged one says
+    "no node" (the documented None), never lets a builtin escape the restore."""
+    root = tmp_path / "local" / "process-1"
+    root.mkdir(parents=True)
+    (root / _mesh_restart.NODE_FILE).write_text(DEEP)
+    assert _mesh_restart.read_node(str(root)) is None
+
+
+@pytest.mark.xfail(strict=True, reason="take_spare parses peer-copy.json with json.loads: RecursionError escapes")
+def test_a_spare_peer_copy_with_a_deeply_nested_record_is_dropped_not_a_recursion_error(tmp_path):
+    """A held peer copy dropped by retention (the spare, written over by the next copy
+    received) whose record is damaged: the documented answer is "no spare" (it is
+    deleted), never a RecursionError out of the peer server's put."""
+    root = tmp_path / "held"
+    spare = root / _peer_copy.SPARE
+    spare.mkdir(parents=True)
+    (spare / _peer_copy.COPY_RECORD).write_text(DEEP)
+    assert _peer_copy.take_spare(str(root), str(root / "7.partial-x")) is None
+    assert not spare.exists()
