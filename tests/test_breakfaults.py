@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import checkpointer as ckpt
 from checkpointer._manage import _mesh_restart, _peer_copy
@@ -96,7 +95,6 @@ finally:
 DEEP = "[" * 5000 + "]" * 5000  # within any size bound; beyond Python's recursion limit
 
 
-@pytest.mark.xfail(strict=True, reason="read_node parses node.json with json.loads: RecursionError escapes")
 def test_a_deeply_nested_node_file_of_a_neighbour_folder_is_unreadable_not_a_recursion_error(tmp_path):
     """`node.json` of a process folder beside this one (two tiers: which folders of the
     local directory are on this node) is read at every restart; a damaged one says
@@ -107,7 +105,6 @@ def test_a_deeply_nested_node_file_of_a_neighbour_folder_is_unreadable_not_a_rec
     assert _mesh_restart.read_node(str(root)) is None
 
 
-@pytest.mark.xfail(strict=True, reason="take_spare parses peer-copy.json with json.loads: RecursionError escapes")
 def test_a_spare_peer_copy_with_a_deeply_nested_record_is_dropped_not_a_recursion_error(tmp_path):
     """A held peer copy dropped by retention (the spare, written over by the next copy
     received) whose record is damaged: the documented answer is "no spare" (it is
