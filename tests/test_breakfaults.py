@@ -122,7 +122,6 @@ def test_a_spare_peer_copy_with_a_deeply_nested_record_is_dropped_not_a_recursio
 # --- the same step saved twice ---------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a second save of a step in flight is accepted, written, and fails later")
 def test_a_second_save_of_a_step_still_in_flight_is_refused_at_once(tmp_path, monkeypatch):
     """`save(5)` twice while the first is still writing (two saves in flight allowed): the
     second must be refused by `save` itself, as for a committed step, not accepted

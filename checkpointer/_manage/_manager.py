@@ -358,8 +358,9 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
           True if a save was started, False if skipped by `save_interval_steps`.
         Raises:
           CheckpointError: the previous background save failed (raised here once); the
-            step is already committed and `force` is False; a leaf cannot be stored; the
-            manager is read_only or another writer holds the directory.
+            step is already committed, or being saved, and `force` is False
+            (CheckpointExistsError); a leaf cannot be stored; the manager is read_only or
+            another writer holds the directory.
           UnsupportedValueError: a metric or metadata value the rule refuses (names its
             key, e.g. `metadata['a']['b']`), or a `"metrics"` key in `metadata`.
           SaveAgreementError: the processes save different steps or trees; nothing written.
@@ -381,12 +382,15 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
             committed = self.all_steps()
             if committed and committed[-1] > step and self._rewind_warned != committed[-1]:
                 self._rewind_warned = _warn_rewind(self.directory, step, committed)  # once per newer step
-            if not force and step in committed:
+            with self._mu:  # a step being saved counts as saved: a second save of it would fail at its commit
+                writing = {s for s, h in self._in_flight if not h.done()}
+            if not force and (step in committed or step in writing):
                 if preempted:  # saved already: commit what is in flight, then the loop stops
                     self.wait_until_finished()
                     return False
                 raise CheckpointExistsError(
-                    f"step {step} is already committed in {self.directory}; pass force=True to replace it atomically"
+                    f"step {step} is already {'committed' if step in committed else 'being saved (in flight)'} in "
+                    f"{self.directory}; pass force=True to replace it atomically"
                 )
             user_metadata = metadata_json(metadata, self.step_path(step))
             if "metrics" in user_metadata:
