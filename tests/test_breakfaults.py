@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import checkpointer as ckpt
+from checkpointer._format import _json
 from checkpointer._manage import _mesh_restart, _peer_copy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,3 +149,29 @@ def test_a_second_save_of_a_step_still_in_flight_is_refused_at_once(tmp_path, mo
     assert mgr.status().last_error is None
     assert ckpt.CheckpointManager(str(tmp_path / "run"), read_only=True).all_steps() == [5]
     np.testing.assert_array_equal(ckpt.restore(str(tmp_path / "run" / "5"))["w"], _tree(5)["w"])
+
+
+# --- a step the library itself could not read back ---------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason="a manifest or process record larger than the readers' bound is committed")
+@pytest.mark.parametrize("what", ["metadata", "per_process_state"])
+def test_a_save_whose_manifest_or_record_readers_would_refuse_commits_nothing(tmp_path, monkeypatch, what):
+    """Readers refuse a manifest or process record larger than `MAX_MANIFEST_BYTES` (1 GiB;
+    lowered here to 1 MiB, as a data loader's state of a shuffled 300M-sample permutation
+    would pass the real one). A save that writes one must fail and commit nothing:
+    committed, it became the newest step, which `restore(None)` then refused forever (and
+    retention had deleted the older steps a resume needed)."""
+    monkeypatch.setattr(_json, "MAX_MANIFEST_BYTES", 1 << 20)
+    big = {"perm": list(range(300_000))}  # ~2 MiB of JSON
+    directory = str(tmp_path / "run")
+    mgr = ckpt.CheckpointManager(directory, keep=ckpt.KeepLatest(1))
+    mgr.save(1, _tree(1))
+    mgr.wait_until_finished()
+    mgr.save(2, _tree(2), **{what: big})
+    with pytest.raises(ckpt.SaveError, match=r"(manifest|processes/0)\.json.*1048576"):
+        mgr.wait_until_finished()
+    mgr.close()
+    reader = ckpt.CheckpointManager(directory, read_only=True)
+    assert reader.all_steps() == [1]
+    np.testing.assert_array_equal(reader.restore(None)["w"], _tree(1)["w"])
