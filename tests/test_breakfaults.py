@@ -154,7 +154,6 @@ def test_a_second_save_of_a_step_still_in_flight_is_refused_at_once(tmp_path, mo
 # --- a step the library itself could not read back ---------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a manifest or process record larger than the readers' bound is committed")
 @pytest.mark.parametrize("what", ["metadata", "per_process_state"])
 def test_a_save_whose_manifest_or_record_readers_would_refuse_commits_nothing(tmp_path, monkeypatch, what):
     """Readers refuse a manifest or process record larger than `MAX_MANIFEST_BYTES` (1 GiB;
