@@ -174,3 +174,50 @@ def test_a_save_whose_manifest_or_record_readers_would_refuse_commits_nothing(tm
     reader = ckpt.CheckpointManager(directory, read_only=True)
     assert reader.all_steps() == [1]
     np.testing.assert_array_equal(reader.restore(None)["w"], _tree(1)["w"])
+
+
+@pytest.mark.xfail(strict=True, reason="a forked child's copy of the manager deletes the parent's steps")
+def test_a_forked_childs_copy_of_the_manager_neither_deletes_nor_saves_nor_closes_the_parents_run(tmp_path):
+    """A child forked from a process with a manager (a pool worker whose code reaches the
+    manager, or an `os.fork` child leaving a `with` block) holds a copy of it. The copy
+    is the parent's: it must refuse to delete or save with the library's own error, and
+    its `close()` must neither mark the run finished nor touch what the parent holds."""
+    directory = str(tmp_path / "run")
+    code = f"""
+import os, signal, time
+import numpy as np
+import checkpointer as ckpt
+mgr = ckpt.CheckpointManager({directory!r})
+mgr.save(1, {{"w": np.ones(4, np.float32)}})
+mgr.wait_until_finished()
+pid = os.fork()
+if pid == 0:
+    out = []
+    for name, call in (("delete", lambda: mgr.delete(1)), ("save", lambda: mgr.save(2, {{"w": np.ones(4, np.float32)}})),
+                       ("close_finished", lambda: mgr.close(finished=True)), ("close", mgr.close)):
+        try:
+            call()
+            out.append(name + ":done")
+        except ckpt.CheckpointError as e:
+            out.append(name + ":refused" + (":forked" if "forked" in str(e) else ""))
+    print("child", " ".join(out), flush=True)
+    os._exit(0)
+for _ in range(1200):  # a bound, not a measure: a child that hangs is killed
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    print("child hung")
+mgr.save(3, {{"w": np.ones(4, np.float32)}})
+mgr.close()
+print("steps", ckpt.CheckpointManager({directory!r}, read_only=True).all_steps())
+print("finished mark", os.path.exists({directory!r} + "/.checkpointer-finished.json"))
+"""
+    rc, out = _python(code, tmp_path)
+    assert rc == 0, out
+    assert "child delete:refused:forked save:refused:forked close_finished:refused:forked close:done" in out, out
+    assert "steps [1, 3]" in out, out
+    assert "finished mark False" in out, out
