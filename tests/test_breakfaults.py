@@ -176,7 +176,6 @@ def test_a_save_whose_manifest_or_record_readers_would_refuse_commits_nothing(tm
     np.testing.assert_array_equal(reader.restore(None)["w"], _tree(1)["w"])
 
 
-@pytest.mark.xfail(strict=True, reason="a forked child's copy of the manager deletes the parent's steps")
 def test_a_forked_childs_copy_of_the_manager_neither_deletes_nor_saves_nor_closes_the_parents_run(tmp_path):
     """A child forked from a process with a manager (a pool worker whose code reaches the
     manager, or an `os.fork` child leaving a `with` block) holds a copy of it. The copy

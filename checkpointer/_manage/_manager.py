@@ -22,7 +22,7 @@ from .._storage import storage_for
 from . import _events, _tier_manager
 from ._alerts import RunJournal
 from ._follow import clear_finished, write_finished
-from ._lock import DirectoryLock, take_lock
+from ._lock import DirectoryLock, forked_copy_message, take_lock
 from ._maintenance import maintain
 from ._policies import KeepLatest, KeepPolicy
 from ._preemption import PreemptionWatch
@@ -162,6 +162,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         self.max_saves_in_flight = max_saves_in_flight
         self.read_only = bool(read_only)
         self._is_primary = _coord.process_index() == 0
+        self._pid = os.getpid()  # a forked child's copy writes and deletes nothing (`_ensure_writer`, `close`)
         self._lock: DirectoryLock | None = None
         self._release_lock: weakref.finalize | None = None
         self._writer_ready = False
@@ -214,6 +215,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
                 f"this CheckpointManager of {self.directory} is read_only: it lists, restores and follows steps but "
                 "never saves or deletes. Open one without read_only=True to save."
             )
+        if os.getpid() != self._pid:
+            raise CheckpointError(forked_copy_message(self.directory, self._pid))
         if self._writer_ready:
             return []
         try:
@@ -254,7 +257,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
 
         Multi-process: any process may call it; only process 0 acts.
         """
-        if not self._writer_ready:
+        if not self._writer_ready or os.getpid() != self._pid:
             return self._ensure_writer()
         if not self._is_primary:
             return []
@@ -521,11 +524,17 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
             preempted job closes without it); the next writer's first save removes it.
         Raises:
           CheckpointError: a background save failed (the mark is not written), or
-            `finished=True` on a read_only manager.
+            `finished=True` on a read_only manager or a forked child's copy.
 
-        Multi-process: every process calls it; process 0 writes the mark.
+        Multi-process: every process calls it; process 0 writes the mark. In a child
+        forked from the process that opened it, it only marks the copy closed.
         """
         if self._closed:
+            return
+        if os.getpid() != self._pid:  # a forked child's copy: the parent's saves, lock, threads and peers stay its own
+            self._closed = True
+            if finished:
+                raise CheckpointError(forked_copy_message(self.directory, self._pid))
             return
         if finished and self.read_only:
             raise CheckpointError(
