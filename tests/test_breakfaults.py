@@ -248,7 +248,6 @@ def _gate_replication(monkeypatch):
     return entered, gate, unreadable
 
 
-@pytest.mark.xfail(strict=True, reason="a save of a step being replicated replaces the local folder the replication reads")
 @pytest.mark.parametrize("force", [False, True])
 def test_a_step_saved_again_while_its_replication_runs_never_commits_a_mixed_durable_step(tmp_path, monkeypatch, force):
     """Two tiers: step 5 is committed locally and its replication to the durable tier is
@@ -285,7 +284,6 @@ def test_a_step_saved_again_while_its_replication_runs_never_commits_a_mixed_dur
     np.testing.assert_array_equal(ckpt.restore(str(tmp_path / "durable" / "5"))["w"], _tree(55 if force else 5)["w"])
 
 
-@pytest.mark.xfail(strict=True, reason="a replication commits the manifest of whatever save the local folder holds at commit")
 def test_a_replication_whose_local_step_was_replaced_commits_nothing(tmp_path, monkeypatch):
     """The safety net behind the wait above: if the local folder of a step holds another
     save of it when its replication commits (a race the manager does not foresee), the
