@@ -324,7 +324,6 @@ def _damage(path, edit):
     Path(path).write_text(json.dumps(raw))
 
 
-@pytest.mark.xfail(strict=True, reason="a huge integer time in a manifest lets OverflowError escape")
 def test_a_manifest_dated_with_a_huge_integer_is_corrupt_and_retention_goes_on(tmp_path, caplog):
     """`created_unix_s` of 10**400 (a damaged or hostile manifest): `metadata`/`restore`
     raise the documented CorruptCheckpointError naming the manifest (not OverflowError), and
@@ -336,7 +335,7 @@ def test_a_manifest_dated_with_a_huge_integer_is_corrupt_and_retention_goes_on(t
         mgr.save(1, _tree(1), metrics={"loss": 0.5})
     _damage(tmp_path / "run" / "1" / "manifest.json", lambda raw: raw.update(created_unix_s=HUGE))
     for read in (ckpt.metadata, ckpt.restore):
-        with pytest.raises(ckpt.CorruptCheckpointError, match="manifest.json"):
+        with pytest.raises(ckpt.CorruptCheckpointError, match="manifest of .*created_unix_s"):
             read(str(tmp_path / "run" / "1"))
     with ckpt.CheckpointManager(directory, keep=keep) as mgr:
         mgr.save(2, _tree(2), metrics={"loss": 0.1})
@@ -345,7 +344,6 @@ def test_a_manifest_dated_with_a_huge_integer_is_corrupt_and_retention_goes_on(t
         assert mgr.all_steps() == [2, 3]  # 1: no readable metrics, not the latest
 
 
-@pytest.mark.xfail(strict=True, reason="a huge integer in the journal or the finished mark escapes")
 @pytest.mark.parametrize("where", ["journal", "finished mark"])
 def test_a_huge_integer_time_in_the_journal_or_finished_mark_is_never_an_overflow_error(tmp_path, where):
     """The same number in a journal line of a failed save (read by the status probe) and

@@ -6,6 +6,7 @@ pack index, zarr.json, safetensors header and index, Orbax metadata) goes throug
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -217,6 +218,19 @@ def load_json(
         return json.loads(data)
     except (ValueError, RecursionError, TypeError) as e:
         raise error(f"{what} is not valid JSON: {str(e)[:200]}") from None
+
+
+def finite_number(v: object) -> float | None:
+    """A number read from JSON as a finite float, or None: not a number (a bool is not),
+    infinite, or an int too large for a float (valid JSON, e.g. 10**400: `float()` of it
+    raises OverflowError, which must never escape a parse)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
 
 
 def readable_size(data: bytes, what: str, hint: str) -> bytes:

@@ -86,7 +86,7 @@ class LocalMarker:
                 process_count=int(obj["process_count"]), device_ids=tuple(int(d) for d in obj["device_ids"]),
                 overwrite=bool(obj.get("overwrite", False)), committed_unix_s=float(obj["committed_unix_s"]),
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return None
 
 
