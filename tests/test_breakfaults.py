@@ -366,3 +366,24 @@ def test_a_huge_integer_time_in_the_journal_or_finished_mark_is_never_an_overflo
         _damage(run / ".checkpointer-finished.json", lambda raw: raw.update(finished_unix_s=HUGE))
         mark = _follow.read_finished(ckpt.CheckpointManager(directory, read_only=True).storage, directory)
         assert mark is not None and mark.step == 1
+
+
+@pytest.mark.xfail(strict=True, reason="a huge integer metric lets OverflowError escape save, retention and best_step")
+def test_a_huge_integer_metric_is_refused_on_save_and_never_ranked_when_read(tmp_path):
+    """`metrics={"loss": 10**400}` is a metric the rule cannot store as a float: the
+    documented UnsupportedValueError, nothing saved. Read from a (damaged) manifest, such a
+    metric is no number to rank: `KeepBest` and `best_step` skip it, and the retention
+    after each commit goes on (OverflowError stopped it at every save)."""
+    directory = str(tmp_path / "run")
+    keep = ckpt.KeepLatest(1) | ckpt.KeepBest("loss")
+    with ckpt.CheckpointManager(directory, keep=keep) as mgr:
+        with pytest.raises(ckpt.UnsupportedValueError, match="loss"):
+            mgr.save(1, _tree(1), metrics={"loss": HUGE})
+        mgr.save(1, _tree(1), metrics={"loss": 0.5})
+    _damage(tmp_path / "run" / "1" / "manifest.json", lambda raw: raw["user_metadata"]["metrics"].update(loss=HUGE))
+    with ckpt.CheckpointManager(directory, keep=keep) as mgr:
+        mgr.save(2, _tree(2), metrics={"loss": 0.9})
+        mgr.save(3, _tree(3), metrics={"loss": 0.1})
+        mgr.wait_until_finished()
+        assert mgr.best_step("loss") == 3
+        assert mgr.all_steps() == [3]  # 1: no metric to rank; 2: worse than 3
