@@ -386,3 +386,16 @@ def test_a_huge_integer_metric_is_refused_on_save_and_never_ranked_when_read(tmp
         mgr.wait_until_finished()
         assert mgr.best_step("loss") == 3
         assert mgr.all_steps() == [3]  # 1: no metric to rank; 2: worse than 3
+
+
+@pytest.mark.xfail(strict=True, reason="plot_run ranks a huge integer metric with math.isfinite: OverflowError")
+def test_plot_run_draws_a_run_whose_manifest_holds_a_huge_integer_metric(tmp_path):
+    """`ckpt.plot_run` of a run with such a metric (a damaged manifest) leaves it out of the
+    metric lines, as any value that is no finite number, instead of raising OverflowError."""
+    pytest.importorskip("matplotlib")
+    directory = str(tmp_path / "run")
+    with ckpt.CheckpointManager(directory) as mgr:
+        mgr.save(1, _tree(1), metrics={"loss": 0.5})
+        mgr.save(2, _tree(2), metrics={"loss": 0.4})
+    _damage(tmp_path / "run" / "1" / "manifest.json", lambda raw: raw["user_metadata"]["metrics"].update(loss=HUGE))
+    assert ckpt.plot_run(directory) is not None
