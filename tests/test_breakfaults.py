@@ -388,7 +388,6 @@ def test_a_huge_integer_metric_is_refused_on_save_and_never_ranked_when_read(tmp
         assert mgr.all_steps() == [3]  # 1: no metric to rank; 2: worse than 3
 
 
-@pytest.mark.xfail(strict=True, reason="plot_run ranks a huge integer metric with math.isfinite: OverflowError")
 def test_plot_run_draws_a_run_whose_manifest_holds_a_huge_integer_metric(tmp_path):
     """`ckpt.plot_run` of a run with such a metric (a damaged manifest) leaves it out of the
     metric lines, as any value that is no finite number, instead of raising OverflowError."""
