@@ -398,3 +398,46 @@ def test_plot_run_draws_a_run_whose_manifest_holds_a_huge_integer_metric(tmp_pat
         mgr.save(2, _tree(2), metrics={"loss": 0.4})
     _damage(tmp_path / "run" / "1" / "manifest.json", lambda raw: raw["user_metadata"]["metrics"].update(loss=HUGE))
     assert ckpt.plot_run(directory) is not None
+
+
+def test_a_save_crashed_beside_a_live_forked_child_is_recognised_and_cleaned_up(tmp_path):
+    """The trainer forks a worker while a save is in flight (holding the save's lock,
+    `<partial>.lock`), then is killed: the restart must see a crashed save, not one in
+    flight (the status probe), and its first save removes the partial folder."""
+    directory = str(tmp_path / "run")
+    code = f"""
+import multiprocessing, os, signal, time
+import numpy as np
+import checkpointer as ckpt
+from checkpointer._storage import _local
+
+real = _local.LocalStorage.write_file
+
+def write_file(self, path, data):  # step 2's record: fork a worker, then die
+    if path.endswith("processes/0.json") and "/2.partial-" in path:
+        worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
+        worker.start()
+        print("worker", worker.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, path, data)
+
+_local.LocalStorage.write_file = write_file
+mgr = ckpt.CheckpointManager({directory!r})
+mgr.save(1, {{"w": np.ones(4, np.float32)}})
+mgr.wait_until_finished()
+mgr.save(2, {{"w": np.ones(4, np.float32)}})
+mgr.wait_until_finished()
+"""
+    rc, out = _python(code, tmp_path)
+    assert rc == -signal.SIGKILL, out
+    worker = int(out.split("worker ")[1].split()[0])
+    try:
+        assert [n for n in os.listdir(directory) if ".partial-" in n and not n.endswith(".lock")]  # the crashed save
+        assert ckpt.read_status(directory).step_in_flight is None  # crashed, not in flight
+        with ckpt.CheckpointManager(directory) as mgr:
+            assert mgr.latest_step() == 1
+            mgr.save(3, _tree(3))
+        assert not [n for n in os.listdir(directory) if ".partial-" in n]
+        assert ckpt.CheckpointManager(directory, read_only=True).all_steps() == [1, 3]
+    finally:
+        os.kill(worker, signal.SIGKILL)
