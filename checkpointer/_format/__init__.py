@@ -6,7 +6,18 @@ user-metadata rule and sharding geometry.
 
 from ._box import Box, cell_box, grid_cells, row_slabs
 from ._dtypes import dtype_kind, dtype_name, is_numeric_dtype, is_whole_byte_dtype
-from ._json import MAX_JSON_BYTES, MAX_JSON_DEPTH, MAX_MANIFEST_BYTES, dumps, dumps_large, json_depth, load_json, loads
+from ._json import (
+    MAX_JSON_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_MANIFEST_BYTES,
+    dumps,
+    dumps_large,
+    finite_number,
+    json_depth,
+    load_json,
+    loads,
+    readable_size,
+)
 from ._layout import (
     ARRAYS,
     COMMITTED,
@@ -48,4 +59,4 @@ from ._values import value_from_json, value_repr, value_to_json
 from ._zarr_arrays import data_crc32c, inner_chunk_shape, zarr_spec, zarr_supports_dtype
 from ._zarr_groups import ZARR_JSON, write_group_nodes
 
-__all__ = ['ARRAYS', 'ArrayMetadata', 'Box', 'COMMITTED', 'CheckpointMetadata', 'ChunkRecord', 'ChunkRef', 'FORMAT_VERSION', 'FORMAT_VERSION_REFERENCES', 'MANIFEST', 'MAX_CHUNKS_PER_LEAF', 'MAX_JSON_BYTES', 'MAX_JSON_DEPTH', 'MAX_MANIFEST_BYTES', 'PROCESSES', 'PackRecord', 'PackedBox', 'PackedBoxRecord', 'ProcessRecord', 'PyTree', 'RETIRED', 'SavedSharding', 'ShardFileLayout', 'ValueMetadata', 'ZARR_JSON', 'array_dir', 'cell_box', 'check_reference_targets', 'chunk_key', 'data_crc32c', 'deleting_name', 'describe', 'dtype_kind', 'dtype_name', 'dumps', 'dumps_large', 'escape_key', 'flatten', 'format_bytes', 'generation_time', 'grid_cells', 'inner_chunk_shape', 'is_numeric_dtype', 'is_step_name', 'is_whole_byte_dtype', 'json_depth', 'keystrs', 'library_version', 'load_json', 'loads', 'manifest_json', 'metadata', 'metadata_json', 'metrics_json', 'named_shard_boxes', 'new_generation', 'pack_file', 'pack_ref_key', 'parse_deleting_name', 'parse_partial_name', 'parse_phases', 'partial_name', 'phases_json', 'process_record_name', 'read_metadata', 'read_process_record', 'rebuild', 'refs_from_json', 'row_slabs', 'sibling', 'source_path', 'spec_axes', 'split_pack_key', 'value_from_json', 'value_repr', 'value_to_json', 'with_fields', 'write_group_nodes', 'zarr_spec', 'zarr_supports_dtype']
+__all__ = ['ARRAYS', 'ArrayMetadata', 'Box', 'COMMITTED', 'CheckpointMetadata', 'ChunkRecord', 'ChunkRef', 'FORMAT_VERSION', 'FORMAT_VERSION_REFERENCES', 'MANIFEST', 'MAX_CHUNKS_PER_LEAF', 'MAX_JSON_BYTES', 'MAX_JSON_DEPTH', 'MAX_MANIFEST_BYTES', 'PROCESSES', 'PackRecord', 'PackedBox', 'PackedBoxRecord', 'ProcessRecord', 'PyTree', 'RETIRED', 'SavedSharding', 'ShardFileLayout', 'ValueMetadata', 'ZARR_JSON', 'array_dir', 'cell_box', 'check_reference_targets', 'chunk_key', 'data_crc32c', 'deleting_name', 'describe', 'dtype_kind', 'dtype_name', 'dumps', 'dumps_large', 'escape_key', 'finite_number', 'flatten', 'format_bytes', 'generation_time', 'grid_cells', 'inner_chunk_shape', 'is_numeric_dtype', 'is_step_name', 'is_whole_byte_dtype', 'json_depth', 'keystrs', 'library_version', 'load_json', 'loads', 'manifest_json', 'metadata', 'metadata_json', 'metrics_json', 'named_shard_boxes', 'new_generation', 'pack_file', 'pack_ref_key', 'parse_deleting_name', 'parse_partial_name', 'parse_phases', 'partial_name', 'phases_json', 'process_record_name', 'read_metadata', 'read_process_record', 'readable_size', 'rebuild', 'refs_from_json', 'row_slabs', 'sibling', 'source_path', 'spec_axes', 'split_pack_key', 'value_from_json', 'value_repr', 'value_to_json', 'with_fields', 'write_group_nodes', 'zarr_spec', 'zarr_supports_dtype']

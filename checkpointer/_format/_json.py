@@ -6,11 +6,12 @@ pack index, zarr.json, safetensors header and index, Orbax metadata) goes throug
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointError, CorruptCheckpointError
+from .._errors import CheckpointError, CorruptCheckpointError, SaveError
 
 # Bound on a JSON file of the format (manifest, process record), checked before it is parsed.
 MAX_MANIFEST_BYTES = 1 << 30
@@ -217,6 +218,37 @@ def load_json(
         return json.loads(data)
     except (ValueError, RecursionError, TypeError) as e:
         raise error(f"{what} is not valid JSON: {str(e)[:200]}") from None
+
+
+def finite_number(v: object) -> float | None:
+    """A number read from JSON as a finite float, or None: not a number (a bool is not),
+    infinite, or an int too large for a float (valid JSON, e.g. 10**400: `float()` of it
+    raises OverflowError, which must never escape a parse)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def readable_size(data: bytes, what: str, hint: str) -> bytes:
+    """`data`, a manifest or process record about to be written, if readers accept its
+    size (`MAX_MANIFEST_BYTES`, the bound they read these files with).
+
+    Args:
+      data: the encoded file.
+      what: the file, named in the error.
+      hint: what makes it large and what to do instead, for the error.
+    Raises:
+      SaveError: larger than readers accept: a step committed with it could never be
+        restored (nor its metadata read), so it must not be committed.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise SaveError(f"{what} would be {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} bytes a reader accepts "
+                        f"(MAX_MANIFEST_BYTES): nothing was committed. {hint}")
+    return data
 
 
 def loads(data: bytes | str, where: str) -> Any:

@@ -166,12 +166,8 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
         "'process_bytes_written' is not a list of byte counts",
         where,
     )
-    created = raw.get("created_unix_s", 0.0)
-    _require(
-        (isinstance(created, (int, float)) and not isinstance(created, bool)) and math.isfinite(created),
-        "'created_unix_s' is not a number",
-        where,
-    )
+    created = _json.finite_number(raw.get("created_unix_s", 0.0))  # never OverflowError (an int of 400 digits)
+    _require(created is not None, "'created_unix_s' is not a number", where)
 
     leaves: dict[str, ArrayMetadata | ValueMetadata] = {}
     for path, entry in leaves_raw.items():
@@ -196,7 +192,7 @@ def parse_manifest(raw: object, where: str) -> CheckpointMetadata:
     tree = rebuild(structure, lambda p: leaves[p], where=where)
     return CheckpointMetadata(
         path=where, step=step, format_version=version, tree=tree, leaves=leaves, user_metadata=user_metadata,
-        process_count=pcount, process_bytes_written=tuple(pbytes), created_unix_s=float(created),
+        process_count=pcount, process_bytes_written=tuple(pbytes), created_unix_s=float(created or 0.0),
         library_version=str(raw.get("library_version", "")), jax_version=str(raw.get("jax_version", "")),
         structure=structure, generation=raw.get("generation") if isinstance(raw.get("generation"), str) else None,
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -40,9 +39,10 @@ def _text(v: object) -> str:
 
 
 def _seconds(v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    seconds = _json.finite_number(v)  # never OverflowError (an int of 400 digits)
+    if seconds is None:
         raise ValueError(f"{v!r:.100} is not a number of seconds")
-    return v
+    return seconds
 
 
 def parse_phases(v: object) -> dict[str, tuple[float, float]]:

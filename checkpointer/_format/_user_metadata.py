@@ -149,5 +149,8 @@ def _metrics_json(metrics: object) -> dict:
         v = to_json(value, where)
         if isinstance(v, (list, dict)):
             raise UnsupportedValueError(f"{where} must be a number, got {type(value).__name__} {value!r:.80}")
-        out[name] = float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+        try:
+            out[name] = float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+        except OverflowError:  # an int beyond any float
+            raise UnsupportedValueError(f"{where} = {value!r:.40} is too large for a float; metrics are stored as floats") from None
     return out

@@ -229,7 +229,7 @@ def _journal_tail(storage: Storage, directory: str) -> list[dict]:
 
 
 def _number(v: object) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return _format.finite_number(v)
 
 
 def _step(v: object) -> int | None:

@@ -74,7 +74,7 @@ def read_finished(storage: Storage, directory: str) -> FinishedMark | None:
         log.warning("the finished mark %s holds no step (%r); following on", path, raw)
         return None
     when = raw.get("finished_unix_s")
-    return FinishedMark(step, float(when) if isinstance(when, (int, float)) else 0.0)
+    return FinishedMark(step, _format.finite_number(when) or 0.0)
 
 
 class _JournalSteps:

@@ -59,6 +59,15 @@ def lock_conflict_message(directory: str, holder: str) -> str:
     )
 
 
+def forked_copy_message(directory: str, owner_pid: int) -> str:
+    """Why a forked child's copy of a manager (opened by `owner_pid`) neither saves nor deletes."""
+    return (
+        f"this CheckpointManager of {directory} was opened by process {owner_pid}; this process ({os.getpid()}) was "
+        "forked from it and holds only a copy: the parent's saves, writer's lock and clean-up are the parent's, so the "
+        "copy neither saves nor deletes. Open a CheckpointManager in the child (read_only=True to read)."
+    )
+
+
 def take_lock(storage: Storage, directory: str) -> DirectoryLock:
     """The writer's lock. If this very process holds it through a manager nobody refers
     to any more (a notebook cell run twice: the old manager may sit in a reference

@@ -22,7 +22,7 @@ from .._storage import storage_for
 from . import _events, _tier_manager
 from ._alerts import RunJournal
 from ._follow import clear_finished, write_finished
-from ._lock import DirectoryLock, take_lock
+from ._lock import DirectoryLock, forked_copy_message, take_lock
 from ._maintenance import maintain
 from ._policies import KeepLatest, KeepPolicy
 from ._preemption import PreemptionWatch
@@ -162,6 +162,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
         self.max_saves_in_flight = max_saves_in_flight
         self.read_only = bool(read_only)
         self._is_primary = _coord.process_index() == 0
+        self._pid = os.getpid()  # a forked child's copy writes and deletes nothing (`_ensure_writer`, `close`)
         self._lock: DirectoryLock | None = None
         self._release_lock: weakref.finalize | None = None
         self._writer_ready = False
@@ -214,6 +215,8 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
                 f"this CheckpointManager of {self.directory} is read_only: it lists, restores and follows steps but "
                 "never saves or deletes. Open one without read_only=True to save."
             )
+        if os.getpid() != self._pid:
+            raise CheckpointError(forked_copy_message(self.directory, self._pid))
         if self._writer_ready:
             return []
         try:
@@ -254,7 +257,7 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
 
         Multi-process: any process may call it; only process 0 acts.
         """
-        if not self._writer_ready:
+        if not self._writer_ready or os.getpid() != self._pid:
             return self._ensure_writer()
         if not self._is_primary:
             return []
@@ -358,8 +361,9 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
           True if a save was started, False if skipped by `save_interval_steps`.
         Raises:
           CheckpointError: the previous background save failed (raised here once); the
-            step is already committed and `force` is False; a leaf cannot be stored; the
-            manager is read_only or another writer holds the directory.
+            step is already committed, or being saved, and `force` is False
+            (CheckpointExistsError); a leaf cannot be stored; the manager is read_only or
+            another writer holds the directory.
           UnsupportedValueError: a metric or metadata value the rule refuses (names its
             key, e.g. `metadata['a']['b']`), or a `"metrics"` key in `metadata`.
           SaveAgreementError: the processes save different steps or trees; nothing written.
@@ -381,12 +385,15 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
             committed = self.all_steps()
             if committed and committed[-1] > step and self._rewind_warned != committed[-1]:
                 self._rewind_warned = _warn_rewind(self.directory, step, committed)  # once per newer step
-            if not force and step in committed:
+            with self._mu:  # a step being saved counts as saved: a second save of it would fail at its commit
+                writing = {s for s, h in self._in_flight if not h.done()}
+            if not force and (step in committed or step in writing):
                 if preempted:  # saved already: commit what is in flight, then the loop stops
                     self.wait_until_finished()
                     return False
                 raise CheckpointExistsError(
-                    f"step {step} is already committed in {self.directory}; pass force=True to replace it atomically"
+                    f"step {step} is already {'committed' if step in committed else 'being saved (in flight)'} in "
+                    f"{self.directory}; pass force=True to replace it atomically"
                 )
             user_metadata = metadata_json(metadata, self.step_path(step))
             if "metrics" in user_metadata:
@@ -517,11 +524,17 @@ class CheckpointManager(StepQuestions, StepRestoring, StatusReporting, TwoTierSa
             preempted job closes without it); the next writer's first save removes it.
         Raises:
           CheckpointError: a background save failed (the mark is not written), or
-            `finished=True` on a read_only manager.
+            `finished=True` on a read_only manager or a forked child's copy.
 
-        Multi-process: every process calls it; process 0 writes the mark.
+        Multi-process: every process calls it; process 0 writes the mark. In a child
+        forked from the process that opened it, it only marks the copy closed.
         """
         if self._closed:
+            return
+        if os.getpid() != self._pid:  # a forked child's copy: the parent's saves, lock, threads and peers stay its own
+            self._closed = True
+            if finished:
+                raise CheckpointError(forked_copy_message(self.directory, self._pid))
             return
         if finished and self.read_only:
             raise CheckpointError(

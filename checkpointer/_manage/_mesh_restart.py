@@ -107,11 +107,12 @@ def remove_staging_leftovers(root: str, process_index: int) -> None:
 
 def read_node(root: str) -> str | None:
     """The node the process folder `root` is on, or None (no or unreadable `node.json`)."""
+    path = f"{root}/{NODE_FILE}"
     try:
-        with open(f"{root}/{NODE_FILE}") as f:
-            obj = json.loads(f.read(4096))
+        with open(path, "rb") as f:
+            obj = _format.load_json(f.read(4096), what=path)  # bounded: never a RecursionError
         return str(obj["node"]) if isinstance(obj, dict) and "node" in obj else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, CheckpointError):
         return None
 
 

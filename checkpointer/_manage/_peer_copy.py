@@ -402,8 +402,8 @@ def take_spare(root: str, partial: str, served: Collection[int] = ()) -> dict[st
     files: left as it is), and `partial` does not exist."""
     spare = f"{root}/{SPARE}"
     try:
-        with open(f"{spare}/{COPY_RECORD}", "rb") as f:
-            record = json.loads(f.read())
+        with open(f"{spare}/{COPY_RECORD}", "rb") as f:  # bounded: never a RecursionError or MemoryError
+            record = _format.load_json(f.read(_format.MAX_JSON_BYTES + 1), what=f"{spare}/{COPY_RECORD}")
         old = {str(x["key"]): int(x["size"]) for x in record["files"]}
         if record.get("step") in served:
             return None
@@ -411,7 +411,7 @@ def take_spare(root: str, partial: str, served: Collection[int] = ()) -> dict[st
         if os.path.lexists(spare):
             shutil.rmtree(spare, ignore_errors=True)
         return None
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError, KeyError, CheckpointError):
         shutil.rmtree(spare, ignore_errors=True)
         return None
     # No marker in a partial folder: a committed partial folder counts as committed.

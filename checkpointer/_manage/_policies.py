@@ -120,13 +120,17 @@ class KeepEvery(KeepPolicy):
 
 def metric_score(value: object) -> float | None:
     """A saved metric as a number to rank (`KeepBest`, `best_step`), or None (absent,
-    NaN, a bool, not a number). Saved infinities are the strings "Infinity" /
+    NaN, a bool, an int beyond any float, not a number). Saved infinities are the strings "Infinity" /
     "-Infinity" (see `save(metrics=)`)."""
     if isinstance(value, str):
         value = {"Infinity": math.inf, "-Infinity": -math.inf}.get(value)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float (a damaged manifest): no number to rank
+        return None
+    return None if math.isnan(number) else number
 
 
 @dataclasses.dataclass(frozen=True)

@@ -296,14 +296,16 @@ class LocalTier:
 
     def wait_for_room(self, step: int) -> float:
         """Before saving `step`: waits while the local window (`keep_local`, counting
-        `step`) would have to drop a step still being replicated. Returns seconds waited."""
+        `step`) would have to drop a step still being replicated, and while `step` itself
+        is (a save of it replaces the local folder its replication reads). Returns seconds
+        waited."""
         t0 = time.perf_counter()
         while True:
             with self._mu:
                 pending = {s: j for s, j in self._jobs.items() if not j.done()}
             steps = sorted(set(self.local_steps()) | set(pending) | {step})
             kept = self.keep_local.keep(steps, {s: {} for s in steps}) | {step}
-            blocking = [s for s in steps if s not in kept and s in pending]
+            blocking = [s for s in steps if (s not in kept or s == step) and s in pending]
             if not blocking:
                 self.waiting = False
                 return time.perf_counter() - t0

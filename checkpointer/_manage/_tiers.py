@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 import crc32c
 
 from .. import _commit, _coord, _encoding, _format, _storage
-from .._errors import CheckpointError, CorruptCheckpointError, ReplicationError, RestoreAgreementError
+from .._errors import CheckpointError, CorruptCheckpointError, ReplicationError, RestoreAgreementError, SaveError
 from .._format import ZARR_JSON, ProcessRecord
 from .._save import guard
 from .._storage import Reader, Storage, storage_for
@@ -86,7 +86,7 @@ class LocalMarker:
                 process_count=int(obj["process_count"]), device_ids=tuple(int(d) for d in obj["device_ids"]),
                 overwrite=bool(obj.get("overwrite", False)), committed_unix_s=float(obj["committed_unix_s"]),
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             return None
 
 
@@ -287,6 +287,10 @@ def replicate(
             raw = _format.loads(local.read_file(f"{target.local_path}/{_format.MANIFEST}"), target.local_path)
             if not isinstance(raw, dict):
                 raise CorruptCheckpointError(f"{target.local_path}/{_format.MANIFEST} is not a JSON object")
+            found = raw.get("generation")
+            if isinstance(found, str) and found != target.generation:  # replaced while copied: files of either save
+                raise SaveError(f"{target.local_path} holds save {found!r} of step {target.step}, not {target.generation!r} "
+                                "being replicated: another save of the step replaced it; nothing was committed")
             with_every_pack(raw, durable, root, _coord.process_count())
             _tier_references.with_every_reference(raw, durable, root, target.durable_path, commit.referencing)
             return _format.dumps({**raw, "process_bytes_written": process_bytes} if len(process_bytes) > 1 else raw)

@@ -420,7 +420,10 @@ def write_record(snap: Snapshot, chunks: Sequence[ChunkRecord], packed: PackReco
         references=tuple(_incremental.references_json(snap.result.references)) or None,  # additive: incremental saves
         packed_references=_incremental.pack_references(snap.result.references),
     )
-    snap.storage.write_file(f"{snap.write_path}/{_format.process_record_name(snap.process_index)}", _format.dumps_large(record.to_json()))
+    location = f"{snap.write_path}/{_format.process_record_name(snap.process_index)}"
+    snap.storage.write_file(location, _format.readable_size(_format.dumps_large(record.to_json()), location, (
+        "Its per_process_state (or its list of chunks) is too large: keep large state (e.g. a data loader's "
+        "permutation) as an array in the tree")))
     return record
 
 
@@ -497,13 +500,14 @@ def manifest_bytes(snap: Snapshot, process_bytes: list[int], *, own_pack_only: b
             entries = None
             arrays = _incremental.with_references(arrays, _incremental.gather(
                 snap.storage, snap.path, snap.write_path, snap.process_index, snap.result.references, referencing))
-        return _format.dumps_large(manifest_json(
+        return _format.readable_size(_format.dumps_large(manifest_json(
             step=snap.step, generation=snap.generation, process_count=snap.process_count,
             process_bytes_written=process_bytes, structure=snap.structure, arrays=arrays,
             values=snap.values, user_metadata=snap.user_metadata,
             save_phases_unix_s={k: v for k, v in snap.result.phases_unix_s.items() if k == "wait"} or None,
             packed=packed, packed_processes=[snap.process_index] if own_pack_only else None, array_entries=entries,
-        ))
+        )), f"{snap.path}/{_format.MANIFEST}", "Its user metadata (metadata=, metrics=) or non-array leaves are too large "
+            "(or the tree has too many leaves): keep large data as arrays in the tree")
 
 
 def committer(snap: Snapshot) -> _commit.Commit:

@@ -24,18 +24,43 @@ import abc
 import errno
 import fcntl
 import os
+import weakref
 
 from .._errors import LockHeldError
 
 # Longest holder note a lock file carries (`pid 123 on host`), bytes.
 _HOLDER_NOTE_BYTES = 200
 
+# The locks this process holds: a forked child closes its copies of their descriptors.
+_HELD: weakref.WeakSet[FileLock] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a child forked (`os.fork`, multiprocessing's fork start method) from a process
+    holding locks: closes its copies of their descriptors. A flock belongs to the open file
+    description that both share, so a copy left open would keep the lock after the parent
+    released it or died (a data-loader worker outliving its trainer would lock the next
+    run out). Closing a copy leaves the parent's lock held; the child holds none."""
+    for lock in list(_HELD):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited_locks)
+
 
 class FileLock:
     """An advisory `flock` on one file, held until `release` or the process dies.
 
     The kernel drops the lock with its process, so a crashed holder never leaves a
-    stale lock; only the lock file may remain. Used for the directory lock of a
+    stale lock; only the lock file may remain. A child forked from the holder does not
+    hold it (`_drop_inherited_locks`). Used for the directory lock of a
     manager (`DIR/.checkpointer.lock`, with a holder note) and the save lock of a
     save in flight (`<partial>.lock`, removed on release).
     """
@@ -43,6 +68,7 @@ class FileLock:
     def __init__(self, path: str, fd: int):
         self.path = path
         self._fd: int | None = fd
+        _HELD.add(self)
 
     @classmethod
     def acquire(cls, path: str, *, wait: bool = True, holder: str | None = None) -> FileLock:
@@ -97,8 +123,9 @@ class FileLock:
                 os.remove(self.path)
             except FileNotFoundError:
                 pass
-        os.close(self._fd)
-        self._fd = None
+        fd, self._fd = self._fd, None
+        _HELD.discard(self)
+        os.close(fd)
 
 
 class Reader(abc.ABC):

@@ -4,13 +4,12 @@ matplotlib is imported inside `plot_run` (the `notebook` extra)."""
 
 from __future__ import annotations
 
-import math
 import os
 from typing import TYPE_CHECKING, Any
 
 from .. import _commit
 from .._errors import CheckpointNotFoundError
-from .._format import read_metadata
+from .._format import finite_number, read_metadata
 from .._storage import storage_for
 from ._inspect import _DPI, _FONT, _import_matplotlib, _unit
 from ._timeline import _COLOR, PHASES, read_timeline, step_summary
@@ -62,8 +61,9 @@ def plot_run(run: str | os.PathLike | Any, *, last: int | None = 10) -> Figure:
     metrics: dict[str, list[tuple[int, float]]] = {}
     for s, meta in metas.items():
         for k, v in (meta.user_metadata.get("metrics") or {}).items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                metrics.setdefault(k, []).append((s, float(v)))
+            number = finite_number(v)  # None for an int beyond any float too
+            if number is not None:
+                metrics.setdefault(k, []).append((s, number))
     phases = read_timeline(location, last=len(steps))
     by_step: dict[int | None, list] = {}
     for p in phases:
