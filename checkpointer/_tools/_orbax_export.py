@@ -511,25 +511,41 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     _check_out(out_storage, dst, overwrite)
     all_dropped = [line for s, m in metas.items() for line in dropped_state(storage, f"{src}/{folders[s]}", m)]
     out_storage.makedirs(dst)
-    # overwrite: steps the source does not have would read as part of the run, and the files
-    # of an earlier one-checkpoint export there as a checkpoint of their own; the steps
-    # exported again are replaced one by one below.
-    stale = [n for n in out_storage.list_dir(dst) if not (n.isdigit() and int(n) in metas)]
-    for name in stale:
-        path = f"{dst}/{name}"
-        if out_storage.is_folder(path):
-            out_storage.delete_tree(path)
-        else:
-            out_storage.delete_file(path)
     all_params: dict[str, str] = {}
     total = 0
-    for s, m in metas.items():
-        step_src = f"{src}/{folders[s]}"
-        params, n = _export_one(storage, step_src, m, out_storage, f"{dst}/{s}", step_layout=True, overwrite=overwrite)
-        all_params.update(params)
-        total += n
+    try:
+        # overwrite: steps the source does not have would read as part of the run, and the files
+        # of an earlier one-checkpoint export there as a checkpoint of their own; the steps
+        # exported again are replaced one by one below.
+        stale = [n for n in out_storage.list_dir(dst) if not (n.isdigit() and int(n) in metas)]
+        for name in stale:
+            path = f"{dst}/{name}"
+            if out_storage.is_folder(path):
+                out_storage.delete_tree(path)
+            else:
+                out_storage.delete_file(path)
+        for s, m in metas.items():
+            step_src = f"{src}/{folders[s]}"
+            params, n = _export_one(storage, step_src, m, out_storage, f"{dst}/{s}", step_layout=True, overwrite=overwrite)
+            all_params.update(params)
+            total += n
+    except BaseException as e:
+        # The steps published so far are complete Orbax steps: left there, Orbax would list
+        # a shorter run (or, over an earlier export, a mix of new and old steps) as complete.
+        _remove_unfinished_run(out_storage, dst, e)
+        raise
     _warn(all_dropped)
     return OrbaxExport(dst, tuple(metas), all_params, tuple(all_dropped), total)
+
+
+def _remove_unfinished_run(storage: Storage, dst: str, error: BaseException) -> None:
+    try:
+        storage.delete_tree(dst)
+    except OSError as e:
+        log.warning("could not remove the unfinished Orbax export %s: %s", dst, e)
+        error.add_note(f"the unfinished Orbax export {dst} could not be removed ({e}); delete it before using it")
+        return
+    error.add_note(f"the unfinished Orbax export {dst} was removed (it held only some of the steps); export again")
 
 
 def _warn(dropped: Sequence[str]) -> None:
