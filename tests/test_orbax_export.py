@@ -343,7 +343,6 @@ def test_a_run_export_that_fails_half_way_leaves_no_step_orbax_would_list(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["run"] and sorted(os.listdir(run)) == ["1", "2", "3"]
 
 
-@pytest.mark.xfail(strict=True, reason="a run export into a folder inside one of its steps is accepted, and retention deletes it with the step")
 def test_a_run_export_into_one_of_its_own_steps_is_refused(tmp_path):
     # Accepted: the Orbax run was written into the committed step 2, and the manager's
     # retention deleted it with step 2 two saves later, without a word.

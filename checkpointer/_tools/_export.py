@@ -424,7 +424,8 @@ def export(
         format reserves (safetensors' `__metadata__`); raised before a file is opened.
       StructureMismatchError: a glob of `leaves` matches no array leaf (names the
         top-level keys).
-      CheckpointExistsError: an output file exists and `overwrite` is False.
+      CheckpointExistsError: an output file exists and `overwrite` is False; orbax: `out`
+        is `path` or holds it, or lies inside the checkpoint or inside a step of the run.
       CorruptCheckpointError: stored bytes fail their checksums.
       ValueError: an option that does not apply to `format="orbax"`.
 
@@ -432,7 +433,9 @@ def export(
       UserWarning: `format="orbax"` left out per-process state (listed in `dropped`).
 
     On every failure the temporary files are removed: the output holds either every
-    file of the export or none of them (files that were there before stay).
+    file of the export or none of them (files that were there before stay; except a run
+    exported as Orbax with `overwrite=True`: a failure removes `out` whole, since the
+    earlier export there was already partly replaced).
 
     Host memory: one slab of one leaf (`SLAB_BYTES`, 64 MiB, or one row if larger).
     Multi-process: call from one process; it reads every leaf whole.

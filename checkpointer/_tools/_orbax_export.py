@@ -451,10 +451,12 @@ def _check_out(storage: Storage, out: str, overwrite: bool) -> None:
         raise CheckpointExistsError(f"{out} exists; pass --overwrite (overwrite=True) to replace it, or export elsewhere")
 
 
-def _check_apart(storage: Storage, src: str, out_storage: Storage, dst: str, one_checkpoint: bool) -> None:
+def _check_apart(storage: Storage, src: str, out_storage: Storage, dst: str, one_checkpoint: bool,
+                 steps: Sequence[str] = ()) -> None:
     """Refuses an `out` that is the source or a folder above it (replacing it would delete
-    the source once the export is written), and an `out` inside one checkpoint (it would
-    change a committed checkpoint)."""
+    the source once the export is written), and an `out` inside one checkpoint or inside
+    one of the run's step folders `steps` (it would change a committed checkpoint, and
+    retention would delete it with the step)."""
     if type(storage) is not type(out_storage):
         return
     local = "://" not in src
@@ -468,6 +470,13 @@ def _check_apart(storage: Storage, src: str, out_storage: Storage, dst: str, one
         raise CheckpointExistsError(
             f"{dst} is inside the checkpoint {src}: the export would change a committed checkpoint; nothing was "
             "written. Export to a folder outside it")
+    if not one_checkpoint and b.startswith(a.rstrip(sep) + sep):
+        first = b[len(a.rstrip(sep)) + 1:].split(sep, 1)[0]
+        if first in steps:
+            raise CheckpointExistsError(
+                f"{dst} is inside the step {src.rstrip('/')}/{first} of {src}: the export would change a committed "
+                "checkpoint, and retention would delete it with the step; nothing was written. Export beside the "
+                f"steps ({src.rstrip('/')}/orbax) or outside the run")
 
 
 def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> OrbaxExport:
@@ -479,7 +488,7 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
         committed steps.
       CheckpointExistsError: `out` exists and `overwrite` is False; `out` is `path` or a
         folder above it (even with `overwrite`: it would delete the source), or inside
-        the one checkpoint `path`.
+        the one checkpoint `path` or one of the steps of the run `path`.
       UnsupportedValueError: a leaf Orbax cannot hold, or two leaves with one Orbax name
         (names them); raised before anything is written.
       CorruptCheckpointError: a process record is missing (before anything is written).
@@ -507,7 +516,8 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     metas = {s: read_metadata(storage, f"{src}/{f}") for s, f in sorted(folders.items())}
     for m in metas.values():
         _check_exportable(m, orbax_entries(m))
-    _check_apart(storage, src, out_storage, dst, one_checkpoint=False)
+    _check_apart(storage, src, out_storage, dst, one_checkpoint=False,
+                 steps=(*folders.values(), *map(str, folders)))
     _check_out(out_storage, dst, overwrite)
     all_dropped = [line for s, m in metas.items() for line in dropped_state(storage, f"{src}/{folders[s]}", m)]
     out_storage.makedirs(dst)
