@@ -171,7 +171,26 @@ def _bad_param(param: str) -> str | None:
     return None
 
 
+def _writes_folder(e: _Entry) -> bool:
+    return isinstance(e.leaf, ArrayMetadata) or (
+        isinstance(e.leaf, ValueMetadata) and e.leaf.value is not None and not isinstance(e.leaf.value, str))
+
+
+def _in_files_of(param: str, ndims: dict[str, int]) -> str | None:
+    """The param (of `ndims`: param -> rank) whose zarr files `param`'s folder would land
+    on (`<q>/zarr.json`, a chunk `<q>/c/<i>/...`, or a scalar's one chunk `<q>/c`), or None."""
+    parts = param.split("/")
+    for i in range(1, len(parts)):
+        q, rest = "/".join(parts[:i]), parts[i:]
+        if q not in ndims:
+            continue
+        if rest[0] == "zarr.json" or (rest[0] == "c" and (ndims[q] == 0 or (len(rest) > 1 and rest[1].isdigit()))):
+            return q
+    return None
+
+
 def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> None:
+    ndims = {e.param: len(e.leaf.shape) if isinstance(e.leaf, ArrayMetadata) else 0 for e in entries if _writes_folder(e)}
     for e in entries:
         where = f"leaf {e.keystr or '(root)'} of {meta.path}"
         if not e.names:
@@ -179,9 +198,11 @@ def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> No
                 f"{meta.path} holds one leaf (or one empty node) as its whole tree; an Orbax PyTree checkpoint holds a "
                 "tree of named leaves. Save it as {'x': value} and export that"
             )
-        writes_folder = isinstance(e.leaf, ArrayMetadata) or (
-            isinstance(e.leaf, ValueMetadata) and e.leaf.value is not None and not isinstance(e.leaf.value, str))
+        writes_folder = _writes_folder(e)
         why = _bad_param(e.param) if writes_folder else None
+        owner = _in_files_of(e.param, ndims) if writes_folder and why is None else None
+        if owner is not None:
+            why = f"lies on the zarr files (zarr.json, chunks c/...) of the param {owner!r}"
         if why is not None:
             raise UnsupportedValueError(
                 f"{where} would be the Orbax param {e.param!r}, which {why}; nothing was written. Rename the key, "
