@@ -63,6 +63,10 @@ RANDOM_KEY_IMPL = "random_key_impl"
 _EMPTY: dict[str, Callable[[], object]] = {"None": lambda: None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": tuple}
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 _ARRAY_KINDS = {"jax.Array": "jax", "np.ndarray": "numpy"}  # `ArraySource.kind` of a sharded array
+# The most keys in one leaf's key path: jax's tree functions (and the nesting below) recurse
+# per level, and a tree ~500 levels deep exceeds Python's default recursion limit of 1000
+# in ckpt.save itself (and in Orbax's save): deeper is a corrupt _METADATA.
+MAX_KEY_DEPTH = 400
 
 # Data chunks are never cached (each is read once); OCDBT's b-tree nodes are, a little.
 _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 8 << 20}})
@@ -228,7 +232,8 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
       without a target; array leaves are `ArraySource`s that read through TensorStore.
     Raises:
       CheckpointNotFoundError: no Orbax checkpoint at `src`.
-      UnsupportedValueError: a leaf written by a custom Orbax TypeHandler (names it).
+      UnsupportedValueError: a leaf written by a custom Orbax TypeHandler, or a key path
+        deeper than `MAX_KEY_DEPTH` keys (names it).
       CorruptCheckpointError: the metadata or an array cannot be read.
     """
     storage, src = storage_for(src)
@@ -250,6 +255,11 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
     entries = []
     for entry in meta["tree_metadata"].values():
         keys = _keys(entry, f"{item}/{METADATA_FILE}")
+        if len(keys) > MAX_KEY_DEPTH:
+            raise UnsupportedValueError(
+                f"{item}/{METADATA_FILE}: the leaf {''.join(f'[{k!r}]' for k in keys[:3])}... is {len(keys)} keys deep; "
+                f"this import takes at most {MAX_KEY_DEPTH} (jax's tree functions, and ckpt.save, recurse per level); "
+                "nothing was written. A _METADATA this deep is likely damaged: check it, or restore with Orbax")
         value_meta = entry.get("value_metadata") or {}
         if not isinstance(value_meta, dict):
             raise CorruptCheckpointError(f"{item}/{METADATA_FILE}: the value_metadata of {keys} is not an object")
