@@ -378,7 +378,6 @@ def test_a_key_beside_another_leafs_zarr_files_still_exports(tmp_path):
     assert all(np.array_equal(got[k], v) for k, v in tree.items())
 
 
-@pytest.mark.xfail(strict=True, reason="the root param '' (a top-level key '') owns the item's zarr.json and c: keys landing there are not refused")
 @pytest.mark.parametrize("tree", [{"": 1.5, "c": np.ones(2)}, {"": np.arange(4.0), "zarr.json": np.ones(2)},
                                   {"": np.arange(4.0), "c/0": np.ones(2)}], ids=["scalar-chunk", "zarr.json", "chunk"])
 def test_a_key_inside_the_root_params_zarr_files_is_refused_before_writing(tmp_path, tree):

@@ -178,9 +178,10 @@ def _writes_folder(e: _Entry) -> bool:
 
 def _in_files_of(param: str, ndims: dict[str, int]) -> str | None:
     """The param (of `ndims`: param -> rank) whose zarr files `param`'s folder would land
-    on (`<q>/zarr.json`, a chunk `<q>/c/<i>/...`, or a scalar's one chunk `<q>/c`), or None."""
+    on (`<q>/zarr.json`, a chunk `<q>/c/<i>/...`, or a scalar's one chunk `<q>/c`), or None.
+    The param '' (a top-level key '') is the item folder itself: its files are the item's."""
     parts = param.split("/")
-    for i in range(1, len(parts)):
+    for i in range(len(parts)):
         q, rest = "/".join(parts[:i]), parts[i:]
         if q not in ndims:
             continue
