@@ -375,7 +375,6 @@ def test_an_orbax_key_path_nested_too_deeply_is_refused_naming_the_file_not_a_re
     assert node is None
 
 
-@pytest.mark.xfail(strict=True, reason="the import's TensorStore context is shared by every call: a stale cached OCDBT manifest calls a rewritten checkpoint corrupt")
 def test_an_orbax_checkpoint_rewritten_at_the_same_path_imports_again_in_the_same_process(tmp_path):
     # The import kept one TensorStore context (with its OCDBT cache) for the whole process:
     # after Orbax saved a new checkpoint at the same path (force=True, a new OCDBT database),

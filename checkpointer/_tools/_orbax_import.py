@@ -68,8 +68,13 @@ _ARRAY_KINDS = {"jax.Array": "jax", "np.ndarray": "numpy"}  # `ArraySource.kind`
 # in ckpt.save itself (and in Orbax's save): deeper is a corrupt _METADATA.
 MAX_KEY_DEPTH = 400
 
-# Data chunks are never cached (each is read once); OCDBT's b-tree nodes are, a little.
-_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 8 << 20}})
+
+def _context() -> ts.Context:
+    """A new TensorStore context for one item: data chunks are never cached (each is read
+    once); OCDBT's b-tree nodes are, a little. Not one for the whole process: its OCDBT
+    cache would keep a checkpoint's manifest after Orbax saved another at the same path
+    (a new database), and the next import would fail with "Configuration mismatch"."""
+    return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 8 << 20}})
 
 
 def find_item(storage: Storage, src: str) -> str:
@@ -247,6 +252,7 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
             f"{item} says use_ocdbt but has no manifest.ocdbt (an unfinished save, or per-process OCDBT databases "
             "that were never merged); restore it with Orbax and save it with ckpt.save"
         )
+    context = _context()
     shardings = _read_json_object(storage, f"{item}/{SHARDING_FILE}", required=False)
     strings = _read_json_object(storage, f"{item}/{STRINGS_FILE}", required=False)
     impls = _key_impls(storage, item)
@@ -286,7 +292,7 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
             flat.append((keys, str(strings[name])))
         elif value_type in _ARRAY_TYPES:
             try:
-                store = ts.open(_array_spec(storage, item, name, use_ocdbt, use_zarr3), context=_CONTEXT, read=True).result()
+                store = ts.open(_array_spec(storage, item, name, use_ocdbt, use_zarr3), context=context, read=True).result()
             except Exception as e:
                 raise CorruptCheckpointError(f"{item}: cannot open the array of leaf {key_str} ({name}): {e}") from e
             shape = tuple(int(s) for s in store.shape)
