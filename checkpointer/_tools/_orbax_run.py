@@ -88,6 +88,11 @@ class ImportReport:
     resumed: tuple[int, ...] = ()
 
 
+# Where Orbax's custom_metadata goes when it is not an object, or for its keys that the
+# import's own keys (imported_from, orbax_items, metrics) would replace.
+ORBAX_CUSTOM_METADATA = "orbax_custom_metadata"
+
+
 def _json_file(storage: Storage, path: str) -> object:
     return read_json(storage, path)
 
@@ -197,10 +202,30 @@ def _read_step(storage: Storage, src: str) -> tuple[object, dict, dict, dict, tu
     return tree, dict(sorted(became.items())), json_items, placeholders, tuple(prng), metrics
 
 
+def _custom_metadata(storage: Storage, src: str) -> object:
+    """The `custom_metadata` of the step's (or checkpoint's) `_CHECKPOINT_METADATA`: what
+    `save(..., custom_metadata=)` of Orbax's Checkpointer or CheckpointManager stored (and
+    this library's export of `save(metadata=)`); None if absent."""
+    path = f"{src}/{CHECKPOINT_METADATA}"
+    meta = _json_file(storage, path) if storage.exists(path) else {}
+    return meta.get("custom_metadata") if isinstance(meta, dict) else None
+
+
 def _import_one(storage: Storage, src: str, dst: str, step: int | None, overwrite: bool) -> ImportReport:
     t0 = time.perf_counter()
     tree, items, json_items, placeholders, prng, metrics = _read_step(storage, src)
-    user: dict = {"imported_from": {"format": "orbax", "path": src, "items": items, "placeholders": placeholders}}
+    user: dict = {}
+    custom = _custom_metadata(storage, src)
+    if isinstance(custom, dict):  # the user's own keys, as save(metadata=) stores them
+        user.update({str(k): v for k, v in custom.items()})
+    elif custom is not None:
+        user[ORBAX_CUSTOM_METADATA] = custom
+    # The import's own keys win; a custom value under one of them is kept aside.
+    clashes = {k: user.pop(k) for k in ("imported_from", "orbax_items", "metrics", ORBAX_CUSTOM_METADATA)
+               if k in user and isinstance(custom, dict)}
+    if clashes:
+        user[ORBAX_CUSTOM_METADATA] = clashes
+    user["imported_from"] = {"format": "orbax", "path": src, "items": items, "placeholders": placeholders}
     if json_items:
         user["orbax_items"] = json_items
     stored_metrics = metrics_json(metrics, dst) if metrics else {}
@@ -306,7 +331,9 @@ def import_orbax(
       dst: the checkpoint path to write (a last component that is an integer is
         recorded as the step); for a manager directory, the directory that receives
         `dst/<step>` for every step. `user_metadata["imported_from"]` records the
-        Orbax folder, what each item became and the placeholders.
+        Orbax folder, what each item became and the placeholders; the keys of Orbax's
+        `custom_metadata` (`_CHECKPOINT_METADATA`) are user metadata keys (those named
+        `imported_from`, `orbax_items`, `metrics` in `user_metadata["orbax_custom_metadata"]`).
       overwrite: replace committed checkpoints at `dst`. Without it a directory
         import resumes: steps already imported from the same Orbax step are kept.
       progress: a directory import calls `progress(steps_done, steps_total, step)`
