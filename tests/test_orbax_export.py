@@ -389,3 +389,24 @@ def test_a_key_inside_the_root_params_zarr_files_is_refused_before_writing(tmp_p
     with pytest.raises(ckpt.UnsupportedValueError, match=r"zarr files .* of the param ''.*nothing was written"):
         ckpt.export(src, out, format="orbax")
     assert os.listdir(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.xfail(strict=True, reason="the command line prints the error without its notes: the user is not told the unfinished export was removed")
+def test_the_command_line_says_that_a_failed_run_export_was_removed(tmp_path, monkeypatch, capsys):
+    from checkpointer._tools import _orbax_export
+
+    run, out = str(tmp_path / "run"), str(tmp_path / "orbax")
+    for step in (1, 2):
+        ckpt.save(f"{run}/{step}", {"w": np.full(3, step, np.float32)})
+    real, calls = _orbax_export._write_array, []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError("No space left on device (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_orbax_export, "_write_array", failing)
+    assert _cli.main(["export", run, "--format", "orbax", "-o", out]) == 1
+    err = capsys.readouterr().err
+    assert "No space left" in err and f"the unfinished Orbax export {out} was removed" in err and len(err.splitlines()) == 1
