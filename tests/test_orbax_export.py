@@ -391,7 +391,6 @@ def test_a_key_inside_the_root_params_zarr_files_is_refused_before_writing(tmp_p
     assert os.listdir(tmp_path) == ["ckpt"]
 
 
-@pytest.mark.xfail(strict=True, reason="the command line prints the error without its notes: the user is not told the unfinished export was removed")
 def test_the_command_line_says_that_a_failed_run_export_was_removed(tmp_path, monkeypatch, capsys):
     from checkpointer._tools import _orbax_export
 
