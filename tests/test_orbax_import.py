@@ -415,7 +415,6 @@ def test_orbax_custom_metadata_comes_over_as_user_metadata_and_round_trips(tmp_p
     assert user["note"] == "kept" and user["epoch"] == 7 and user["exported_from"]["format"] == "checkpointer"
 
 
-@pytest.mark.xfail(strict=True, reason="an OCDBT checkpoint without arrays has no manifest.ocdbt and is refused as corrupt")
 def test_an_orbax_checkpoint_without_arrays_imports(tmp_path):
     # Orbax writes no OCDBT database when no leaf is an array (empty nodes, None, strings):
     # the import required manifest.ocdbt and called the healthy checkpoint unfinished.

@@ -247,7 +247,10 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
     if not isinstance(meta.get("tree_metadata"), dict):
         raise CorruptCheckpointError(f"{item}/{METADATA_FILE} has no tree_metadata object")
     use_ocdbt, use_zarr3 = bool(meta.get("use_ocdbt", False)), bool(meta.get("use_zarr3", False))
-    if use_ocdbt and not storage.exists(f"{item}/manifest.ocdbt"):
+    needs_arrays = any(isinstance(e, dict) and isinstance(e.get("value_metadata"), dict)
+                       and e["value_metadata"].get("value_type") in _ARRAY_TYPES for e in meta["tree_metadata"].values())
+    # Orbax writes no OCDBT database when no leaf is an array (empty nodes, None, strings).
+    if use_ocdbt and needs_arrays and not storage.exists(f"{item}/manifest.ocdbt"):
         raise CorruptCheckpointError(
             f"{item} says use_ocdbt but has no manifest.ocdbt (an unfinished save, or per-process OCDBT databases "
             "that were never merged); restore it with Orbax and save it with ckpt.save"
