@@ -411,7 +411,6 @@ def test_the_command_line_says_that_a_failed_run_export_was_removed(tmp_path, mo
     assert "No space left" in err and f"the unfinished Orbax export {out} was removed" in err and len(err.splitlines()) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="the default output of `export .` is '..orbax' inside the checkpoint, refused")
 def test_the_command_line_exports_the_current_folder_beside_it(tmp_path, monkeypatch, capsys):
     # `export . --format orbax` named its default output '..orbax' (the path plus
     # '.orbax'): inside the checkpoint itself, so the export was refused.
