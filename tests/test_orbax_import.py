@@ -424,3 +424,22 @@ def test_an_orbax_checkpoint_without_arrays_imports(tmp_path):
     assert not (tmp_path / "orbax" / "manifest.ocdbt").exists()
     ckpt.import_orbax(str(tmp_path / "orbax"), str(tmp_path / "1"))
     assert ckpt.restore(str(tmp_path / "1"), {"config": {"name": "", "opt": None}, "empty": {}, "layers": []}) == tree
+
+
+@pytest.mark.xfail(strict=True, reason="an import into a folder inside the Orbax checkpoint (or one of its steps) is accepted")
+def test_an_import_into_the_orbax_checkpoint_itself_is_refused(tmp_path):
+    # Accepted: the checkpoint was written inside the Orbax step 1 (or item folder), which
+    # Orbax's retention deletes with the step, and which changed an Orbax checkpoint.
+    run, one = tmp_path / "run", tmp_path / "one"
+    with ocp.CheckpointManager(str(run)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, args=ocp.args.StandardSave({"w": np.full(2, step, np.float32)}))
+    with ocp.PyTreeCheckpointer() as c:
+        c.save(str(one), {"w": np.ones(2)})
+    for src, dst in [(run, run / "1" / "ckpt"), (run / "2", run / "2" / "ckpt"), (one, one / "ckpt")]:
+        with pytest.raises(ckpt.CheckpointExistsError, match=f"{dst} is inside the Orbax checkpoint .*nothing was written"):
+            ckpt.import_orbax(str(src), str(dst))
+        assert not dst.exists()
+    ckpt.import_orbax(str(run), str(run / "imported"))  # beside the steps: Orbax lists only its steps
+    assert sorted(p.name for p in (run / "imported").iterdir()) == ["1", "2"]
+    assert ocp.CheckpointManager(str(run)).all_steps() == [1, 2]
