@@ -426,7 +426,6 @@ def test_an_orbax_checkpoint_without_arrays_imports(tmp_path):
     assert ckpt.restore(str(tmp_path / "1"), {"config": {"name": "", "opt": None}, "empty": {}, "layers": []}) == tree
 
 
-@pytest.mark.xfail(strict=True, reason="an import into a folder inside the Orbax checkpoint (or one of its steps) is accepted")
 def test_an_import_into_the_orbax_checkpoint_itself_is_refused(tmp_path):
     # Accepted: the checkpoint was written inside the Orbax step 1 (or item folder), which
     # Orbax's retention deletes with the step, and which changed an Orbax checkpoint.

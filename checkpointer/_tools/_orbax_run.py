@@ -298,6 +298,28 @@ def _import_run(storage: Storage, src: str, dst: str, steps: list[tuple[int, str
         time.perf_counter() - t0, tuple(done), tuple(resumed))
 
 
+def _check_outside(storage: Storage, src: str, dst: str | os.PathLike, steps: list[str] | None) -> None:
+    """Refuses a `dst` inside the Orbax checkpoint `src` (`steps` None), or inside one of the
+    step folders `steps` of the Orbax run `src`: it would change an Orbax checkpoint, and
+    Orbax's retention would delete it with the step. Beside a run's steps is fine."""
+    dst_storage, dst_path = storage_for(dst)
+    if type(dst_storage) is not type(storage):
+        return
+    local = "://" not in src
+    a, b = (os.path.realpath(src), os.path.realpath(dst_path)) if local else (src.rstrip("/"), dst_path.rstrip("/"))
+    sep = os.sep if local else "/"
+    if not b.startswith(a.rstrip(sep) + sep):
+        return
+    inside = src if steps is None else None
+    if steps is not None:
+        first = b[len(a.rstrip(sep)) + 1:].split(sep, 1)[0]
+        inside = f"{src.rstrip('/')}/{first}" if first in steps else None
+    if inside is not None:
+        raise CheckpointExistsError(
+            f"{dst_path} is inside the Orbax checkpoint {inside}: the import would change it, and Orbax's retention "
+            "would delete the import with it; nothing was written. Import into a folder outside it")
+
+
 def import_orbax(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -345,7 +367,8 @@ def import_orbax(
       UnsupportedValueError: a leaf written by a custom Orbax TypeHandler, an item of
         another handler, or a dtype the format cannot hold (names it).
       CheckpointExistsError: `dst` (or a step in it not imported from `src`) is
-        committed and `overwrite` is False.
+        committed and `overwrite` is False; `dst` is inside the Orbax checkpoint `src`
+        or inside one step folder of the Orbax run `src`.
       CorruptCheckpointError: the Orbax metadata or an array cannot be read.
       SaveError: writing failed; nothing was committed for that step.
 
@@ -356,7 +379,9 @@ def import_orbax(
     if not storage.exists(f"{src}/{METADATA_FILE}") and not _is_step(storage, src):
         steps = orbax_steps(storage, src) if storage.is_folder(src) else []
         if steps:
+            _check_outside(storage, src, dst, [os.path.basename(folder) for _, folder in steps])
             return _import_run(storage, src, os.fspath(dst), steps, overwrite, progress)
+    _check_outside(storage, src, dst, None)
     name = os.fspath(dst).rstrip("/").rsplit("/", 1)[-1]
     step = int(name) if name.isascii() and name.isdigit() else None
     return _import_one(storage, src, os.fspath(dst), step, overwrite)
