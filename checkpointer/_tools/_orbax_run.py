@@ -381,7 +381,8 @@ def import_orbax(
         if steps:
             _check_outside(storage, src, dst, [os.path.basename(folder) for _, folder in steps])
             return _import_run(storage, src, os.fspath(dst), steps, overwrite, progress)
-    _check_outside(storage, src, dst, None)
+    else:  # an item or step folder (anything else is refused below as not an Orbax checkpoint)
+        _check_outside(storage, src, dst, None)
     name = os.fspath(dst).rstrip("/").rsplit("/", 1)[-1]
     step = int(name) if name.isascii() and name.isdigit() else None
     return _import_one(storage, src, os.fspath(dst), step, overwrite)
