@@ -424,7 +424,6 @@ def test_the_command_line_exports_the_current_folder_beside_it(tmp_path, monkeyp
     assert (tmp_path / "run" / "7.npz").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="a param name longer than a file name may be (255 bytes) fails mid-export with TensorStore's error, naming no leaf")
 def test_a_param_name_longer_than_a_file_name_is_refused_before_writing_naming_the_leaf(tmp_path):
     # Orbax joins the keys with '.' into one folder name: 120 + 1 + 140 bytes pass as two
     # folders here but not as one there (NAME_MAX 255); the export failed half-way with

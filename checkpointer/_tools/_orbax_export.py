@@ -75,6 +75,7 @@ ARRAY_METADATAS = "array_metadatas/process_0"
 TMP_INFIX = ".orbax-checkpoint-tmp-"
 STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
+NAME_MAX = 255  # bytes of one file or folder name (ext4, xfs, APFS, NTFS): a param folder's name
 REGION_BYTES = 64 << 20  # the most bytes of one leaf in host memory; also the chunk size limit
 SEQUENCE, DICT = 1, 2  # orbax's tree metadata KeyType
 _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
@@ -166,6 +167,10 @@ def _bad_param(param: str) -> str | None:
     parts = param.split("/")
     if any(p in ("", ".", "..") for p in parts):
         return "has an empty, '.' or '..' path component (a key with '/' makes folders)"
+    longest = max(len(p.encode()) for p in parts)
+    if longest > NAME_MAX:
+        return (f"is one folder name of {longest} bytes (Orbax joins the keys with '.'), longer than the {NAME_MAX} "
+                "bytes a file or folder name may have")
     if any(param == f or param.startswith(f + "/") for f in _ITEM_FILES):
         return "is the name of a file the Orbax checkpoint itself holds"
     return None
