@@ -9,6 +9,7 @@ bit-exact; the command line; errors that name the path and the leaf."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import warnings
@@ -437,3 +438,21 @@ def test_a_param_name_longer_than_a_file_name_is_refused_before_writing_naming_t
     ckpt.save(src, {"a" * 120: {"b" * 134: np.ones(3)}}, overwrite=True)  # 255 bytes: a file name still
     ckpt.export(src, out, format="orbax")
     assert np.array_equal(ocp.PyTreeCheckpointer().restore(out)["a" * 120]["b" * 134], np.ones(3))
+
+
+@pytest.mark.xfail(strict=True, reason="overwrite=True does not replace an out that is a file: NotADirectoryError")
+def test_overwrite_replaces_an_out_that_is_a_file(tmp_path):
+    # Without overwrite the export says "pass --overwrite to replace it"; with it, the
+    # rename onto the file (or the run's makedirs) failed with NotADirectoryError.
+    src, run = str(tmp_path / "ckpt"), str(tmp_path / "run")
+    ckpt.save(src, {"w": np.arange(3.0)})
+    ckpt.save(f"{run}/1", {"w": np.arange(3.0)})
+    for source in (src, run):
+        out = tmp_path / "out"
+        out.write_text("not an export")
+        with pytest.raises(ckpt.CheckpointExistsError, match="pass --overwrite"):
+            ckpt.export(source, str(out), format="orbax")
+        ckpt.export(source, str(out), format="orbax", overwrite=True)
+        item = out if source == src else out / "1" / "default"
+        assert np.array_equal(ocp.PyTreeCheckpointer().restore(str(item))["w"], np.arange(3.0))
+        shutil.rmtree(out)
