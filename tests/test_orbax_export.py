@@ -440,7 +440,6 @@ def test_a_param_name_longer_than_a_file_name_is_refused_before_writing_naming_t
     assert np.array_equal(ocp.PyTreeCheckpointer().restore(out)["a" * 120]["b" * 134], np.ones(3))
 
 
-@pytest.mark.xfail(strict=True, reason="overwrite=True does not replace an out that is a file: NotADirectoryError")
 def test_overwrite_replaces_an_out_that_is_a_file(tmp_path):
     # Without overwrite the export says "pass --overwrite to replace it"; with it, the
     # rename onto the file (or the run's makedirs) failed with NotADirectoryError.

@@ -425,19 +425,27 @@ class OrbaxExport:
     total_bytes: int
 
 
+def _remove(storage: Storage, path: str) -> None:
+    """Removes the folder or file at `path`, if any (what `overwrite` replaces)."""
+    if storage.is_folder(path):
+        storage.delete_tree(path)
+    elif storage.exists(path):
+        storage.delete_file(path)
+
+
 def _publish(storage: Storage, write: Callable[[str], None], final: str, overwrite: bool) -> None:
     """Runs `write(folder)` into a temporary folder renamed to `final` when complete (or,
     without rename, into `final` with `commit_success.txt` last); removes it on failure.
     An existing `final` (only with `overwrite`) is removed just before the rename."""
     folder = f"{final}{TMP_INFIX}{time.time_ns()}" if storage.supports_rename else final
-    if not storage.supports_rename and storage.is_folder(final):
-        storage.delete_tree(final)  # no rename: the old one goes first
+    if not storage.supports_rename:
+        _remove(storage, final)  # no rename: the old one goes first
     try:
         write(folder)
         storage.write_file(f"{folder}/{COMMIT_SUCCESS}", f"Checkpoint commit was successful to {final}".encode())  # last
         if storage.supports_rename:
-            if storage.is_folder(final) and overwrite:
-                storage.delete_tree(final)
+            if overwrite:
+                _remove(storage, final)
             storage.rename(folder, final)
     except BaseException:
         try:
@@ -547,6 +555,8 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
                  steps=(*folders.values(), *map(str, folders)))
     _check_out(out_storage, dst, overwrite)
     all_dropped = [line for s, m in metas.items() for line in dropped_state(storage, f"{src}/{folders[s]}", m)]
+    if not out_storage.is_folder(dst):
+        _remove(out_storage, dst)  # a file there (overwrite: _check_out refused it otherwise)
     out_storage.makedirs(dst)
     all_params: dict[str, str] = {}
     total = 0
@@ -556,11 +566,7 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
         # exported again are replaced one by one below.
         stale = [n for n in out_storage.list_dir(dst) if not (n.isdigit() and int(n) in metas)]
         for name in stale:
-            path = f"{dst}/{name}"
-            if out_storage.is_folder(path):
-                out_storage.delete_tree(path)
-            else:
-                out_storage.delete_file(path)
+            _remove(out_storage, f"{dst}/{name}")
         for s, m in metas.items():
             step_src = f"{src}/{folders[s]}"
             params, n = _export_one(storage, step_src, m, out_storage, f"{dst}/{s}", step_layout=True, overwrite=overwrite)
