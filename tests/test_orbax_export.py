@@ -455,3 +455,36 @@ def test_overwrite_replaces_an_out_that_is_a_file(tmp_path):
         item = out if source == src else out / "1" / "default"
         assert np.array_equal(ocp.PyTreeCheckpointer().restore(str(item))["w"], np.arange(3.0))
         shutil.rmtree(out)
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    from gcsserver import started_or_skipped
+    from s3server import running_s3_server
+
+    with started_or_skipped(running_s3_server) as server:
+        yield server
+
+
+@pytest.mark.xfail(strict=True, reason="the export reads the source through the output's storage: across stores it fails")
+def test_an_export_from_local_files_to_an_object_store_and_back(tmp_path, s3_server):
+    # write_item read the source checkpoint through the output's storage: local -> s3://
+    # raised "... is not under s3://...", s3:// -> local called a healthy checkpoint
+    # corrupt ("chunk arrays/big/c/0 is missing. Run `checkpointer verify`").
+    bucket = s3_server.new_bucket()
+    tree = {"big": np.arange(1 << 17, dtype=np.float32), "w": np.arange(3.0), "step": 4}  # unpacked and packed leaves
+    src, run = str(tmp_path / "ckpt"), str(tmp_path / "run")
+    ckpt.save(src, tree)
+    for step in (1, 2):
+        ckpt.save(f"{run}/{step}", {**tree, "step": step})
+    ckpt.export(src, f"s3://{bucket}/one", format="orbax")
+    ckpt.export(run, f"s3://{bucket}/run", format="orbax")
+    for orbax_src, dst in [(f"s3://{bucket}/one", "one"), (f"s3://{bucket}/run", "run_back")]:
+        ckpt.import_orbax(orbax_src, str(tmp_path / dst))
+    got = ckpt.restore(str(tmp_path / "one"))
+    assert np.array_equal(got["big"], tree["big"]) and np.array_equal(got["w"], tree["w"]) and got["step"] == 4
+    assert ckpt.restore(str(tmp_path / "run_back" / "2"))["step"] == 2
+    ckpt.save(f"s3://{bucket}/ckpt", tree)
+    ckpt.export(f"s3://{bucket}/ckpt", str(tmp_path / "from_s3"), format="orbax")
+    got = ocp.PyTreeCheckpointer().restore(str(tmp_path / "from_s3"))
+    assert np.array_equal(got["big"], tree["big"]) and got["step"] == 4
