@@ -466,7 +466,6 @@ def s3_server():
         yield server
 
 
-@pytest.mark.xfail(strict=True, reason="the export reads the source through the output's storage: across stores it fails")
 def test_an_export_from_local_files_to_an_object_store_and_back(tmp_path, s3_server):
     # write_item read the source checkpoint through the output's storage: local -> s3://
     # raised "... is not under s3://...", s3:// -> local called a healthy checkpoint

@@ -266,11 +266,13 @@ def _zarr3_spec(storage: Storage, folder: str, shape: Sequence[int], dtype: np.d
     }
 
 
-def _write_array(storage: Storage, src: str, item: str, name: str, meta: ArrayMetadata) -> tuple[int, ...]:
-    """Copies one array leaf, region by region (whole chunks of the output); returns the chunk shape."""
+def _write_array(storage: Storage, src_storage: Storage, src: str, item: str, name: str,
+                 meta: ArrayMetadata) -> tuple[int, ...]:
+    """Copies one array leaf of `src` (read through `src_storage`) into `storage`, region by
+    region (whole chunks of the output); returns the chunk shape."""
     chunks = write_chunk_shape(meta.shape, meta.chunk_shape, meta.dtype.itemsize)
     store = ts.open(_zarr3_spec(storage, f"{item}/{name}", meta.shape, meta.dtype, chunks), context=_CONTEXT).result()
-    read = _encoding.region_reader(storage, src, meta)
+    read = _encoding.region_reader(src_storage, src, meta)
     whole = Box.whole(meta.shape)
     if not meta.shape:
         store.write(read(whole)).result()
@@ -308,9 +310,11 @@ def _sharding_json(meta: ArrayMetadata) -> str:
                        "device_mesh": {"mesh": devices(ids)}})
 
 
-def write_item(storage: Storage, src: str, meta: CheckpointMetadata, item: str) -> tuple[dict[str, str], int]:
-    """Writes the checkpoint at `src` (its metadata `meta`) as an Orbax PyTree item folder
-    `item` (created); returns (param name -> key string, bytes of array data)."""
+def write_item(storage: Storage, src_storage: Storage, src: str, meta: CheckpointMetadata,
+               item: str) -> tuple[dict[str, str], int]:
+    """Writes the checkpoint at `src` of `src_storage` (its metadata `meta`) as an Orbax
+    PyTree item folder `item` of `storage` (created); returns (param name -> key string,
+    bytes of array data)."""
     import base64
 
     entries = orbax_entries(meta)
@@ -337,7 +341,7 @@ def write_item(storage: Storage, src: str, meta: CheckpointMetadata, item: str) 
             value_meta = {"value_type": "scalar", "skip_deserialize": False}
         else:
             m = e.leaf
-            chunks = _write_array(storage, src, item, name, m)
+            chunks = _write_array(storage, src_storage, src, item, name, m)
             total += m.nbytes
             if m.kind == "numpy" and m.key_impl is None:
                 value_meta = {"value_type": "np.ndarray", "skip_deserialize": False}
@@ -463,7 +467,7 @@ def _export_one(storage: Storage, src: str, meta: CheckpointMetadata, out_storag
 
     def write(folder: str) -> None:
         item = f"{folder}/{ITEM}" if step_layout else folder
-        params, total = write_item(out_storage, src, meta, item)
+        params, total = write_item(out_storage, storage, src, meta, item)
         handlers: object = STANDARD_HANDLER
         if step_layout:
             handlers = {ITEM: STANDARD_HANDLER}
