@@ -489,7 +489,6 @@ def test_an_export_from_local_files_to_an_object_store_and_back(tmp_path, s3_ser
     assert np.array_equal(got["big"], tree["big"]) and got["step"] == 4
 
 
-@pytest.mark.xfail(strict=True, reason="a run at the top of a bucket: read_metadata lists the bucket itself, which KvStorage refuses")
 def test_a_run_at_the_top_of_a_bucket_exports_to_another_bucket(tmp_path, s3_server):
     # export(s3://b/run) first asks whether the folder is one checkpoint; for its
     # partial folders read_metadata lists the parent, the bucket `s3://b`, and KvStorage
