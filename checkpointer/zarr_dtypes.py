@@ -120,6 +120,9 @@ class _MlDtype(ZDType[Any, Any], HasItemSize):
     def from_json_scalar(self, data: Any, *, zarr_format: Any) -> Any:
         if isinstance(data, str) and self._kind == "f" and data.startswith("0x"):
             bits = int(data, 16)  # the bit pattern, as TensorStore and the zarr v3 spec write it
+            if bits >> (8 * self.item_size):
+                raise TypeError(f"Invalid fill value {data!r} for {self._zarr_v3_name}: wider than its "
+                                f"{self.item_size} byte(s)")
             raw = bits.to_bytes(self.item_size, "little")
             return np.frombuffer(raw, dtype=self._dtype())[0]
         if isinstance(data, bool) or not (isinstance(data, (int, float)) or (isinstance(data, str) and data in _SPECIAL)):

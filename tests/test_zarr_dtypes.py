@@ -163,7 +163,6 @@ def test_import_zarr_alone_finds_the_data_types_through_the_entry_points(tmp_pat
     assert out.stdout.split("\n")[:2] == ["bfloat16 int4 [-2.0, -1.75, -1.5] [-8, -7, -6]", "False False"], out.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="a hex fill value wider than the type escapes as a builtin OverflowError")
 def test_a_hex_fill_value_wider_than_the_type_is_refused_as_an_invalid_fill_value(tmp_path):
     # zarr.json's "fill_value": "0x1ffff" for bfloat16 (2 bytes) raised OverflowError ("int
     # too big to convert") from int.to_bytes, where every other bad fill value is zarr's
