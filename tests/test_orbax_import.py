@@ -442,3 +442,18 @@ def test_an_import_into_the_orbax_checkpoint_itself_is_refused(tmp_path):
     ckpt.import_orbax(str(run), str(run / "imported"))  # beside the steps: Orbax lists only its steps
     assert sorted(p.name for p in (run / "imported").iterdir()) == ["1", "2"]
     assert ocp.CheckpointManager(str(run)).all_steps() == [1, 2]
+
+
+@pytest.mark.xfail(strict=True, reason="a _sharding entry that is not a string escapes as a builtin TypeError")
+def test_a_sharding_entry_that_is_not_a_string_is_an_unreadable_sharding_not_a_type_error(tmp_path, caplog):
+    # `_sharding` maps base64(param) -> a JSON *string*; an entry of another JSON type (a
+    # damaged file) raised TypeError ('int' object is not subscriptable) from the warning
+    # meant for unreadable shardings, which otherwise fall back to "other" and import.
+    src = tmp_path / "orbax"
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)).save(
+        str(src), args=ocp.args.PyTreeSave({"w": jnp.arange(6.0)}))
+    (src / "_sharding").write_text(json.dumps({"dw==": 5}))  # base64("w")
+    with caplog.at_level("WARNING", logger="checkpointer"):
+        ckpt.import_orbax(str(src), str(tmp_path / "1"))
+    assert "unreadable Orbax sharding 5" in caplog.text
+    assert np.array_equal(ckpt.restore(str(tmp_path / "1"))["w"], np.arange(6.0))
