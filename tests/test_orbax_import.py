@@ -444,7 +444,6 @@ def test_an_import_into_the_orbax_checkpoint_itself_is_refused(tmp_path):
     assert ocp.CheckpointManager(str(run)).all_steps() == [1, 2]
 
 
-@pytest.mark.xfail(strict=True, reason="a _sharding entry that is not a string escapes as a builtin TypeError")
 def test_a_sharding_entry_that_is_not_a_string_is_an_unreadable_sharding_not_a_type_error(tmp_path, caplog):
     # `_sharding` maps base64(param) -> a JSON *string*; an entry of another JSON type (a
     # damaged file) raised TypeError ('int' object is not subscriptable) from the warning

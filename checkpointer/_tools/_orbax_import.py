@@ -139,6 +139,8 @@ def _saved_sharding(raw: str | None, shape: tuple[int, ...]) -> tuple[SavedShard
     if raw is None:
         return None, shape
     try:
+        if not isinstance(raw, str):  # a damaged _sharding: Orbax writes JSON strings
+            raise TypeError(f"a JSON {type(raw).__name__}, not a string")
         obj = load_json(raw, what="an Orbax sharding description")
         kind = obj.get("sharding_type")
         if kind == "NamedSharding":
@@ -155,7 +157,7 @@ def _saved_sharding(raw: str | None, shape: tuple[int, ...]) -> tuple[SavedShard
         if kind == "SingleDeviceSharding":
             return SavedSharding("single_device", (), (), (), shape, 1), shape
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        log.warning("unreadable Orbax sharding %r: %s", raw[:200], e)
+        log.warning("unreadable Orbax sharding %s: %s", repr(raw)[:200], e)
     return SavedSharding("other", (), (), (), shape, 1), shape
 
 
