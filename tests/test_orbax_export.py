@@ -504,7 +504,6 @@ def test_a_run_at_the_top_of_a_bucket_exports_to_another_bucket(tmp_path, s3_ser
     assert np.array_equal(ckpt.restore(str(tmp_path / "back" / "2"))["w"], np.full(3, 2, np.float32))
 
 
-@pytest.mark.xfail(strict=True, reason="an export named like a step beside a run's steps is accepted, and gc deletes it an hour later")
 @pytest.mark.parametrize("fmt", ["orbax", "safetensors"])
 def test_an_export_named_like_a_step_of_a_run_is_refused(tmp_path, fmt):
     # `export(run, run/500)` or `export(run/1, run/600)` was accepted: the folder, without a
