@@ -519,3 +519,15 @@ def test_an_export_named_like_a_step_of_a_run_is_refused(tmp_path, fmt):
             ckpt.export(src, f"{run}/600", format=fmt)
     assert sorted(os.listdir(run)) == [".checkpointer-journal.jsonl", ".checkpointer.lock", "1", "2"]
     ckpt.export(f"{run}/1", f"{run}/1.{fmt}", format=fmt)  # the command line's default name: fine
+
+
+def test_an_export_with_overwrite_onto_another_committed_step_is_refused_and_keeps_it(tmp_path):
+    # `export(run/1, run/2, format="orbax", overwrite=True)` replaced the committed step 2
+    # with an Orbax checkpoint (step 2 was gone: "no committed checkpoint at run/2").
+    run = str(tmp_path / "run")
+    with ckpt.CheckpointManager(run, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": np.full(3, step, np.float32)})
+    with pytest.raises(ckpt.CheckpointExistsError, match="named like a step of the run"):
+        ckpt.export(f"{run}/1", f"{run}/2", format="orbax", overwrite=True)
+    assert np.array_equal(ckpt.restore(f"{run}/2")["w"], np.full(3, 2, np.float32))
