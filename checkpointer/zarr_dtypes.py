@@ -8,7 +8,10 @@ zarr-python (>= 3.1) resolves a zarr v3 `"data_type"` through its registry of da
 
 - on import (`import checkpointer.zarr_dtypes`), and
 - through the entry point group `zarr.data_type` of this package (pyproject.toml), which
-  zarr-python loads on its own: with the package installed, `import zarr` alone is enough.
+  zarr-python loads on its own from 3.4.1: with the package installed, `import zarr` alone
+  is enough there. zarr-python 3.1.0-3.4.0 never loads them (and `import checkpointer`
+  does not import this module): `import checkpointer.zarr_dtypes` before opening, or the
+  open fails with "No Zarr data type found that matches 'bfloat16'".
 
 The zarr v3 JSON is TensorStore's, unchanged: `"data_type"` is the ml_dtypes name
 (`"bfloat16"`, `"float8_e4m3fn"`, `"int4"`), the bytes codec has `"endian"` for bfloat16
@@ -117,6 +120,9 @@ class _MlDtype(ZDType[Any, Any], HasItemSize):
     def from_json_scalar(self, data: Any, *, zarr_format: Any) -> Any:
         if isinstance(data, str) and self._kind == "f" and data.startswith("0x"):
             bits = int(data, 16)  # the bit pattern, as TensorStore and the zarr v3 spec write it
+            if bits >> (8 * self.item_size):
+                raise TypeError(f"Invalid fill value {data!r} for {self._zarr_v3_name}: wider than its "
+                                f"{self.item_size} byte(s)")
             raw = bits.to_bytes(self.item_size, "little")
             return np.frombuffer(raw, dtype=self._dtype())[0]
         if isinstance(data, bool) or not (isinstance(data, (int, float)) or (isinstance(data, str) and data in _SPECIAL)):

@@ -9,6 +9,7 @@ bit-exact; the command line; errors that name the path and the leaf."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import warnings
@@ -314,3 +315,219 @@ def test_a_run_exported_over_a_one_checkpoint_export_replaces_it(tmp_path):
     ckpt.export(f"{run}/2", out, format="orbax")
     ckpt.export(run, out, format="orbax", overwrite=True)
     assert sorted(os.listdir(out)) == ["1", "2"] and ocp.CheckpointManager(out).all_steps() == [1, 2]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_run_export_that_fails_half_way_leaves_no_step_orbax_would_list(tmp_path, monkeypatch, existing):
+    # The steps were published one by one: an export that failed at step 2 left step 1,
+    # and Orbax's CheckpointManager listed the folder as a run whose latest step was 1.
+    from checkpointer._tools import _orbax_export
+
+    run, out = str(tmp_path / "run"), str(tmp_path / "orbax")
+    for step in (1, 2, 3):
+        ckpt.save(f"{run}/{step}", {"w": np.full(3, step, np.float32), "v": np.arange(2) + step})
+    if existing:  # an earlier complete export, replaced with overwrite=True
+        ckpt.export(run, out, format="orbax")
+    real, calls = _orbax_export._write_array, []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:  # the first leaf of step 2
+            raise OSError("No space left on device (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_orbax_export, "_write_array", failing)
+    with pytest.raises(OSError, match="No space left") as raised:
+        ckpt.export(run, out, format="orbax", overwrite=existing)
+    assert f"the unfinished Orbax export {out} was removed" in "".join(raised.value.__notes__)
+    assert not os.path.exists(out)
+    assert sorted(os.listdir(tmp_path)) == ["run"] and sorted(os.listdir(run)) == ["1", "2", "3"]
+
+
+def test_a_run_export_into_one_of_its_own_steps_is_refused(tmp_path):
+    # Accepted: the Orbax run was written into the committed step 2, and the manager's
+    # retention deleted it with step 2 two saves later, without a word.
+    run = str(tmp_path / "run")
+    with ckpt.CheckpointManager(run, keep=ckpt.KeepLatest(2), async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": np.full(3, step, np.float32)})
+    with pytest.raises(ckpt.CheckpointExistsError, match=f"{run}/2/orbax is inside the step {run}/2 of {run}"):
+        ckpt.export(run, f"{run}/2/orbax", format="orbax")
+    assert not os.path.exists(f"{run}/2/orbax") and ckpt.verify(f"{run}/2").ok
+
+
+@pytest.mark.parametrize("tree", [{"a": np.arange(4.0), "a/zarr.json": np.ones(2)}, {"a": np.arange(4.0), "a/c/0": np.ones(2)},
+                                  {"a": 1.5, "a/c": np.ones(2)}], ids=["zarr.json", "chunk", "scalar-chunk"])
+def test_a_key_inside_another_leafs_zarr_files_is_refused_before_writing(tmp_path, tree):
+    # Param `a/zarr.json` is the folder `<item>/a/zarr.json/`, where `a`'s own zarr.json is
+    # a file (and `a/c/0`, `a/c` the files of `a`'s chunks): the export failed half-way with
+    # TensorStore's FAILED_PRECONDITION "Not a directory", naming neither leaf nor a fix.
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    ckpt.save(src, tree)
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf \['a/.*'\] of .* would be the Orbax param 'a/.*'.*"
+                                                         r"zarr files .* of the param 'a'.*nothing was written"):
+        ckpt.export(src, out, format="orbax")
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_a_key_beside_another_leafs_zarr_files_still_exports(tmp_path):
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    tree = {"a": np.arange(4.0), "a/c": np.ones(2), "a/b": np.zeros(3), "m": np.ones((2, 2)), "m/c/x": np.ones(1)}
+    ckpt.save(src, tree)
+    ckpt.export(src, out, format="orbax")
+    got = ocp.PyTreeCheckpointer().restore(out)
+    assert all(np.array_equal(got[k], v) for k, v in tree.items())
+
+
+@pytest.mark.parametrize("tree", [{"": 1.5, "c": np.ones(2)}, {"": np.arange(4.0), "zarr.json": np.ones(2)},
+                                  {"": np.arange(4.0), "c/0": np.ones(2)}], ids=["scalar-chunk", "zarr.json", "chunk"])
+def test_a_key_inside_the_root_params_zarr_files_is_refused_before_writing(tmp_path, tree):
+    # A top-level key '' is the Orbax param '', whose zarr array is the item folder itself
+    # (`<item>/zarr.json`, chunks `<item>/c/...`, as Orbax writes it): the keys 'c' (beside a
+    # scalar ''), 'zarr.json' and 'c/0' failed half-way with TensorStore's error.
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    ckpt.save(src, tree)
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"zarr files .* of the param ''.*nothing was written"):
+        ckpt.export(src, out, format="orbax")
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_the_command_line_says_that_a_failed_run_export_was_removed(tmp_path, monkeypatch, capsys):
+    from checkpointer._tools import _orbax_export
+
+    run, out = str(tmp_path / "run"), str(tmp_path / "orbax")
+    for step in (1, 2):
+        ckpt.save(f"{run}/{step}", {"w": np.full(3, step, np.float32)})
+    real, calls = _orbax_export._write_array, []
+
+    def failing(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise OSError("No space left on device (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_orbax_export, "_write_array", failing)
+    assert _cli.main(["export", run, "--format", "orbax", "-o", out]) == 1
+    err = capsys.readouterr().err
+    assert "No space left" in err and f"the unfinished Orbax export {out} was removed" in err and len(err.splitlines()) == 1
+
+
+def test_the_command_line_exports_the_current_folder_beside_it(tmp_path, monkeypatch, capsys):
+    # `export . --format orbax` named its default output '..orbax' (the path plus
+    # '.orbax'): inside the checkpoint itself, so the export was refused.
+    src = tmp_path / "run" / "7"
+    ckpt.save(str(src), {"w": np.arange(3.0)})
+    monkeypatch.chdir(src)
+    assert _cli.main(["export", ".", "--format", "orbax"]) == 0, capsys.readouterr().err
+    assert np.array_equal(ocp.PyTreeCheckpointer().restore(str(tmp_path / "run" / "7.orbax"))["w"], np.arange(3.0))
+    monkeypatch.chdir(tmp_path / "run")
+    assert _cli.main(["export", "7/", "--format", "npz"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "run" / "7.npz").exists()
+
+
+def test_a_param_name_longer_than_a_file_name_is_refused_before_writing_naming_the_leaf(tmp_path):
+    # Orbax joins the keys with '.' into one folder name: 120 + 1 + 140 bytes pass as two
+    # folders here but not as one there (NAME_MAX 255); the export failed half-way with
+    # TensorStore's "Failed to open", naming no leaf and no fix.
+    src, out = str(tmp_path / "ckpt"), str(tmp_path / "orbax")
+    ckpt.save(src, {"a" * 120: {"b" * 140: np.ones(3)}, "w": np.zeros(2)})
+    with pytest.raises(ckpt.UnsupportedValueError, match=r"leaf \['a+'\]\['b+'\] of .* would be the Orbax param .*261 bytes.*"
+                                                         r"255.*nothing was written"):
+        ckpt.export(src, out, format="orbax")
+    assert os.listdir(tmp_path) == ["ckpt"]
+    ckpt.save(src, {"a" * 120: {"b" * 134: np.ones(3)}}, overwrite=True)  # 255 bytes: a file name still
+    ckpt.export(src, out, format="orbax")
+    assert np.array_equal(ocp.PyTreeCheckpointer().restore(out)["a" * 120]["b" * 134], np.ones(3))
+
+
+def test_overwrite_replaces_an_out_that_is_a_file(tmp_path):
+    # Without overwrite the export says "pass --overwrite to replace it"; with it, the
+    # rename onto the file (or the run's makedirs) failed with NotADirectoryError.
+    src, run = str(tmp_path / "ckpt"), str(tmp_path / "run")
+    ckpt.save(src, {"w": np.arange(3.0)})
+    ckpt.save(f"{run}/1", {"w": np.arange(3.0)})
+    for source in (src, run):
+        out = tmp_path / "out"
+        out.write_text("not an export")
+        with pytest.raises(ckpt.CheckpointExistsError, match="pass --overwrite"):
+            ckpt.export(source, str(out), format="orbax")
+        ckpt.export(source, str(out), format="orbax", overwrite=True)
+        item = out if source == src else out / "1" / "default"
+        assert np.array_equal(ocp.PyTreeCheckpointer().restore(str(item))["w"], np.arange(3.0))
+        shutil.rmtree(out)
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    from gcsserver import started_or_skipped
+    from s3server import running_s3_server
+
+    with started_or_skipped(running_s3_server) as server:
+        yield server
+
+
+def test_an_export_from_local_files_to_an_object_store_and_back(tmp_path, s3_server):
+    # write_item read the source checkpoint through the output's storage: local -> s3://
+    # raised "... is not under s3://...", s3:// -> local called a healthy checkpoint
+    # corrupt ("chunk arrays/big/c/0 is missing. Run `checkpointer verify`").
+    bucket = s3_server.new_bucket()
+    tree = {"big": np.arange(1 << 17, dtype=np.float32), "w": np.arange(3.0), "step": 4}  # unpacked and packed leaves
+    src, run = str(tmp_path / "ckpt"), str(tmp_path / "run")
+    ckpt.save(src, tree)
+    for step in (1, 2):
+        ckpt.save(f"{run}/{step}", {**tree, "step": step})
+    ckpt.export(src, f"s3://{bucket}/one", format="orbax")
+    ckpt.export(run, f"s3://{bucket}/run", format="orbax")
+    for orbax_src, dst in [(f"s3://{bucket}/one", "one"), (f"s3://{bucket}/run", "run_back")]:
+        ckpt.import_orbax(orbax_src, str(tmp_path / dst))
+    got = ckpt.restore(str(tmp_path / "one"))
+    assert np.array_equal(got["big"], tree["big"]) and np.array_equal(got["w"], tree["w"]) and got["step"] == 4
+    assert ckpt.restore(str(tmp_path / "run_back" / "2"))["step"] == 2
+    ckpt.save(f"s3://{bucket}/ckpt", tree)
+    ckpt.export(f"s3://{bucket}/ckpt", str(tmp_path / "from_s3"), format="orbax")
+    got = ocp.PyTreeCheckpointer().restore(str(tmp_path / "from_s3"))
+    assert np.array_equal(got["big"], tree["big"]) and got["step"] == 4
+
+
+def test_a_run_at_the_top_of_a_bucket_exports_to_another_bucket(tmp_path, s3_server):
+    # export(s3://b/run) first asks whether the folder is one checkpoint; for its
+    # partial folders read_metadata lists the parent, the bucket `s3://b`, and KvStorage
+    # (rooted at `s3://b/`) raised "s3://b is not under s3://b/" instead of "not found".
+    b1, b2 = s3_server.new_bucket(), s3_server.new_bucket()
+    with ckpt.CheckpointManager(f"s3://{b1}/run") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": np.full(3, step, np.float32)})
+    with pytest.raises(ckpt.CheckpointNotFoundError):
+        ckpt.metadata(f"s3://{b1}/run")
+    assert ckpt.export(f"s3://{b1}/run", f"s3://{b2}/orbax", format="orbax").steps == (1, 2)
+    ckpt.import_orbax(f"s3://{b2}/orbax", str(tmp_path / "back"))
+    assert np.array_equal(ckpt.restore(str(tmp_path / "back" / "2"))["w"], np.full(3, 2, np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["orbax", "safetensors"])
+def test_an_export_named_like_a_step_of_a_run_is_refused(tmp_path, fmt):
+    # `export(run, run/500)` or `export(run/1, run/600)` was accepted: the folder, without a
+    # commit marker, is listed by `checkpointer ls` as "no marker", and gc removes such
+    # folders once they stayed unchanged for an hour (a save of step 500 would collide too).
+    run = str(tmp_path / "run")
+    with ckpt.CheckpointManager(run, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": np.full(3, step, np.float32)})
+    sources = [f"{run}/1"] if fmt == "safetensors" else [run, f"{run}/1"]
+    for src in sources:
+        with pytest.raises(ckpt.CheckpointExistsError, match=f"{run}/600 is named like a step of the run {run}.*gc"):
+            ckpt.export(src, f"{run}/600", format=fmt)
+    assert sorted(os.listdir(run)) == [".checkpointer-journal.jsonl", ".checkpointer.lock", "1", "2"]
+    ckpt.export(f"{run}/1", f"{run}/1.{fmt}", format=fmt)  # the command line's default name: fine
+
+
+def test_an_export_with_overwrite_onto_another_committed_step_is_refused_and_keeps_it(tmp_path):
+    # `export(run/1, run/2, format="orbax", overwrite=True)` replaced the committed step 2
+    # with an Orbax checkpoint (step 2 was gone: "no committed checkpoint at run/2").
+    run = str(tmp_path / "run")
+    with ckpt.CheckpointManager(run, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": np.full(3, step, np.float32)})
+    with pytest.raises(ckpt.CheckpointExistsError, match="named like a step of the run"):
+        ckpt.export(f"{run}/1", f"{run}/2", format="orbax", overwrite=True)
+    assert np.array_equal(ckpt.restore(f"{run}/2")["w"], np.full(3, 2, np.float32))

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import checkpointer as ckpt
 from checkpointer._cli import _main as _cli
+from checkpointer._tools._orbax_import import MAX_KEY_DEPTH
 
 ocp = pytest.importorskip("orbax.checkpoint")
 optax = pytest.importorskip("optax")
@@ -347,3 +348,111 @@ def test_orbax_numpy_scalars_keep_their_types_through_the_import(tmp_path):
     out = ckpt.restore(str(tmp_path / "1"), {**tree, "w": None})
     for k in ("f32", "i64", "i32", "py_float", "py_int"):
         assert type(out[k]) is type(tree[k]) and out[k] == tree[k], k
+
+
+def test_an_orbax_key_path_nested_too_deeply_is_refused_naming_the_file_not_a_recursion_error(tmp_path):
+    # _METADATA's key_metadata of 600 (or 5000) keys: the import's nesting recursed per
+    # level and raised RecursionError (the contract: the documented error naming the file).
+    src = tmp_path / "orbax"
+    with ocp.PyTreeCheckpointer() as c:
+        c.save(str(src), {"w": np.arange(3, dtype=np.float32)})
+    meta = json.loads((src / "_METADATA").read_text())
+    for depth in (600, 5000):
+        keys = [{"key": f"k{i}", "key_type": 2} for i in range(depth)]
+        meta["tree_metadata"]["deep"] = {"key_metadata": keys, "value_metadata": {"value_type": "None", "skip_deserialize": True}}
+        (src / "_METADATA").write_text(json.dumps(meta))
+        with pytest.raises(ckpt.UnsupportedValueError, match=rf"_METADATA: the leaf \['k0'\]\['k1'\].* is {depth} keys deep"):
+            ckpt.import_orbax(str(src), str(tmp_path / "1"))
+        assert not (tmp_path / "1").exists()
+    depth = MAX_KEY_DEPTH  # deep, but within what jax's tree functions take
+    keys = [{"key": f"k{i}", "key_type": 2} for i in range(depth)]
+    meta["tree_metadata"]["deep"] = {"key_metadata": keys, "value_metadata": {"value_type": "None", "skip_deserialize": True}}
+    (src / "_METADATA").write_text(json.dumps(meta))
+    ckpt.import_orbax(str(src), str(tmp_path / "1"))
+    node = ckpt.restore(str(tmp_path / "1"))
+    for i in range(depth):
+        node = node[f"k{i}"]
+    assert node is None
+
+
+def test_an_orbax_checkpoint_rewritten_at_the_same_path_imports_again_in_the_same_process(tmp_path):
+    # The import kept one TensorStore context (with its OCDBT cache) for the whole process:
+    # after Orbax saved a new checkpoint at the same path (force=True, a new OCDBT database),
+    # the next import read the cached manifest and failed with CorruptCheckpointError
+    # ("Configuration mismatch on uuid") on a healthy checkpoint.
+    src, dst = str(tmp_path / "orbax"), str(tmp_path / "1")
+    for i in range(2):
+        with ocp.PyTreeCheckpointer() as c:
+            c.save(src, {"w": np.arange(3.0) + i}, force=True)
+        ckpt.import_orbax(src, dst, overwrite=True)
+        assert np.array_equal(ckpt.restore(dst)["w"], np.arange(3.0) + i)
+
+
+def test_orbax_custom_metadata_comes_over_as_user_metadata_and_round_trips(tmp_path):
+    # `save(..., custom_metadata=...)` (StandardCheckpointer, CheckpointManager) is the
+    # user's own data (epoch, data position, config); the import dropped it without a word,
+    # so ckpt.save(metadata=) -> export (custom_metadata) -> import lost it too.
+    tree = {"w": np.arange(3, dtype=np.float32)}
+    custom = {"epoch": 3, "config": {"lr": 0.1, "layers": [1, 2]}, "metrics": "a clash with the import's own key"}
+    with ocp.StandardCheckpointer() as c:
+        c.save(str(tmp_path / "one"), tree, custom_metadata=custom)
+    ckpt.import_orbax(str(tmp_path / "one"), str(tmp_path / "1"))
+    user = ckpt.metadata(str(tmp_path / "1")).user_metadata
+    assert user["epoch"] == 3 and user["config"] == {"lr": 0.1, "layers": [1, 2]}
+    assert "metrics" not in user and user["orbax_custom_metadata"] == {"metrics": custom["metrics"]}
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")  # metrics are written
+    with ocp.CheckpointManager(str(tmp_path / "run"), options=options) as mgr:
+        for step in (1, 2):
+            mgr.save(step, args=ocp.args.StandardSave(tree), metrics={"loss": 1.0 / step}, custom_metadata={"epoch": step})
+    ckpt.import_orbax(str(tmp_path / "run"), str(tmp_path / "imported"))
+    for step in (1, 2):
+        user = ckpt.metadata(str(tmp_path / "imported" / str(step))).user_metadata
+        assert user["epoch"] == step and user["metrics"] == {"loss": 1.0 / step}
+    ckpt.save(str(tmp_path / "native"), tree, metadata={"note": "kept", "epoch": 7})
+    ckpt.export(str(tmp_path / "native"), str(tmp_path / "exported"), format="orbax")
+    ckpt.import_orbax(str(tmp_path / "exported"), str(tmp_path / "back"))
+    user = ckpt.metadata(str(tmp_path / "back")).user_metadata
+    assert user["note"] == "kept" and user["epoch"] == 7 and user["exported_from"]["format"] == "checkpointer"
+
+
+def test_an_orbax_checkpoint_without_arrays_imports(tmp_path):
+    # Orbax writes no OCDBT database when no leaf is an array (empty nodes, None, strings):
+    # the import required manifest.ocdbt and called the healthy checkpoint unfinished.
+    tree = {"config": {"name": "run-1", "opt": None}, "empty": {}, "layers": []}
+    with ocp.PyTreeCheckpointer() as c:
+        c.save(str(tmp_path / "orbax"), tree)
+    assert not (tmp_path / "orbax" / "manifest.ocdbt").exists()
+    ckpt.import_orbax(str(tmp_path / "orbax"), str(tmp_path / "1"))
+    assert ckpt.restore(str(tmp_path / "1"), {"config": {"name": "", "opt": None}, "empty": {}, "layers": []}) == tree
+
+
+def test_an_import_into_the_orbax_checkpoint_itself_is_refused(tmp_path):
+    # Accepted: the checkpoint was written inside the Orbax step 1 (or item folder), which
+    # Orbax's retention deletes with the step, and which changed an Orbax checkpoint.
+    run, one = tmp_path / "run", tmp_path / "one"
+    with ocp.CheckpointManager(str(run)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, args=ocp.args.StandardSave({"w": np.full(2, step, np.float32)}))
+    with ocp.PyTreeCheckpointer() as c:
+        c.save(str(one), {"w": np.ones(2)})
+    for src, dst in [(run, run / "1" / "ckpt"), (run / "2", run / "2" / "ckpt"), (one, one / "ckpt")]:
+        with pytest.raises(ckpt.CheckpointExistsError, match=f"{dst} is inside the Orbax checkpoint .*nothing was written"):
+            ckpt.import_orbax(str(src), str(dst))
+        assert not dst.exists()
+    ckpt.import_orbax(str(run), str(run / "imported"))  # beside the steps: Orbax lists only its steps
+    assert sorted(p.name for p in (run / "imported").iterdir()) == ["1", "2"]
+    assert ocp.CheckpointManager(str(run)).all_steps() == [1, 2]
+
+
+def test_a_sharding_entry_that_is_not_a_string_is_an_unreadable_sharding_not_a_type_error(tmp_path, caplog):
+    # `_sharding` maps base64(param) -> a JSON *string*; an entry of another JSON type (a
+    # damaged file) raised TypeError ('int' object is not subscriptable) from the warning
+    # meant for unreadable shardings, which otherwise fall back to "other" and import.
+    src = tmp_path / "orbax"
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=True)).save(
+        str(src), args=ocp.args.PyTreeSave({"w": jnp.arange(6.0)}))
+    (src / "_sharding").write_text(json.dumps({"dw==": 5}))  # base64("w")
+    with caplog.at_level("WARNING", logger="checkpointer"):
+        ckpt.import_orbax(str(src), str(tmp_path / "1"))
+    assert "unreadable Orbax sharding 5" in caplog.text
+    assert np.array_equal(ckpt.restore(str(tmp_path / "1"))["w"], np.arange(6.0))

@@ -161,3 +161,20 @@ def test_import_zarr_alone_finds_the_data_types_through_the_entry_points(tmp_pat
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["bfloat16 int4 [-2.0, -1.75, -1.5] [-8, -7, -6]", "False False"], out.stdout
+
+
+def test_a_hex_fill_value_wider_than_the_type_is_refused_as_an_invalid_fill_value(tmp_path):
+    # zarr.json's "fill_value": "0x1ffff" for bfloat16 (2 bytes) raised OverflowError ("int
+    # too big to convert") from int.to_bytes, where every other bad fill value is zarr's
+    # TypeError naming the value and the type.
+    path = tmp_path / "a"
+    zarr.create_array(str(path), shape=(2,), dtype=np.dtype(ml_dtypes.bfloat16))
+    meta = json.loads((path / "zarr.json").read_text())
+    for fill, name in [("0x1ffff", "bfloat16"), ("0x100", "float8_e4m3fn")]:
+        meta.update(fill_value=fill, data_type=name)
+        (path / "zarr.json").write_text(json.dumps(meta))
+        with pytest.raises(TypeError, match=f"{fill}.*{name}"):
+            zarr.open_array(str(path), mode="r")
+    meta.update(fill_value="0x7fc0", data_type="bfloat16")  # the bits of NaN: fine
+    (path / "zarr.json").write_text(json.dumps(meta))
+    assert np.isnan(float(zarr.open_array(str(path), mode="r").fill_value))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 from .. import _format
 from ._inputs import _metadata
 from ._ui import _UI, PROG
@@ -51,6 +53,15 @@ def _cmd_import_orbax(args, ui: _UI) -> int:
     return 0
 
 
+def _default_out(path: str, suffix: str) -> str:
+    """`<path><suffix>` beside the checkpoint (or run): for a local path, from its normalized
+    absolute form, so that `.` or `7/` name `../7.orbax`, never `..orbax` inside it."""
+    base = path.rstrip("/")
+    if "://" not in path:
+        base = os.path.normpath(os.path.abspath(path))
+    return f"{base}{suffix}"
+
+
 def _cmd_export(args, ui: _UI) -> int:
     from .._tools import export
 
@@ -59,8 +70,7 @@ def _cmd_export(args, ui: _UI) -> int:
     _metadata(args.path)  # the directory hint when PATH is a directory of steps
     out = args.output
     if out is None:
-        base = args.path.rstrip("/")
-        out = f"{base}.safetensors" if args.format == "safetensors" else f"{base}.npz"
+        out = _default_out(args.path, ".safetensors" if args.format == "safetensors" else ".npz")
     report = export(args.path, out, format=args.format, max_shard_bytes=args.max_shard_bytes, separator=args.separator,
                     upcast=args.upcast, overwrite=args.overwrite, leaves=args.leaves)
     if ui.json_mode:
@@ -85,7 +95,7 @@ def _export_orbax(args, ui: _UI) -> int:
     if given:
         raise ValueError(f"{', '.join(given)} do(es) not apply to --format orbax: Orbax gets every leaf, named by its "
                          "keys joined with '.'")
-    out = args.output if args.output is not None else f"{args.path.rstrip('/')}.orbax"
+    out = args.output if args.output is not None else _default_out(args.path, ".orbax")
     with warnings.catch_warnings():  # the dropped state is printed below
         warnings.simplefilter("ignore", UserWarning)
         report = export(args.path, out, format="orbax", overwrite=args.overwrite)

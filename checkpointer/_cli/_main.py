@@ -26,7 +26,8 @@ from ._ui import _UI, PROG, _quiet_library_logs
 
 
 def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
+    # The notes too: what the failed operation left behind (an unfinished export removed).
+    text = " ".join(" ".join([str(e), *(n for n in getattr(e, "__notes__", ()) if isinstance(n, str))]).split())
     if isinstance(e, (CheckpointError, UsageError)):
         return text or type(e).__name__
     if isinstance(e, OSError):

@@ -68,6 +68,8 @@ class KvStorage(Storage):
         return self._root if self._root.endswith("://") else self._root.rstrip("/")
 
     def _key(self, path: str) -> str:
+        if path == self.root and not self._root.endswith("://"):
+            return ""  # the bucket itself (`s3://b`, the parent of `s3://b/run`)
         if not path.startswith(self._root):
             raise CheckpointError(f"{path} is not under {self._root}")
         return path[len(self._root) :].lstrip("/")

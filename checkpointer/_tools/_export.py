@@ -43,9 +43,9 @@ from typing import IO
 import ml_dtypes
 import numpy as np
 
-from .. import _encoding
+from .. import _commit, _encoding
 from .._errors import CheckpointExistsError, StructureMismatchError, UnsupportedValueError, leaf_name
-from .._format import ArrayMetadata, Box, CheckpointMetadata, load_json, read_metadata, row_slabs
+from .._format import ArrayMetadata, Box, CheckpointMetadata, is_step_name, load_json, read_metadata, row_slabs
 from .._storage import Storage, storage_for
 from ._orbax_export import export_orbax
 
@@ -380,6 +380,23 @@ def _write_npz(
     return [out_file], {name: out_file for name, _, _ in items}
 
 
+def _check_not_named_like_a_step(path: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Refuses an output folder named like a step (`500`) in a directory holding committed
+    steps: without a commit marker it is no checkpoint, gc removes it once it stayed
+    unchanged for an hour, and a save of that step would collide with it. An `out` that
+    is the source `path` (or holds it) is left to the export's own refusal."""
+    storage, dst = storage_for(out)
+    dst = os.path.abspath(dst) if "://" not in dst else dst.rstrip("/")
+    src = storage_for(path)[1]
+    src = os.path.abspath(src) if "://" not in src else src.rstrip("/")
+    parent, _, name = dst.rpartition("/")
+    if parent and not (src == dst or src.startswith(dst + "/")) and is_step_name(name) and storage.is_folder(parent) and _commit.committed_folders(storage, parent):
+        raise CheckpointExistsError(
+            f"{dst} is named like a step of the run {parent}: no checkpoint (no commit marker), so gc removes it "
+            f"once it stayed unchanged for an hour, and a save of step {name} would collide with it; nothing was "
+            f"written. Name it {name}.orbax (or .safetensors), or export outside the run")
+
+
 def export(
     path: str | os.PathLike,
     out: str | os.PathLike,
@@ -424,7 +441,9 @@ def export(
         format reserves (safetensors' `__metadata__`); raised before a file is opened.
       StructureMismatchError: a glob of `leaves` matches no array leaf (names the
         top-level keys).
-      CheckpointExistsError: an output file exists and `overwrite` is False.
+      CheckpointExistsError: an output file exists and `overwrite` is False; `out` is a
+        folder named like a step (`500`) beside committed steps; orbax: `out` is `path`
+        or holds it, or lies inside the checkpoint or inside a step of the run.
       CorruptCheckpointError: stored bytes fail their checksums.
       ValueError: an option that does not apply to `format="orbax"`.
 
@@ -432,13 +451,17 @@ def export(
       UserWarning: `format="orbax"` left out per-process state (listed in `dropped`).
 
     On every failure the temporary files are removed: the output holds either every
-    file of the export or none of them (files that were there before stay).
+    file of the export or none of them (files that were there before stay; except a run
+    exported as Orbax with `overwrite=True`: a failure removes `out` whole, since the
+    earlier export there was already partly replaced).
 
     Host memory: one slab of one leaf (`SLAB_BYTES`, 64 MiB, or one row if larger).
     Multi-process: call from one process; it reads every leaf whole.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    if format != "npz":  # a folder
+        _check_not_named_like_a_step(path, out)
     if format == "orbax":
         given = [n for n, v, d in (("max_shard_bytes", max_shard_bytes, DEFAULT_MAX_SHARD_BYTES), ("separator", separator, "."),
                                    ("upcast", upcast, False), ("leaves", leaves, None)) if v != d]

@@ -75,6 +75,7 @@ ARRAY_METADATAS = "array_metadatas/process_0"
 TMP_INFIX = ".orbax-checkpoint-tmp-"
 STANDARD_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
 JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
+NAME_MAX = 255  # bytes of one file or folder name (ext4, xfs, APFS, NTFS): a param folder's name
 REGION_BYTES = 64 << 20  # the most bytes of one leaf in host memory; also the chunk size limit
 SEQUENCE, DICT = 1, 2  # orbax's tree metadata KeyType
 _CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
@@ -166,12 +167,36 @@ def _bad_param(param: str) -> str | None:
     parts = param.split("/")
     if any(p in ("", ".", "..") for p in parts):
         return "has an empty, '.' or '..' path component (a key with '/' makes folders)"
+    longest = max(len(p.encode()) for p in parts)
+    if longest > NAME_MAX:
+        return (f"is one folder name of {longest} bytes (Orbax joins the keys with '.'), longer than the {NAME_MAX} "
+                "bytes a file or folder name may have")
     if any(param == f or param.startswith(f + "/") for f in _ITEM_FILES):
         return "is the name of a file the Orbax checkpoint itself holds"
     return None
 
 
+def _writes_folder(e: _Entry) -> bool:
+    return isinstance(e.leaf, ArrayMetadata) or (
+        isinstance(e.leaf, ValueMetadata) and e.leaf.value is not None and not isinstance(e.leaf.value, str))
+
+
+def _in_files_of(param: str, ndims: dict[str, int]) -> str | None:
+    """The param (of `ndims`: param -> rank) whose zarr files `param`'s folder would land
+    on (`<q>/zarr.json`, a chunk `<q>/c/<i>/...`, or a scalar's one chunk `<q>/c`), or None.
+    The param '' (a top-level key '') is the item folder itself: its files are the item's."""
+    parts = param.split("/")
+    for i in range(len(parts)):
+        q, rest = "/".join(parts[:i]), parts[i:]
+        if q not in ndims:
+            continue
+        if rest[0] == "zarr.json" or (rest[0] == "c" and (ndims[q] == 0 or (len(rest) > 1 and rest[1].isdigit()))):
+            return q
+    return None
+
+
 def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> None:
+    ndims = {e.param: len(e.leaf.shape) if isinstance(e.leaf, ArrayMetadata) else 0 for e in entries if _writes_folder(e)}
     for e in entries:
         where = f"leaf {e.keystr or '(root)'} of {meta.path}"
         if not e.names:
@@ -179,9 +204,11 @@ def _check_exportable(meta: CheckpointMetadata, entries: Sequence[_Entry]) -> No
                 f"{meta.path} holds one leaf (or one empty node) as its whole tree; an Orbax PyTree checkpoint holds a "
                 "tree of named leaves. Save it as {'x': value} and export that"
             )
-        writes_folder = isinstance(e.leaf, ArrayMetadata) or (
-            isinstance(e.leaf, ValueMetadata) and e.leaf.value is not None and not isinstance(e.leaf.value, str))
+        writes_folder = _writes_folder(e)
         why = _bad_param(e.param) if writes_folder else None
+        owner = _in_files_of(e.param, ndims) if writes_folder and why is None else None
+        if owner is not None:
+            why = f"lies on the zarr files (zarr.json, chunks c/...) of the param {owner!r}"
         if why is not None:
             raise UnsupportedValueError(
                 f"{where} would be the Orbax param {e.param!r}, which {why}; nothing was written. Rename the key, "
@@ -239,11 +266,13 @@ def _zarr3_spec(storage: Storage, folder: str, shape: Sequence[int], dtype: np.d
     }
 
 
-def _write_array(storage: Storage, src: str, item: str, name: str, meta: ArrayMetadata) -> tuple[int, ...]:
-    """Copies one array leaf, region by region (whole chunks of the output); returns the chunk shape."""
+def _write_array(storage: Storage, src_storage: Storage, src: str, item: str, name: str,
+                 meta: ArrayMetadata) -> tuple[int, ...]:
+    """Copies one array leaf of `src` (read through `src_storage`) into `storage`, region by
+    region (whole chunks of the output); returns the chunk shape."""
     chunks = write_chunk_shape(meta.shape, meta.chunk_shape, meta.dtype.itemsize)
     store = ts.open(_zarr3_spec(storage, f"{item}/{name}", meta.shape, meta.dtype, chunks), context=_CONTEXT).result()
-    read = _encoding.region_reader(storage, src, meta)
+    read = _encoding.region_reader(src_storage, src, meta)
     whole = Box.whole(meta.shape)
     if not meta.shape:
         store.write(read(whole)).result()
@@ -281,9 +310,11 @@ def _sharding_json(meta: ArrayMetadata) -> str:
                        "device_mesh": {"mesh": devices(ids)}})
 
 
-def write_item(storage: Storage, src: str, meta: CheckpointMetadata, item: str) -> tuple[dict[str, str], int]:
-    """Writes the checkpoint at `src` (its metadata `meta`) as an Orbax PyTree item folder
-    `item` (created); returns (param name -> key string, bytes of array data)."""
+def write_item(storage: Storage, src_storage: Storage, src: str, meta: CheckpointMetadata,
+               item: str) -> tuple[dict[str, str], int]:
+    """Writes the checkpoint at `src` of `src_storage` (its metadata `meta`) as an Orbax
+    PyTree item folder `item` of `storage` (created); returns (param name -> key string,
+    bytes of array data)."""
     import base64
 
     entries = orbax_entries(meta)
@@ -310,7 +341,7 @@ def write_item(storage: Storage, src: str, meta: CheckpointMetadata, item: str) 
             value_meta = {"value_type": "scalar", "skip_deserialize": False}
         else:
             m = e.leaf
-            chunks = _write_array(storage, src, item, name, m)
+            chunks = _write_array(storage, src_storage, src, item, name, m)
             total += m.nbytes
             if m.kind == "numpy" and m.key_impl is None:
                 value_meta = {"value_type": "np.ndarray", "skip_deserialize": False}
@@ -398,19 +429,27 @@ class OrbaxExport:
     total_bytes: int
 
 
+def _remove(storage: Storage, path: str) -> None:
+    """Removes the folder or file at `path`, if any (what `overwrite` replaces)."""
+    if storage.is_folder(path):
+        storage.delete_tree(path)
+    elif storage.exists(path):
+        storage.delete_file(path)
+
+
 def _publish(storage: Storage, write: Callable[[str], None], final: str, overwrite: bool) -> None:
     """Runs `write(folder)` into a temporary folder renamed to `final` when complete (or,
     without rename, into `final` with `commit_success.txt` last); removes it on failure.
     An existing `final` (only with `overwrite`) is removed just before the rename."""
     folder = f"{final}{TMP_INFIX}{time.time_ns()}" if storage.supports_rename else final
-    if not storage.supports_rename and storage.is_folder(final):
-        storage.delete_tree(final)  # no rename: the old one goes first
+    if not storage.supports_rename:
+        _remove(storage, final)  # no rename: the old one goes first
     try:
         write(folder)
         storage.write_file(f"{folder}/{COMMIT_SUCCESS}", f"Checkpoint commit was successful to {final}".encode())  # last
         if storage.supports_rename:
-            if storage.is_folder(final) and overwrite:
-                storage.delete_tree(final)
+            if overwrite:
+                _remove(storage, final)
             storage.rename(folder, final)
     except BaseException:
         try:
@@ -428,7 +467,7 @@ def _export_one(storage: Storage, src: str, meta: CheckpointMetadata, out_storag
 
     def write(folder: str) -> None:
         item = f"{folder}/{ITEM}" if step_layout else folder
-        params, total = write_item(out_storage, src, meta, item)
+        params, total = write_item(out_storage, storage, src, meta, item)
         handlers: object = STANDARD_HANDLER
         if step_layout:
             handlers = {ITEM: STANDARD_HANDLER}
@@ -451,10 +490,12 @@ def _check_out(storage: Storage, out: str, overwrite: bool) -> None:
         raise CheckpointExistsError(f"{out} exists; pass --overwrite (overwrite=True) to replace it, or export elsewhere")
 
 
-def _check_apart(storage: Storage, src: str, out_storage: Storage, dst: str, one_checkpoint: bool) -> None:
+def _check_apart(storage: Storage, src: str, out_storage: Storage, dst: str, one_checkpoint: bool,
+                 steps: Sequence[str] = ()) -> None:
     """Refuses an `out` that is the source or a folder above it (replacing it would delete
-    the source once the export is written), and an `out` inside one checkpoint (it would
-    change a committed checkpoint)."""
+    the source once the export is written), and an `out` inside one checkpoint or inside
+    one of the run's step folders `steps` (it would change a committed checkpoint, and
+    retention would delete it with the step)."""
     if type(storage) is not type(out_storage):
         return
     local = "://" not in src
@@ -468,6 +509,13 @@ def _check_apart(storage: Storage, src: str, out_storage: Storage, dst: str, one
         raise CheckpointExistsError(
             f"{dst} is inside the checkpoint {src}: the export would change a committed checkpoint; nothing was "
             "written. Export to a folder outside it")
+    if not one_checkpoint and b.startswith(a.rstrip(sep) + sep):
+        first = b[len(a.rstrip(sep)) + 1:].split(sep, 1)[0]
+        if first in steps:
+            raise CheckpointExistsError(
+                f"{dst} is inside the step {src.rstrip('/')}/{first} of {src}: the export would change a committed "
+                "checkpoint, and retention would delete it with the step; nothing was written. Export beside the "
+                f"steps ({src.rstrip('/')}/orbax) or outside the run")
 
 
 def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False) -> OrbaxExport:
@@ -479,7 +527,7 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
         committed steps.
       CheckpointExistsError: `out` exists and `overwrite` is False; `out` is `path` or a
         folder above it (even with `overwrite`: it would delete the source), or inside
-        the one checkpoint `path`.
+        the one checkpoint `path` or one of the steps of the run `path`.
       UnsupportedValueError: a leaf Orbax cannot hold, or two leaves with one Orbax name
         (names them); raised before anything is written.
       CorruptCheckpointError: a process record is missing (before anything is written).
@@ -507,29 +555,44 @@ def export_orbax(path: str | os.PathLike, out: str | os.PathLike, *, overwrite: 
     metas = {s: read_metadata(storage, f"{src}/{f}") for s, f in sorted(folders.items())}
     for m in metas.values():
         _check_exportable(m, orbax_entries(m))
-    _check_apart(storage, src, out_storage, dst, one_checkpoint=False)
+    _check_apart(storage, src, out_storage, dst, one_checkpoint=False,
+                 steps=(*folders.values(), *map(str, folders)))
     _check_out(out_storage, dst, overwrite)
     all_dropped = [line for s, m in metas.items() for line in dropped_state(storage, f"{src}/{folders[s]}", m)]
+    if not out_storage.is_folder(dst):
+        _remove(out_storage, dst)  # a file there (overwrite: _check_out refused it otherwise)
     out_storage.makedirs(dst)
-    # overwrite: steps the source does not have would read as part of the run, and the files
-    # of an earlier one-checkpoint export there as a checkpoint of their own; the steps
-    # exported again are replaced one by one below.
-    stale = [n for n in out_storage.list_dir(dst) if not (n.isdigit() and int(n) in metas)]
-    for name in stale:
-        path = f"{dst}/{name}"
-        if out_storage.is_folder(path):
-            out_storage.delete_tree(path)
-        else:
-            out_storage.delete_file(path)
     all_params: dict[str, str] = {}
     total = 0
-    for s, m in metas.items():
-        step_src = f"{src}/{folders[s]}"
-        params, n = _export_one(storage, step_src, m, out_storage, f"{dst}/{s}", step_layout=True, overwrite=overwrite)
-        all_params.update(params)
-        total += n
+    try:
+        # overwrite: steps the source does not have would read as part of the run, and the files
+        # of an earlier one-checkpoint export there as a checkpoint of their own; the steps
+        # exported again are replaced one by one below.
+        stale = [n for n in out_storage.list_dir(dst) if not (n.isdigit() and int(n) in metas)]
+        for name in stale:
+            _remove(out_storage, f"{dst}/{name}")
+        for s, m in metas.items():
+            step_src = f"{src}/{folders[s]}"
+            params, n = _export_one(storage, step_src, m, out_storage, f"{dst}/{s}", step_layout=True, overwrite=overwrite)
+            all_params.update(params)
+            total += n
+    except BaseException as e:
+        # The steps published so far are complete Orbax steps: left there, Orbax would list
+        # a shorter run (or, over an earlier export, a mix of new and old steps) as complete.
+        _remove_unfinished_run(out_storage, dst, e)
+        raise
     _warn(all_dropped)
     return OrbaxExport(dst, tuple(metas), all_params, tuple(all_dropped), total)
+
+
+def _remove_unfinished_run(storage: Storage, dst: str, error: BaseException) -> None:
+    try:
+        storage.delete_tree(dst)
+    except OSError as e:
+        log.warning("could not remove the unfinished Orbax export %s: %s", dst, e)
+        error.add_note(f"the unfinished Orbax export {dst} could not be removed ({e}); delete it before using it")
+        return
+    error.add_note(f"the unfinished Orbax export {dst} was removed (it held only some of the steps); export again")
 
 
 def _warn(dropped: Sequence[str]) -> None:

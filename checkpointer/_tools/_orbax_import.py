@@ -63,9 +63,18 @@ RANDOM_KEY_IMPL = "random_key_impl"
 _EMPTY: dict[str, Callable[[], object]] = {"None": lambda: None, "Dict": dict, "List": list, "Tuple": tuple, "NamedTuple": tuple}
 _ARRAY_TYPES = ("jax.Array", "np.ndarray", "scalar")
 _ARRAY_KINDS = {"jax.Array": "jax", "np.ndarray": "numpy"}  # `ArraySource.kind` of a sharded array
+# The most keys in one leaf's key path: jax's tree functions (and the nesting below) recurse
+# per level, and a tree ~500 levels deep exceeds Python's default recursion limit of 1000
+# in ckpt.save itself (and in Orbax's save): deeper is a corrupt _METADATA.
+MAX_KEY_DEPTH = 400
 
-# Data chunks are never cached (each is read once); OCDBT's b-tree nodes are, a little.
-_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 8 << 20}})
+
+def _context() -> ts.Context:
+    """A new TensorStore context for one item: data chunks are never cached (each is read
+    once); OCDBT's b-tree nodes are, a little. Not one for the whole process: its OCDBT
+    cache would keep a checkpoint's manifest after Orbax saved another at the same path
+    (a new database), and the next import would fail with "Configuration mismatch"."""
+    return ts.Context({"cache_pool": {"total_bytes_limit": 0}, "cache_pool#ocdbt": {"total_bytes_limit": 8 << 20}})
 
 
 def find_item(storage: Storage, src: str) -> str:
@@ -130,6 +139,8 @@ def _saved_sharding(raw: str | None, shape: tuple[int, ...]) -> tuple[SavedShard
     if raw is None:
         return None, shape
     try:
+        if not isinstance(raw, str):  # a damaged _sharding: Orbax writes JSON strings
+            raise TypeError(f"a JSON {type(raw).__name__}, not a string")
         obj = load_json(raw, what="an Orbax sharding description")
         kind = obj.get("sharding_type")
         if kind == "NamedSharding":
@@ -146,7 +157,7 @@ def _saved_sharding(raw: str | None, shape: tuple[int, ...]) -> tuple[SavedShard
         if kind == "SingleDeviceSharding":
             return SavedSharding("single_device", (), (), (), shape, 1), shape
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        log.warning("unreadable Orbax sharding %r: %s", raw[:200], e)
+        log.warning("unreadable Orbax sharding %s: %s", repr(raw)[:200], e)
     return SavedSharding("other", (), (), (), shape, 1), shape
 
 
@@ -228,7 +239,8 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
       without a target; array leaves are `ArraySource`s that read through TensorStore.
     Raises:
       CheckpointNotFoundError: no Orbax checkpoint at `src`.
-      UnsupportedValueError: a leaf written by a custom Orbax TypeHandler (names it).
+      UnsupportedValueError: a leaf written by a custom Orbax TypeHandler, or a key path
+        deeper than `MAX_KEY_DEPTH` keys (names it).
       CorruptCheckpointError: the metadata or an array cannot be read.
     """
     storage, src = storage_for(src)
@@ -237,11 +249,15 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
     if not isinstance(meta.get("tree_metadata"), dict):
         raise CorruptCheckpointError(f"{item}/{METADATA_FILE} has no tree_metadata object")
     use_ocdbt, use_zarr3 = bool(meta.get("use_ocdbt", False)), bool(meta.get("use_zarr3", False))
-    if use_ocdbt and not storage.exists(f"{item}/manifest.ocdbt"):
+    needs_arrays = any(isinstance(e, dict) and isinstance(e.get("value_metadata"), dict)
+                       and e["value_metadata"].get("value_type") in _ARRAY_TYPES for e in meta["tree_metadata"].values())
+    # Orbax writes no OCDBT database when no leaf is an array (empty nodes, None, strings).
+    if use_ocdbt and needs_arrays and not storage.exists(f"{item}/manifest.ocdbt"):
         raise CorruptCheckpointError(
             f"{item} says use_ocdbt but has no manifest.ocdbt (an unfinished save, or per-process OCDBT databases "
             "that were never merged); restore it with Orbax and save it with ckpt.save"
         )
+    context = _context()
     shardings = _read_json_object(storage, f"{item}/{SHARDING_FILE}", required=False)
     strings = _read_json_object(storage, f"{item}/{STRINGS_FILE}", required=False)
     impls = _key_impls(storage, item)
@@ -250,6 +266,11 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
     entries = []
     for entry in meta["tree_metadata"].values():
         keys = _keys(entry, f"{item}/{METADATA_FILE}")
+        if len(keys) > MAX_KEY_DEPTH:
+            raise UnsupportedValueError(
+                f"{item}/{METADATA_FILE}: the leaf {''.join(f'[{k!r}]' for k in keys[:3])}... is {len(keys)} keys deep; "
+                f"this import takes at most {MAX_KEY_DEPTH} (jax's tree functions, and ckpt.save, recurse per level); "
+                "nothing was written. A _METADATA this deep is likely damaged: check it, or restore with Orbax")
         value_meta = entry.get("value_metadata") or {}
         if not isinstance(value_meta, dict):
             raise CorruptCheckpointError(f"{item}/{METADATA_FILE}: the value_metadata of {keys} is not an object")
@@ -276,7 +297,7 @@ def orbax_tree(src: str | os.PathLike) -> OrbaxItem:
             flat.append((keys, str(strings[name])))
         elif value_type in _ARRAY_TYPES:
             try:
-                store = ts.open(_array_spec(storage, item, name, use_ocdbt, use_zarr3), context=_CONTEXT, read=True).result()
+                store = ts.open(_array_spec(storage, item, name, use_ocdbt, use_zarr3), context=context, read=True).result()
             except Exception as e:
                 raise CorruptCheckpointError(f"{item}: cannot open the array of leaf {key_str} ({name}): {e}") from e
             shape = tuple(int(s) for s in store.shape)

@@ -88,6 +88,11 @@ class ImportReport:
     resumed: tuple[int, ...] = ()
 
 
+# Where Orbax's custom_metadata goes when it is not an object, or for its keys that the
+# import's own keys (imported_from, orbax_items, metrics) would replace.
+ORBAX_CUSTOM_METADATA = "orbax_custom_metadata"
+
+
 def _json_file(storage: Storage, path: str) -> object:
     return read_json(storage, path)
 
@@ -197,10 +202,30 @@ def _read_step(storage: Storage, src: str) -> tuple[object, dict, dict, dict, tu
     return tree, dict(sorted(became.items())), json_items, placeholders, tuple(prng), metrics
 
 
+def _custom_metadata(storage: Storage, src: str) -> object:
+    """The `custom_metadata` of the step's (or checkpoint's) `_CHECKPOINT_METADATA`: what
+    `save(..., custom_metadata=)` of Orbax's Checkpointer or CheckpointManager stored (and
+    this library's export of `save(metadata=)`); None if absent."""
+    path = f"{src}/{CHECKPOINT_METADATA}"
+    meta = _json_file(storage, path) if storage.exists(path) else {}
+    return meta.get("custom_metadata") if isinstance(meta, dict) else None
+
+
 def _import_one(storage: Storage, src: str, dst: str, step: int | None, overwrite: bool) -> ImportReport:
     t0 = time.perf_counter()
     tree, items, json_items, placeholders, prng, metrics = _read_step(storage, src)
-    user: dict = {"imported_from": {"format": "orbax", "path": src, "items": items, "placeholders": placeholders}}
+    user: dict = {}
+    custom = _custom_metadata(storage, src)
+    if isinstance(custom, dict):  # the user's own keys, as save(metadata=) stores them
+        user.update({str(k): v for k, v in custom.items()})
+    elif custom is not None:
+        user[ORBAX_CUSTOM_METADATA] = custom
+    # The import's own keys win; a custom value under one of them is kept aside.
+    clashes = {k: user.pop(k) for k in ("imported_from", "orbax_items", "metrics", ORBAX_CUSTOM_METADATA)
+               if k in user and isinstance(custom, dict)}
+    if clashes:
+        user[ORBAX_CUSTOM_METADATA] = clashes
+    user["imported_from"] = {"format": "orbax", "path": src, "items": items, "placeholders": placeholders}
     if json_items:
         user["orbax_items"] = json_items
     stored_metrics = metrics_json(metrics, dst) if metrics else {}
@@ -273,6 +298,28 @@ def _import_run(storage: Storage, src: str, dst: str, steps: list[tuple[int, str
         time.perf_counter() - t0, tuple(done), tuple(resumed))
 
 
+def _check_outside(storage: Storage, src: str, dst: str | os.PathLike, steps: list[str] | None) -> None:
+    """Refuses a `dst` inside the Orbax checkpoint `src` (`steps` None), or inside one of the
+    step folders `steps` of the Orbax run `src`: it would change an Orbax checkpoint, and
+    Orbax's retention would delete it with the step. Beside a run's steps is fine."""
+    dst_storage, dst_path = storage_for(dst)
+    if type(dst_storage) is not type(storage):
+        return
+    local = "://" not in src
+    a, b = (os.path.realpath(src), os.path.realpath(dst_path)) if local else (src.rstrip("/"), dst_path.rstrip("/"))
+    sep = os.sep if local else "/"
+    if not b.startswith(a.rstrip(sep) + sep):
+        return
+    inside = src if steps is None else None
+    if steps is not None:
+        first = b[len(a.rstrip(sep)) + 1:].split(sep, 1)[0]
+        inside = f"{src.rstrip('/')}/{first}" if first in steps else None
+    if inside is not None:
+        raise CheckpointExistsError(
+            f"{dst_path} is inside the Orbax checkpoint {inside}: the import would change it, and Orbax's retention "
+            "would delete the import with it; nothing was written. Import into a folder outside it")
+
+
 def import_orbax(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -306,7 +353,9 @@ def import_orbax(
       dst: the checkpoint path to write (a last component that is an integer is
         recorded as the step); for a manager directory, the directory that receives
         `dst/<step>` for every step. `user_metadata["imported_from"]` records the
-        Orbax folder, what each item became and the placeholders.
+        Orbax folder, what each item became and the placeholders; the keys of Orbax's
+        `custom_metadata` (`_CHECKPOINT_METADATA`) are user metadata keys (those named
+        `imported_from`, `orbax_items`, `metrics` in `user_metadata["orbax_custom_metadata"]`).
       overwrite: replace committed checkpoints at `dst`. Without it a directory
         import resumes: steps already imported from the same Orbax step are kept.
       progress: a directory import calls `progress(steps_done, steps_total, step)`
@@ -318,7 +367,8 @@ def import_orbax(
       UnsupportedValueError: a leaf written by a custom Orbax TypeHandler, an item of
         another handler, or a dtype the format cannot hold (names it).
       CheckpointExistsError: `dst` (or a step in it not imported from `src`) is
-        committed and `overwrite` is False.
+        committed and `overwrite` is False; `dst` is inside the Orbax checkpoint `src`
+        or inside one step folder of the Orbax run `src`.
       CorruptCheckpointError: the Orbax metadata or an array cannot be read.
       SaveError: writing failed; nothing was committed for that step.
 
@@ -329,7 +379,10 @@ def import_orbax(
     if not storage.exists(f"{src}/{METADATA_FILE}") and not _is_step(storage, src):
         steps = orbax_steps(storage, src) if storage.is_folder(src) else []
         if steps:
+            _check_outside(storage, src, dst, [os.path.basename(folder) for _, folder in steps])
             return _import_run(storage, src, os.fspath(dst), steps, overwrite, progress)
+    else:  # an item or step folder (anything else is refused below as not an Orbax checkpoint)
+        _check_outside(storage, src, dst, None)
     name = os.fspath(dst).rstrip("/").rsplit("/", 1)[-1]
     step = int(name) if name.isascii() and name.isdigit() else None
     return _import_one(storage, src, os.fspath(dst), step, overwrite)
