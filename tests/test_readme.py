@@ -16,6 +16,9 @@ def test_the_readmes_python_examples_run_as_written(tmp_path):
     blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
     assert len(blocks) >= 2, "the quick start and the manager loop"
     code = "\n".join(blocks).replace('"/tmp/', f'"{tmp_path}/')
+    # The manager's restore is of the newest step, 200: w after train_step of step 200 (the
+    # saves are asynchronous, so without a wait the restore could find step 100 newest).
+    code += '\nassert float(state["w"][0, 0]) == 202.0, float(state["w"][0, 0])\n'
     assert "/tmp/" not in code.replace(str(tmp_path), "")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
