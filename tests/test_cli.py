@@ -469,3 +469,13 @@ def test_plan_save_shows_each_process_writing_its_share(tmp_path, capsys):
     assert code == 0 and err == "" and "1.000x the mean" in out
     code, out, err = run(capsys, "plan-save", tmp_path / "1", "--mesh", "4x2", "--processes", "3")
     assert_one_line_error(code, out, err, 2, "--processes 3 must divide the mesh's 8 devices")
+
+
+def test_python_dash_m_checkpointer_is_the_command_line(run_dir):
+    """A new user's first guess, `python -m checkpointer`, runs the command line (it was
+    'No module named checkpointer.__main__')."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    ok = subprocess.run([sys.executable, "-m", "checkpointer", "inspect", f"{run_dir}/3", "--json"],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["step"] == 3
