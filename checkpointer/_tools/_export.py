@@ -48,6 +48,7 @@ from .._errors import CheckpointExistsError, StructureMismatchError, Unsupported
 from .._format import ArrayMetadata, Box, CheckpointMetadata, is_step_name, load_json, read_metadata, row_slabs
 from .._storage import Storage, storage_for
 from ._orbax_export import export_orbax
+from ._orbax_import import below, resolved
 
 DEFAULT_MAX_SHARD_BYTES = 5 << 30  # Hugging Face's default max_shard_size ("5GB")
 SLAB_BYTES = 64 << 20
@@ -386,11 +387,9 @@ def _check_not_named_like_a_step(path: str | os.PathLike, out: str | os.PathLike
     unchanged for an hour, and a save of that step would collide with it. An `out` that
     is the source `path` (or holds it) is left to the export's own refusal."""
     storage, dst = storage_for(out)
-    dst = os.path.abspath(dst) if "://" not in dst else dst.rstrip("/")
     src = storage_for(path)[1]
-    src = os.path.abspath(src) if "://" not in src else src.rstrip("/")
-    parent, _, name = dst.rpartition("/")
-    if parent and not (src == dst or src.startswith(dst + "/")) and is_step_name(name) and storage.is_folder(parent) and _commit.committed_folders(storage, parent):
+    parent, _, name = resolved(dst).rpartition("/")
+    if parent and not (resolved(src) == resolved(dst) or below(dst, src) is not None) and is_step_name(name) and storage.is_folder(parent) and _commit.committed_folders(storage, parent):
         raise CheckpointExistsError(
             f"{dst} is named like a step of the run {parent}: no checkpoint (no commit marker), so gc removes it "
             f"once it stayed unchanged for an hour, and a save of step {name} would collide with it; nothing was "

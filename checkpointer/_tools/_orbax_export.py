@@ -60,7 +60,7 @@ from .._format import (
     zarr_supports_dtype,
 )
 from .._storage import Storage, storage_for
-from ._orbax_import import read_json
+from ._orbax_import import below, read_json, resolved
 
 log = logging.getLogger("checkpointer")
 
@@ -498,19 +498,17 @@ def _check_apart(storage: Storage, src: str, out_storage: Storage, dst: str, one
     retention would delete it with the step)."""
     if type(storage) is not type(out_storage):
         return
-    local = "://" not in src
-    a, b = (os.path.realpath(src), os.path.realpath(dst)) if local else (src.rstrip("/"), dst.rstrip("/"))
-    sep = os.sep if local else "/"
-    if a == b or a.startswith(b.rstrip(sep) + sep):
+    if resolved(src) == resolved(dst) or below(dst, src) is not None:
         raise CheckpointExistsError(
             f"{dst} is the source {src} or a folder that holds it: writing the Orbax export there would delete the "
             "source; nothing was written. Export to a folder outside it")
-    if one_checkpoint and b.startswith(a.rstrip(sep) + sep):
+    inside = below(src, dst)
+    if one_checkpoint and inside is not None:
         raise CheckpointExistsError(
             f"{dst} is inside the checkpoint {src}: the export would change a committed checkpoint; nothing was "
             "written. Export to a folder outside it")
-    if not one_checkpoint and b.startswith(a.rstrip(sep) + sep):
-        first = b[len(a.rstrip(sep)) + 1:].split(sep, 1)[0]
+    if not one_checkpoint and inside is not None:
+        first = inside.split("/", 1)[0]
         if first in steps:
             raise CheckpointExistsError(
                 f"{dst} is inside the step {src.rstrip('/')}/{first} of {src}: the export would change a committed "

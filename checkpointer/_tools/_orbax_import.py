@@ -99,6 +99,22 @@ def find_item(storage: Storage, src: str) -> str:
     )
 
 
+def resolved(path: str) -> str:
+    """`path` as compared for containment: a local path resolved (`realpath`), a URL
+    without its trailing '/'."""
+    return os.path.realpath(path) if "://" not in path else path.rstrip("/")
+
+
+def below(top: str, path: str) -> str | None:
+    """`path` relative to the folder `top` ('/'-separated) when it lies strictly inside
+    it, else None (`resolved` paths: the export's and the import's refusals of an output
+    inside their source)."""
+    a, b = resolved(top), resolved(path)
+    sep = os.sep if "://" not in top else "/"
+    head = a.rstrip(sep) + sep
+    return b[len(head):].replace(sep, "/") if b.startswith(head) else None
+
+
 def read_json(storage: Storage, path: str) -> object:
     """The JSON of the Orbax file at `path`, through the library's bounded parser.
 

@@ -37,7 +37,7 @@ from .._errors import CheckpointExistsError, CheckpointNotFoundError, CorruptChe
 from .._format import metrics_json, read_metadata
 from .._save import ArraySource, save_leaf_by_leaf
 from .._storage import Storage, storage_for
-from ._orbax_import import METADATA_FILE, OrbaxItem, orbax_tree, read_json
+from ._orbax_import import METADATA_FILE, OrbaxItem, below, orbax_tree, read_json
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"
 COMMIT_SUCCESS = "commit_success.txt"
@@ -305,14 +305,12 @@ def _check_outside(storage: Storage, src: str, dst: str | os.PathLike, steps: li
     dst_storage, dst_path = storage_for(dst)
     if type(dst_storage) is not type(storage):
         return
-    local = "://" not in src
-    a, b = (os.path.realpath(src), os.path.realpath(dst_path)) if local else (src.rstrip("/"), dst_path.rstrip("/"))
-    sep = os.sep if local else "/"
-    if not b.startswith(a.rstrip(sep) + sep):
+    rel = below(src, dst_path)
+    if rel is None:
         return
     inside = src if steps is None else None
     if steps is not None:
-        first = b[len(a.rstrip(sep)) + 1:].split(sep, 1)[0]
+        first = rel.split("/", 1)[0]
         inside = f"{src.rstrip('/')}/{first}" if first in steps else None
     if inside is not None:
         raise CheckpointExistsError(
